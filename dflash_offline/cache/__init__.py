@@ -1,0 +1,1 @@
+"""The hidden-state cache (cache-contract.md): manifest, shard writer, reader."""

@@ -1,0 +1,157 @@
+"""Where a cache lives: a local folder (/dev/shm, NVMe, a shared file system) or an fsspec URL.
+
+Everything the writer and the manifest need from storage goes through `Location`, so the commit
+protocol (write under a temporary name, rename, replace the manifest atomically) is written once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+
+def is_url(path: str) -> bool:
+    return "://" in str(path) and not str(path).startswith("file://")
+
+
+class Location:
+    def __init__(self, root: str):
+        root = str(root)
+        if root.startswith("file://"):
+            root = root[len("file://"):]
+        self.root = root
+        self.remote = is_url(root)
+        if self.remote:
+            import fsspec
+
+            self.fs, self._base = fsspec.core.url_to_fs(root)
+        else:
+            self.fs, self._base = None, str(Path(root).absolute())
+
+    # -- paths ------------------------------------------------------------------------------
+    def path(self, rel: str = "") -> str:
+        return f"{self._base.rstrip('/')}/{rel}" if rel else self._base
+
+    def url(self, rel: str = "") -> str:
+        """A string zarr/fsspec can open (protocol kept for remote locations)."""
+        if not self.remote:
+            return self.path(rel)
+        return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
+
+    # -- queries ----------------------------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.path(rel)) if self.remote else os.path.exists(self.path(rel))
+
+    def listdir(self, rel: str) -> list[str]:
+        if not self.exists(rel):
+            return []
+        if self.remote:
+            return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path(rel), detail=False))
+        return sorted(os.listdir(self.path(rel)))
+
+    def read_text(self, rel: str) -> str | None:
+        try:
+            if self.remote:
+                return self.fs.cat_file(self.path(rel)).decode()
+            with open(self.path(rel), encoding="utf-8") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def du(self, rel: str) -> int:
+        if self.remote:
+            return int(self.fs.du(self.path(rel)))
+        total = 0
+        for dirpath, _, names in os.walk(self.path(rel)):
+            for n in names:
+                total += os.path.getsize(os.path.join(dirpath, n))
+        return total
+
+    def free_bytes(self) -> int | None:
+        """Free space where the cache will grow, or None when storage cannot say (URLs)."""
+        if self.remote:
+            return None
+        p = Path(self.path())
+        while not p.exists():
+            p = p.parent
+        return shutil.disk_usage(p).free
+
+    # -- mutations --------------------------------------------------------------------------
+    def makedirs(self, rel: str) -> None:
+        if self.remote:
+            self.fs.makedirs(self.path(rel), exist_ok=True)
+        else:
+            os.makedirs(self.path(rel), exist_ok=True)
+
+    def rmtree(self, rel: str) -> None:
+        if self.remote:
+            if self.fs.exists(self.path(rel)):
+                self.fs.rm(self.path(rel), recursive=True)
+        else:
+            shutil.rmtree(self.path(rel), ignore_errors=True)
+
+    def rename(self, src: str, dst: str) -> None:
+        if self.remote:
+            self.fs.mv(self.path(src), self.path(dst), recursive=True)
+        else:
+            os.rename(self.path(src), self.path(dst))
+            _fsync_dir(os.path.dirname(self.path(dst)))
+
+    def write_json_atomic(self, rel: str, obj: dict) -> None:
+        """Write `rel` so that readers see the old or the new content, never a mix."""
+        data = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
+        if self.remote:
+            # Object stores replace a whole object in one PUT.
+            self.fs.pipe_file(self.path(rel), data)
+            return
+        final = self.path(rel)
+        tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        from ..runtime import fault_point
+
+        fault_point("manifest-tmp-written")
+        os.replace(tmp, final)
+        _fsync_dir(os.path.dirname(final))
+
+    @contextlib.contextmanager
+    def lock(self, rel: str = ".manifest.lock"):
+        """Exclusive lock around read-modify-replace of the manifest.
+
+        Local and shared file systems: `fcntl.flock`, which the kernel drops when the holder dies,
+        so a SIGKILLed worker never leaves a stale lock. URLs: no portable lock exists; the caller
+        runs one writer per URL (see `extract.launch`).
+        """
+        if self.remote:
+            yield
+            return
+        import fcntl
+
+        self.makedirs("")
+        fd = os.open(self.path(rel), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    # A rename is durable only once the directory entry is on storage (power loss, not SIGKILL).
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,112 @@
+"""`dflash-offline`: the command line. Imports stay light here; each command imports its stage
+only after its process log is open."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .runtime import UserError
+
+
+def _given(ctx: click.Context, **values) -> dict:
+    """Only the options the user typed (so a --config recipe is not overridden by defaults)."""
+    out = {}
+    for name, value in values.items():
+        src = ctx.get_parameter_source(name)
+        if src is not None and src.name not in ("DEFAULT", "DEFAULT_MAP"):
+            out[name] = value
+    return out
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="dflash-offline")
+def main() -> None:
+    """Train DFlash speculative-decoding drafters from an offline hidden-state cache.
+
+    \b
+    Stage one, `extract`: the frozen target writes hidden states of chosen layers (and top-k
+    log-probabilities) into a committed, resumable Zarr cache, one process per device.
+    Stage two, `train`: the drafter trains from that cache (see the docs).
+
+    \b
+    Quick start (CPU, tiny built-in recipe):
+      dflash-offline demo
+    """
+
+
+@main.command()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML recipe whose keys are these options (command-line values win).")
+@click.option("--target", help="Hugging Face model folder (config.json + *.safetensors).")
+@click.option("--data", multiple=True, help="Parquet file or folder of *.parquet; repeat for several.")
+@click.option("--cache", help="Cache location: a path (/dev/shm/..., NVMe) or an fsspec URL.")
+@click.option("--devices", help="GPU indices like 0,1,2,3,4 (one worker process each), or cpu / cpu,cpu.  [default: cpu]")
+@click.option("--layers", help="Target layer ids to capture, e.g. 1,9,17,25,33.  [default: the DFlash rule]")
+@click.option("--num-layers", type=int, help="How many layers the DFlash rule picks.  [default: 5]")
+@click.option("--topk", type=int, help="Top-k log-probabilities per token; 0 = none (skips the LM head).  [default: 32]")
+@click.option("--max-len", type=int, help="Truncate samples to this many tokens.  [default: 4096]")
+@click.option("--batch-tokens", type=int, help="Token budget of one forward batch, padding included.  [default: 16384]")
+@click.option("--shard-tokens", type=int, help="Tokens per shard, the unit of commit and resume.  [default: 65536]")
+@click.option("--sort-window", type=int, help="Length-sort input rows within windows of this many rows.  [default: 8192]")
+@click.option("--chunk-tokens", type=int, help="Zarr chunk length along tokens.  [default: 1024]")
+@click.option("--logits-chunk-tokens", type=int, help="Tokens per LM-head chunk for top-k.  [default: 2048]")
+@click.option("--hidden-dtype", type=click.Choice(["bfloat16"]), help="Storage dtype of hidden states.  [default: bfloat16]")
+@click.option("--compute-dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), help="Target dtype; auto = bf16 on GPU, fp32 on CPU.")
+@click.option("--max-bytes", type=int, help="Refuse to start if the estimated cache size exceeds this many bytes.")
+@click.option("--log-dir", help="Folder for process logs.  [default: CACHE/logs]")
+@click.option("--progress/--no-progress", default=None, help="Progress bar on the terminal.  [default: on]")
+@click.pass_context
+def extract(ctx: click.Context, config_file, **options) -> None:
+    """Stage one: write target hidden states into a committed, resumable Zarr cache.
+
+    Running the same command again resumes: committed shards are kept, debris is removed. A cache
+    made with another target, layer set, top-k, dtype or input is refused, naming the field.
+    """
+    from .config import ExtractConfig, load_recipe, merge, parse_int_list
+
+    given = _given(ctx, **options)
+    given = {k: v for k, v in given.items() if v is not None}
+    if "data" in given:
+        given["data"] = list(given["data"])
+        if not given["data"]:
+            del given["data"]
+    if "layers" in given:
+        given["layers"] = parse_int_list(given["layers"])
+    recipe = load_recipe(config_file, ExtractConfig) if config_file else {}
+    cfg = merge(ExtractConfig, recipe, given)
+    from . import extract as stage
+
+    stage.run(cfg)
+
+
+@main.command()
+@click.option("--out", default="runs/demo", show_default=True, help="Folder for the tiny target, data and cache.")
+@click.option("--devices", default="cpu", show_default=True, help="Devices for the extract stage.")
+def demo(out: str, devices: str) -> None:
+    """Run the main job end to end on an embedded default: a tiny target and data made on the fly."""
+    from . import demo as demo_mod
+
+    demo_mod.run(out, devices)
+
+
+def entry() -> None:
+    try:
+        main(standalone_mode=False)
+    except UserError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted: run the same command again to resume", err=True)
+        sys.exit(130)
+    except RuntimeError as e:
+        click.echo(f"failed: {e}", err=True)
+        sys.exit(1)

@@ -1,0 +1,252 @@
+"""Tokenized completions in Parquet (cache-contract.md, Input): validation, lengths, row fetches.
+
+The launcher scans every file once before any model is loaded: schema, lengths, mask lengths,
+token range, ids. Workers later fetch only the rows of their own shards, one row group at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from .runtime import UserError
+
+log = logging.getLogger("dflash.data")
+
+
+def resolve_files(paths: list[str]) -> list[Path]:
+    """Files in the order given; a folder contributes its *.parquet files in name order."""
+    files: list[Path] = []
+    for p in paths:
+        path = Path(p)
+        if path.is_dir():
+            found = sorted(path.glob("*.parquet"))
+            if not found:
+                raise UserError(f"--data {p}: folder holds no *.parquet files")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise UserError(f"--data {p}: no such file or folder")
+    seen = set()
+    for f in files:
+        if f.resolve() in seen:
+            raise UserError(f"--data: {f} is given twice (rows would be extracted twice)")
+        seen.add(f.resolve())
+    return files
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class SourceFile:
+    path: Path
+    rows: int
+    sha256: str
+    row_group_starts: np.ndarray  # first row of each row group, plus the total at the end
+    mask_column: str  # "loss_mask" or "prompt_len"
+
+
+@dataclass
+class Source:
+    """What the launcher learned from scanning the input, before loading any weights."""
+
+    files: list[SourceFile]
+    ids: np.ndarray  # int64 [rows], the id of each global row
+    lengths: np.ndarray  # int64 [rows], untruncated token counts
+    max_token: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def file_of_row(self, row: int) -> tuple[int, int]:
+        """Global row -> (file index, row within file)."""
+        starts = np.cumsum([0] + [f.rows for f in self.files])
+        fi = int(np.searchsorted(starts, row, side="right") - 1)
+        return fi, row - int(starts[fi])
+
+    def manifest_entry(self) -> dict:
+        return {
+            "files": [{"path": str(f.path), "rows": f.rows, "sha256": f.sha256} for f in self.files],
+            "rows": self.rows,
+        }
+
+
+def _is_int_list(t: pa.DataType) -> bool:
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
+
+
+def scan(paths: list[str], vocab_size: int) -> Source:
+    """Validate every input file against the contract; raise UserError naming file, row, problem."""
+    files = resolve_files(paths)
+    out_files: list[SourceFile] = []
+    ids_all, lens_all = [], []
+    max_token = -1
+    offset = 0
+    for path in files:
+        try:
+            pf = pq.ParquetFile(path)
+            schema = pf.schema_arrow
+        except Exception as e:  # pyarrow raises several types for a bad file
+            raise UserError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+        names = set(schema.names)
+        if "input_ids" not in names:
+            raise UserError(f"{path}: missing column 'input_ids' (columns: {', '.join(schema.names)})")
+        if not _is_int_list(schema.field("input_ids").type):
+            raise UserError(f"{path}: column 'input_ids' must be a list of integers, found {schema.field('input_ids').type}")
+        if "loss_mask" in names:
+            mask_col = "loss_mask"
+            t = schema.field("loss_mask").type
+            if not ((pa.types.is_list(t) or pa.types.is_large_list(t))
+                    and (pa.types.is_integer(t.value_type) or pa.types.is_boolean(t.value_type))):
+                raise UserError(f"{path}: column 'loss_mask' must be a list of int8/bool, found {t}")
+        elif "prompt_len" in names:
+            mask_col = "prompt_len"
+            if not pa.types.is_integer(schema.field("prompt_len").type):
+                raise UserError(f"{path}: column 'prompt_len' must be an integer, found {schema.field('prompt_len').type}")
+        else:
+            raise UserError(f"{path}: needs a 'loss_mask' (list per row) or a 'prompt_len' (integer) column; found {', '.join(schema.names)}")
+        has_id = "id" in names
+        if has_id and not pa.types.is_integer(schema.field("id").type):
+            raise UserError(f"{path}: column 'id' must be an integer, found {schema.field('id').type}")
+
+        rg_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
+        starts = np.concatenate([[0], np.cumsum(rg_rows)]).astype(np.int64)
+        cols = ["input_ids", mask_col] + (["id"] if has_id else [])
+        for g in range(pf.num_row_groups):
+            try:
+                tab = pf.read_row_group(g, columns=cols)
+            except Exception as e:
+                raise UserError(f"{path}: row group {g} unreadable ({type(e).__name__}: {e})") from None
+            base = int(starts[g])
+            ids_col = tab.column("input_ids").combine_chunks()
+            if ids_col.null_count:
+                r = base + int(np.flatnonzero(ids_col.is_null().to_numpy(zero_copy_only=False))[0])
+                raise UserError(f"{path}: row {r}: input_ids is null")
+            lens = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
+            empty = np.flatnonzero(lens == 0)
+            if empty.size:
+                raise UserError(f"{path}: row {base + int(empty[0])}: input_ids is empty")
+            flat = pc.list_flatten(ids_col)
+            if len(flat):
+                mm = pc.min_max(flat)
+                lo, hi = mm["min"].as_py(), mm["max"].as_py()
+                if lo < 0 or hi >= vocab_size:
+                    vals = flat.to_numpy(zero_copy_only=False)
+                    bad = int(np.flatnonzero((vals < 0) | (vals >= vocab_size))[0])
+                    row = int(np.searchsorted(np.cumsum(lens), bad, side="right"))
+                    raise UserError(
+                        f"{path}: row {base + row}: token id {int(vals[bad])} is outside the target "
+                        f"vocabulary [0, {vocab_size}); was the data tokenized for another model?"
+                    )
+                max_token = max(max_token, hi)
+            mask = tab.column(mask_col).combine_chunks()
+            if mask_col == "loss_mask":
+                if mask.null_count:
+                    r = base + int(np.flatnonzero(mask.is_null().to_numpy(zero_copy_only=False))[0])
+                    raise UserError(f"{path}: row {r}: loss_mask is null")
+                mlens = pc.list_value_length(mask).to_numpy(zero_copy_only=False)
+                diff = np.flatnonzero(mlens != lens)
+                if diff.size:
+                    r = int(diff[0])
+                    raise UserError(
+                        f"{path}: row {base + r}: loss_mask has {int(mlens[r])} entries but input_ids has {int(lens[r])}"
+                    )
+                mflat = pc.list_flatten(mask)
+                if len(mflat) and not pa.types.is_boolean(mflat.type):
+                    mm = pc.min_max(mflat)
+                    if mm["min"].as_py() < 0 or mm["max"].as_py() > 1:
+                        raise UserError(f"{path}: loss_mask holds values other than 0 and 1")
+            else:
+                pl = mask.to_numpy(zero_copy_only=False)
+                if mask.null_count:
+                    raise UserError(f"{path}: prompt_len has null values")
+                bad = np.flatnonzero((pl < 0) | (pl > lens))
+                if bad.size:
+                    r = int(bad[0])
+                    raise UserError(
+                        f"{path}: row {base + r}: prompt_len {int(pl[r])} is outside [0, {int(lens[r])}] (the row's length)"
+                    )
+            if has_id:
+                idc = tab.column("id").combine_chunks()
+                if idc.null_count:
+                    raise UserError(f"{path}: column 'id' has null values")
+                ids_all.append(idc.to_numpy(zero_copy_only=False).astype(np.int64))
+            else:
+                ids_all.append(None)  # filled below from global indices
+            lens_all.append(lens)
+        if pf.metadata.num_rows == 0:
+            raise UserError(f"{path}: file has no rows")
+        out_files.append(SourceFile(path=path, rows=int(starts[-1]), sha256=file_sha256(path),
+                                    row_group_starts=starts, mask_column=mask_col))
+        offset += int(starts[-1])
+
+    # Ids: explicit where given, the global index otherwise; unique across all files.
+    ids_parts, pos = [], 0
+    for part, lens in zip(ids_all, lens_all):
+        n = lens.shape[0]
+        ids_parts.append(part if part is not None else np.arange(pos, pos + n, dtype=np.int64))
+        pos += n
+    ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int64)
+    lengths = np.concatenate(lens_all) if lens_all else np.zeros(0, np.int64)
+    uniq, counts = np.unique(ids, return_counts=True)
+    if uniq.shape[0] != ids.shape[0]:
+        dup = int(uniq[np.flatnonzero(counts > 1)[0]])
+        rows = np.flatnonzero(ids == dup)[:2]
+        src = Source(out_files, ids, lengths, max_token)
+        where = [f"{src.files[src.file_of_row(int(r))[0]].path} row {src.file_of_row(int(r))[1]}" for r in rows]
+        raise UserError(f"id {dup} occurs twice ({where[0]}; {where[1]}): ids must be unique across all input files")
+    if (ids < 0).any():
+        r = int(np.flatnonzero(ids < 0)[0])
+        raise UserError(f"row {r}: id {int(ids[r])} is negative; ids must be >= 0")
+    return Source(files=out_files, ids=ids, lengths=lengths, max_token=max_token)
+
+
+class RowReader:
+    """Fetch rows (tokens and loss mask) by global index, reading whole row groups, one cached."""
+
+    def __init__(self, source: Source):
+        self.source = source
+        self._starts = np.cumsum([0] + [f.rows for f in source.files])
+        self._key: tuple[int, int] | None = None
+        self._ids: list | None = None
+        self._mask: list | None = None
+
+    def _load(self, fi: int, g: int) -> None:
+        if self._key == (fi, g):
+            return
+        f = self.source.files[fi]
+        tab = pq.ParquetFile(f.path).read_row_group(g, columns=["input_ids", f.mask_column])
+        self._ids = tab.column("input_ids").combine_chunks()
+        self._mask = tab.column(f.mask_column).combine_chunks()
+        self._key = (fi, g)
+
+    def row(self, global_row: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids int32 [n], loss_mask uint8 [n]) of one row, untruncated."""
+        fi = int(np.searchsorted(self._starts, global_row, side="right") - 1)
+        r = global_row - int(self._starts[fi])
+        f = self.source.files[fi]
+        g = int(np.searchsorted(f.row_group_starts, r, side="right") - 1)
+        self._load(fi, g)
+        i = r - int(f.row_group_starts[g])
+        ids = np.asarray(self._ids[i].values.to_numpy(zero_copy_only=False), dtype=np.int32)
+        if f.mask_column == "loss_mask":
+            mask = np.asarray(self._mask[i].values.to_numpy(zero_copy_only=False), dtype=np.uint8)
+        else:
+            mask = np.zeros(ids.shape[0], np.uint8)
+            mask[int(self._mask[i].as_py()):] = 1
+        return ids, mask

@@ -1,0 +1,495 @@
+"""Stage one: run the frozen target over the input and commit hidden states shard by shard.
+
+Shape of a run:
+  launcher (or each torchrun rank): log file -> preflight (no weights) -> manifest created/checked
+  -> one worker *process* per device -> each worker: its shards, batch by batch:
+       forward on the main thread -> async copy to pinned host buffers -> a writer thread (I/O only)
+       waits for the copy, stages whole chunks into the shard's Zarr group, and at the shard's end
+       renames it into place and commits it in manifest.json under a lock.
+
+The plan (which rows make which shard, in which order) is a pure function of the input and the
+options, never of the number of workers: shard j belongs to worker j % W, so one worker, two
+workers, or a resumed run all write the same shards with the same contents.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .config import ExtractConfig
+from .runtime import Launch, UserError, fault_point, open_process_log, torchrun_launch
+
+log = logging.getLogger("dflash.extract")
+
+
+def shard_name(j: int) -> str:
+    return f"shard-{j:06d}"
+
+
+def tmp_shard_rel(j: int) -> str:
+    return f"shards/tmp-{shard_name(j)}.zarr"
+
+
+# ----------------------------------------------------------------------------------------------
+# Plan
+
+
+@dataclass
+class Job:
+    """Everything a worker needs, as plain data (it crosses a process spawn before the log opens)."""
+
+    cfg: dict
+    target_path: str
+    layer_ids: list[int]
+    num_target_layers: int
+    hidden_size: int
+    source: dict  # data.Source as plain fields
+    shards: list[np.ndarray]  # global rows of each shard, in write order
+
+
+def make_plan(lengths: np.ndarray, max_len: int, shard_tokens: int, sort_window: int) -> list[np.ndarray]:
+    """Rows -> shards. Within each window of `sort_window` input rows, rows are ordered longest
+    first (ties by row), then cut into shards of at most `shard_tokens` tokens (a single longer
+    sample makes a shard of its own). Longest first: the first batch is the largest, so a batch
+    that does not fit in memory fails in the first seconds, not hours in."""
+    tl = np.minimum(lengths, max_len)
+    shards: list[np.ndarray] = []
+    cur: list[int] = []
+    cur_tokens = 0
+    for w in range(0, tl.shape[0], sort_window):
+        rows = np.arange(w, min(w + sort_window, tl.shape[0]))
+        rows = rows[np.lexsort((rows, -tl[rows]))]
+        for r in rows:
+            t = int(tl[r])
+            if cur and cur_tokens + t > shard_tokens:
+                shards.append(np.asarray(cur, np.int64))
+                cur, cur_tokens = [], 0
+            cur.append(int(r))
+            cur_tokens += t
+    if cur:
+        shards.append(np.asarray(cur, np.int64))
+    return shards
+
+
+def make_batches(lengths: list[int], batch_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive samples -> [start, end) batches with rows x longest row <= batch_tokens."""
+    out, a = [], 0
+    while a < len(lengths):
+        b, longest = a, 0
+        while b < len(lengths) and max(longest, lengths[b]) * (b - a + 1) <= batch_tokens:
+            longest = max(longest, lengths[b])
+            b += 1
+        b = max(b, a + 1)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def bytes_per_token(num_layers: int, hidden_size: int, topk: int) -> int:
+    # hidden (bf16) + top-k ids (int32) and log-probs (fp16) + input_ids (int32) + loss_mask (uint8)
+    return num_layers * hidden_size * 2 + topk * 6 + 5
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher
+
+
+def _log_dir(cfg: ExtractConfig, loc) -> str:
+    if cfg.log_dir:
+        return cfg.log_dir
+    return "dflash-logs" if loc.remote else loc.path("logs")
+
+
+def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
+    """All checks that need no weights. Raises UserError; writes nothing to the cache."""
+    from . import data, target
+    from .cache.manifest import ManifestStore, check_compatible, new_manifest
+    from .runtime import check_devices_exist, parse_devices
+
+    cfg.validate()
+    devices = parse_devices(cfg.devices)
+    info = target.read_target(cfg.target)
+    layer_ids = target.resolve_layers(info, cfg.layers, cfg.num_layers)
+    if launch is None:
+        check_devices_exist(devices)
+    if loc.remote and (len(devices) > 1 or (launch and launch.world_size > 1)):
+        raise UserError(
+            f"--cache {cfg.cache}: several workers need a lock to share one manifest and object stores "
+            "have none; use a local or shared file system path, or one device"
+        )
+    t0 = time.time()
+    source = data.scan(cfg.data, info.vocab_size)
+    log.info("input: %d files, %d rows, %d tokens (scanned in %.1fs)", len(source.files), source.rows,
+             int(source.lengths.sum()), time.time() - t0)
+    shards = make_plan(source.lengths, cfg.max_len, cfg.shard_tokens, cfg.sort_window)
+    truncated = int((source.lengths > cfg.max_len).sum())
+    if truncated:
+        log.warning("%d of %d samples are longer than --max-len %d and are truncated", truncated, source.rows, cfg.max_len)
+    wanted = new_manifest(
+        target=info.manifest_entry(),
+        capture={"layer_ids": layer_ids, "topk": cfg.topk, "hidden_dtype": cfg.hidden_dtype, "max_len": cfg.max_len},
+        source=source.manifest_entry(),
+        plan={"shard_tokens": cfg.shard_tokens, "sort_window": cfg.sort_window, "num_shards": len(shards)},
+    )
+    existing = ManifestStore(loc).read()
+    if existing is not None:
+        check_compatible(existing, wanted, loc.url("manifest.json"))
+    committed = {s["name"] for s in (existing or {}).get("shards", [])}
+    tl = np.minimum(source.lengths, cfg.max_len)
+    total_tokens = int(tl.sum())
+    todo_tokens = sum(int(tl[rows].sum()) for j, rows in enumerate(shards) if shard_name(j) not in committed)
+    bpt = bytes_per_token(len(layer_ids), info.hidden_size, cfg.topk)
+    need, whole = todo_tokens * bpt, total_tokens * bpt
+    if cfg.max_bytes is not None and whole > cfg.max_bytes:
+        raise UserError(
+            f"estimated cache size {whole / 1e9:.2f} GB ({total_tokens} tokens x {bpt} bytes/token) exceeds "
+            f"--max-bytes {cfg.max_bytes / 1e9:.2f} GB; lower --max-len, --topk or the number of layers, or raise --max-bytes"
+        )
+    free = loc.free_bytes()
+    if free is not None and need > free:
+        raise UserError(
+            f"the cache needs about {need / 1e9:.2f} GB more ({todo_tokens} tokens x {bpt} bytes/token) but "
+            f"{loc.path()} has {free / 1e9:.2f} GB free; free space or choose another --cache"
+        )
+    warning = target.check_kernels(info, devices)
+    if warning:
+        log.warning(warning)
+    log.info("plan: %d shards, %d tokens (%d to do), %.2f GB estimated (%d bytes/token), layers %s, topk %d",
+             len(shards), total_tokens, todo_tokens, whole / 1e9, bpt, layer_ids, cfg.topk)
+    job = Job(
+        cfg=asdict(cfg), target_path=str(info.path), layer_ids=layer_ids, num_target_layers=info.num_layers,
+        hidden_size=info.hidden_size, source=_source_state(source), shards=shards,
+    )
+    return job, wanted, devices, todo_tokens
+
+
+def _source_state(source) -> dict:
+    return {
+        "files": [{"path": str(f.path), "rows": f.rows, "sha256": f.sha256,
+                   "row_group_starts": f.row_group_starts, "mask_column": f.mask_column} for f in source.files],
+        "ids": source.ids, "lengths": source.lengths, "max_token": source.max_token,
+    }
+
+
+def run(cfg: ExtractConfig) -> dict:
+    """The `extract` command. Returns the final manifest."""
+    from .cache.location import Location
+
+    launch = torchrun_launch()
+    loc = Location(cfg.cache)
+    name = f"extract-rank{launch.rank}" if launch else "extract-launcher"
+    log_path = open_process_log(_log_dir(cfg, loc), name)
+    t0 = time.time()
+    job, wanted, devices, todo_tokens = preflight(cfg, loc, launch)
+
+    from .cache.manifest import ManifestStore
+
+    store = ManifestStore(loc)
+    store.init_or_check(wanted)
+    loc.makedirs("shards")
+    if launch is not None:
+        device = devices[0] if devices == ["cpu"] else f"cuda:{launch.local_rank}"
+        worker_run(launch.rank, launch.world_size, device, job, progress=None,
+                   show_bar=cfg.progress and launch.rank == 0, todo_tokens=todo_tokens)
+    else:
+        _launch_workers(job, devices, todo_tokens, cfg.progress, _log_dir(cfg, loc))
+    manifest = store.read()
+    _summary(manifest, time.time() - t0, log_path, launch)
+    return manifest
+
+
+def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bool, log_dir: str) -> None:
+    import multiprocessing as mp
+
+    from tqdm import tqdm
+
+    ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
+    q = ctx.Queue()
+    procs = []
+    for rank, dev in enumerate(devices):
+        p = ctx.Process(target=worker_entry, args=(rank, len(devices), dev, job, q), name=f"extract-rank{rank}")
+        p.start()
+        procs.append(p)
+    log.info("started %d worker processes: %s", len(procs), ", ".join(f"{p.pid} on {d}" for p, d in zip(procs, devices)))
+    bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
+               desc="extract", smoothing=0.05)
+    written = 0
+    failed = None
+    try:
+        while True:
+            try:
+                kind, tokens, nbytes = q.get(timeout=0.5)
+                bar.update(tokens)
+                written += nbytes
+                bar.set_postfix_str(f"{written / 1e9:.2f} GB written")
+                continue
+            except queue.Empty:
+                pass
+            codes = [p.exitcode for p in procs]
+            failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None or all(c == 0 for c in codes):
+                break
+    finally:
+        bar.close()
+        if failed is not None:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+        for p in procs:
+            p.join()
+    if failed is not None:
+        raise RuntimeError(
+            f"worker {failed} ({devices[failed]}) exited with code {procs[failed].exitcode}; "
+            f"see {os.path.join(log_dir, f'extract-rank{failed}.log')}. Run the same command again to resume."
+        )
+
+
+def _summary(manifest: dict, elapsed: float, log_path, launch) -> None:
+    t = manifest["totals"]
+    lines = [
+        f"cache: {manifest['status']}, {len(manifest['shards'])}/{manifest['plan']['num_shards']} shards, "
+        f"{t['samples']} samples, {t['tokens']} tokens, {t['bytes'] / 1e9:.3f} GB",
+        f"time: {elapsed:.1f} s" + ("" if launch else f" (logs: {os.path.dirname(log_path)})"),
+    ]
+    for line in lines:
+        log.info(line)
+        if launch is None or launch.rank == 0:
+            print(line, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker
+
+
+def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
+    """Spawned process: log file first, then torch, then the work."""
+    from .cache.location import Location
+
+    loc = Location(job.cfg["cache"])
+    open_process_log(_log_dir(ExtractConfig(**job.cfg), loc), f"extract-rank{rank}", console=True)
+    try:
+        worker_run(rank, world, device, job, progress=q, show_bar=False, todo_tokens=0)
+    except BaseException:
+        log.exception("worker %d failed", rank)
+        raise
+
+
+class _Sink:
+    """The writer thread: waits for device-to-host copies, writes chunks, renames and commits shards.
+
+    Only I/O happens here (memcpy into chunk buffers, Zarr writes, hashing, renames); the forward
+    pass stays on the main thread, so the process has one compute thread.
+    """
+
+    def __init__(self, loc, store, layout_kw: dict, on_progress):
+        self.loc, self.store, self.layout_kw, self.on_progress = loc, store, layout_kw, on_progress
+        self.q: queue.Queue = queue.Queue(maxsize=4)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name="shard-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, item) -> None:
+        while True:
+            if self.error is not None:
+                raise RuntimeError("the shard writer thread failed") from self.error
+            try:
+                self.q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def close(self) -> None:
+        self.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise RuntimeError("the shard writer thread failed") from self.error
+
+    def _loop(self) -> None:
+        from .cache.writer import ShardLayout, ShardWriter
+
+        writer = None
+        try:
+            while True:
+                item = self.q.get()
+                if item is None:
+                    return
+                kind = item[0]
+                if kind == "begin":
+                    _, j, tokens = item
+                    self.loc.rmtree(tmp_shard_rel(j))
+                    writer = ShardWriter(self.loc, tmp_shard_rel(j), ShardLayout(tokens=tokens, **self.layout_kw))
+                    t_shard = time.time()
+                elif kind == "batch":
+                    _, samples, hidden, tids, tlp, event, release = item
+                    if event is not None:
+                        event.synchronize()  # the async device-to-host copy has landed
+                    h = hidden.numpy()
+                    ti = tids.numpy() if tids is not None else None
+                    tl = tlp.numpy() if tlp is not None else None
+                    pos = 0
+                    for sid, ids, mask in samples:
+                        t = ids.shape[0]
+                        writer.append(sid, ids, mask, h[pos:pos + t],
+                                      ti[pos:pos + t] if ti is not None else None,
+                                      tl[pos:pos + t] if tl is not None else None)
+                        pos += t
+                    release()
+                    self.on_progress(pos, 0)
+                    fault_point("batch-written")
+                elif kind == "end":
+                    _, j = item
+                    name = shard_name(j)
+                    entry = writer.close(name)
+                    writer = None
+                    final = f"shards/{name}.zarr"
+                    self.loc.rmtree(final)
+                    self.loc.rename(tmp_shard_rel(j), final)
+                    fault_point("shard-renamed")
+                    entry["bytes"] = self.loc.du(final)
+                    m = self.store.commit_shard(entry)
+                    fault_point("shard-committed")
+                    dt = time.time() - t_shard
+                    log.info("committed %s: %d samples, %d tokens, %.1f MB in %.2fs (%.0f tokens/s); cache %d/%d shards",
+                             name, entry["samples"], entry["tokens"], entry["bytes"] / 1e6, dt,
+                             entry["tokens"] / max(dt, 1e-9), len(m["shards"]), m["plan"]["num_shards"])
+                    self.on_progress(0, entry["bytes"])
+        except BaseException as e:  # surfaced on the main thread at its next put()
+            log.exception("shard writer failed")
+            self.error = e
+
+
+class _PinnedPool:
+    """A few reusable pinned host buffers, so copies can run asynchronously and memory stays bounded."""
+
+    def __init__(self, torch, count: int, shapes: dict, pinned: bool):
+        self.free: queue.Queue = queue.Queue()
+        for _ in range(count):
+            self.free.put({k: torch.empty(s, dtype=dt, pin_memory=pinned) for k, (s, dt) in shapes.items()})
+
+    def get(self) -> dict:
+        return self.free.get()
+
+    def release(self, bufs: dict) -> None:
+        self.free.put(bufs)
+
+
+def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar: bool, todo_tokens: int) -> None:
+    from .cache.location import Location
+    from .cache.manifest import ManifestStore
+    from .data import RowReader, Source, SourceFile
+    from .runtime import single_thread_compute
+    from .target import LayerCapture, forward_batch, load_target, read_target
+
+    import torch
+
+    single_thread_compute()
+    cfg = ExtractConfig(**job.cfg)
+    loc = Location(cfg.cache)
+    store = ManifestStore(loc)
+    committed = {s["name"] for s in store.read()["shards"]}
+    mine = [j for j in range(len(job.shards)) if j % world == rank and shard_name(j) not in committed]
+    # Debris of an interrupted run: this worker's uncommitted shard folders, finished or not.
+    for j in range(rank, len(job.shards), world):
+        if shard_name(j) not in committed:
+            loc.rmtree(tmp_shard_rel(j))
+            loc.rmtree(f"shards/{shard_name(j)}.zarr")
+    log.info("worker %d/%d on %s: %d shards to write (%d already committed in all)", rank, world, device,
+             len(mine), len(committed))
+    if not mine:
+        return
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    src = Source(
+        files=[SourceFile(path=f["path"], rows=f["rows"], sha256=f["sha256"], row_group_starts=f["row_group_starts"],
+                          mask_column=f["mask_column"]) for f in job.source["files"]],
+        ids=job.source["ids"], lengths=job.source["lengths"], max_token=job.source["max_token"],
+    )
+    reader = RowReader(src)
+    info = read_target(job.target_path)
+    need_head = cfg.topk > 0
+    keep = info.num_layers if need_head else max(job.layer_ids) + 1
+    t0 = time.time()
+    model = load_target(info, device, cfg.compute_dtype, keep, need_head)
+    log.info("loaded target in %.1fs", time.time() - t0)
+    capture = LayerCapture(model, job.layer_ids)
+    n, H, k = len(job.layer_ids), job.hidden_size, cfg.topk
+    cuda = device.startswith("cuda")
+    pool = _PinnedPool(torch, 3 if cuda else 1, {
+        "hidden": ((cfg.batch_tokens, n, H), torch.uint16),
+        "ids": ((cfg.batch_tokens, max(k, 1)), torch.int32),
+        "lp": ((cfg.batch_tokens, max(k, 1)), torch.float16),
+    }, pinned=cuda)
+
+    bar = None
+    if show_bar:
+        from tqdm import tqdm
+
+        bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True)
+    written = [0]
+
+    def on_progress(tokens: int, nbytes: int) -> None:
+        if progress is not None:
+            progress.put(("progress", tokens, nbytes))
+        if bar is not None:
+            written[0] += nbytes
+            bar.update(tokens)
+            bar.set_postfix_str(f"{written[0] / 1e9:.2f} GB written")
+
+    sink = _Sink(loc, store, dict(num_layers=n, hidden_size=H, topk=k, chunk_tokens=cfg.chunk_tokens,
+                                  layer_ids=job.layer_ids, hidden_dtype=cfg.hidden_dtype), on_progress)
+    tokens_done, t_start = 0, time.time()
+    try:
+        for j in mine:
+            rows = job.shards[j]
+            fetched = {int(r): reader.row(int(r)) for r in sorted(rows.tolist())}  # file order: one read per row group
+            samples = []
+            for r in rows.tolist():
+                ids, mask = fetched[r]
+                samples.append((int(src.ids[r]), ids[: cfg.max_len], mask[: cfg.max_len]))
+            sink.put(("begin", j, sum(s[1].shape[0] for s in samples)))
+            for a, b in make_batches([s[1].shape[0] for s in samples], cfg.batch_tokens):
+                batch = samples[a:b]
+                lens = [s[1].shape[0] for s in batch]
+                S, B = max(lens), len(batch)
+                ids_np = np.zeros((B, S), np.int64)
+                mask_np = np.zeros((B, S), np.int64)
+                flat = np.concatenate([r * S + np.arange(t) for r, t in enumerate(lens)])
+                for r, (_, ids, _) in enumerate(batch):
+                    ids_np[r, : ids.shape[0]] = ids
+                    mask_np[r, : ids.shape[0]] = 1
+                # Right padding: causal attention and the causal conv / delta-rule recurrence of
+                # Gated DeltaNet never let a padded position influence an earlier real one.
+                input_ids = torch.from_numpy(ids_np).to(device, non_blocking=True)
+                attn = torch.from_numpy(mask_np).to(device, non_blocking=True)
+                index = torch.from_numpy(flat).to(device, non_blocking=True)
+                hidden, tids, tlp = forward_batch(model, capture, input_ids, attn, index, k, cfg.logits_chunk_tokens)
+                N = hidden.shape[0]
+                bufs = pool.get()  # blocks while the writer still holds every buffer
+                h_host = bufs["hidden"][:N]
+                h_host.copy_(hidden.to(torch.bfloat16).view(torch.uint16), non_blocking=cuda)
+                ti_host = tl_host = None
+                if k > 0:
+                    ti_host = bufs["ids"][:N]
+                    tl_host = bufs["lp"][:N]
+                    ti_host.copy_(tids, non_blocking=cuda)
+                    tl_host.copy_(tlp, non_blocking=cuda)
+                event = None
+                if cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+                sink.put(("batch", batch, h_host, ti_host, tl_host, event, lambda bufs=bufs: pool.release(bufs)))
+                tokens_done += N
+            sink.put(("end", j))
+        sink.close()
+    finally:
+        if bar is not None:
+            bar.close()
+    dt = time.time() - t_start
+    log.info("worker %d done: %d tokens in %.1fs (%.0f tokens/s)", rank, tokens_done, dt, tokens_done / max(dt, 1e-9))

@@ -1,0 +1,160 @@
+"""Process plumbing shared by both stages: log files, faulthandler, devices, launch, fault points.
+
+This module imports nothing heavy (no torch, no zarr): it runs first in every process so that a
+process that dies while importing torch or loading weights has already written its log header and
+armed faulthandler. The earlier pipeline this project replaces died without a single log line.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
+
+log = logging.getLogger("dflash")
+
+
+class UserError(Exception):
+    """Bad input or configuration: the CLI prints the message as one line and exits with 2."""
+
+
+# --------------------------------------------------------------------------------------------
+# Logs
+
+
+def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = True) -> Path:
+    """Create `log_dir/name.log`, point the `dflash` logger at it and arm faulthandler on it.
+
+    Call this before importing torch or touching model weights. The file is opened in append mode
+    so a resumed run keeps the history of the interrupted one.
+    """
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"{name}.log"
+    # Line-buffered: a SIGKILL loses at most the line being written.
+    stream = open(path, "a", buffering=1, encoding="utf-8")
+    # faulthandler writes tracebacks of all threads on SIGSEGV/SIGFPE/SIGABRT/SIGBUS/SIGILL, and
+    # on SIGUSR1 on demand (`kill -USR1 PID` shows where a hung process is).
+    faulthandler.enable(file=stream, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True, chain=False)
+    root = logging.getLogger("dflash")
+    root.setLevel(logging.INFO)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    fh = logging.StreamHandler(stream)
+    fh.setFormatter(logging.Formatter(LOG_FORMAT))
+    root.addHandler(fh)
+    if console:
+        ch = logging.StreamHandler(sys.stderr)
+        ch.setLevel(logging.WARNING)
+        ch.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        root.addHandler(ch)
+    root.propagate = False
+    root.info(
+        "---- %s started: pid %d on %s, python %s, argv %s",
+        name, os.getpid(), socket.gethostname(), sys.version.split()[0], " ".join(sys.argv),
+    )
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Devices and launch
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Who this process is: started by our own launcher, by torchrun, or alone."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    under_torchrun: bool
+
+
+def torchrun_launch() -> Launch | None:
+    """The rank layout torchrun (or any torch.distributed launcher) put in the environment."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank = int(os.environ["RANK"])
+        world = int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        return Launch(rank=rank, world_size=world, local_rank=local, under_torchrun=True)
+    return None
+
+
+def parse_devices(spec: str) -> list[str]:
+    """`"0,1,2"` -> `["cuda:0", "cuda:1", "cuda:2"]`; `"cpu,cpu"` -> two CPU workers."""
+    items = [s.strip() for s in str(spec).split(",") if s.strip()]
+    if not items:
+        raise UserError(f"--devices {spec!r} is empty: give GPU indices like 0,1,2 or 'cpu'")
+    out = []
+    for s in items:
+        if s == "cpu":
+            out.append("cpu")
+        elif s.isdigit():
+            out.append(f"cuda:{int(s)}")
+        elif s.startswith("cuda:") and s[5:].isdigit():
+            out.append(s)
+        else:
+            raise UserError(f"--devices: {s!r} is not a GPU index or 'cpu' (example: --devices 0,1,2,3,4)")
+    gpus = [d for d in out if d != "cpu"]
+    if len(set(gpus)) != len(gpus):
+        raise UserError(f"--devices {spec!r} lists a GPU twice: one worker process per GPU")
+    return out
+
+
+def check_devices_exist(devices: list[str]) -> None:
+    """Refuse GPU indices the machine does not have (torch imported here, no weights loaded)."""
+    gpus = [int(d.split(":")[1]) for d in devices if d.startswith("cuda")]
+    if not gpus:
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [g for g in gpus if g >= count]
+    if missing:
+        raise UserError(
+            f"--devices asks for GPU {','.join(map(str, missing))} but this machine has {count} CUDA "
+            f"device(s){' (torch sees no CUDA)' if count == 0 else ''}; use --devices cpu to run on the CPU"
+        )
+
+
+def single_thread_compute() -> None:
+    """One compute thread per process: several worker processes share the machine's cores."""
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("DFLASH_THREADS", "1")) or 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Fault points for crash tests
+
+
+_fault_counts: dict[str, int] = {}
+
+
+def fault_point(name: str) -> None:
+    """Kill this process group with SIGKILL on the N-th arrival at `name`.
+
+    Armed by `DFLASH_OFFLINE_KILL_AT=name:N` (tests use it to crash at exact points: mid-shard,
+    between a shard's rename and its manifest commit). Unset, it costs a dict lookup.
+    """
+    spec = os.environ.get("DFLASH_OFFLINE_KILL_AT")
+    if not spec:
+        return
+    want, _, n = spec.partition(":")
+    if want != name:
+        return
+    _fault_counts[name] = _fault_counts.get(name, 0) + 1
+    if _fault_counts[name] == int(n or 1):
+        log.warning("fault point %s reached (%d): SIGKILL", name, _fault_counts[name])
+        time.sleep(0.05)
+        os.killpg(os.getpgid(0), signal.SIGKILL)

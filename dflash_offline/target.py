@@ -1,0 +1,254 @@
+"""The frozen target: what it is (read from its folder without torch), loading only what is needed,
+and one batched forward that captures decoder-layer outputs and chunked top-k log-probabilities.
+
+Capture points are forward hooks on the chosen decoder layers: their *raw outputs* (before the
+final norm; HF's `hidden_states[i + 1]`). When no logits are wanted, the model is built with only
+`max(layer_ids) + 1` layers, so the rest of the stack and the LM head are never loaded or run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from .runtime import UserError
+
+log = logging.getLogger("dflash.target")
+
+# Checkpoint key prefixes of multimodal wrappers, mapped onto the text-only causal LM.
+KEY_REWRITES = [
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+]
+
+
+@dataclass
+class TargetInfo:
+    path: Path
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    config_sha256: str
+    weights_fingerprint: str
+    hybrid: bool
+    weight_files: list[Path]
+    tie_word_embeddings: bool
+
+    def manifest_entry(self) -> dict:
+        return {
+            "path": str(self.path), "model_type": self.model_type, "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+            "config_sha256": self.config_sha256, "weights_fingerprint": self.weights_fingerprint,
+        }
+
+
+def _safetensors_header(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100_000_000:
+            raise UserError(f"{path}: not a safetensors file (header length {n})")
+        return f.read(n)
+
+
+def read_target(path: str) -> TargetInfo:
+    """Read config.json and the safetensors headers; no torch, no weights."""
+    root = Path(path)
+    cfg_path = root / "config.json"
+    if not root.is_dir():
+        raise UserError(f"--target {path}: no such folder (expected a Hugging Face model folder)")
+    if not cfg_path.is_file():
+        raise UserError(f"--target {path}: no config.json in the folder")
+    try:
+        raw = cfg_path.read_bytes()
+        cfg = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{cfg_path}: not valid JSON ({e})") from None
+    text = cfg.get("text_config") or cfg
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        if key not in text:
+            raise UserError(f"{cfg_path}: missing {key!r}; is this a causal language model?")
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"--target {path}: no *.safetensors weights in the folder")
+    fp = hashlib.sha256()
+    for f in files:
+        fp.update(f.name.encode())
+        fp.update(str(f.stat().st_size).encode())
+        fp.update(_safetensors_header(f))
+    layer_types = text.get("layer_types") or []
+    # Gated DeltaNet layers keep a recurrent state: padding rules and kernel checks differ.
+    hybrid = "linear_attention" in layer_types
+    tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    return TargetInfo(
+        path=root.absolute(), model_type=str(text.get("model_type", cfg.get("model_type"))),
+        num_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
+        vocab_size=int(text["vocab_size"]),
+        config_sha256=hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest(),
+        weights_fingerprint="sha256:" + fp.hexdigest(), hybrid=hybrid, weight_files=files,
+        tie_word_embeddings=tie,
+    )
+
+
+def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
+    """The DFlash rule: n ids spread from layer 1 to layer L-3, `round(1 + k (L-4) / (n-1))`."""
+    if n == 1:
+        return [1]
+    # floor(x + 0.5): round half up, not Python's round-half-to-even.
+    return [int(1 + k * (num_layers - 4) / (n - 1) + 0.5) for k in range(n)]
+
+
+def resolve_layers(info: TargetInfo, layers: list[int] | None, n: int) -> list[int]:
+    if layers is None:
+        if info.num_layers < 5:
+            raise UserError(f"target has {info.num_layers} layers; give --layers explicitly (the DFlash rule needs at least 5)")
+        ids = default_layer_ids(info.num_layers, n)
+    else:
+        ids = list(layers)
+    bad = [i for i in ids if i < 0 or i >= info.num_layers]
+    if bad:
+        raise UserError(f"--layers {ids}: layer {bad[0]} does not exist; the target has layers 0..{info.num_layers - 1}")
+    if ids != sorted(ids):
+        raise UserError(f"--layers {ids}: give layer ids in increasing order")
+    return ids
+
+
+def check_kernels(info: TargetInfo, devices: list[str]) -> str | None:
+    """For a hybrid target on CUDA, the loud warning when the fast Gated DeltaNet kernels are missing."""
+    import importlib.util
+
+    if not info.hybrid or not any(d.startswith("cuda") for d in devices):
+        return None
+    missing = [p for p, mod in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))
+               if importlib.util.find_spec(mod) is None]
+    if not missing:
+        return None
+    return (
+        f"hybrid target ({info.model_type}) on CUDA without {' and '.join(missing)}: transformers falls back to "
+        f"slow PyTorch Gated DeltaNet kernels (about 1.5x slower here). Install with: "
+        f"pip install {' '.join(missing)}  (or: pip install 'dflash-offline[gpu]')"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading (torch from here on)
+
+
+def _dtype(name: str, device: str):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, name)
+
+
+def load_target(info: TargetInfo, device: str, compute_dtype: str, keep_layers: int, need_head: bool):
+    """Build the text causal LM with `keep_layers` layers on `device` and load its weights.
+
+    Returns the model in eval mode. Weights of dropped layers, vision towers and MTP heads are not
+    read. The LM head is loaded only when `need_head`.
+    """
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = _dtype(compute_dtype, device)
+    config = AutoConfig.from_pretrained(info.path).get_text_config()
+    if keep_layers < config.num_hidden_layers:
+        config.num_hidden_layers = keep_layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = list(config.layer_types[:keep_layers])
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval().requires_grad_(False)
+    wanted = model.state_dict()
+    loaded: set[str] = set()
+    for f in info.weight_files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for key in sf.keys():
+                name = key
+                for old, new in KEY_REWRITES:
+                    if name.startswith(old):
+                        name = new + name[len(old):]
+                        break
+                if name not in wanted:
+                    continue  # vision tower, MTP head, dropped layers, or the head we do not need
+                if name.startswith("lm_head.") and not need_head:
+                    continue
+                t = sf.get_tensor(key)
+                if tuple(t.shape) != tuple(wanted[name].shape):
+                    raise UserError(f"{f.name}: tensor {key} has shape {tuple(t.shape)}, the config implies {tuple(wanted[name].shape)}")
+                with torch.no_grad():
+                    wanted[name].copy_(t)
+                loaded.add(name)
+    missing = [k for k in wanted if k not in loaded]
+    if "lm_head.weight" in missing and (info.tie_word_embeddings or not need_head):
+        missing.remove("lm_head.weight")
+        if info.tie_word_embeddings:
+            model.lm_head.weight = model.get_input_embeddings().weight
+    if missing:
+        raise UserError(f"--target {info.path}: weights missing for {len(missing)} tensors, e.g. {missing[:3]}")
+    log.info("target loaded on %s: %d of %d layers, head %s, dtype %s", device, keep_layers,
+             info.num_layers, "on" if need_head else "off", dtype)
+    return model
+
+
+class LayerCapture:
+    """Forward hooks that write the chosen layers' outputs into one [B, S, n, H] staging tensor."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        self.decoder = model.get_decoder()
+        self.layer_ids = layer_ids
+        self.stage = None
+        self._handles = [
+            self.decoder.layers[lid].register_forward_hook(self._hook(j)) for j, lid in enumerate(layer_ids)
+        ]
+
+    def _hook(self, j: int):
+        def hook(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            self.stage[:, :, j, :].copy_(out)
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def forward_batch(model, capture: LayerCapture, input_ids, attention_mask, flat_index, topk: int,
+                  logits_chunk_tokens: int):
+    """One padded batch -> (hidden [N, n, H], topk_ids [N, k] int32, topk_logprobs [N, k] fp16).
+
+    N = valid (unpadded) tokens, gathered with `flat_index` (row * S + position, built on the host,
+    so no device-to-host sync for a boolean mask). Top-k is computed `logits_chunk_tokens` at a time:
+    a [chunk, vocab] fp32 block is the most full-vocabulary logits ever alive.
+    """
+    import torch
+
+    B, S = input_ids.shape
+    n, H = len(capture.layer_ids), model.config.hidden_size
+    capture.stage = torch.empty((B, S, n, H), dtype=model.dtype, device=input_ids.device)
+    with torch.inference_mode():
+        out = capture.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = capture.stage.view(B * S, n, H).index_select(0, flat_index)
+        capture.stage = None
+        if topk == 0:
+            return hidden, None, None
+        last = out.last_hidden_state.view(B * S, H).index_select(0, flat_index)
+        head = model.get_output_embeddings()
+        ids_parts, lp_parts = [], []
+        for a in range(0, last.shape[0], logits_chunk_tokens):
+            logits = head(last[a:a + logits_chunk_tokens]).float()
+            lp = torch.log_softmax(logits, dim=-1)
+            v, i = torch.topk(lp, topk, dim=-1)
+            ids_parts.append(i.to(torch.int32))
+            lp_parts.append(v.to(torch.float16))
+        return hidden, torch.cat(ids_parts), torch.cat(lp_parts)

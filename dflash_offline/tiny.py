@@ -1,0 +1,70 @@
+"""Tiny targets and inputs made on the fly: the demo's embedded default and the tests' fixtures.
+
+The targets are real transformers models (dense Qwen3, hybrid Qwen3.5 with Gated DeltaNet layers)
+built from a config with seeded random weights and saved as a normal Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+TINY_VOCAB = 512
+
+
+def tiny_config(kind: str = "qwen3", num_layers: int = 8):
+    from transformers import Qwen3Config
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if kind == "qwen3":
+        return Qwen3Config(**common)
+    if kind == "qwen3_5":
+        from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+        # 3 Gated DeltaNet layers : 1 attention layer, as in the Qwen3.5/3.6 family.
+        return Qwen3_5TextConfig(**common, linear_num_key_heads=2, linear_num_value_heads=4,
+                                 linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    raise ValueError(f"unknown tiny target kind {kind!r}; use qwen3 or qwen3_5")
+
+
+def make_tiny_target(out: str | Path, kind: str = "qwen3", num_layers: int = 8, seed: int = 0) -> Path:
+    """Save a seeded random tiny causal LM to `out` (config.json + model.safetensors)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind, num_layers), dtype=torch.float32)
+    # Random init gives tiny, near-uniform logits; scale the head so top-k has clear winners.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.save_pretrained(out)
+    return out
+
+
+def make_tiny_data(path: str | Path, rows: int = 64, seed: int = 0, min_len: int = 8, max_len: int = 200,
+                   vocab: int = TINY_VOCAB, mask_style: str = "loss_mask", with_id: bool = True,
+                   id_offset: int = 0, row_group_size: int | None = None) -> Path:
+    """Random prompt + response rows in the contract's Parquet layout."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(min_len, max_len + 1, size=rows)
+    ids = [rng.integers(2, vocab, size=int(n)).astype(np.int32) for n in lens]
+    prompt = [int(rng.integers(1, max(2, n // 2))) for n in lens]
+    cols = {"input_ids": pa.array([a.tolist() for a in ids], type=pa.list_(pa.int32()))}
+    if mask_style == "loss_mask":
+        masks = [np.r_[np.zeros(p, np.int8), np.ones(n - p, np.int8)] for p, n in zip(prompt, lens)]
+        cols["loss_mask"] = pa.array([m.tolist() for m in masks], type=pa.list_(pa.int8()))
+    else:
+        cols["prompt_len"] = pa.array(prompt, type=pa.int64())
+    if with_id:
+        cols["id"] = pa.array(np.arange(id_offset, id_offset + rows), type=pa.int64())
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(cols), path, row_group_size=row_group_size)
+    return path
