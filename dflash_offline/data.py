@@ -168,13 +168,16 @@ def scan(paths: list[str], vocab_size: int) -> Source:
                     )
                 mflat = pc.list_flatten(mask)
                 if len(mflat) and not pa.types.is_boolean(mflat.type):
-                    mm = pc.min_max(mflat)
-                    if mm["min"].as_py() < 0 or mm["max"].as_py() > 1:
-                        raise UserError(f"{path}: loss_mask holds values other than 0 and 1")
+                    mvals = mflat.to_numpy(zero_copy_only=False)
+                    bad = np.flatnonzero((mvals < 0) | (mvals > 1))
+                    if bad.size:
+                        row = int(np.searchsorted(np.cumsum(lens), int(bad[0]), side="right"))
+                        raise UserError(f"{path}: row {base + row}: loss_mask holds {int(mvals[bad[0]])}; only 0 and 1 are allowed")
             else:
-                pl = mask.to_numpy(zero_copy_only=False)
                 if mask.null_count:
-                    raise UserError(f"{path}: prompt_len has null values")
+                    r = base + int(np.flatnonzero(mask.is_null().to_numpy(zero_copy_only=False))[0])
+                    raise UserError(f"{path}: row {r}: prompt_len is null")
+                pl = mask.to_numpy(zero_copy_only=False)
                 bad = np.flatnonzero((pl < 0) | (pl > lens))
                 if bad.size:
                     r = int(bad[0])
@@ -184,7 +187,8 @@ def scan(paths: list[str], vocab_size: int) -> Source:
             if has_id:
                 idc = tab.column("id").combine_chunks()
                 if idc.null_count:
-                    raise UserError(f"{path}: column 'id' has null values")
+                    r = base + int(np.flatnonzero(idc.is_null().to_numpy(zero_copy_only=False))[0])
+                    raise UserError(f"{path}: row {r}: id is null")
                 ids_all.append(idc.to_numpy(zero_copy_only=False).astype(np.int64))
             else:
                 ids_all.append(None)  # filled below from global indices
@@ -212,7 +216,9 @@ def scan(paths: list[str], vocab_size: int) -> Source:
         raise UserError(f"id {dup} occurs twice ({where[0]}; {where[1]}): ids must be unique across all input files")
     if (ids < 0).any():
         r = int(np.flatnonzero(ids < 0)[0])
-        raise UserError(f"row {r}: id {int(ids[r])} is negative; ids must be >= 0")
+        src = Source(out_files, ids, lengths, max_token)
+        fi, fr = src.file_of_row(r)
+        raise UserError(f"{out_files[fi].path}: row {fr}: id {int(ids[r])} is negative; ids must be >= 0")
     return Source(files=out_files, ids=ids, lengths=lengths, max_token=max_token)
 
 

@@ -92,6 +92,14 @@ def make_batches(lengths: list[int], batch_tokens: int) -> list[tuple[int, int]]
     return out
 
 
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
 def bytes_per_token(num_layers: int, hidden_size: int, topk: int) -> int:
     # hidden (bf16) + top-k ids (int32) and log-probs (fp16) + input_ids (int32) + loss_mask (uint8)
     return num_layers * hidden_size * 2 + topk * 6 + 5
@@ -130,8 +138,6 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
              int(source.lengths.sum()), time.time() - t0)
     shards = make_plan(source.lengths, cfg.max_len, cfg.shard_tokens, cfg.sort_window)
     truncated = int((source.lengths > cfg.max_len).sum())
-    if truncated:
-        log.warning("%d of %d samples are longer than --max-len %d and are truncated", truncated, source.rows, cfg.max_len)
     wanted = new_manifest(
         target=info.manifest_entry(),
         capture={"layer_ids": layer_ids, "topk": cfg.topk, "hidden_dtype": cfg.hidden_dtype, "max_len": cfg.max_len},
@@ -149,15 +155,18 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     need, whole = todo_tokens * bpt, total_tokens * bpt
     if cfg.max_bytes is not None and whole > cfg.max_bytes:
         raise UserError(
-            f"estimated cache size {whole / 1e9:.2f} GB ({total_tokens} tokens x {bpt} bytes/token) exceeds "
-            f"--max-bytes {cfg.max_bytes / 1e9:.2f} GB; lower --max-len, --topk or the number of layers, or raise --max-bytes"
+            f"estimated cache size {human_bytes(whole)} ({total_tokens} tokens x {bpt} bytes/token) exceeds "
+            f"--max-bytes {human_bytes(cfg.max_bytes)}; lower --max-len, --topk or the number of layers, or raise --max-bytes"
         )
     free = loc.free_bytes()
     if free is not None and need > free:
         raise UserError(
-            f"the cache needs about {need / 1e9:.2f} GB more ({todo_tokens} tokens x {bpt} bytes/token) but "
-            f"{loc.path()} has {free / 1e9:.2f} GB free; free space or choose another --cache"
+            f"the cache needs about {human_bytes(need)} more ({todo_tokens} tokens x {bpt} bytes/token) but "
+            f"{loc.path()} has {human_bytes(free)} free; free space or choose another --cache"
         )
+    # Warnings only once the run is accepted: a refused run prints one line.
+    if truncated:
+        log.warning("%d of %d samples are longer than --max-len %d and are truncated", truncated, source.rows, cfg.max_len)
     warning = target.check_kernels(info, devices)
     if warning:
         log.warning(warning)
@@ -385,7 +394,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     from .cache.manifest import ManifestStore
     from .data import RowReader, Source, SourceFile
     from .runtime import single_thread_compute
-    from .target import LayerCapture, forward_batch, load_target, read_target
+    from .target import LayerCapture, load_target, read_target
 
     import torch
 
@@ -421,11 +430,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     capture = LayerCapture(model, job.layer_ids)
     n, H, k = len(job.layer_ids), job.hidden_size, cfg.topk
     cuda = device.startswith("cuda")
-    pool = _PinnedPool(torch, 3 if cuda else 1, {
-        "hidden": ((cfg.batch_tokens, n, H), torch.uint16),
-        "ids": ((cfg.batch_tokens, max(k, 1)), torch.int32),
-        "lp": ((cfg.batch_tokens, max(k, 1)), torch.float16),
-    }, pinned=cuda)
+    pool = make_pool(torch, cfg, n, H, cuda)
 
     bar = None
     if show_bar:
@@ -444,52 +449,82 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
 
     sink = _Sink(loc, store, dict(num_layers=n, hidden_size=H, topk=k, chunk_tokens=cfg.chunk_tokens,
                                   layer_ids=job.layer_ids, hidden_dtype=cfg.hidden_dtype), on_progress)
-    tokens_done, t_start = 0, time.time()
+    t_start = time.time()
     try:
-        for j in mine:
-            rows = job.shards[j]
-            fetched = {int(r): reader.row(int(r)) for r in sorted(rows.tolist())}  # file order: one read per row group
-            samples = []
-            for r in rows.tolist():
-                ids, mask = fetched[r]
-                samples.append((int(src.ids[r]), ids[: cfg.max_len], mask[: cfg.max_len]))
-            sink.put(("begin", j, sum(s[1].shape[0] for s in samples)))
-            for a, b in make_batches([s[1].shape[0] for s in samples], cfg.batch_tokens):
-                batch = samples[a:b]
-                lens = [s[1].shape[0] for s in batch]
-                S, B = max(lens), len(batch)
-                ids_np = np.zeros((B, S), np.int64)
-                mask_np = np.zeros((B, S), np.int64)
-                flat = np.concatenate([r * S + np.arange(t) for r, t in enumerate(lens)])
-                for r, (_, ids, _) in enumerate(batch):
-                    ids_np[r, : ids.shape[0]] = ids
-                    mask_np[r, : ids.shape[0]] = 1
-                # Right padding: causal attention and the causal conv / delta-rule recurrence of
-                # Gated DeltaNet never let a padded position influence an earlier real one.
-                input_ids = torch.from_numpy(ids_np).to(device, non_blocking=True)
-                attn = torch.from_numpy(mask_np).to(device, non_blocking=True)
-                index = torch.from_numpy(flat).to(device, non_blocking=True)
-                hidden, tids, tlp = forward_batch(model, capture, input_ids, attn, index, k, cfg.logits_chunk_tokens)
-                N = hidden.shape[0]
-                bufs = pool.get()  # blocks while the writer still holds every buffer
-                h_host = bufs["hidden"][:N]
-                h_host.copy_(hidden.to(torch.bfloat16).view(torch.uint16), non_blocking=cuda)
-                ti_host = tl_host = None
-                if k > 0:
-                    ti_host = bufs["ids"][:N]
-                    tl_host = bufs["lp"][:N]
-                    ti_host.copy_(tids, non_blocking=cuda)
-                    tl_host.copy_(tlp, non_blocking=cuda)
-                event = None
-                if cuda:
-                    event = torch.cuda.Event()
-                    event.record()
-                sink.put(("batch", batch, h_host, ti_host, tl_host, event, lambda bufs=bufs: pool.release(bufs)))
-                tokens_done += N
-            sink.put(("end", j))
-        sink.close()
+        tokens_done = run_shards(model, capture, cfg, ((j, _shard_samples(job, j, src, reader, cfg.max_len)) for j in mine),
+                                 sink, pool, device)
     finally:
         if bar is not None:
             bar.close()
     dt = time.time() - t_start
     log.info("worker %d done: %d tokens in %.1fs (%.0f tokens/s)", rank, tokens_done, dt, tokens_done / max(dt, 1e-9))
+
+
+def _shard_samples(job: Job, j: int, src, reader, max_len: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """(id, input_ids, loss_mask) of shard j's samples in write order, truncated to max_len."""
+    rows = job.shards[j]
+    fetched = {int(r): reader.row(int(r)) for r in sorted(rows.tolist())}  # file order: one read per row group
+    out = []
+    for r in rows.tolist():
+        ids, mask = fetched[r]
+        out.append((int(src.ids[r]), ids[:max_len], mask[:max_len]))
+    return out
+
+
+def make_pool(torch, cfg: ExtractConfig, num_layers: int, hidden_size: int, cuda: bool) -> _PinnedPool:
+    k = max(cfg.topk, 1)
+    return _PinnedPool(torch, 3 if cuda else 1, {
+        "hidden": ((cfg.batch_tokens, num_layers, hidden_size), torch.uint16),
+        "ids": ((cfg.batch_tokens, k), torch.int32),
+        "lp": ((cfg.batch_tokens, k), torch.float16),
+    }, pinned=cuda)
+
+
+def run_shards(model, capture, cfg: ExtractConfig, shards, sink: _Sink, pool: _PinnedPool, device: str) -> int:
+    """The hot loop: forward each batch on this thread, hand its async host copies to the writer.
+
+    `shards` yields (j, samples). Returns the number of tokens extracted. Closes `sink`.
+    """
+    import torch
+
+    from .target import forward_batch
+
+    cuda = device.startswith("cuda")
+    k = cfg.topk
+    tokens_done = 0
+    for j, samples in shards:
+        sink.put(("begin", j, sum(s[1].shape[0] for s in samples)))
+        for a, b in make_batches([s[1].shape[0] for s in samples], cfg.batch_tokens):
+            batch = samples[a:b]
+            lens = [s[1].shape[0] for s in batch]
+            S, B = max(lens), len(batch)
+            ids_np = np.zeros((B, S), np.int64)
+            mask_np = np.zeros((B, S), np.int64)
+            flat = np.concatenate([r * S + np.arange(t) for r, t in enumerate(lens)])
+            for r, (_, ids, _) in enumerate(batch):
+                ids_np[r, : ids.shape[0]] = ids
+                mask_np[r, : ids.shape[0]] = 1
+            # Right padding: causal attention and the causal conv / delta-rule recurrence of
+            # Gated DeltaNet never let a padded position influence an earlier real one.
+            input_ids = torch.from_numpy(ids_np).to(device, non_blocking=True)
+            attn = torch.from_numpy(mask_np).to(device, non_blocking=True)
+            index = torch.from_numpy(flat).to(device, non_blocking=True)
+            hidden, tids, tlp = forward_batch(model, capture, input_ids, attn, index, k, cfg.logits_chunk_tokens)
+            N = hidden.shape[0]
+            bufs = pool.get()  # blocks while the writer still holds every buffer
+            h_host = bufs["hidden"][:N]
+            h_host.copy_(hidden.to(torch.bfloat16).view(torch.uint16), non_blocking=cuda)
+            ti_host = tl_host = None
+            if k > 0:
+                ti_host, tl_host = bufs["ids"][:N], bufs["lp"][:N]
+                ti_host.copy_(tids, non_blocking=cuda)
+                tl_host.copy_(tlp, non_blocking=cuda)
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+            sink.put(("batch", batch, h_host, ti_host, tl_host, event, lambda bufs=bufs: pool.release(bufs)))
+            tokens_done += N
+        sink.put(("end", j))
+    sink.close()
+    return tokens_done

@@ -8,6 +8,7 @@ nodes sharing a file system) never lose one another's commits.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from ..runtime import UserError
@@ -90,6 +91,11 @@ class ManifestStore:
                 self.loc.write_json_atomic(MANIFEST, wanted)
                 return wanted
             check_compatible(existing, wanted, self.loc.url(MANIFEST))
+            # Temporary manifests are only written while the lock is held: any left now is debris
+            # of a process killed between writing one and replacing manifest.json with it.
+            for name in self.loc.listdir(""):
+                if name.startswith(MANIFEST + ".tmp-"):
+                    self.loc.rmtree(name) if self.loc.remote else os.remove(self.loc.path(name))
             return existing
 
     def commit_shard(self, entry: dict) -> dict:
