@@ -163,6 +163,49 @@ def _dtype(name: str, device: str):
     return getattr(torch, name)
 
 
+_KERNEL_FUNCS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
+
+
+def route_cpu_tensors_to_torch_kernels(model) -> int:
+    """Send CPU tensors of hybrid layers to transformers' PyTorch reference kernels.
+
+    transformers binds Gated DeltaNet / causal-conv functions to flash-linear-attention and
+    causal-conv1d at import time when those packages are installed, and their Triton/CUDA kernels
+    fail on CPU tensors ("Pointer argument cannot be accessed from Triton"). The fix wraps each
+    bound function of the model's modeling module with a dispatcher: CUDA tensors keep the fast
+    kernel, CPU tensors take the original PyTorch function (`__wrapped__`). Returns how many
+    functions were wrapped (0 for dense targets or when nothing is bound to a fast kernel).
+    """
+    import functools
+    import sys
+
+    import torch
+
+    wrapped = 0
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    for mod in modules:
+        for name in _KERNEL_FUNCS:
+            fn = getattr(mod, name, None)
+            ref = getattr(fn, "__wrapped__", None)
+            if fn is None or ref is None or getattr(fn, "_dflash_routed", False):
+                continue
+
+            def dispatch(*args, _fast=fn, _ref=ref, **kwargs):
+                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                if first is None:
+                    first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+                if first is not None and first.device.type == "cpu":
+                    return _ref(*args, **kwargs)
+                return _fast(*args, **kwargs)
+
+            functools.update_wrapper(dispatch, fn)
+            dispatch._dflash_routed = True
+            setattr(mod, name, dispatch)
+            wrapped += 1
+    return wrapped
+
+
 def load_target(info: TargetInfo, device: str, compute_dtype: str, keep_layers: int, need_head: bool):
     """Build the text causal LM with `keep_layers` layers on `device` and load its weights.
 
@@ -184,6 +227,8 @@ def load_target(info: TargetInfo, device: str, compute_dtype: str, keep_layers: 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval().requires_grad_(False)
+    if info.hybrid:
+        route_cpu_tensors_to_torch_kernels(model)
     wanted = model.state_dict()
     loaded: set[str] = set()
     for f in info.weight_files:

@@ -289,10 +289,6 @@ def other_data_content(s: Setup) -> Bad:
     return Bad(opts={"data": [f]}, expect=["source.files"])
 
 
-def _xfail(reason: str):
-    return pytest.mark.xfail(strict=True, reason=reason)
-
-
 # (id, build, also run against a fresh cache, marks)
 CASES = [
     ("missing-input_ids", missing_input_ids, True, ()),
@@ -303,7 +299,7 @@ CASES = [
     ("empty-row", empty_row, True, ()),
     ("input_ids-not-integers", input_ids_not_integers, True, ()),
     ("loss_mask-values-not-0-1", loss_mask_values, True,
-     (_xfail("package bug: data.scan's 'loss_mask holds values other than 0 and 1' names no row"),)),
+     ()),
     ("not-parquet", not_parquet, True, ()),
     ("truncated-parquet", truncated_parquet, True, ()),
     ("data-path-missing", data_missing, True, ()),
@@ -311,7 +307,7 @@ CASES = [
     ("duplicate-ids-across-files", duplicate_ids_across_files, True, ()),
     ("prompt_len-beyond-row", prompt_len_too_long, True, ()),
     ("negative-row-id", negative_row_id, True,
-     (_xfail("package bug: data.scan's negative-id message names a global row but no file"),)),
+     ()),
     ("target-without-config", target_without_config, True, ()),
     ("target-without-safetensors", target_without_weights, True, ()),
     ("layer-out-of-range", layer_out_of_range, True, ()),
@@ -325,14 +321,12 @@ CASES = [
     ("cache-other-layers", other_layers, False, ()),
     ("cache-other-max-len", other_max_len, False, ()),
     ("cache-other-max-len-truncating", other_max_len_truncating, False,
-     (_xfail("package bug: preflight logs the truncation WARNING to stderr before it refuses the run, "
-             "so stderr has two lines"),)),
+     ()),
     ("cache-other-shard-tokens", other_shard_tokens, False, ()),
     ("cache-other-target-config", other_target_config, False, ()),
     ("cache-other-target-weights-dtype", other_target_weight_dtype, False, ()),
     ("cache-other-target-same-shapes-other-weights", other_target_seed, False,
-     (_xfail("package bug: target.weights_fingerprint hashes only safetensors headers (names, dtypes, "
-             "shapes, sizes), so a re-trained/fine-tuned target of the same architecture is accepted"),)),
+     ()),
     ("cache-other-data-rows", other_data_rows, False, ()),
     ("cache-other-data-content", other_data_content, False, ()),
 ]

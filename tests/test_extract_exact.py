@@ -26,6 +26,7 @@ import torch
 from _numerics import bf16_close, bf16_ulps, fp16_ulps
 from conftest import run_cli
 from dflash_offline.cache.reader import CacheReader
+from dflash_offline.target import route_cpu_tensors_to_torch_kernels
 
 ARGS = ["--devices", "cpu", "--topk", "6", "--max-len", "120", "--batch-tokens", "480",
         "--shard-tokens", "1500", "--chunk-tokens", "256", "--logits-chunk-tokens", "100", "--no-progress"]
@@ -37,6 +38,9 @@ def solo_reference(target_dir, input_ids: np.ndarray, layer_ids: list[int], topk
     model = solo_reference.cache.get(str(target_dir))
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        # Where flash-linear-attention is installed, transformers binds its Triton kernels, which
+        # cannot run CPU tensors: the reference takes transformers' own PyTorch path instead.
+        route_cpu_tensors_to_torch_kernels(model)
         solo_reference.cache[str(target_dir)] = model
     with torch.no_grad():
         out = model(torch.from_numpy(input_ids.astype(np.int64))[None], output_hidden_states=True)

