@@ -28,7 +28,7 @@ def main() -> None:
     \b
     Stage one, `extract`: the frozen target writes hidden states of chosen layers (and top-k
     log-probabilities) into a committed, resumable Zarr cache, one process per device.
-    Stage two, `train`: the drafter trains from that cache (see the docs).
+    Stage two, `train` (not built yet): the drafter will train from that cache.
 
     \b
     Quick start (CPU, tiny built-in recipe):

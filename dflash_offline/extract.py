@@ -207,11 +207,32 @@ def run(cfg: ExtractConfig) -> dict:
         device = devices[0] if devices == ["cpu"] else f"cuda:{launch.local_rank}"
         worker_run(launch.rank, launch.world_size, device, job, progress=None,
                    show_bar=cfg.progress and launch.rank == 0, todo_tokens=todo_tokens)
+        if launch.rank == 0:
+            _wait_for_other_ranks(store)
     else:
         _launch_workers(job, devices, todo_tokens, cfg.progress, _log_dir(cfg, loc))
     manifest = store.read()
     _summary(manifest, time.time() - t0, log_path, launch)
     return manifest
+
+
+def _wait_for_other_ranks(store) -> None:
+    """Rank 0 reports the whole cache, so it waits until every rank's shards are committed.
+
+    No process group is needed for that: the manifest is the shared state. If another rank
+    dies, torchrun tears this one down too.
+    """
+    t0 = time.time()
+    last = 0.0
+    while True:
+        m = store.read()
+        if m["status"] == "complete":
+            return
+        if time.time() - last > 30:
+            log.info("waiting for other ranks: %d/%d shards committed (%.0fs)", len(m["shards"]),
+                     m["plan"]["num_shards"], time.time() - t0)
+            last = time.time()
+        time.sleep(0.5)
 
 
 def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bool, log_dir: str) -> None:

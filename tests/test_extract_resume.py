@@ -99,3 +99,38 @@ def test_rerun_of_complete_cache_does_nothing(reference, tiny_dense, tiny_data):
     assert r.returncode == 0, r.stderr
     assert (reference / "manifest.json").read_bytes() == before
     assert "complete" in r.stdout
+
+
+def test_torchrun_ranks_equal_launcher(reference, tiny_dense, tiny_data, tmp_path):
+    """The same command under torchrun (one rank per process, no launcher) writes the same cache."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "dflash_offline", "extract", "--target", str(tiny_dense), "--data", str(tiny_data),
+         "--cache", str(cache), "--devices", "cpu", *OPTS],
+        capture_output=True, text=True, env=env, timeout=300, start_new_session=True,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert shard_table(cache) == shard_table(reference)
+    assert (cache / "logs" / "extract-rank0.log").exists() and (cache / "logs" / "extract-rank1.log").exists()
+    assert "complete" in r.stdout
+
+
+def test_config_recipe_and_cli_override(tiny_dense, tiny_data, tmp_path):
+    """--config keys fill the options; a value typed on the command line wins over the recipe."""
+    cache = tmp_path / "cache"
+    recipe = tmp_path / "extract.toml"
+    recipe.write_text(
+        f'target = "{tiny_dense}"\ndata = ["{tiny_data}"]\ncache = "{cache}"\ndevices = "cpu"\n'
+        'layers = [1, 3]\ntopk = 4\nmax-len = 64\nbatch_tokens = 256\nshard_tokens = 4096\nprogress = false\n'
+    )
+    r = run_cli(["extract", "--config", str(recipe), "--topk", "2"])
+    assert r.returncode == 0, r.stderr
+    m = json.loads((cache / "manifest.json").read_text())
+    assert m["capture"] == {"layer_ids": [1, 3], "topk": 2, "hidden_dtype": "bfloat16", "max_len": 64}
+    assert m["plan"]["shard_tokens"] == 4096
+    assert max(s.input_ids.shape[0] for s in CacheReader(str(cache)).samples()) == 64
