@@ -28,8 +28,12 @@ class Location:
         if self.remote:
             import fsspec
 
-            self.fs, self._base = fsspec.core.url_to_fs(root)
+            protocol = root.split("://", 1)[0].split("::")[-1]
+            # File-system-like backends need parent folders; object stores have none to make.
+            self.storage_options = {"auto_mkdir": True} if protocol in ("local", "file") else {}
+            self.fs, self._base = fsspec.core.url_to_fs(root, **self.storage_options)
         else:
+            self.storage_options = {}
             self.fs, self._base = None, str(Path(root).absolute())
 
     # -- paths ------------------------------------------------------------------------------
@@ -41,6 +45,10 @@ class Location:
         if not self.remote:
             return self.path(rel)
         return f"{self.root.rstrip('/')}/{rel}" if rel else self.root
+
+    def zarr_kwargs(self) -> dict:
+        """Extra arguments for zarr.open_group on this location."""
+        return {"storage_options": self.storage_options} if self.remote and self.storage_options else {}
 
     # -- queries ----------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
@@ -105,7 +113,9 @@ class Location:
         """Write `rel` so that readers see the old or the new content, never a mix."""
         data = (json.dumps(obj, separators=(",", ":")) + "\n").encode()
         if self.remote:
-            # Object stores replace a whole object in one PUT.
+            # Object stores replace a whole object in one PUT (makedirs is a no-op there, and
+            # needed for file-system-like backends).
+            self.fs.makedirs(self.path(rel).rsplit("/", 1)[0], exist_ok=True)
             self.fs.pipe_file(self.path(rel), data)
             return
         final = self.path(rel)

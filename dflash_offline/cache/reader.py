@@ -41,7 +41,7 @@ class Shard:
     def __init__(self, loc: Location, entry: dict):
         self.entry = entry
         self.name = entry["name"]
-        self.group = zarr.open_group(store=loc.url(f"shards/{self.name}.zarr"), mode="r")
+        self.group = zarr.open_group(store=loc.url(f"shards/{self.name}.zarr"), mode="r", **loc.zarr_kwargs())
         self.offsets = self.group["sample_offsets"][:]
         self.ids = self.group["sample_ids"][:]
         self._index = {int(i): k for k, i in enumerate(self.ids)}

@@ -52,7 +52,7 @@ class ShardWriter:
         self.loc, self.rel, self.layout = loc, rel, layout
         T, n, H, k, C = layout.tokens, layout.num_layers, layout.hidden_size, layout.topk, layout.chunk_tokens
         self.group = zarr.open_group(
-            store=loc.url(rel), mode="w", zarr_format=3,
+            store=loc.url(rel), mode="w", zarr_format=3, **loc.zarr_kwargs(),
             attributes={
                 "format": SHARD_FORMAT, "version": SHARD_VERSION, "layer_ids": list(layout.layer_ids),
                 "hidden_size": H, "hidden_dtype": layout.hidden_dtype, "topk": k,
