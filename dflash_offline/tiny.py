@@ -31,13 +31,27 @@ def tiny_config(kind: str = "qwen3", num_layers: int = 8):
 
 
 def make_tiny_target(out: str | Path, kind: str = "qwen3", num_layers: int = 8, seed: int = 0) -> Path:
-    """Save a seeded random tiny causal LM to `out` (config.json + model.safetensors)."""
+    """Save a seeded random tiny causal LM to `out` (config.json + model.safetensors).
+
+    kind: `qwen3` (dense), `qwen3_5` (hybrid text model), or `qwen3_5_vl` (the hybrid text model
+    inside Qwen3.5's multimodal wrapper, as the released Qwen3.5/3.6 checkpoints are saved: keys
+    under `model.language_model.`, a vision tower beside it).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(kind, num_layers), dtype=torch.float32)
+    if kind == "qwen3_5_vl":
+        from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+        cfg = Qwen3_5Config(text_config=tiny_config("qwen3_5", num_layers).to_dict(), vision_config=vision,
+                            tie_word_embeddings=False)
+        model = Qwen3_5ForConditionalGeneration(cfg)
+    else:
+        model = AutoModelForCausalLM.from_config(tiny_config(kind, num_layers), dtype=torch.float32)
     # Random init gives tiny, near-uniform logits; scale the head so top-k has clear winners.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)

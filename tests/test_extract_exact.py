@@ -19,6 +19,9 @@ padded position or another sample would move values by O(1) relative, thousands 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -37,7 +40,11 @@ def solo_reference(target_dir, input_ids: np.ndarray, layer_ids: list[int], topk
 
     model = solo_reference.cache.get(str(target_dir))
     if model is None:
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        if "text_config" in json.loads((Path(target_dir) / "config.json").read_text()):
+            from transformers.models.qwen3_5 import Qwen3_5ForConditionalGeneration as cls
+        else:
+            cls = AutoModelForCausalLM
+        model = cls.from_pretrained(target_dir, dtype=torch.float32).eval()
         # Where flash-linear-attention is installed, transformers binds its Triton kernels, which
         # cannot run CPU tensors: the reference takes transformers' own PyTorch path instead.
         route_cpu_tensors_to_torch_kernels(model)
@@ -54,9 +61,19 @@ def solo_reference(target_dir, input_ids: np.ndarray, layer_ids: list[int], topk
 solo_reference.cache = {}
 
 
-@pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_stored_equals_solo_forward(kind, tiny_dense, tiny_hybrid, tiny_data, tmp_path):
-    target = tiny_dense if kind == "dense" else tiny_hybrid
+@pytest.fixture(scope="session")
+def tiny_hybrid_multimodal(tmp_path_factory):
+    from dflash_offline.tiny import make_tiny_target
+
+    return make_tiny_target(tmp_path_factory.mktemp("targets") / "tiny-qwen3_5-vl", kind="qwen3_5_vl")
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid", "hybrid-multimodal-checkpoint"])
+def test_stored_equals_solo_forward(kind, tiny_dense, tiny_hybrid, tiny_data, tmp_path, request):
+    """`hybrid-multimodal-checkpoint` is saved as the released Qwen3.5/3.6 models are (text model
+    inside the vision-language wrapper): only the text model is built and its keys remapped; the
+    reference is the whole wrapper's own forward."""
+    target = {"dense": tiny_dense, "hybrid": tiny_hybrid}.get(kind) or request.getfixturevalue("tiny_hybrid_multimodal")
     cache = tmp_path / "cache"
     r = run_cli(["extract", "--target", str(target), "--data", str(tiny_data), "--cache", str(cache), *ARGS])
     assert r.returncode == 0, r.stderr
