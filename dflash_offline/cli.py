@@ -81,6 +81,60 @@ def extract(ctx: click.Context, config_file, **options) -> None:
 
 
 @main.command()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML recipe whose keys are these options (command-line values win).")
+@click.option("--cache", help="The committed cache written by `extract`.")
+@click.option("--target", help="The target's Hugging Face folder (widths, mask token, frozen embedding and LM head).")
+@click.option("--out", help="Run folder: step-N/ checkpoints, metrics.jsonl, logs/, export/. Re-run to resume.")
+@click.option("--devices", help="GPU indices like 5,6,7 (one DDP process each, NCCL), or cpu / cpu,cpu (gloo).  [default: cpu]")
+@click.option("--num-layers", type=int, help="Drafter layers.  [default: 5]")
+@click.option("--block-size", type=int, help="Draft block size.  [default: 16]")
+@click.option("--gamma", type=float, help="Loss decay over slots.  [default: 7 for block 16, 5 for 10, 4 for 8]")
+@click.option("--num-anchors", type=int, help="Blocks per row.  [default: 512]")
+@click.option("--seq-len", type=int, help="Context tokens per packed row.  [default: 4096]")
+@click.option("--global-batch-tokens", type=int, help="Context tokens per optimizer step, all ranks.  [default: 131072]")
+@click.option("--lr", type=float, help="Peak learning rate.  [default: 6e-4]")
+@click.option("--warmup-ratio", type=float, help="Warm-up share of all steps.  [default: 0.04]")
+@click.option("--weight-decay", type=float, help="AdamW weight decay.  [default: 0]")
+@click.option("--epochs", type=int, help="Epochs.  [default: 6]")
+@click.option("--clip", type=float, help="Gradient-norm clip.  [default: 1.0]")
+@click.option("--seed", type=int, help="Seed of sample order, anchors and initial weights.  [default: 0]")
+@click.option("--mask-token-id", type=int, help="Mask token id.  [default: the tokenizer's mask token]")
+@click.option("--max-steps", type=int, help="Stop after this many steps (schedule still spans all epochs).")
+@click.option("--checkpoint-every", type=int, help="Steps between checkpoints.  [default: 500]")
+@click.option("--keep-checkpoints", type=int, help="Checkpoints kept.  [default: 3]")
+@click.option("--log-every", type=int, help="Steps between log lines.  [default: 10]")
+@click.option("--loader-workers", type=int, help="Background loader processes per rank.  [default: 2]")
+@click.option("--prefetch", type=int, help="Rows each loader process reads ahead.  [default: 4]")
+@click.option("--loss-chunk-tokens", type=int, help="Block tokens per LM-head chunk in the loss.  [default: 4096]")
+@click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), help="auto = bf16 autocast on GPU, fp32 on CPU.")
+@click.option("--verify", type=click.Choice(["quick", "full"]), help="quick: shards exist and open; full: also checksums.  [default: quick]")
+@click.option("--progress/--no-progress", default=None, help="Progress bar.  [default: on]")
+@click.pass_context
+def train(ctx: click.Context, config_file, **options) -> None:
+    """Stage two: train a DFlash drafter from a committed cache (resumes from OUT's last checkpoint)."""
+    from .config import TrainConfig, load_recipe, merge
+
+    given = {k: v for k, v in _given(ctx, **options).items() if v is not None}
+    recipe = load_recipe(config_file, TrainConfig) if config_file else {}
+    cfg = merge(TrainConfig, recipe, given)
+    from . import train as stage
+
+    stage.run(cfg)
+
+
+@main.command()
+@click.option("--run", "run_dir", required=True, help="A training run folder (OUT of `train`).")
+@click.option("--step", type=int, help="Checkpoint step to export.  [default: the latest]")
+@click.option("--to", "dest", help="Export folder.  [default: RUN/export]")
+def export(run_dir: str, step: int | None, dest: str | None) -> None:
+    """Write a checkpoint's drafter in the format serving engines load (config.json + model.safetensors)."""
+    from . import export as export_mod
+
+    path = export_mod.export_checkpoint(run_dir, step, dest)
+    click.echo(f"exported {path}")
+
+
+@main.command()
 @click.option("--out", default="runs/demo", show_default=True, help="Folder for the tiny target, data and cache.")
 @click.option("--devices", default="cpu", show_default=True, help="Devices for the extract stage.")
 def demo(out: str, devices: str) -> None:

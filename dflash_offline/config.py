@@ -127,3 +127,70 @@ def merge(cls: type, recipe: dict[str, Any], cli_given: dict[str, Any]):
     """Defaults < recipe < values given on the command line."""
     values = {**recipe, **cli_given}
     return cls(**values)
+
+
+@dataclass
+class TrainConfig:
+    cache: str = ""
+    """The committed cache written by `extract` (path or fsspec URL)."""
+    target: str = ""
+    """The target's Hugging Face folder: widths, tokenizer mask token, frozen embedding and LM head."""
+    out: str = ""
+    """Run folder: checkpoints step-N/, metrics.jsonl, TensorBoard events, logs/, export/."""
+    devices: str = "cpu"
+    """`5,6,7` for one DDP process per GPU (NCCL), `cpu` or `cpu,cpu` (gloo)."""
+    num_layers: int = 5
+    """Drafter decoder layers."""
+    block_size: int = 16
+    gamma: float | None = None
+    """Loss decay over block slots; None = the method's value for the block size (16: 7, 10: 5, 8: 4)."""
+    num_anchors: int = 512
+    """Draft blocks per row (invalid ones are masked)."""
+    seq_len: int = 4096
+    """Context tokens per row; samples are packed into rows of exactly this length."""
+    global_batch_tokens: int = 131072
+    """Context tokens per optimizer step over all ranks (accumulation fills it)."""
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    epochs: int = 6
+    clip: float = 1.0
+    seed: int = 0
+    mask_token_id: int | None = None
+    """Default: the tokenizer's mask token in the target folder."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (the schedule still spans all epochs)."""
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    log_every: int = 10
+    loader_workers: int = 2
+    """Background loader processes per rank (0 = read in the training process)."""
+    prefetch: int = 4
+    """Rows each loader process reads ahead."""
+    loss_chunk_tokens: int = 4096
+    precision: str = "auto"
+    """auto = bf16 autocast with fp32 master weights on GPU, fp32 on CPU."""
+    verify: str = "quick"
+    """quick: every shard listed exists and opens; full: also every checksum (reads the whole cache)."""
+    progress: bool = True
+
+    def validate(self) -> None:
+        for name in ("cache", "target", "out"):
+            if not getattr(self, name):
+                raise UserError(f"train: --{name} is required (or set `{name}` in --config)")
+        for name in ("num_layers", "block_size", "num_anchors", "seq_len", "global_batch_tokens", "epochs",
+                     "checkpoint_every", "keep_checkpoints", "log_every", "loss_chunk_tokens"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise UserError("--block-size must be at least 2 (slot 0 is the anchor, slots 1.. are drafted)")
+        if self.verify not in ("quick", "full"):
+            raise UserError(f"--verify {self.verify!r}: choose quick or full")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise UserError(f"--precision {self.precision!r}: choose auto, bf16 or fp32")
+
+    @property
+    def resolved_gamma(self) -> float:
+        if self.gamma is not None:
+            return float(self.gamma)
+        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, 7.0 * self.block_size / 16)

@@ -61,14 +61,26 @@ def make_tiny_target(out: str | Path, kind: str = "qwen3", num_layers: int = 8, 
 
 def make_tiny_data(path: str | Path, rows: int = 64, seed: int = 0, min_len: int = 8, max_len: int = 200,
                    vocab: int = TINY_VOCAB, mask_style: str = "loss_mask", with_id: bool = True,
-                   id_offset: int = 0, row_group_size: int | None = None) -> Path:
-    """Random prompt + response rows in the contract's Parquet layout."""
+                   id_offset: int = 0, row_group_size: int | None = None, pattern: str = "random") -> Path:
+    """Prompt + response rows in the contract's Parquet layout: random tokens, or `arith` rows
+    (learnable arithmetic progressions) for training runs."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(seed)
     lens = rng.integers(min_len, max_len + 1, size=rows)
-    ids = [rng.integers(2, vocab, size=int(n)).astype(np.int32) for n in lens]
+    if pattern == "random":
+        ids = [rng.integers(2, vocab, size=int(n)).astype(np.int32) for n in lens]
+    elif pattern == "arith":
+        # Learnable text: each row counts from a random start by a stride of 1 or 2 around a
+        # cycle of 32 tokens, so a drafter can predict the next tokens from the anchor (which
+        # token) and its context (which stride) after a few hundred CPU steps.
+        ids = []
+        for n in lens:
+            a, d = int(rng.integers(0, 32)), int(rng.integers(1, 3))
+            ids.append(((a + d * np.arange(int(n))) % 32 + 2).astype(np.int32))
+    else:
+        raise ValueError(f"unknown pattern {pattern!r}; use random or arith")
     prompt = [int(rng.integers(1, max(2, n // 2))) for n in lens]
     cols = {"input_ids": pa.array([a.tolist() for a in ids], type=pa.list_(pa.int32()))}
     if mask_style == "loss_mask":

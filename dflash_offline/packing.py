@@ -1,0 +1,131 @@
+"""Training rows of static shape from cache samples: packing, anchors, draft blocks, labels.
+
+Everything here is a pure function of (seed, epoch, manifest, options), so the sample order, the
+rows and the anchors of any step can be recomputed after a crash, by any rank, in any loader
+process. Shapes never depend on the data: a row is `seq_len` context tokens and `num_anchors`
+blocks of `block_size` tokens, always, so the compiled step compiles once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    shard: str
+    index: int  # sample index inside the shard
+    length: int
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
+    """The permutation of all cache samples for one epoch."""
+    return np.random.default_rng([seed, epoch, 0x5EED]).permutation(num_samples)
+
+
+def pack_rows(lengths: np.ndarray, order: np.ndarray, seq_len: int) -> list[list[tuple[int, int]]]:
+    """Greedy packing in `order`: each row is [(sample, kept_length), ...] with sum <= seq_len.
+
+    A sample that does not fit in the rest of the current row starts a new row (no sample is split
+    across rows: a block must never see context from another row); one longer than seq_len keeps
+    its first seq_len tokens.
+    """
+    rows: list[list[tuple[int, int]]] = []
+    cur: list[tuple[int, int]] = []
+    used = 0
+    for s in order.tolist():
+        t = min(int(lengths[s]), seq_len)
+        if used + t > seq_len:
+            rows.append(cur)
+            cur, used = [], 0
+        cur.append((s, t))
+        used += t
+    if cur:
+        rows.append(cur)
+    return rows
+
+
+def loss_weights(block_size: int, gamma: float) -> np.ndarray:
+    """w[j] = exp(-(j - 1) / gamma) for slots j = 1..B-1; slot 0 (the anchor) is not scored."""
+    w = np.zeros(block_size, np.float32)
+    j = np.arange(1, block_size)
+    w[1:] = np.exp(-(j - 1) / gamma)
+    return w
+
+
+@dataclass
+class Row:
+    """One training row, numpy, ready to become tensors. S = seq_len, N = num_anchors, B = block."""
+
+    input_ids: np.ndarray  # int64 [S] (0 on padding)
+    doc_ids: np.ndarray  # int32 [S] (-1 on padding)
+    positions: np.ndarray  # int64 [S] position inside its document
+    loss_mask: np.ndarray  # uint8 [S]
+    anchors: np.ndarray  # int64 [N]
+    anchor_valid: np.ndarray  # bool [N]
+    block_ids: np.ndarray  # int64 [N*B]
+    block_positions: np.ndarray  # int64 [N*B]
+    labels: np.ndarray  # int64 [N*B] (0 where unscored)
+    weights: np.ndarray  # float32 [N*B] slot weight x label mask x in-document x valid
+
+
+def anchor_rng(seed: int, epoch: int, row: int) -> np.random.Generator:
+    return np.random.default_rng([seed, epoch, row, 0xA4C4])
+
+
+def build_row(input_ids: list[np.ndarray], loss_masks: list[np.ndarray], seq_len: int, num_anchors: int,
+              block_size: int, mask_token_id: int, slot_weights: np.ndarray, rng: np.random.Generator) -> Row:
+    S, N, B = seq_len, num_anchors, block_size
+    ids = np.zeros(S, np.int64)
+    doc = np.full(S, -1, np.int32)
+    pos = np.zeros(S, np.int64)
+    lm = np.zeros(S, np.uint8)
+    a = 0
+    for d, (t, m) in enumerate(zip(input_ids, loss_masks)):
+        n = t.shape[0]
+        ids[a:a + n], lm[a:a + n], doc[a:a + n], pos[a:a + n] = t, m, d, np.arange(n)
+        a += n
+    # Anchors: p with loss_mask[p] and loss_mask[p + 1] inside one document (dflash-method.md).
+    ok = (lm[:-1] == 1) & (lm[1:] == 1) & (doc[:-1] == doc[1:]) & (doc[:-1] >= 0)
+    cand = np.flatnonzero(ok)
+    take = min(N, cand.shape[0])
+    anchors = np.zeros(N, np.int64)
+    valid = np.zeros(N, bool)
+    if take:
+        anchors[:take] = np.sort(rng.choice(cand, size=take, replace=False))
+        valid[:take] = True
+    j = np.arange(B)
+    at = anchors[:, None] + j[None, :]  # [N, B] row positions the block slots predict
+    inside = (at < S)
+    atc = np.minimum(at, S - 1)
+    same_doc = inside & (doc[atc] == doc[anchors][:, None])
+    block_ids = np.full((N, B), mask_token_id, np.int64)
+    block_ids[:, 0] = ids[anchors]
+    block_pos = pos[anchors][:, None] + j[None, :]
+    labels = np.where(same_doc, ids[atc], 0)
+    w = slot_weights[None, :] * same_doc * lm[atc] * valid[:, None]
+    labels[:, 0] = 0
+    return Row(ids, doc, pos, lm, anchors, valid, block_ids.reshape(-1), block_pos.reshape(-1),
+               labels.reshape(-1).astype(np.int64), w.reshape(-1).astype(np.float32))
+
+
+def manifest_fingerprint(manifest: dict) -> str:
+    """Identity of a cache's committed content: shard names and checksums, capture and target."""
+    h = hashlib.sha256()
+    h.update(repr((manifest["target"].get("weights_fingerprint"), manifest["capture"])).encode())
+    for s in manifest["shards"]:
+        h.update(f"{s['name']}:{s['checksum']}\n".encode())
+    return "sha256:" + h.hexdigest()
+
+
+def steps_per_epoch(num_rows: int, world: int, accum: int) -> int:
+    """Whole optimizer steps in an epoch; the remainder rows are dropped (static shapes, equal ranks)."""
+    return num_rows // (world * accum)
+
+
+def accumulation(global_batch_tokens: int, seq_len: int, world: int) -> int:
+    return max(1, math.ceil(global_batch_tokens / (seq_len * world)))

@@ -1,0 +1,90 @@
+"""Stream training rows from a committed cache, with read-ahead in background processes.
+
+Which rows a rank sees at a step is fixed by `packing` (a pure function of seed, epoch, manifest):
+micro-batch k of this rank (step k // accum, micro-step k % accum) is global row
+`(step * accum + micro) * world + rank`. Loader processes (spawned, never forked: the parent may
+hold CUDA) each produce every `num_workers`-th micro-batch; torch's DataLoader returns them in
+order. Memory stays bounded at `num_workers x prefetch` rows whatever the cache size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .packing import build_row, epoch_order, loss_weights, pack_rows
+
+
+class RowStream(torch.utils.data.IterableDataset):
+    def __init__(self, cache: str, refs: list[tuple[str, int]], lengths: np.ndarray, spec: dict,
+                 epoch: int, rank: int, world: int, accum: int, start_step: int, steps: int):
+        self.cache, self.refs, self.lengths, self.spec = cache, refs, lengths, spec
+        self.epoch, self.rank, self.world, self.accum = epoch, rank, world, accum
+        self.start_step, self.steps = start_step, steps
+        self._reader = None
+
+    def rows(self) -> list[list[tuple[int, int]]]:
+        order = epoch_order(len(self.refs), self.spec["seed"], self.epoch)
+        return pack_rows(self.lengths, order, self.spec["seq_len"])
+
+    def __len__(self) -> int:
+        return (self.steps - self.start_step) * self.accum
+
+    def _read(self, ref: tuple[str, int], keep: int):
+        if self._reader is None:
+            from .cache.reader import CacheReader
+
+            self._reader = CacheReader(self.cache)
+        shard = self._reader.shard(ref[0])
+        a = int(shard.offsets[ref[1]])
+        g = shard.group
+        b = a + keep
+        return g["input_ids"][a:b].astype(np.int64), g["loss_mask"][a:b], g["hidden"][a:b]
+
+    def make(self, global_row: int, packed: list[tuple[int, int]]) -> dict:
+        sp = self.spec
+        ids, masks, hidden = [], [], []
+        for s, keep in packed:
+            i, m, h = self._read(self.refs[s], keep)
+            ids.append(i)
+            masks.append(m)
+            hidden.append(h)
+        rng = np.random.default_rng([sp["seed"], self.epoch, global_row, 0xA4C4])
+        row = build_row(ids, masks, sp["seq_len"], sp["num_anchors"], sp["block_size"], sp["mask_token_id"],
+                        loss_weights(sp["block_size"], sp["gamma"]), rng)
+        S = sp["seq_len"]
+        bits = np.zeros((S, sp["num_layers"] * sp["hidden_size"]), np.uint16)
+        t = 0
+        for h in hidden:
+            bits[t:t + h.shape[0]] = h.reshape(h.shape[0], -1)
+            t += h.shape[0]
+        as_t = lambda x: torch.from_numpy(np.ascontiguousarray(x))[None]  # noqa: E731 - [1, ...]
+        return {
+            "row": torch.tensor([global_row]),
+            "target_hidden": as_t(bits).view(torch.bfloat16),
+            "doc_ids": as_t(row.doc_ids), "ctx_positions": as_t(row.positions),
+            "anchors": as_t(row.anchors), "anchor_valid": as_t(row.anchor_valid),
+            "block_ids": as_t(row.block_ids), "block_positions": as_t(row.block_positions),
+            "labels": as_t(row.labels), "weights": as_t(row.weights),
+        }
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        rows = self.rows()
+        for k in range(self.start_step * self.accum, self.steps * self.accum):
+            if (k - self.start_step * self.accum) % nw != wid:
+                continue
+            step, micro = divmod(k, self.accum)
+            g = (step * self.accum + micro) * self.world + self.rank
+            if g >= len(rows):
+                raise RuntimeError(f"row {g} does not exist in epoch {self.epoch} ({len(rows)} rows): plan and stream disagree")
+            yield self.make(g, rows[g])
+
+
+def make_loader(stream: RowStream, num_workers: int, prefetch: int, pin: bool):
+    kw = {}
+    if num_workers > 0:
+        # spawn: a forked loader would inherit the parent's CUDA context and threads.
+        kw = dict(multiprocessing_context="spawn", prefetch_factor=prefetch, persistent_workers=False)
+    return torch.utils.data.DataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin, **kw)

@@ -1,0 +1,414 @@
+"""Stage two: train a DFlash drafter from a committed cache, data parallel, resumable to the step.
+
+Shape of a run:
+  launcher (or each torchrun rank): log file -> preflight (cache complete and intact, made from
+  this target; mask token; shapes) -> one process per device, torch.distributed (NCCL on GPUs,
+  gloo on CPU) -> each rank: one compute thread; rows stream from loader processes; per step
+  `accum` micro-batches, one all-reduce of the step's loss weight, DDP gradient all-reduce on the
+  last micro-batch, clip, AdamW, warm-up + cosine -> checkpoints `OUT/step-N/` (complete or absent)
+  -> export at the end.
+
+Everything that decides a step's numbers (sample order, rows, anchors, schedule) is a function of
+(seed, epoch, manifest, options), so a resumed run repeats the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import socket
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from .config import TrainConfig
+from .runtime import UserError, fault_point, open_process_log, torchrun_launch
+
+log = logging.getLogger("dflash.train")
+
+CHECKPOINT_PREFIX = "step-"
+
+
+# ----------------------------------------------------------------------------------------------
+# Preflight (no torch.distributed, no model)
+
+
+def preflight(cfg: TrainConfig) -> dict:
+    from .cache.reader import CacheReader
+    from .drafter import DrafterConfig
+    from .packing import accumulation, manifest_fingerprint, pack_rows, epoch_order, steps_per_epoch
+    from .runtime import parse_devices
+    from .target import read_target
+
+    cfg.validate()
+    devices = parse_devices(cfg.devices)
+    reader = CacheReader(cfg.cache)
+    m = reader.manifest
+    if m["status"] != "complete":
+        raise UserError(f"--cache {cfg.cache}: extraction is not complete ({len(m['shards'])}/{m['plan']['num_shards']} "
+                        "shards); finish it by running the extract command again")
+    info = read_target(cfg.target)
+    for key, mine in (("weights_fingerprint", info.weights_fingerprint), ("config_sha256", info.config_sha256)):
+        if m["target"].get(key) != mine:
+            raise UserError(f"--cache {cfg.cache} was extracted from another target (target.{key} differs from "
+                            f"--target {cfg.target}); extract a cache with this target or pass the one it was made from")
+    t0 = time.time()
+    refs, lengths = [], []
+    for name in reader.shard_names:
+        if not reader.loc.exists(f"shards/{name}.zarr"):
+            raise UserError(f"--cache {cfg.cache}: shard {name} is listed in manifest.json but missing on storage; "
+                            "re-extract it (delete its entry from a copy of the manifest) or restore it")
+        try:
+            sh = reader.shard(name)
+        except Exception as e:
+            raise UserError(f"--cache {cfg.cache}: shard {name} does not open ({type(e).__name__}: {e})") from None
+        if cfg.verify == "full" and sh.compute_checksum() != sh.entry["checksum"]:
+            raise UserError(f"--cache {cfg.cache}: shard {name} does not match its checksum (corrupted data); "
+                            "re-extract it")
+        offs = sh.offsets
+        lengths.extend((offs[1:] - offs[:-1]).tolist())
+        refs.extend((name, k) for k in range(len(sh)))
+    log.info("cache: %d shards, %d samples checked (%s) in %.1fs", len(reader.shard_names), len(refs), cfg.verify,
+             time.time() - t0)
+    import numpy as np
+
+    lengths = np.asarray(lengths, np.int64)
+    dcfg = DrafterConfig.from_target(cfg.target, m["capture"]["layer_ids"], block_size=cfg.block_size,
+                                     num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
+    world = len(devices)
+    launch = torchrun_launch()
+    if launch is not None:
+        world = launch.world_size
+    accum = accumulation(cfg.global_batch_tokens, cfg.seq_len, world)
+    # Rows per epoch vary a little with the order; every epoch runs as many steps as the
+    # shortest one has, so a step never meets a missing row.
+    rows = min(len(pack_rows(lengths, epoch_order(len(refs), cfg.seed, e), cfg.seq_len)) for e in range(cfg.epochs))
+    spe = steps_per_epoch(rows, world, accum)
+    if spe == 0:
+        raise UserError(f"the cache packs into {rows} rows of {cfg.seq_len} tokens, fewer than one step needs "
+                        f"({world} ranks x {accum} micro-batches); lower --global-batch-tokens or --seq-len")
+    plan = {
+        "devices": devices, "world": world, "accum": accum, "rows_per_epoch": rows, "steps_per_epoch": spe,
+        "total_steps": spe * cfg.epochs, "refs": refs, "lengths": lengths, "drafter": asdict(dcfg),
+        "cache_fingerprint": manifest_fingerprint(m), "hidden_size": m["target"]["hidden_size"],
+        "num_layers_captured": len(m["capture"]["layer_ids"]),
+    }
+    log.info("plan: %d rows/epoch, %d ranks x %d micro-batches of %d tokens per step, %d steps/epoch, %d steps total",
+             rows, world, accum, cfg.seq_len, spe, plan["total_steps"])
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch
+
+
+def run(cfg: TrainConfig) -> None:
+    launch = torchrun_launch()
+    out = Path(cfg.out)
+    name = f"train-rank{launch.rank}" if launch else "train-launcher"
+    open_process_log(out / "logs", name)
+    plan = preflight(cfg)
+    if launch is not None:
+        dev = plan["devices"][0] if plan["devices"] == ["cpu"] else f"cuda:{launch.local_rank}"
+        train_worker(launch.rank, launch.world_size, dev, cfg, plan, already_logging=True)
+        return
+    import multiprocessing as mp
+
+    devices = plan["devices"]
+    if len(devices) == 1:
+        # One device: train in this process (no process group needed), still one compute thread.
+        train_worker(0, 1, devices[0], cfg, plan, already_logging=True)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank, dev in enumerate(devices):
+        p = ctx.Process(target=_spawned, args=(rank, len(devices), dev, cfg, plan, port), name=f"train-rank{rank}")
+        p.start()
+        procs.append(p)
+    failed = None
+    while any(p.is_alive() for p in procs):
+        for r, p in enumerate(procs):
+            if p.exitcode not in (None, 0):
+                failed = r
+        if failed is not None:
+            break
+        time.sleep(0.5)
+    if failed is not None:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+    for p in procs:
+        p.join()
+    bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise RuntimeError(f"training rank {bad[0]} exited with code {procs[bad[0]].exitcode}; see "
+                           f"{out / 'logs' / f'train-rank{bad[0]}.log'}. Run the same command again to resume.")
+
+
+def _spawned(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    open_process_log(Path(cfg.out) / "logs", f"train-rank{rank}")
+    try:
+        train_worker(rank, world, device, cfg, plan, already_logging=True)
+    except BaseException:
+        log.exception("rank %d failed", rank)
+        raise
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def list_checkpoints(out: Path) -> list[int]:
+    steps = []
+    if out.is_dir():
+        for p in out.iterdir():
+            if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and p.name[len(CHECKPOINT_PREFIX):].isdigit():
+                steps.append(int(p.name[len(CHECKPOINT_PREFIX):]))
+    return sorted(steps)
+
+
+def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: dict, keep: int) -> Path:
+    """Write `step-N/` under a temporary name, then rename: a checkpoint exists only when complete."""
+    import torch
+    from safetensors.torch import save_file
+
+    final = out / f"{CHECKPOINT_PREFIX}{step}"
+    tmp = out / f".tmp-{CHECKPOINT_PREFIX}{step}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in drafter.trainable_state_dict().items()},
+              str(tmp / "drafter.safetensors"))
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "rng_cpu": torch.get_rng_state()}, tmp / "trainer.pt")
+    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    fault_point("checkpoint-written")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    fault_point("checkpoint-saved")
+    for old in list_checkpoints(out)[:-keep]:
+        shutil.rmtree(out / f"{CHECKPOINT_PREFIX}{old}", ignore_errors=True)
+    return final
+
+
+def _lr_lambda(total: int, warmup: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return f
+
+
+# ----------------------------------------------------------------------------------------------
+# The rank's loop
+
+
+def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict, already_logging: bool) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from . import masks
+    from .drafter import DFlashDrafter, DrafterConfig, export_drafter
+    from .loss import block_loss, block_metrics
+    from .runtime import single_thread_compute
+    from .stream import RowStream, make_loader
+
+    single_thread_compute()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dcfg = DrafterConfig(**plan["drafter"])
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    drafter = DFlashDrafter(dcfg)
+    drafter.load_frozen_from_target(cfg.target)
+    drafter.to(device)
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
+    model = drafter
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(drafter, device_ids=[device] if cuda else None, broadcast_buffers=False)
+    params = drafter.trainable_parameters()
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cuda)
+    total = plan["total_steps"]
+    warmup = max(1, math.ceil(cfg.warmup_ratio * total))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, warmup))
+
+    step = 0
+    found = list_checkpoints(out)
+    if found:
+        step = found[-1]
+        ck = out / f"{CHECKPOINT_PREFIX}{step}"
+        state = json.loads((ck / "state.json").read_text())
+        if state["cache_fingerprint"] != plan["cache_fingerprint"]:
+            raise UserError(f"{ck} was trained on another cache (fingerprint differs); use a new --out")
+        for key in ("seq_len", "num_anchors", "block_size", "seed", "global_batch_tokens", "epochs", "num_layers"):
+            if state["config"][key] != getattr(cfg, key):
+                raise UserError(f"{ck} was made with {key} = {state['config'][key]}, this run has {getattr(cfg, key)}; "
+                                "use the same settings to resume, or a new --out")
+        from safetensors.torch import load_file
+
+        sd = load_file(str(ck / "drafter.safetensors"))
+        missing = drafter.load_state_dict(sd, strict=False)
+        if missing.unexpected_keys or any(k in sd for k in missing.missing_keys):
+            raise RuntimeError(f"{ck}: unexpected drafter weights {missing.unexpected_keys[:3]}")
+        tr = torch.load(ck / "trainer.pt", map_location=device, weights_only=False)
+        opt.load_state_dict(tr["optimizer"])
+        sched.load_state_dict(tr["scheduler"])
+        torch.set_rng_state(tr["rng_cpu"])
+        log.info("resumed from %s (step %d of %d)", ck, step, total)
+        if rank == 0:
+            _truncate_metrics(out / "metrics.jsonl", step)
+    stop = min(total, cfg.max_steps) if cfg.max_steps is not None else total
+    spe = plan["steps_per_epoch"]
+    spec = {"seed": cfg.seed, "seq_len": cfg.seq_len, "num_anchors": cfg.num_anchors, "block_size": cfg.block_size,
+            "mask_token_id": dcfg.mask_token_id, "gamma": cfg.resolved_gamma, "hidden_size": plan["hidden_size"],
+            "num_layers": plan["num_layers_captured"]}
+    accum = plan["accum"]
+    B = cfg.block_size
+    metrics_file = open(out / "metrics.jsonl", "a") if rank == 0 else None
+    tb = _tensorboard(out) if rank == 0 else None
+    bar = None
+    if rank == 0 and cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=stop, initial=step, unit="step", desc="train", dynamic_ncols=True)
+    recompiles0 = masks.count_recompiles()
+    tokens_per_step = cfg.seq_len * accum * world
+    wait_total = 0.0
+    t_run = time.perf_counter()
+    acc = None
+    while step < stop:
+        epoch, in_epoch = divmod(step, spe)
+        end = min(spe, in_epoch + (stop - step))
+        stream = RowStream(cfg.cache, plan["refs"], plan["lengths"], spec, epoch, rank, world, accum, in_epoch, end)
+        it = iter(make_loader(stream, cfg.loader_workers, cfg.prefetch, pin=cuda))
+        for s in range(in_epoch, end):
+            t0 = time.perf_counter()
+            micro = [next(it) for _ in range(accum)]  # all micro-batches first: the step's weight sum
+            t_data = time.perf_counter() - t0
+            micro = [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro]
+            wsum = torch.stack([mb["weights"].sum() for mb in micro]).sum().double()
+            if world > 1:
+                dist.all_reduce(wsum)
+            # Each rank's loss is scaled so DDP's gradient average equals the global weighted mean.
+            scale = world / wsum.clamp_min(1e-12)
+            step_m = None
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+            for i, mb in enumerate(micro):
+                last = i == accum - 1
+                ctx = model.no_sync() if (world > 1 and not last) else _null()
+                with ctx:
+                    if cuda:
+                        mask = masks.flex_block_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
+                    else:
+                        mask = masks.dense_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
+                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and cuda):
+                        h = model(mb["target_hidden"], mb["block_ids"], mb["ctx_positions"], mb["block_positions"], mask)
+                        ls, correct = block_loss(h, drafter.lm_head.weight, mb["labels"], mb["weights"],
+                                                 cfg.loss_chunk_tokens)
+                    (ls.double() * scale).float().backward()
+                loss_sum += ls.detach().double()
+                mm = block_metrics(correct, mb["weights"], mb["anchor_valid"], B)
+                step_m = mm if step_m is None else {k: step_m[k] + mm[k] for k in mm}
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            # Metrics: one all-reduce of a small vector; `.item()` below syncs with the GPU once a step.
+            vec = torch.cat([loss_sum.view(1), step_m["slot_correct"], step_m["slot_count"],
+                             step_m["tau_sum"].view(1), step_m["blocks"].view(1)])
+            if world > 1:
+                dist.all_reduce(vec)
+            wait_total += t_data
+            if rank == 0:
+                v = vec.cpu().numpy()
+                loss = float(v[0] / wsum.item())
+                sc, cnt = v[1:1 + B], v[1 + B:1 + 2 * B]
+                acc = np.where(cnt > 0, sc / np.maximum(cnt, 1), 0.0)
+                tau = float(v[1 + 2 * B] / max(v[2 + 2 * B], 1))
+                rec = {"step": step, "epoch": epoch, "loss": loss, "acc_slot1": float(acc[1]), "tau": tau,
+                       "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm), "data_wait": t_data / (time.perf_counter() - t0),
+                       "acc": [round(float(a), 5) for a in acc[1:]], "tokens": step * tokens_per_step,
+                       "recompiles": masks.count_recompiles() - recompiles0}
+                metrics_file.write(json.dumps(rec) + "\n")
+                metrics_file.flush()
+                if tb is not None:
+                    for k in ("loss", "acc_slot1", "tau", "lr", "grad_norm", "data_wait"):
+                        tb.add_scalar(f"train/{k}", rec[k], step)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix_str(f"loss {loss:.3f} acc1 {acc[1]:.3f} tau {tau:.2f} "
+                                        f"{tokens_per_step * bar.format_dict['rate'] if bar.format_dict.get('rate') else 0:.0f} tok/s")
+                if step % cfg.log_every == 0 or step == stop:
+                    log.info("step %d/%d loss %.4f acc1 %.3f tau %.2f lr %.2e data-wait %.1f%% recompiles %d",
+                             step, total, loss, acc[1], tau, rec["lr"], 100 * rec["data_wait"], rec["recompiles"])
+            if step % cfg.checkpoint_every == 0 or step == stop:
+                if world > 1:
+                    dist.barrier()
+                if rank == 0:
+                    state = {"step": step, "epoch": step // spe, "step_in_epoch": step % spe,
+                             "cache_fingerprint": plan["cache_fingerprint"], "config": asdict(cfg),
+                             "drafter": plan["drafter"]}
+                    save_checkpoint(out, step, drafter, opt, sched, state, cfg.keep_checkpoints)
+                    log.info("checkpoint step-%d saved", step)
+                if world > 1:
+                    dist.barrier()
+        del it
+    elapsed = time.perf_counter() - t_run
+    if rank == 0:
+        if bar is not None:
+            bar.close()
+        if step >= total or cfg.max_steps is not None:
+            path = export_drafter(drafter, str(out / "export"))
+            log.info("exported drafter to %s", path)
+            print(f"trained {step}/{total} steps in {elapsed:.1f}s; checkpoints in {out}; export in {path}", flush=True)
+        if metrics_file:
+            metrics_file.close()
+        if tb is not None:
+            tb.close()
+    log.info("rank %d done: data wait %.1f%% of %.1fs; recompiles %d", rank, 100 * wait_total / max(elapsed, 1e-9),
+             elapsed, masks.count_recompiles() - recompiles0)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records past the checkpoint we resume from: those steps run again."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _tensorboard(out: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except Exception:
+        log.info("tensorboard not installed: metrics go to metrics.jsonl only (pip install tensorboard)")
+        return None
+    return SummaryWriter(str(out / "tensorboard"))

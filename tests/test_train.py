@@ -1,0 +1,131 @@
+"""Stage two on the CPU: learning, data-parallel equality, exact resume after SIGKILL, refusals, export."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import run_cli
+
+TRAIN = ["--seq-len", "256", "--num-anchors", "16", "--block-size", "8", "--global-batch-tokens", "512",
+         "--lr", "3e-3", "--mask-token-id", "1", "--num-layers", "2", "--loader-workers", "0", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def arith_cache(tiny_dense, tmp_path_factory):
+    from dflash_offline.tiny import make_tiny_data
+
+    root = tmp_path_factory.mktemp("train")
+    data = make_tiny_data(root / "arith.parquet", rows=160, min_len=40, max_len=120, pattern="arith", seed=3)
+    cache = root / "cache"
+    r = run_cli(["extract", "--target", str(tiny_dense), "--data", str(data), "--cache", str(cache),
+                 "--topk", "0", "--max-len", "128", "--batch-tokens", "1024", "--shard-tokens", "2048", "--no-progress"])
+    assert r.returncode == 0, r.stderr
+    return cache
+
+
+def train(tiny_dense, cache, out, *extra, env=None):
+    return run_cli(["train", "--target", str(tiny_dense), "--cache", str(cache), "--out", str(out), *TRAIN, *extra],
+                   env=env, timeout=600)
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def weights(out, step) -> dict:
+    return load_file(str(out / f"step-{step}" / "drafter.safetensors"))
+
+
+def test_training_learns_and_exports(arith_cache, tiny_dense, tmp_path):
+    out = tmp_path / "run"
+    r = train(tiny_dense, arith_cache, out, "--epochs", "4", "--checkpoint-every", "1000")
+    assert r.returncode == 0, r.stderr
+    m = metrics(out)
+    first, last = np.mean([x["loss"] for x in m[:3]]), np.mean([x["loss"] for x in m[-3:]])
+    assert last < 0.5 * first, (first, last)
+    assert np.mean([x["acc_slot1"] for x in m[-3:]]) > np.mean([x["acc_slot1"] for x in m[:3]]) + 0.3
+    assert m[-1]["tau"] > 1.5
+    assert all(x["recompiles"] == 0 for x in m)  # CPU path: dense SDPA, nothing compiled
+    # Export: the serving format, loads back.
+    cfg = json.loads((out / "export" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == 8 and cfg["dflash_config"]["mask_token_id"] == 1
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 2, 3, 4, 5]
+    for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "rms_norm_eps", "rope_theta", "vocab_size", "max_position_embeddings"):
+        assert k in cfg, k
+    assert cfg["num_hidden_layers"] == 2 and cfg["attention_bias"] is False
+    from dflash_offline.drafter import load_exported
+
+    d = load_exported(str(out / "export"), str(tiny_dense))
+    from safetensors.torch import load_file as load_torch
+
+    exported = load_torch(str(out / "export" / "model.safetensors"))
+    assert "fc.weight" in exported and not any("embed" in k or "lm_head" in k for k in exported)
+    assert d is not None
+
+
+def test_resume_after_sigkill_equals_straight_run(arith_cache, tiny_dense, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    r = train(tiny_dense, arith_cache, straight, "--epochs", "2", "--max-steps", "12", "--checkpoint-every", "6")
+    assert r.returncode == 0, r.stderr
+    env = {**os.environ, "DFLASH_OFFLINE_KILL_AT": "checkpoint-saved:1"}
+    r = train(tiny_dense, arith_cache, resumed, "--epochs", "2", "--max-steps", "12", "--checkpoint-every", "6", env=env)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert sorted(p.name for p in resumed.iterdir() if p.name.startswith("step-")) == ["step-6"]
+    r = train(tiny_dense, arith_cache, resumed, "--epochs", "2", "--max-steps", "12", "--checkpoint-every", "6")
+    assert r.returncode == 0, r.stderr
+    a, b = metrics(straight), metrics(resumed)
+    assert [x["step"] for x in b] == list(range(1, 13))
+    assert [x["loss"] for x in a] == [x["loss"] for x in b]  # bit-identical losses
+    wa, wb = weights(straight, 12), weights(resumed, 12)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
+
+
+def test_two_gloo_ranks_equal_one_process(arith_cache, tiny_dense, tmp_path):
+    """Same global batch (512 tokens): one process accumulates 2 rows, two ranks take one each.
+    Tolerance: float sums in another order (DDP's all-reduce averages gradients) differ in the last
+    bits, so weights agree to 1e-5 relative after 6 AdamW steps, not bit for bit."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = train(tiny_dense, arith_cache, one, "--epochs", "1", "--max-steps", "6")
+    assert r.returncode == 0, r.stderr
+    r = train(tiny_dense, arith_cache, two, "--epochs", "1", "--max-steps", "6", "--devices", "cpu,cpu")
+    assert r.returncode == 0, r.stderr
+    assert (two / "logs" / "train-rank1.log").exists()
+    la, lb = [x["loss"] for x in metrics(one)], [x["loss"] for x in metrics(two)]
+    np.testing.assert_allclose(la, lb, rtol=1e-5)
+    wa, wb = weights(one, 6), weights(two, 6)
+    for k in wa:
+        np.testing.assert_allclose(wa[k], wb[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_refuses_other_target_missing_shard_corrupted_chunk(arith_cache, tiny_dense, tmp_path):
+    from dflash_offline.tiny import make_tiny_target
+
+    other = make_tiny_target(tmp_path / "other", kind="qwen3", seed=5)
+    r = train(other, arith_cache, tmp_path / "r1", "--epochs", "1")
+    assert r.returncode == 2 and "another target" in r.stderr and r.stderr.count("\n") == 1
+
+    broken = tmp_path / "broken"
+    shutil.copytree(arith_cache, broken)
+    shutil.rmtree(broken / "shards" / "shard-000001.zarr")
+    r = train(tiny_dense, broken, tmp_path / "r2", "--epochs", "1")
+    assert r.returncode == 2 and "shard-000001" in r.stderr and "missing" in r.stderr
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(arith_cache, corrupt)
+    chunk = corrupt / "shards" / "shard-000002.zarr" / "hidden" / "c" / "0" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    r = train(tiny_dense, corrupt, tmp_path / "r3", "--epochs", "1", "--verify", "full")
+    assert r.returncode == 2 and "shard-000002" in r.stderr and "checksum" in r.stderr
