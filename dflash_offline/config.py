@@ -170,6 +170,8 @@ class TrainConfig:
     loss_chunk_tokens: int = 4096
     precision: str = "auto"
     """auto = bf16 autocast with fp32 master weights on GPU, fp32 on CPU."""
+    final_checkpoint: bool = True
+    """Write a checkpoint and the export when the run ends (benchmarks turn it off)."""
     verify: str = "quick"
     """quick: every shard listed exists and opens; full: also every checksum (reads the whole cache)."""
     progress: bool = True

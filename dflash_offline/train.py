@@ -231,8 +231,11 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     dcfg = DrafterConfig(**plan["drafter"])
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    drafter = DFlashDrafter(dcfg)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts them)
+    # Built on the device: initialising a 27B-shaped drafter's ~1.8B parameters on one CPU thread
+    # takes minutes; on the GPU it takes a moment. (GPU and CPU draw different initial weights.)
+    with torch.device(device):
+        drafter = DFlashDrafter(dcfg)
     drafter.load_frozen_from_target(cfg.target)
     drafter.to(device)
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
@@ -341,10 +344,14 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                 sc, cnt = v[1:1 + B], v[1 + B:1 + 2 * B]
                 acc = np.where(cnt > 0, sc / np.maximum(cnt, 1), 0.0)
                 tau = float(v[1 + 2 * B] / max(v[2 + 2 * B], 1))
+                t_step = time.perf_counter() - t0
                 rec = {"step": step, "epoch": epoch, "loss": loss, "acc_slot1": float(acc[1]), "tau": tau,
-                       "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm), "data_wait": t_data / (time.perf_counter() - t0),
+                       "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm), "step_time": t_step,
+                       "data_wait": t_data / t_step,
                        "acc": [round(float(a), 5) for a in acc[1:]], "tokens": step * tokens_per_step,
                        "recompiles": masks.count_recompiles() - recompiles0}
+                if cuda:
+                    rec["max_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
                 metrics_file.write(json.dumps(rec) + "\n")
                 metrics_file.flush()
                 if tb is not None:
@@ -357,7 +364,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                 if step % cfg.log_every == 0 or step == stop:
                     log.info("step %d/%d loss %.4f acc1 %.3f tau %.2f lr %.2e data-wait %.1f%% recompiles %d",
                              step, total, loss, acc[1], tau, rec["lr"], 100 * rec["data_wait"], rec["recompiles"])
-            if step % cfg.checkpoint_every == 0 or step == stop:
+            if step % cfg.checkpoint_every == 0 or (step == stop and cfg.final_checkpoint):
                 if world > 1:
                     dist.barrier()
                 if rank == 0:
@@ -373,7 +380,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     if rank == 0:
         if bar is not None:
             bar.close()
-        if step >= total or cfg.max_steps is not None:
+        if cfg.final_checkpoint:
             path = export_drafter(drafter, str(out / "export"))
             log.info("exported drafter to %s", path)
             print(f"trained {step}/{total} steps in {elapsed:.1f}s; checkpoints in {out}; export in {path}", flush=True)

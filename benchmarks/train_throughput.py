@@ -1,0 +1,166 @@
+"""The real trainer on a drafter shaped for a Qwen3.5/3.6-27B target, from a synthetic cache.
+
+Builds, in --workdir (use /dev/shm):
+  target/   config.json of the 27B text model + a safetensors file holding only the embedding and
+            LM head (random bf16, 248,320 x 5120): all the trainer reads from a target;
+  cache/    a committed cache (manifest + Zarr shards written with the project's ShardWriter) of
+            random bf16 hidden states for the 5 layers [1, 16, 31, 46, 61], random lengths;
+then runs `train.run` (the code path of `dflash-offline train`) on one GPU: compiled flex
+attention, bf16 autocast, fp32 master weights, loader processes, and reads its metrics.jsonl.
+
+    python benchmarks/train_throughput.py --workdir /dev/shm/bench-train --steps 50 --out results.json
+
+Reports: tokens/s (context tokens and block tokens), model FLOP/s from an analytic count (matmuls
+only: drafter layers fwd+bwd, fc, LM head fwd + input-grad bwd; attention and the loss's
+recomputation not counted) as a share of the measured bf16 matmul peak (774 TFLOP/s on an H200,
+gpu-machine.md), peak GPU memory, data-wait fraction, recompiles after the first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+SHAPE = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+             num_attention_heads=24, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+             max_position_embeddings=262144, rope_theta=10_000_000.0)
+LAYERS = [1, 16, 31, 46, 61]
+PEAK = 774e12
+
+
+def make_target(root: Path, dev: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    L = SHAPE["num_hidden_layers"]
+    cfg = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **SHAPE,
+           "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+           "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
+           "layer_types": ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(L)]}
+    (root / "config.json").write_text(json.dumps(cfg, indent=1))
+    g = torch.Generator(device=dev).manual_seed(0)
+    V, H = SHAPE["vocab_size"], SHAPE["hidden_size"]
+    t = {"model.embed_tokens.weight": (torch.randn(V, H, device=dev, generator=g) * 0.02).bfloat16().cpu(),
+         "lm_head.weight": (torch.randn(V, H, device=dev, generator=g) * 0.02).bfloat16().cpu()}
+    save_file(t, str(root / "model.safetensors"))
+
+
+def make_cache(root: Path, target: Path, rows: int, seq_len: int, dev: str) -> None:
+    import numpy as np
+    import torch
+
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore, new_manifest
+    from dflash_offline.cache.writer import ShardLayout, ShardWriter
+    from dflash_offline.target import read_target
+
+    rng = np.random.default_rng(0)
+    lengths = []
+    while sum(lengths) < rows * seq_len * 0.9:
+        lengths.append(int(rng.integers(seq_len // 12, seq_len * 3 // 4)))
+    per_shard = 16
+    shards = [lengths[i:i + per_shard] for i in range(0, len(lengths), per_shard)]
+    loc = Location(str(root))
+    info = read_target(str(target))
+    store = ManifestStore(loc)
+    store.init_or_check(new_manifest(
+        target=info.manifest_entry(),
+        capture={"layer_ids": LAYERS, "topk": 0, "hidden_dtype": "bfloat16", "max_len": seq_len},
+        source={"files": [], "rows": len(lengths)},
+        plan={"shard_tokens": 0, "sort_window": 0, "num_shards": len(shards)}))
+    loc.makedirs("shards")
+    H, n, sid = SHAPE["hidden_size"], len(LAYERS), 0
+    for j, lens in enumerate(shards):
+        name = f"shard-{j:06d}"
+        w = ShardWriter(loc, f"shards/{name}.zarr", ShardLayout(tokens=sum(lens), num_layers=n, hidden_size=H, topk=0,
+                                                                 chunk_tokens=1024, layer_ids=LAYERS))
+        for t in lens:
+            h = torch.randn(t, n, H, device=dev).bfloat16().view(torch.uint16).cpu().numpy()
+            ids = rng.integers(0, SHAPE["vocab_size"], size=t).astype(np.int32)
+            mask = np.ones(t, np.uint8)
+            mask[: t // 4] = 0
+            w.append(sid, ids, mask, h, None, None)
+            sid += 1
+        entry = w.close(name)
+        entry["bytes"] = loc.du(f"shards/{name}.zarr")
+        store.commit_shard(entry)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default="/dev/shm/dflash-bench-train")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--rows", type=int, default=32, help="cache size in rows of --seq-len tokens")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--num-anchors", type=int, default=512)
+    ap.add_argument("--rows-per-step", type=int, default=4)
+    ap.add_argument("--loader-workers", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--tiny", action="store_true", help="a tiny shape, for a CPU smoke run of this script")
+    args = ap.parse_args()
+    if args.tiny:
+        global LAYERS
+        SHAPE.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        LAYERS = [1, 2, 3, 4, 5]
+
+    import torch
+
+    from dflash_offline import train
+    from dflash_offline.config import TrainConfig
+
+    dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+    work = Path(args.workdir)
+    shutil.rmtree(work, ignore_errors=True)
+    t0 = time.time()
+    make_target(work / "target", dev)
+    make_cache(work / "cache", work / "target", args.rows, args.seq_len, dev)
+    print(f"synthetic target and cache in {time.time() - t0:.1f}s", flush=True)
+    spe_rows = args.rows_per_step
+    cfg = TrainConfig(cache=str(work / "cache"), target=str(work / "target"), out=str(work / "run"),
+                      devices="0" if dev.startswith("cuda") else "cpu", seq_len=args.seq_len,
+                      num_anchors=args.num_anchors, block_size=16, global_batch_tokens=args.seq_len * spe_rows,
+                      epochs=100, max_steps=args.steps, mask_token_id=1 if args.tiny else 248070, loader_workers=args.loader_workers,
+                      checkpoint_every=10**9, final_checkpoint=False, progress=False, log_every=5)
+    train.run(cfg)
+    recs = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    steady = recs[3:]  # the first steps compile
+    step_time = sum(r["step_time"] for r in steady) / len(steady)
+    H, I, V = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
+    qd, kvd = SHAPE["num_attention_heads"] * SHAPE["head_dim"], SHAPE["num_key_value_heads"] * SHAPE["head_dim"]
+    Q = args.num_anchors * 16
+    S = args.seq_len
+    per_layer_block = 2 * H * qd + 2 * H * kvd + 3 * H * I  # q, o, k, v, mlp params used per block token
+    flops_row = (6 * 5 * per_layer_block * Q  # 5 drafter layers, block tokens, fwd + bwd
+                 + 6 * 5 * 2 * H * kvd * S  # context k/v projections
+                 + 6 * len(LAYERS) * H * H * S  # fc
+                 + 4 * H * V * Q)  # LM head: forward + input gradient (frozen weight)
+    flops_step = flops_row * spe_rows
+    res = {
+        "device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu", "torch": torch.__version__,
+        "steps": len(recs), "step_time_s": step_time,
+        "shape": "tiny" if args.tiny else "qwen3.5-27b drafter", "seq_len": args.seq_len,
+        "num_anchors": args.num_anchors, "rows_per_step": spe_rows,
+        "context_tokens_per_s": args.seq_len * spe_rows / step_time,
+        "block_tokens_per_s": Q * spe_rows / step_time,
+        "model_tflops_per_s": flops_step / step_time / 1e12,
+        "share_of_bf16_peak": flops_step / step_time / PEAK,
+        "max_mem_gb": max(r.get("max_mem_gb", 0) for r in recs),
+        "data_wait_mean": sum(r["data_wait"] for r in steady) / len(steady),
+        "recompiles_after_first_step": recs[-1]["recompiles"] - recs[0]["recompiles"],
+        "recompiles_total": recs[-1]["recompiles"],
+        "first_step_s": recs[0]["step_time"], "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"],
+    }
+    for k, v in res.items():
+        print(f"{k}: {v}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
