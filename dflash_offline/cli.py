@@ -61,7 +61,8 @@ def extract(ctx: click.Context, config_file, **options) -> None:
     """Stage one: write target hidden states into a committed, resumable Zarr cache.
 
     Running the same command again resumes: committed shards are kept, debris is removed. A cache
-    made with another target, layer set, top-k, dtype or input is refused, naming the field.
+    made with another target, layer set, top-k, dtype, max length, shard plan or input is refused,
+    naming the field.
     """
     from .config import ExtractConfig, load_recipe, merge, parse_int_list
 
@@ -151,7 +152,8 @@ def entry() -> None:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     except click.exceptions.Abort:
-        click.echo("aborted", err=True)
+        # click turns Ctrl-C into Abort.
+        click.echo("interrupted: committed work is kept; run the same command again to resume", err=True)
         sys.exit(130)
     except click.ClickException as e:
         e.show()

@@ -52,6 +52,7 @@ class Job:
     hidden_size: int
     source: dict  # data.Source as plain fields
     shards: list[np.ndarray]  # global rows of each shard, in write order
+    compute_dtype: str  # resolved: bfloat16 / float16 / float32
 
 
 def make_plan(lengths: np.ndarray, max_len: int, shard_tokens: int, sort_window: int) -> list[np.ndarray]:
@@ -115,6 +116,26 @@ def _log_dir(cfg: ExtractConfig, loc) -> str:
     return "dflash-logs" if loc.remote else loc.path("logs")
 
 
+def worker_device(devices: list[str], launch: Launch | None, rank: int) -> str:
+    """The device of one worker: the listed one, or under torchrun cuda:LOCAL_RANK (cpu if all listed are cpu)."""
+    if launch is None:
+        return devices[rank]
+    return "cpu" if all(d == "cpu" for d in devices) else f"cuda:{launch.local_rank}"
+
+
+def resolve_compute_dtype(name: str, devices: list[str], launch: Launch | None) -> str:
+    """`auto` -> bfloat16 on GPUs, float32 on CPUs; one dtype per cache, so no mixing of the two."""
+    kinds = {"cpu" if d == "cpu" else "cuda" for d in devices}
+    if launch is not None:
+        kinds = {"cpu"} if kinds == {"cpu"} else {"cuda"}
+    if name != "auto":
+        return name
+    if len(kinds) > 1:
+        raise UserError(f"--devices mixes CPU and GPU workers with --compute-dtype auto (bf16 on GPU, fp32 on CPU); "
+                        "choose one kind of device or set --compute-dtype")
+    return "bfloat16" if kinds == {"cuda"} else "float32"
+
+
 def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     """All checks that need no weights. Raises UserError; writes nothing to the cache."""
     from . import data, target
@@ -129,9 +150,10 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
         check_devices_exist(devices)
     if loc.remote and (len(devices) > 1 or (launch and launch.world_size > 1)):
         raise UserError(
-            f"--cache {cfg.cache}: several workers need a lock to share one manifest and object stores "
-            "have none; use a local or shared file system path, or one device"
+            f"--cache {cfg.cache}: several workers need a lock to share one manifest, and URL caches "
+            "(object stores) have none; use a local or shared file system path, or one device"
         )
+    compute_dtype = resolve_compute_dtype(cfg.compute_dtype, devices, launch)
     t0 = time.time()
     source = data.scan(cfg.data, info.vocab_size)
     log.info("input: %d files, %d rows, %d tokens (scanned in %.1fs)", len(source.files), source.rows,
@@ -140,7 +162,8 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     truncated = int((source.lengths > cfg.max_len).sum())
     wanted = new_manifest(
         target=info.manifest_entry(),
-        capture={"layer_ids": layer_ids, "topk": cfg.topk, "hidden_dtype": cfg.hidden_dtype, "max_len": cfg.max_len},
+        capture={"layer_ids": layer_ids, "topk": cfg.topk, "hidden_dtype": cfg.hidden_dtype, "max_len": cfg.max_len,
+                 "compute_dtype": compute_dtype},
         source=source.manifest_entry(),
         plan={"shard_tokens": cfg.shard_tokens, "sort_window": cfg.sort_window, "num_shards": len(shards)},
     )
@@ -174,7 +197,7 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
              len(shards), total_tokens, todo_tokens, whole / 1e9, bpt, layer_ids, cfg.topk)
     job = Job(
         cfg=asdict(cfg), target_path=str(info.path), layer_ids=layer_ids, num_target_layers=info.num_layers,
-        hidden_size=info.hidden_size, source=_source_state(source), shards=shards,
+        hidden_size=info.hidden_size, source=_source_state(source), shards=shards, compute_dtype=compute_dtype,
     )
     return job, wanted, devices, todo_tokens
 
@@ -192,6 +215,7 @@ def run(cfg: ExtractConfig) -> dict:
     from .cache.location import Location
 
     launch = torchrun_launch()
+    cfg.validate()  # no log folder for a run that names no cache
     loc = Location(cfg.cache)
     name = f"extract-rank{launch.rank}" if launch else "extract-launcher"
     log_path = open_process_log(_log_dir(cfg, loc), name)
@@ -200,11 +224,16 @@ def run(cfg: ExtractConfig) -> dict:
 
     from .cache.manifest import ManifestStore
 
+    if launch is None:
+        run_lock = loc.try_run_lock()  # held until this process exits
+        if run_lock is None:
+            raise UserError(f"--cache {cfg.cache}: another extract is running on this cache (it holds "
+                            f"{loc.path('.run.lock')}); wait for it or stop it, then run again")
     store = ManifestStore(loc)
     store.init_or_check(wanted)
     loc.makedirs("shards")
     if launch is not None:
-        device = devices[0] if devices == ["cpu"] else f"cuda:{launch.local_rank}"
+        device = worker_device(devices, launch, launch.rank)
         worker_run(launch.rank, launch.world_size, device, job, progress=None,
                    show_bar=cfg.progress and launch.rank == 0, todo_tokens=todo_tokens)
         if launch.rank == 0:
@@ -302,6 +331,9 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     """Spawned process: log file first, then torch, then the work."""
     from .cache.location import Location
 
+    from .runtime import die_with_parent
+
+    die_with_parent()
     loc = Location(job.cfg["cache"])
     open_process_log(_log_dir(ExtractConfig(**job.cfg), loc), f"extract-rank{rank}", console=True)
     try:
@@ -379,6 +411,7 @@ class _Sink:
                     entry = writer.close(name)
                     writer = None
                     final = f"shards/{name}.zarr"
+                    self.loc.fsync_tree(tmp_shard_rel(j))
                     self.loc.rmtree(final)
                     self.loc.rename(tmp_shard_rel(j), final)
                     fault_point("shard-renamed")
@@ -446,7 +479,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     need_head = cfg.topk > 0
     keep = info.num_layers if need_head else max(job.layer_ids) + 1
     t0 = time.time()
-    model = load_target(info, device, cfg.compute_dtype, keep, need_head)
+    model = load_target(info, device, job.compute_dtype, keep, need_head)
     log.info("loaded target in %.1fs", time.time() - t0)
     capture = LayerCapture(model, job.layer_ids)
     n, H, k = len(job.layer_ids), job.hidden_size, cfg.topk
@@ -457,7 +490,8 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     if show_bar:
         from tqdm import tqdm
 
-        bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True)
+        own = sum(int(np.minimum(job.source["lengths"][job.shards[j]], cfg.max_len).sum()) for j in mine)
+        bar = tqdm(total=own, unit="tok", unit_scale=True, desc=f"extract (rank {rank} of {world})", dynamic_ncols=True)
     written = [0]
 
     def on_progress(tokens: int, nbytes: int) -> None:

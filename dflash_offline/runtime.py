@@ -127,6 +127,20 @@ def check_devices_exist(devices: list[str]) -> None:
         )
 
 
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies, so a killed launcher leaves no worker
+    writing into the cache behind it."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
 def single_thread_compute() -> None:
     """One compute thread per process: several worker processes share the machine's cores."""
     import torch

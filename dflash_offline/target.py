@@ -144,10 +144,15 @@ def check_kernels(info: TargetInfo, devices: list[str]) -> str | None:
                if importlib.util.find_spec(mod) is None]
     if not missing:
         return None
+    how = []
+    if "flash-linear-attention" in missing:
+        how.append("pip install flash-linear-attention")
+    if "causal-conv1d" in missing:
+        how.append("CAUSAL_CONV1D_FORCE_BUILD=TRUE pip install --no-build-isolation causal-conv1d (builds with nvcc)")
     return (
         f"hybrid target ({info.model_type}) on CUDA without {' and '.join(missing)}: transformers falls back to "
-        f"slow PyTorch Gated DeltaNet kernels (about 1.5x slower here). Install with: "
-        f"pip install {' '.join(missing)}  (or: pip install 'dflash-offline[gpu]')"
+        f"PyTorch kernels for the Gated DeltaNet layers (a 16-layer Qwen3.5-27B-shaped model: 25,000 instead of "
+        f"36,300 tokens/s on an H200 without fla). Install: {'; '.join(how)}"
     )
 
 

@@ -152,6 +152,9 @@ def run(cfg: TrainConfig) -> None:
 
 
 def _spawned(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict, port: int) -> None:
+    from .runtime import die_with_parent
+
+    die_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     open_process_log(Path(cfg.out) / "logs", f"train-rank{rank}")

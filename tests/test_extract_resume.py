@@ -150,3 +150,43 @@ def test_fsspec_url_cache_equals_path_cache(reference, tiny_dense, tiny_data, tm
     assert shard_table(tmp_path / "cache") == shard_table(reference)
     assert_no_debris(tmp_path / "cache")
     assert CacheReader(url).verify() == []
+
+
+def test_second_run_refused_and_workers_die_with_launcher(tiny_dense, tiny_data, tmp_path):
+    """While an extract runs on a cache, another is refused (one line, exit 2); SIGKILL of the
+    launcher alone takes its worker down too (no orphan keeps writing), and a rerun completes."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    cache = tmp_path / "cache"
+    args = [sys.executable, "-m", "dflash_offline", "extract", "--target", str(tiny_dense), "--data", str(tiny_data),
+            "--cache", str(cache), "--devices", "cpu", *OPTS]
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log = cache / "logs" / "extract-launcher.log"
+    deadline = time.time() + 120
+    pid = None
+    while time.time() < deadline and pid is None:
+        found = re.search(r"started 1 worker processes: (\d+) on cpu", log.read_text() if log.exists() else "")
+        pid = int(found.group(1)) if found else None
+        time.sleep(0.1)
+    assert pid is not None, "the first run never started its worker"
+    second = run_cli(["extract", "--target", str(tiny_dense), "--data", str(tiny_data), "--cache", str(cache),
+                      "--devices", "cpu", *OPTS])
+    assert second.returncode == 2 and "another extract is running" in second.stderr
+    assert second.stderr.strip().count("\n") == 0
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(timeout=30)
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"worker {pid} outlived its launcher")
+    r = extract(tiny_dense, tiny_data, cache)
+    assert r.returncode == 0, r.stderr
+    assert_no_debris(cache)

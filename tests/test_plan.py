@@ -62,6 +62,6 @@ def test_url_cache_with_several_workers_is_refused(tiny_dense, tiny_data, tmp_pa
     from conftest import run_cli
 
     r = run_cli(["extract", "--target", str(tiny_dense), "--data", str(tiny_data),
-                 "--cache", f"memory://{tmp_path}/c", "--devices", "cpu,cpu", "--log-dir", str(tmp_path / "logs")])
+                 "--cache", f"local://{tmp_path}/c", "--devices", "cpu,cpu", "--log-dir", str(tmp_path / "logs")])
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "object stores" in r.stderr

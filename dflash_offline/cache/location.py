@@ -31,7 +31,18 @@ class Location:
             protocol = root.split("://", 1)[0].split("::")[-1]
             # File-system-like backends need parent folders; object stores have none to make.
             self.storage_options = {"auto_mkdir": True} if protocol in ("local", "file") else {}
-            self.fs, self._base = fsspec.core.url_to_fs(root, **self.storage_options)
+            if protocol == "memory":
+                from ..runtime import UserError
+
+                raise UserError(f"--cache {root}: memory:// lives inside one process and workers are separate "
+                                "processes; use a path (e.g. /dev/shm/cache) instead")
+            try:
+                self.fs, self._base = fsspec.core.url_to_fs(root, **self.storage_options)
+            except (ImportError, ValueError) as e:
+                from ..runtime import UserError
+
+                raise UserError(f"--cache {root}: fsspec cannot open this URL ({e}); install the backend "
+                                f"for '{protocol}://' (e.g. pip install s3fs for s3://)") from None
         else:
             self.storage_options = {}
             self.fs, self._base = None, str(Path(root).absolute())
@@ -102,6 +113,20 @@ class Location:
         else:
             shutil.rmtree(self.path(rel), ignore_errors=True)
 
+    def fsync_tree(self, rel: str) -> None:
+        """Flush every file of a folder to storage before it is renamed into place and committed,
+        so a power loss cannot leave a committed shard whose chunks never reached the disk."""
+        if self.remote:
+            return  # object stores acknowledge a PUT once it is stored
+        for dirpath, _, names in os.walk(self.path(rel)):
+            for n in names:
+                fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            _fsync_dir(dirpath)
+
     def rename(self, src: str, dst: str) -> None:
         if self.remote:
             self.fs.mv(self.path(src), self.path(dst), recursive=True)
@@ -129,6 +154,24 @@ class Location:
         fault_point("manifest-tmp-written")
         os.replace(tmp, final)
         _fsync_dir(os.path.dirname(final))
+
+    def try_run_lock(self, rel: str = ".run.lock"):
+        """Hold an exclusive lock for a whole run; None if another run holds it (local paths).
+
+        The kernel drops it when the holder dies. Returns the open descriptor to keep alive. The
+        file stays empty: a rerun leaves the cache's bytes as they were."""
+        if self.remote:
+            return -1
+        import fcntl
+
+        self.makedirs("")
+        fd = os.open(self.path(rel), os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
 
     @contextlib.contextmanager
     def lock(self, rel: str = ".manifest.lock"):

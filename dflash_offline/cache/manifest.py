@@ -22,7 +22,7 @@ MANIFEST = "manifest.json"
 IDENTITY_FIELDS = [
     ("target", "model_type"), ("target", "num_layers"), ("target", "hidden_size"),
     ("target", "vocab_size"), ("target", "config_sha256"), ("target", "weights_fingerprint"),
-    ("capture", "layer_ids"), ("capture", "topk"), ("capture", "hidden_dtype"), ("capture", "max_len"),
+    ("capture", "layer_ids"), ("capture", "topk"), ("capture", "hidden_dtype"), ("capture", "max_len"), ("capture", "compute_dtype"),
     ("source", "rows"), ("source", "files"),
     ("plan", "shard_tokens"), ("plan", "sort_window"), ("plan", "num_shards"),
 ]
