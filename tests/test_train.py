@@ -52,6 +52,7 @@ def test_training_learns_and_exports(arith_cache, tiny_dense, tmp_path):
     assert last < 0.5 * first, (first, last)
     assert np.mean([x["acc_slot1"] for x in m[-3:]]) > np.mean([x["acc_slot1"] for x in m[:3]]) + 0.3
     assert m[-1]["tau"] > 1.5
+    assert list((out / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard event file"
     assert all(x["recompiles"] == 0 for x in m)  # CPU path: dense SDPA, nothing compiled
     # Export: the serving format, loads back.
     cfg = json.loads((out / "export" / "config.json").read_text())
