@@ -169,7 +169,7 @@ def main() -> None:
             results["variants"][variant]["max_mem_GB"] = torch.cuda.max_memory_allocated() / 1e9
 
     bare = results["variants"].get("bare", {}).get("tokens_per_s")
-    print(f"\n| variant | tokens/s | vs bare | GB/s written |")
+    print("\n| variant | tokens/s | vs bare | GB/s written |")
     print("|---|---|---|---|")
     for name, v in results["variants"].items():
         rel = f"{v['tokens_per_s'] / bare:.3f}" if bare else "-"

@@ -57,7 +57,7 @@ def make_cache(root: Path, target: Path, rows: int, seq_len: int, dev: str) -> N
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore, new_manifest
     from dflash_offline.cache.writer import ShardLayout, ShardWriter
-    from dflash_offline.target import read_target
+    from dflash_offline.model_folder import read_target
 
     rng = np.random.default_rng(0)
     lengths = []

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .runtime import UserError
-from .target import KEY_REWRITES, read_target
+from .model_folder import KEY_REWRITES, read_target
 
 log = logging.getLogger("dflash.drafter")
 

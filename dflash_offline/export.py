@@ -11,7 +11,6 @@ from .runtime import UserError
 def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = None) -> Path:
     from safetensors.torch import load_file
 
-    from .config import TrainConfig
     from .drafter import DFlashDrafter, DrafterConfig, export_drafter
     from .train import CHECKPOINT_PREFIX, list_checkpoints
 
@@ -24,7 +23,6 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
         raise UserError(f"--step {step}: no such checkpoint in {run_dir}; available: {', '.join(map(str, steps))}")
     ck = run / f"{CHECKPOINT_PREFIX}{step}"
     state = json.loads((ck / "state.json").read_text())
-    cfg = TrainConfig(**state["config"])
     dcfg = DrafterConfig(**state["drafter"])
     drafter = DFlashDrafter(dcfg)
     missing = drafter.load_state_dict(load_file(str(ck / "drafter.safetensors")), strict=False)

@@ -131,7 +131,7 @@ def resolve_compute_dtype(name: str, devices: list[str], launch: Launch | None) 
     if name != "auto":
         return name
     if len(kinds) > 1:
-        raise UserError(f"--devices mixes CPU and GPU workers with --compute-dtype auto (bf16 on GPU, fp32 on CPU); "
+        raise UserError("--devices mixes CPU and GPU workers with --compute-dtype auto (bf16 on GPU, fp32 on CPU); "
                         "choose one kind of device or set --compute-dtype")
     return "bfloat16" if kinds == {"cuda"} else "float32"
 

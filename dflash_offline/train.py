@@ -41,7 +41,7 @@ def preflight(cfg: TrainConfig) -> dict:
     from .drafter import DrafterConfig
     from .packing import accumulation, manifest_fingerprint, pack_rows, epoch_order, steps_per_epoch
     from .runtime import parse_devices
-    from .target import read_target
+    from .model_folder import read_target
 
     cfg.validate()
     devices = parse_devices(cfg.devices)

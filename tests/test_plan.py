@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from dflash_offline.extract import make_batches, make_plan
-from dflash_offline.runtime import UserError
 from dflash_offline.target import check_kernels, default_layer_ids, read_target
 
 

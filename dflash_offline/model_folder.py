@@ -1,0 +1,106 @@
+"""A Hugging Face model folder read without torch: config, safetensors headers, fingerprint.
+
+Both stages read the target's folder (stage one to run it, stage two for its widths, mask token,
+embedding and LM head), so this lives beside them rather than inside either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from .runtime import UserError
+
+# Checkpoint key prefixes of multimodal wrappers, mapped onto the text-only causal LM.
+KEY_REWRITES = [
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+]
+
+
+@dataclass
+class TargetInfo:
+    path: Path
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    config_sha256: str
+    weights_fingerprint: str
+    hybrid: bool
+    weight_files: list[Path]
+    tie_word_embeddings: bool
+
+    def manifest_entry(self) -> dict:
+        return {
+            "path": str(self.path), "model_type": self.model_type, "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+            "config_sha256": self.config_sha256, "weights_fingerprint": self.weights_fingerprint,
+        }
+
+
+def _safetensors_header(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100_000_000:
+            raise UserError(f"{path}: not a safetensors file (header length {n})")
+        return f.read(n)
+
+
+def _data_sample(path: Path, samples: int = 16, block: int = 1 << 16) -> bytes:
+    """16 evenly spaced 64 KiB blocks of the tensor data: headers alone (names, shapes, dtypes)
+    cannot tell a fine-tune from its base model; hashing 54 GB at every start is too slow."""
+    size = path.stat().st_size
+    out = []
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        start = 8 + n
+        span = max(size - start - block, 0)
+        for i in range(samples):
+            f.seek(start + span * i // (samples - 1))
+            out.append(f.read(block))
+    return b"".join(out)
+
+
+def read_target(path: str) -> TargetInfo:
+    """Read config.json and the safetensors headers; no torch, no weights."""
+    root = Path(path)
+    cfg_path = root / "config.json"
+    if not root.is_dir():
+        raise UserError(f"--target {path}: no such folder (expected a Hugging Face model folder)")
+    if not cfg_path.is_file():
+        raise UserError(f"--target {path}: no config.json in the folder")
+    try:
+        raw = cfg_path.read_bytes()
+        cfg = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{cfg_path}: not valid JSON ({e})") from None
+    text = cfg.get("text_config") or cfg
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        if key not in text:
+            raise UserError(f"{cfg_path}: missing {key!r}; is this a causal language model?")
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"--target {path}: no *.safetensors weights in the folder")
+    fp = hashlib.sha256()
+    for f in files:
+        fp.update(f.name.encode())
+        fp.update(str(f.stat().st_size).encode())
+        fp.update(_safetensors_header(f))
+        fp.update(_data_sample(f))
+    layer_types = text.get("layer_types") or []
+    # Gated DeltaNet layers keep a recurrent state: padding rules and kernel checks differ.
+    hybrid = "linear_attention" in layer_types
+    tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    return TargetInfo(
+        path=root.absolute(), model_type=str(text.get("model_type", cfg.get("model_type"))),
+        num_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
+        vocab_size=int(text["vocab_size"]),
+        config_sha256=hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest(),
+        weights_fingerprint="sha256:" + fp.hexdigest(), hybrid=hybrid, weight_files=files,
+        tie_word_embeddings=tie,
+    )
