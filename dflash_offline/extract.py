@@ -269,6 +269,8 @@ def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bo
 
     from tqdm import tqdm
 
+    from .runtime import failed_process, stop_processes
+
     ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
     q = ctx.Queue()
     procs = []
@@ -291,18 +293,12 @@ def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bo
                 continue
             except queue.Empty:
                 pass
-            codes = [p.exitcode for p in procs]
-            failed = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is not None or all(c == 0 for c in codes):
+            failed = failed_process(procs)
+            if failed is not None or all(p.exitcode == 0 for p in procs):
                 break
     finally:
         bar.close()
-        if failed is not None:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-        for p in procs:
-            p.join()
+        stop_processes(procs, failed)
     if failed is not None:
         raise RuntimeError(
             f"worker {failed} ({devices[failed]}) exited with code {procs[failed].exitcode}; "

@@ -141,6 +141,21 @@ def die_with_parent() -> None:
         pass
 
 
+def failed_process(procs) -> int | None:
+    """Index of the first process that exited with a non-zero code, else None."""
+    return next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
+
+
+def stop_processes(procs, failed: int | None) -> None:
+    """After a failure, terminate the others (their committed work stays); then join all."""
+    if failed is not None:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+    for p in procs:
+        p.join()
+
+
 def single_thread_compute() -> None:
     """One compute thread per process: several worker processes share the machine's cores."""
     import torch

@@ -131,20 +131,13 @@ def run(cfg: TrainConfig) -> None:
         p = ctx.Process(target=_spawned, args=(rank, len(devices), dev, cfg, plan, port), name=f"train-rank{rank}")
         p.start()
         procs.append(p)
+    from .runtime import failed_process, stop_processes
+
     failed = None
-    while any(p.is_alive() for p in procs):
-        for r, p in enumerate(procs):
-            if p.exitcode not in (None, 0):
-                failed = r
-        if failed is not None:
-            break
+    while any(p.is_alive() for p in procs) and failed is None:
         time.sleep(0.5)
-    if failed is not None:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-    for p in procs:
-        p.join()
+        failed = failed_process(procs)
+    stop_processes(procs, failed)
     bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         raise RuntimeError(f"training rank {bad[0]} exited with code {procs[bad[0]].exitcode}; see "
