@@ -35,11 +35,16 @@ class RowStream(torch.utils.data.IterableDataset):
             from .cache.reader import CacheReader
 
             self._reader = CacheReader(self.cache)
-        shard = self._reader.shard(ref[0])
-        a = int(shard.offsets[ref[1]])
-        g = shard.group
-        b = a + keep
-        return g["input_ids"][a:b].astype(np.int64), g["loss_mask"][a:b], g["hidden"][a:b]
+        try:
+            shard = self._reader.shard(ref[0])
+            a = int(shard.offsets[ref[1]])
+            g = shard.group
+            b = a + keep
+            return g["input_ids"][a:b].astype(np.int64), g["loss_mask"][a:b], g["hidden"][a:b]
+        except Exception as e:
+            # Never train on (or skip) unreadable data silently: name the shard and stop.
+            raise RuntimeError(f"cache {self.cache}: shard {ref[0]}, sample {ref[1]} is unreadable "
+                               f"({type(e).__name__}: {e}); run `verify`/re-extract that shard") from None
 
     def make(self, global_row: int, packed: list[tuple[int, int]]) -> dict:
         sp = self.spec

@@ -65,9 +65,14 @@ def preflight(cfg: TrainConfig) -> dict:
             sh = reader.shard(name)
         except Exception as e:
             raise UserError(f"--cache {cfg.cache}: shard {name} does not open ({type(e).__name__}: {e})") from None
-        if cfg.verify == "full" and sh.compute_checksum() != sh.entry["checksum"]:
-            raise UserError(f"--cache {cfg.cache}: shard {name} does not match its checksum (corrupted data); "
-                            "re-extract it")
+        if cfg.verify == "full":
+            try:
+                ok = sh.compute_checksum() == sh.entry["checksum"]
+            except Exception:  # a chunk's CRC32C failed while reading
+                ok = False
+            if not ok:
+                raise UserError(f"--cache {cfg.cache}: shard {name} does not match its checksum (corrupted data); "
+                                "re-extract it")
         offs = sh.offsets
         lengths.extend((offs[1:] - offs[:-1]).tolist())
         refs.extend((name, k) for k in range(len(sh)))

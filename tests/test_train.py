@@ -130,3 +130,6 @@ def test_refuses_other_target_missing_shard_corrupted_chunk(arith_cache, tiny_de
     chunk.write_bytes(bytes(data))
     r = train(tiny_dense, corrupt, tmp_path / "r3", "--epochs", "1", "--verify", "full")
     assert r.returncode == 2 and "shard-000002" in r.stderr and "checksum" in r.stderr
+    # Without the full check at start, the chunk's CRC32C stops training when it is read.
+    r = train(tiny_dense, corrupt, tmp_path / "r4", "--epochs", "1")
+    assert r.returncode == 1 and "shard-000002" in r.stderr and "unreadable" in r.stderr

@@ -1,7 +1,9 @@
 """Write one shard (a Zarr v3 group) under a temporary name, in whole chunks, with a checksum.
 
 The shard's length T is known before the first write (the plan fixes its samples), so every array
-is created at its final shape and the token axis is filled front to back. Hidden states and top-k
+is created at its final shape and the token axis is filled front to back. Chunks are stored
+uncompressed (compression is slower than the GPU's output rate) with a CRC32C per chunk, so a
+corrupted chunk fails loudly whenever it is read, not only when the whole shard is verified. Hidden states and top-k
 rows are staged in a chunk-sized buffer and written only as whole chunks (plus the tail at close),
 so no chunk is ever rewritten.
 """
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import zarr
+from zarr.codecs import Crc32cCodec
 
 from .location import Location
 from .manifest import id_ranges
@@ -61,7 +64,7 @@ class ShardWriter:
 
         def make(name, shape, chunks, dtype, dims, attrs=None):
             return self.group.create_array(
-                name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0, compressors=None,
+                name, shape=shape, chunks=chunks, dtype=dtype, fill_value=0, compressors=[Crc32cCodec()],
                 dimension_names=dims, attributes=attrs or {},
             )
 
