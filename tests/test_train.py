@@ -133,3 +133,40 @@ def test_refuses_other_target_missing_shard_corrupted_chunk(arith_cache, tiny_de
     # Without the full check at start, the chunk's CRC32C stops training when it is read.
     r = train(tiny_dense, corrupt, tmp_path / "r4", "--epochs", "1")
     assert r.returncode == 1 and "shard-000002" in r.stderr and "unreadable" in r.stderr
+
+
+def test_torchrun_training_equals_launcher_and_export_command(arith_cache, tiny_dense, tmp_path):
+    """The same train command under torchrun (2 ranks, gloo) matches our own 2-process launcher
+    bit for bit (same rank layout, same reductions); `dflash-offline export` writes a checkpoint's
+    drafter that loads back."""
+    import subprocess
+    import sys
+
+    launcher, under = tmp_path / "launcher", tmp_path / "torchrun"
+    r = train(tiny_dense, arith_cache, launcher, "--epochs", "1", "--max-steps", "4", "--devices", "cpu,cpu")
+    assert r.returncode == 0, r.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "dflash_offline",
+         "train", "--target", str(tiny_dense), "--cache", str(arith_cache), "--out", str(under), *TRAIN,
+         "--epochs", "1", "--max-steps", "4", "--devices", "cpu"],
+        capture_output=True, text=True, env=env, timeout=600, start_new_session=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["loss"] for x in metrics(launcher)] == [x["loss"] for x in metrics(under)]
+    wa, wb = weights(launcher, 4), weights(under, 4)
+    for k in wa:
+        np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
+
+    r = run_cli(["export", "--run", str(under), "--step", "4", "--to", str(tmp_path / "exported")])
+    assert r.returncode == 0, r.stderr
+    from dflash_offline.drafter import load_exported
+
+    d = load_exported(str(tmp_path / "exported"), str(tiny_dense))
+    assert d.cfg.block_size == 8 and d.cfg.num_hidden_layers == 2
+    exported = {k: v.float().numpy() for k, v in d.trainable_state_dict().items()}
+    for k, v in wb.items():  # the checkpoint's fp32 weights, rounded to bf16 by the export
+        import torch
+
+        np.testing.assert_array_equal(exported[k], torch.from_numpy(v).bfloat16().float().numpy(), err_msg=k)
+    r = run_cli(["export", "--run", str(under), "--step", "3"])
+    assert r.returncode == 2 and "no such checkpoint" in r.stderr
