@@ -116,6 +116,13 @@ def run(cfg: TrainConfig) -> None:
     name = f"train-rank{launch.rank}" if launch else "train-launcher"
     open_process_log(out / "logs", name)
     plan = preflight(cfg)
+    if launch is None or launch.rank == 0:
+        from .cache.location import Location
+
+        run_lock = Location(str(out)).try_run_lock()  # held until this process exits
+        if run_lock is None:
+            raise UserError(f"--out {cfg.out}: another training run is using this folder (it holds "
+                            f"{out / '.run.lock'}); wait for it or stop it, then run again")
     if launch is not None:
         dev = plan["devices"][0] if plan["devices"] == ["cpu"] else f"cuda:{launch.local_rank}"
         train_worker(launch.rank, launch.world_size, dev, cfg, plan, already_logging=True)

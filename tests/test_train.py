@@ -170,3 +170,24 @@ def test_torchrun_training_equals_launcher_and_export_command(arith_cache, tiny_
         np.testing.assert_array_equal(exported[k], torch.from_numpy(v).bfloat16().float().numpy(), err_msg=k)
     r = run_cli(["export", "--run", str(under), "--step", "3"])
     assert r.returncode == 2 and "no such checkpoint" in r.stderr
+
+
+def test_second_trainer_on_same_out_is_refused(arith_cache, tiny_dense, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "dflash_offline", "train", "--target", str(tiny_dense), "--cache",
+                              str(arith_cache), "--out", str(out), *TRAIN, "--epochs", "50"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out / "metrics.jsonl").exists():
+            time.sleep(0.2)
+        assert (out / "metrics.jsonl").exists(), "the first trainer never started"
+        r = train(tiny_dense, arith_cache, out, "--epochs", "50")
+        assert r.returncode == 2 and "another training run" in r.stderr and r.stderr.count("\n") == 1
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
