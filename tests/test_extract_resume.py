@@ -131,7 +131,8 @@ def test_config_recipe_and_cli_override(tiny_dense, tiny_data, tmp_path):
     r = run_cli(["extract", "--config", str(recipe), "--topk", "2"])
     assert r.returncode == 0, r.stderr
     m = json.loads((cache / "manifest.json").read_text())
-    assert m["capture"] == {"layer_ids": [1, 3], "topk": 2, "hidden_dtype": "bfloat16", "max_len": 64}
+    assert m["capture"] == {"layer_ids": [1, 3], "topk": 2, "hidden_dtype": "bfloat16", "max_len": 64,
+                            "compute_dtype": "float32"}
     assert m["plan"]["shard_tokens"] == 4096
     assert max(s.input_ids.shape[0] for s in CacheReader(str(cache)).samples()) == 64
 
