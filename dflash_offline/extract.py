@@ -146,6 +146,7 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     devices = parse_devices(cfg.devices)
     info = target.read_target(cfg.target)
     layer_ids = target.resolve_layers(info, cfg.layers, cfg.num_layers)
+    target.check_weights(info, info.num_layers if cfg.topk > 0 else max(layer_ids) + 1, cfg.topk > 0)
     if launch is None:
         check_devices_exist(devices)
     if loc.remote and (len(devices) > 1 or (launch and launch.world_size > 1)):

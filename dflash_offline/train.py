@@ -348,7 +348,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
             wait_total += t_data
             if rank == 0:
                 v = vec.cpu().numpy()
-                loss = float(v[0] / wsum.item())
+                loss = float(v[0] / max(wsum.item(), 1e-12))  # a step without scored tokens logs 0, not nan
                 sc, cnt = v[1:1 + B], v[1 + B:1 + 2 * B]
                 acc = np.where(cnt > 0, sc / np.maximum(cnt, 1), 0.0)
                 tau = float(v[1 + 2 * B] / max(v[2 + 2 * B], 1))

@@ -443,3 +443,21 @@ def test_same_command_on_complete_cache_changes_nothing(tiny_dense, tiny_data, v
     assert "cache: complete" in r.stdout
     assert tree_digest(valid_cache) == before
     assert tree_listing(valid_cache) == listing
+
+
+def test_weight_shape_mismatch_refused_before_workers(tiny_dense, tiny_data, tmp_path):
+    """A checkpoint whose tensors do not fit its config.json is refused in preflight, in one line,
+    naming the tensor, before any worker loads weights."""
+    import json as _json
+    import shutil as _shutil
+
+    bad = tmp_path / "bad-target"
+    _shutil.copytree(tiny_dense, bad)
+    cfg = _json.loads((bad / "config.json").read_text())
+    cfg["intermediate_size"] = cfg["intermediate_size"] * 2
+    (bad / "config.json").write_text(_json.dumps(cfg))
+    cache = tmp_path / "cache"
+    r = run_cli(["extract", "--target", str(bad), "--data", str(tiny_data), "--cache", str(cache), "--topk", "0"])
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "mlp" in r.stderr and "implies" in r.stderr
+    assert not (cache / "logs" / "extract-rank0.log").exists()  # no worker started
