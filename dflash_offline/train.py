@@ -40,11 +40,13 @@ def preflight(cfg: TrainConfig) -> dict:
     from .cache.reader import CacheReader
     from .drafter import DrafterConfig
     from .packing import accumulation, manifest_fingerprint, pack_rows, epoch_order, steps_per_epoch
-    from .runtime import parse_devices
+    from .runtime import check_devices_exist, parse_devices
     from .model_folder import read_target
 
     cfg.validate()
     devices = parse_devices(cfg.devices)
+    if torchrun_launch() is None:
+        check_devices_exist(devices)
     reader = CacheReader(cfg.cache)
     m = reader.manifest
     if m["status"] != "complete":
