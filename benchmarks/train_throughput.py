@@ -127,7 +127,13 @@ def main() -> None:
                       num_anchors=args.num_anchors, block_size=16, global_batch_tokens=args.seq_len * spe_rows,
                       epochs=100, max_steps=args.steps, mask_token_id=1 if args.tiny else 248070, loader_workers=args.loader_workers,
                       checkpoint_every=10**9, final_checkpoint=False, progress=False, log_every=5)
-    train.run(cfg)
+    try:
+        train.run(cfg)
+    finally:
+        # Also on Ctrl-C / `timeout -s INT`: show where the trainer got to.
+        log = work / "run" / "logs" / "train-launcher.log"
+        if log.exists():
+            print("".join(log.read_text().splitlines(keepends=True)[-25:]), flush=True)
     recs = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     steady = recs[3:]  # the first steps compile
     step_time = sum(r["step_time"] for r in steady) / len(steady)
