@@ -244,10 +244,13 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts them)
     # Built on the device: initialising a 27B-shaped drafter's ~1.8B parameters on one CPU thread
     # takes minutes; on the GPU it takes a moment. (GPU and CPU draw different initial weights.)
+    t_build = time.perf_counter()
     with torch.device(device):
         drafter = DFlashDrafter(dcfg)
     drafter.load_frozen_from_target(cfg.target)
     drafter.to(device)
+    log.info("drafter: %.2fB trainable parameters on %s, built and frozen parts loaded in %.1fs",
+             sum(p.numel() for p in drafter.trainable_parameters()) / 1e9, device, time.perf_counter() - t_build)
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
     model = drafter
     if world > 1:
@@ -371,9 +374,9 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                     bar.update(1)
                     bar.set_postfix_str(f"loss {loss:.3f} acc1 {acc[1]:.3f} tau {tau:.2f} "
                                         f"{tokens_per_step * bar.format_dict['rate'] if bar.format_dict.get('rate') else 0:.0f} tok/s")
-                if step % cfg.log_every == 0 or step == stop:
-                    log.info("step %d/%d loss %.4f acc1 %.3f tau %.2f lr %.2e data-wait %.1f%% recompiles %d",
-                             step, total, loss, acc[1], tau, rec["lr"], 100 * rec["data_wait"], rec["recompiles"])
+                if step == 1 or step % cfg.log_every == 0 or step == stop:
+                    log.info("step %d/%d loss %.4f acc1 %.3f tau %.2f lr %.2e step %.3fs data-wait %.1f%% recompiles %d",
+                             step, total, loss, acc[1], tau, rec["lr"], t_step, 100 * rec["data_wait"], rec["recompiles"])
             if step % cfg.checkpoint_every == 0 or (step == stop and cfg.final_checkpoint):
                 if world > 1:
                     dist.barrier()
