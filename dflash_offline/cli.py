@@ -28,7 +28,8 @@ def main() -> None:
     \b
     Stage one, `extract`: the frozen target writes hidden states of chosen layers (and top-k
     log-probabilities) into a committed, resumable Zarr cache, one process per device.
-    Stage two, `train` (not built yet): the drafter will train from that cache.
+    Stage two, `train`: a DFlash drafter trains from that cache (DDP, one process per GPU),
+    resumable to the step; `export` writes it in the format serving engines load.
 
     \b
     Quick start (CPU, tiny built-in recipe):
@@ -133,6 +134,27 @@ def export(run_dir: str, step: int | None, dest: str | None) -> None:
 
     path = export_mod.export_checkpoint(run_dir, step, dest)
     click.echo(f"exported {path}")
+
+
+@main.command()
+@click.argument("cache")
+def verify(cache: str) -> None:
+    """Check every committed shard of CACHE against its checksum (reads the whole cache)."""
+    from tqdm import tqdm
+
+    from .cache.reader import CacheReader
+
+    reader = CacheReader(cache)
+    bad = []
+    for name in tqdm(reader.shard_names, unit="shard", desc="verify"):
+        if reader.verify_shard(name) is not None:
+            bad.append(name)
+    m = reader.manifest
+    click.echo(f"{len(reader.shard_names) - len(bad)}/{len(reader.shard_names)} shards match their checksums "
+               f"({m['status']}, {m['totals']['samples']} samples, {m['totals']['tokens']} tokens)")
+    if bad:
+        click.echo(f"damaged: {', '.join(bad)}; delete them from manifest.json (or re-extract into a new cache)", err=True)
+        sys.exit(1)
 
 
 @main.command()

@@ -26,6 +26,8 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
     dcfg = DrafterConfig(**state["drafter"])
     drafter = DFlashDrafter(dcfg)
     missing = drafter.load_state_dict(load_file(str(ck / "drafter.safetensors")), strict=False)
-    if missing.unexpected_keys:
-        raise UserError(f"{ck}: unexpected weights {missing.unexpected_keys[:3]}")
+    lost = [k for k in missing.missing_keys if not k.startswith(("embed_tokens.", "lm_head."))]
+    if missing.unexpected_keys or lost:
+        raise UserError(f"{ck}: drafter weights do not match its config (unexpected {missing.unexpected_keys[:3]}, "
+                        f"missing {lost[:3]}); the checkpoint is damaged")
     return export_drafter(drafter, dest or str(run / "export"))

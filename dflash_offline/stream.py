@@ -44,7 +44,7 @@ class RowStream(torch.utils.data.IterableDataset):
         except Exception as e:
             # Never train on (or skip) unreadable data silently: name the shard and stop.
             raise RuntimeError(f"cache {self.cache}: shard {ref[0]}, sample {ref[1]} is unreadable "
-                               f"({type(e).__name__}: {e}); run `verify`/re-extract that shard") from None
+                               f"({type(e).__name__}: {e}); check the cache with `dflash-offline verify`") from None
 
     def make(self, global_row: int, packed: list[tuple[int, int]]) -> dict:
         sp = self.spec

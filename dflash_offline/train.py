@@ -105,7 +105,30 @@ def preflight(cfg: TrainConfig) -> dict:
     }
     log.info("plan: %d rows/epoch, %d ranks x %d micro-batches of %d tokens per step, %d steps/epoch, %d steps total",
              rows, world, accum, cfg.seq_len, spe, plan["total_steps"])
+    check_resume(cfg, plan)
     return plan
+
+
+# Settings a resumed run must share with its checkpoint: they decide the numbers of every step.
+RESUME_KEYS = ("seq_len", "num_anchors", "block_size", "gamma", "seed", "global_batch_tokens", "epochs", "num_layers",
+               "lr", "warmup_ratio", "weight_decay", "clip", "mask_token_id", "precision", "loss_chunk_tokens")
+
+
+def check_resume(cfg: TrainConfig, plan: dict) -> None:
+    """Refuse, before any process starts, to resume a checkpoint made on another cache or with
+    other settings (a changed lr would be silently overridden by the saved optimizer state)."""
+    out = Path(cfg.out)
+    found = list_checkpoints(out)
+    if not found:
+        return
+    ck = out / f"{CHECKPOINT_PREFIX}{found[-1]}"
+    state = json.loads((ck / "state.json").read_text())
+    if state["cache_fingerprint"] != plan["cache_fingerprint"]:
+        raise UserError(f"{ck} was trained on another cache (its fingerprint differs); use a new --out")
+    for key in RESUME_KEYS:
+        if state["config"].get(key) != getattr(cfg, key):
+            raise UserError(f"{ck} was made with {key} = {state['config'].get(key)}, this run has {getattr(cfg, key)}; "
+                            "use the same settings to resume, or a new --out")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,7 +149,7 @@ def run(cfg: TrainConfig) -> None:
             raise UserError(f"--out {cfg.out}: another training run is using this folder (it holds "
                             f"{out / '.run.lock'}); wait for it or stop it, then run again")
     if launch is not None:
-        dev = plan["devices"][0] if plan["devices"] == ["cpu"] else f"cuda:{launch.local_rank}"
+        dev = "cpu" if all(d == "cpu" for d in plan["devices"]) else f"cuda:{launch.local_rank}"
         train_worker(launch.rank, launch.world_size, dev, cfg, plan, already_logging=True)
         return
     import multiprocessing as mp
@@ -199,6 +222,9 @@ def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: dict, keep
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "rng_cpu": torch.get_rng_state()}, tmp / "trainer.pt")
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    from .cache.location import Location
+
+    Location(str(out)).fsync_tree(tmp.name)  # on storage before it counts
     fault_point("checkpoint-written")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -265,16 +291,15 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
 
     step = 0
     found = list_checkpoints(out)
+    if rank == 0:
+        # Steps after the last checkpoint run again: their metrics go, as do half-written checkpoints.
+        _truncate_metrics(out / "metrics.jsonl", found[-1] if found else 0)
+        for debris in out.glob(f".tmp-{CHECKPOINT_PREFIX}*"):
+            shutil.rmtree(debris, ignore_errors=True)
     if found:
         step = found[-1]
         ck = out / f"{CHECKPOINT_PREFIX}{step}"
         state = json.loads((ck / "state.json").read_text())
-        if state["cache_fingerprint"] != plan["cache_fingerprint"]:
-            raise UserError(f"{ck} was trained on another cache (fingerprint differs); use a new --out")
-        for key in ("seq_len", "num_anchors", "block_size", "seed", "global_batch_tokens", "epochs", "num_layers"):
-            if state["config"][key] != getattr(cfg, key):
-                raise UserError(f"{ck} was made with {key} = {state['config'][key]}, this run has {getattr(cfg, key)}; "
-                                "use the same settings to resume, or a new --out")
         from safetensors.torch import load_file
 
         sd = load_file(str(ck / "drafter.safetensors"))
@@ -286,8 +311,6 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
         sched.load_state_dict(tr["scheduler"])
         torch.set_rng_state(tr["rng_cpu"])
         log.info("resumed from %s (step %d of %d)", ck, step, total)
-        if rank == 0:
-            _truncate_metrics(out / "metrics.jsonl", step)
     stop = min(total, cfg.max_steps) if cfg.max_steps is not None else total
     spe = plan["steps_per_epoch"]
     spec = {"seed": cfg.seed, "seq_len": cfg.seq_len, "num_anchors": cfg.num_anchors, "block_size": cfg.block_size,
@@ -332,7 +355,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                         mask = masks.flex_block_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
                     else:
                         mask = masks.dense_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
-                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and cuda):
+                    with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=bf16):
                         h = model(mb["target_hidden"], mb["block_ids"], mb["ctx_positions"], mb["block_positions"], mask)
                         ls, correct = block_loss(h, drafter.lm_head.weight, mb["labels"], mb["weights"],
                                                  cfg.loss_chunk_tokens)
@@ -404,6 +427,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     log.info("rank %d done: data wait %.1f%% of %.1fs; recompiles %d", rank, 100 * wait_total / max(elapsed, 1e-9),
              elapsed, masks.count_recompiles() - recompiles0)
     if world > 1:
+        dist.barrier()  # no rank tears the group down while another still talks to it
         dist.destroy_process_group()
 
 

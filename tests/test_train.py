@@ -191,3 +191,25 @@ def test_second_trainer_on_same_out_is_refused(arith_cache, tiny_dense, tmp_path
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
+
+
+def test_verify_command_names_damaged_shard(arith_cache, tmp_path):
+    r = run_cli(["verify", str(arith_cache)])
+    assert r.returncode == 0 and "shards match their checksums" in r.stdout
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(arith_cache, corrupt)
+    chunk = corrupt / "shards" / "shard-000001.zarr" / "hidden" / "c" / "0" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[50] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    r = run_cli(["verify", str(corrupt)])
+    assert r.returncode == 1 and "damaged: shard-000001" in r.stderr
+
+
+def test_resume_with_other_lr_is_refused_before_any_rank_starts(arith_cache, tiny_dense, tmp_path):
+    out = tmp_path / "run"
+    r = train(tiny_dense, arith_cache, out, "--epochs", "1", "--max-steps", "2")
+    assert r.returncode == 0, r.stderr
+    r = train(tiny_dense, arith_cache, out, "--epochs", "1", "--max-steps", "4", "--lr", "1e-5", "--devices", "cpu,cpu")
+    assert r.returncode == 2 and "lr = 0.003" in r.stderr and r.stderr.count("\n") == 1
+    assert not (out / "logs" / "train-rank0.log").exists()  # refused in the launcher

@@ -115,15 +115,15 @@ class CacheReader:
 
     def verify(self) -> list[str]:
         """Names of committed shards whose data no longer matches their checksum."""
-        bad = []
-        for name in self.shard_names:
-            try:
-                ok = self.shard(name).compute_checksum() == self.entry(name)["checksum"]
-            except Exception:  # a chunk whose CRC32C fails, a missing or truncated file
-                ok = False
-            if not ok:
-                bad.append(name)
-        return bad
+        return [name for name in self.shard_names if self.verify_shard(name) is not None]
+
+    def verify_shard(self, name: str) -> str | None:
+        """None if the shard matches its checksum, else what is wrong with it."""
+        try:
+            got = self.shard(name).compute_checksum()
+        except Exception as e:  # a chunk whose CRC32C fails, a missing or truncated file
+            return f"unreadable ({type(e).__name__}: {e})"
+        return None if got == self.entry(name)["checksum"] else "checksum mismatch"
 
     def entry(self, name: str) -> dict:
         return next(s for s in self.manifest["shards"] if s["name"] == name)
