@@ -24,7 +24,7 @@ import sys
 import time
 
 SHAPES = {
-    # Qwen3.5-27B text model (dflash-method.md, gpu-machine.md).
+    # Qwen3.5-27B text model (dflash-method.md).
     "qwen3.5-27b": dict(kind="qwen3_5", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
                         num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
                         linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,

@@ -12,8 +12,8 @@ attention, bf16 autocast, fp32 master weights, loader processes, and reads its m
 
 Reports: tokens/s (context tokens and block tokens), model FLOP/s from an analytic count (matmuls
 only: drafter layers fwd+bwd, fc, LM head fwd + input-grad bwd; attention and the loss's
-recomputation not counted) as a share of the measured bf16 matmul peak (774 TFLOP/s on an H200,
-gpu-machine.md), peak GPU memory, data-wait fraction, recompiles after the first step.
+recomputation not counted) as a share of the bf16 matmul peak measured on an H200 (774 TFLOP/s),
+peak GPU memory, data-wait fraction, recompiles after the first step.
 """
 
 from __future__ import annotations
