@@ -150,14 +150,14 @@ def run(cfg: TrainConfig) -> None:
                             f"{out / '.run.lock'}); wait for it or stop it, then run again")
     if launch is not None:
         dev = "cpu" if all(d == "cpu" for d in plan["devices"]) else f"cuda:{launch.local_rank}"
-        train_worker(launch.rank, launch.world_size, dev, cfg, plan, already_logging=True)
+        train_worker(launch.rank, launch.world_size, dev, cfg, plan)
         return
     import multiprocessing as mp
 
     devices = plan["devices"]
     if len(devices) == 1:
         # One device: train in this process (no process group needed), still one compute thread.
-        train_worker(0, 1, devices[0], cfg, plan, already_logging=True)
+        train_worker(0, 1, devices[0], cfg, plan)
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -189,7 +189,7 @@ def _spawned(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict, p
                       LOCAL_RANK=str(rank))
     open_process_log(Path(cfg.out) / "logs", f"train-rank{rank}")
     try:
-        train_worker(rank, world, device, cfg, plan, already_logging=True)
+        train_worker(rank, world, device, cfg, plan)
     except BaseException:
         log.exception("rank %d failed", rank)
         raise
@@ -247,7 +247,7 @@ def _lr_lambda(total: int, warmup: int):
 # The rank's loop
 
 
-def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict, already_logging: bool) -> None:
+def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -298,8 +298,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
             shutil.rmtree(debris, ignore_errors=True)
     if found:
         step = found[-1]
-        ck = out / f"{CHECKPOINT_PREFIX}{step}"
-        state = json.loads((ck / "state.json").read_text())
+        ck = out / f"{CHECKPOINT_PREFIX}{step}"  # its settings were checked in preflight (check_resume)
         from safetensors.torch import load_file
 
         sd = load_file(str(ck / "drafter.safetensors"))
