@@ -6,6 +6,7 @@ token range, ids. Workers later fetch only the rows of their own shards, one row
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -73,11 +74,14 @@ class Source:
     def rows(self) -> int:
         return int(self.lengths.shape[0])
 
+    @functools.cached_property
+    def _file_starts(self) -> np.ndarray:
+        return np.cumsum([0] + [f.rows for f in self.files])
+
     def file_of_row(self, row: int) -> tuple[int, int]:
         """Global row -> (file index, row within file)."""
-        starts = np.cumsum([0] + [f.rows for f in self.files])
-        fi = int(np.searchsorted(starts, row, side="right") - 1)
-        return fi, row - int(starts[fi])
+        fi = int(np.searchsorted(self._file_starts, row, side="right") - 1)
+        return fi, row - int(self._file_starts[fi])
 
     def manifest_entry(self) -> dict:
         return {
@@ -227,7 +231,6 @@ class RowReader:
 
     def __init__(self, source: Source):
         self.source = source
-        self._starts = np.cumsum([0] + [f.rows for f in source.files])
         self._key: tuple[int, int] | None = None
         self._ids: list | None = None
         self._mask: list | None = None
@@ -243,8 +246,7 @@ class RowReader:
 
     def row(self, global_row: int) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids int32 [n], loss_mask uint8 [n]) of one row, untruncated."""
-        fi = int(np.searchsorted(self._starts, global_row, side="right") - 1)
-        r = global_row - int(self._starts[fi])
+        fi, r = self.source.file_of_row(global_row)
         f = self.source.files[fi]
         g = int(np.searchsorted(f.row_group_starts, r, side="right") - 1)
         self._load(fi, g)

@@ -48,7 +48,6 @@ class Job:
     cfg: dict
     target_path: str
     layer_ids: list[int]
-    num_target_layers: int
     hidden_size: int
     source: dict  # data.Source as plain fields
     shards: list[np.ndarray]  # global rows of each shard, in write order
@@ -197,7 +196,7 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     log.info("plan: %d shards, %d tokens (%d to do), %.2f GB estimated (%d bytes/token), layers %s, topk %d",
              len(shards), total_tokens, todo_tokens, whole / 1e9, bpt, layer_ids, cfg.topk)
     job = Job(
-        cfg=asdict(cfg), target_path=str(info.path), layer_ids=layer_ids, num_target_layers=info.num_layers,
+        cfg=asdict(cfg), target_path=str(info.path), layer_ids=layer_ids,
         hidden_size=info.hidden_size, source=_source_state(source), shards=shards, compute_dtype=compute_dtype,
     )
     return job, wanted, devices, todo_tokens

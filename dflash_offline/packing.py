@@ -15,13 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 
 
-@dataclass(frozen=True)
-class SampleRef:
-    shard: str
-    index: int  # sample index inside the shard
-    length: int
-
-
 def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     """The permutation of all cache samples for one epoch."""
     return np.random.default_rng([seed, epoch, 0x5EED]).permutation(num_samples)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .packing import build_row, epoch_order, loss_weights, pack_rows
+from .packing import anchor_rng, build_row, epoch_order, loss_weights, pack_rows
 
 
 class RowStream(torch.utils.data.IterableDataset):
@@ -54,9 +54,8 @@ class RowStream(torch.utils.data.IterableDataset):
             ids.append(i)
             masks.append(m)
             hidden.append(h)
-        rng = np.random.default_rng([sp["seed"], self.epoch, global_row, 0xA4C4])
         row = build_row(ids, masks, sp["seq_len"], sp["num_anchors"], sp["block_size"], sp["mask_token_id"],
-                        loss_weights(sp["block_size"], sp["gamma"]), rng)
+                        loss_weights(sp["block_size"], sp["gamma"]), anchor_rng(sp["seed"], self.epoch, global_row))
         S = sp["seq_len"]
         bits = np.zeros((S, sp["num_layers"] * sp["hidden_size"]), np.uint16)
         t = 0
