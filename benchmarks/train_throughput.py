@@ -126,15 +126,22 @@ def main() -> None:
                       devices="0" if dev.startswith("cuda") else "cpu", seq_len=args.seq_len,
                       num_anchors=args.num_anchors, block_size=16, global_batch_tokens=args.seq_len * spe_rows,
                       epochs=100, max_steps=args.steps, mask_token_id=1 if args.tiny else 248070, loader_workers=args.loader_workers,
-                      checkpoint_every=10**9, final_checkpoint=False, progress=False, log_every=5)
+                      checkpoint_every=10**9, final_checkpoint=False, progress=False, log_every=1)
+    interrupted = False
     try:
         train.run(cfg)
+    except KeyboardInterrupt:  # `timeout -s INT`: report the steps that finished
+        interrupted = True
     finally:
         # Also on Ctrl-C / `timeout -s INT`: show where the trainer got to.
         log = work / "run" / "logs" / "train-launcher.log"
         if log.exists():
             print("".join(log.read_text().splitlines(keepends=True)[-25:]), flush=True)
-    recs = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = work / "run" / "metrics.jsonl"
+    recs = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    if len(recs) < 4:
+        print(f"only {len(recs)} steps finished: too few for steady-state figures", flush=True)
+        return 1
     steady = recs[3:]  # the first steps compile
     step_time = sum(r["step_time"] for r in steady) / len(steady)
     H, I, V = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
@@ -160,7 +167,7 @@ def main() -> None:
         "data_wait_mean": sum(r["data_wait"] for r in steady) / len(steady),
         "recompiles_after_first_step": recs[-1]["recompiles"] - recs[0]["recompiles"],
         "recompiles_total": recs[-1]["recompiles"],
-        "first_step_s": recs[0]["step_time"], "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"],
+        "interrupted": interrupted, "first_step_s": recs[0]["step_time"], "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"],
     }
     for k, v in res.items():
         print(f"{k}: {v}")

@@ -214,26 +214,47 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, h: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask) -> Tensor:
-        from .masks import attention  # lazy: masks.py is written in parallel with this module
+    def _kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys (k-normed, rotated at their positions) and values [R, Hkv, L, D] of x [R, L, H]."""
+        R, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(R, L, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(R, L, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def _attend(self, h: Tensor, k: Tensor, v: Tensor, cos_q: Tensor, sin_q: Tensor, mask) -> Tensor:
+        from .masks import attention  # lazy: masks.py compiles at import
 
         R, Q, _ = h.shape
-        L = ctx.shape[1] + Q
         q = self.q_norm(self.q_proj(h).view(R, Q, self.n_heads, self.head_dim)).transpose(1, 2)
-        # One projection over [context | block]: the same k/v weights serve both streams (KV
-        # injection). The context arrives as hidden_norm(fc(.)), *not* through input_layernorm,
-        # exactly as in the reference, where only the block stream is normed by the layer.
-        kv_in = torch.cat([ctx.to(h.dtype), h], dim=1)
-        k = self.k_norm(self.k_proj(kv_in).view(R, L, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(R, L, self.n_kv, self.head_dim).transpose(1, 2)
-        # Keys rotate at their own positions (context keeps its absolute positions); queries at
-        # the block's, the last Q entries of the joint position list.
-        q = apply_rope(q, cos[:, -Q:], sin[:, -Q:])
-        k = apply_rope(k, cos, sin)
+        q = apply_rope(q, cos_q, sin_q)
         # q/k come out of an fp32-weighted norm while v is the projection's (autocast) dtype;
         # attention kernels want one dtype.
         out = attention(q.to(v.dtype), k.to(v.dtype), v, mask, scale=self.head_dim ** -0.5)
         return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.n_heads * self.head_dim))
+
+    def forward(self, h: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask) -> Tensor:
+        """Training: all blocks of a row at once over [context | blocks], `mask` says who sees what."""
+        Q = h.shape[1]
+        # One projection over [context | block]: the same k/v weights serve both streams (KV
+        # injection). The context arrives as hidden_norm(fc(.)), *not* through input_layernorm,
+        # exactly as in the reference, where only the block stream is normed by the layer.
+        # Keys rotate at their own positions (context keeps its absolute positions); queries at
+        # the block's, the last Q entries of the joint position list.
+        k, v = self._kv(torch.cat([ctx.to(h.dtype), h], dim=1), cos, sin)
+        return self._attend(h, k, v, cos[:, -Q:], sin[:, -Q:], mask)
+
+    def context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Inference: the keys/values the context contributes to this layer. They depend on the
+        fused features alone (never on the layer's input), so they are computed once per committed
+        position and cached."""
+        return self._kv(ctx, cos, sin)
+
+    def draft(self, h: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Inference: one block over the cached context. Every cached position lies before the
+        anchor and the block is bidirectional, so no mask is needed."""
+        k, v = self._kv(h, cos, sin)
+        return self._attend(h, torch.cat([ctx_k, k.to(ctx_k.dtype)], dim=2), torch.cat([ctx_v, v.to(ctx_v.dtype)], dim=2),
+                            cos, sin, None)
 
 
 class DFlashMLP(nn.Module):
@@ -257,6 +278,10 @@ class DFlashLayer(nn.Module):
 
     def forward(self, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def draft(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.self_attn.draft(self.input_layernorm(x), ctx_k, ctx_v, cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -357,6 +382,30 @@ class DFlashDrafter(nn.Module):
         cos, sin = rope_cos_sin(torch.cat([ctx_positions, block_positions], dim=1), cfg.head_dim, cfg.rope_theta)
         for layer in self.layers:
             x = layer(x, ctx, cos, sin, mask)
+        return self.norm(x)
+
+
+    # -- inference (speculative decoding) ---------------------------------------------------------
+
+    @torch.no_grad()
+    def context_kv(self, target_hidden: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per layer, the (keys, values) [R, Hkv, T, D] that T newly committed positions add to the
+        drafter's context: target_hidden [R, T, n*H] (raw layer outputs), positions [R, T]. A
+        decoder appends them along dim 2 as tokens are committed (see evaluate.DFlashProposer)."""
+        dtype = self.fc.weight.dtype
+        ctx = self.hidden_norm(self.fc(target_hidden.to(dtype)))
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        return [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
+
+    @torch.no_grad()
+    def draft_hidden(self, kv: list[tuple[Tensor, Tensor]], block_ids: Tensor, block_positions: Tensor) -> Tensor:
+        """Final-normed hidden states [R, B, H] of one block [anchor, MASK x (B-1)] over the cached
+        context `kv` (every cached position precedes the anchor). Equal to the training forward of
+        the same block under the training mask (tests/test_evaluate.py)."""
+        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
+        cos, sin = rope_cos_sin(block_positions, self.cfg.head_dim, self.cfg.rope_theta)
+        for layer, (k, v) in zip(self.layers, kv):
+            x = layer.draft(x, k, v, cos, sin)
         return self.norm(x)
 
 

@@ -17,6 +17,7 @@ has no backward on CPU). A fix to the rules therefore reaches both kernels at on
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -27,6 +28,16 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 __all__ = ["make_mask_mod", "dense_mask", "flex_block_mask", "attention", "count_recompiles"]
 
 _INT_DTYPES = (torch.int32, torch.int64)
+
+# Inductor compiles Triton kernels in-process, not in its pool of compile-worker subprocesses: on
+# the H200 machine (torch 2.11+cu130) the first compiled create_block_mask waited on that pool for
+# over 280 s without progress, and public reports show the same pool dying or hanging in exactly
+# this call (torchtitan issue 3944, with TORCHINDUCTOR_COMPILE_THREADS=1 as the fix). The few flex
+# kernels compile in seconds in-process. An explicit TORCHINDUCTOR_COMPILE_THREADS still wins.
+if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+    import torch._inductor.config as _inductor_config
+
+    _inductor_config.compile_threads = 1
 
 # Compiled ONCE, at import. torch.compile on every call (or per thread) builds a fresh wrapper each
 # time, which re-runs guard set-up, can race on dynamo's global state when trainer threads compile
@@ -130,7 +141,8 @@ def flex_block_mask(doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor, bloc
 def attention(q: Tensor, k: Tensor, v: Tensor, mask, scale: float | None = None) -> Tensor:
     """Masked attention: q [R, Hq, Q, D], k/v [R, Hkv, KV, D] (Hq a multiple of Hkv) -> [R, Hq, Q, D].
     `mask` a bool Tensor (dense_mask) -> SDPA; a BlockMask (flex_block_mask) -> flex_attention,
-    compiled on CUDA, eager on CPU (forward only there: torch has no flex backward on CPU)."""
+    compiled on CUDA, eager on CPU (forward only there: torch has no flex backward on CPU);
+    None -> SDPA without a mask (a drafted block at inference sees every key it is given)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
@@ -149,6 +161,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask, scale: float | None = None)
         # No silent fallback to dense: if flex cannot run here, the caller should know.
         fn = _flex if q.device.type == "cuda" else flex_attention
         return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=Hq != Hkv)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=Hq != Hkv)
     if isinstance(mask, Tensor):
         if mask.dtype != torch.bool:
             raise TypeError(f"a Tensor mask must be bool (True = attend), got {mask.dtype}")
@@ -156,7 +170,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask, scale: float | None = None)
                 or tuple(mask.shape[2:]) != (Q, KV)):
             raise ValueError(f"mask shape {tuple(mask.shape)} does not fit q/k ({R} rows, {Hq} heads, {Q} x {KV})")
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=Hq != Hkv)
-    raise TypeError("mask must be a bool Tensor (dense_mask) or a BlockMask (flex_block_mask), "
+    raise TypeError("mask must be a bool Tensor (dense_mask), a BlockMask (flex_block_mask) or None, "
                     f"got {type(mask).__name__}")
 
 
