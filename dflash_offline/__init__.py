@@ -1,3 +1,13 @@
 """dflash-offline: train DFlash speculative-decoding drafters from an offline hidden-state cache."""
 
 __version__ = "0.1.0"
+
+__all__ = ["open_cache"]
+
+
+def open_cache(path: str):
+    """A read-only view of a cache for notebooks (manifest, shards, samples, statistics, plots);
+    imports numpy and zarr, never torch. See dflash_offline.inspect."""
+    from .inspect import open_cache as _open
+
+    return _open(path)

@@ -190,6 +190,40 @@ def verify(cache: str) -> None:
 
 
 @main.command()
+@click.argument("cache")
+@click.option("--sample", "sample_id", type=int, help="Also show one sample: tokens, loss mask, norms per layer.")
+@click.option("--stats/--no-stats", default=True, show_default=True, help="Per-layer statistics (reads a bounded sample).")
+@click.option("--max-tokens", default=16384, show_default=True, type=int, help="Tokens read for the statistics.")
+def inspect(cache: str, sample_id: int | None, stats: bool, max_tokens: int) -> None:
+    """Summary of a cache: manifest, shards, per-layer statistics and outlier channels (no torch)."""
+    from .inspect import open_cache
+
+    view = open_cache(cache)
+    click.echo(view.summary(stats=stats, max_tokens=max_tokens))
+    if sample_id is not None:
+        s = view.sample(sample_id)
+        click.echo(f"sample {s.sample_id} ({s.shard}): {len(s)} tokens, {int(s.loss_mask.sum())} in the response")
+        click.echo(f"  input_ids: {s.input_ids[:24].tolist()}{' ...' if len(s) > 24 else ''}")
+        for lid, n in s.norms().items():
+            click.echo(f"  layer {lid:>3}: norm mean {n.mean():.2f}, min {n.min():.2f}, max {n.max():.2f} (position {int(n.argmax())})")
+        if s.topk_ids is not None:
+            click.echo(f"  top-{view.topk} at position 0: {s.topk_ids[0].tolist()}")
+
+
+@main.command()
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status(path: str, as_json: bool) -> None:
+    """What is done, running or failed, for a cache (extraction) or a run folder (training)."""
+    import json
+
+    from . import status as status_mod
+
+    st = status_mod.status(path)
+    click.echo(json.dumps(st, indent=1, default=str) if as_json else status_mod.format_status(st))
+
+
+@main.command()
 @click.option("--out", default="runs/demo", show_default=True, help="Folder for the tiny target, data and cache.")
 @click.option("--devices", default="cpu", show_default=True, help="Devices for the extract stage.")
 def demo(out: str, devices: str) -> None:
@@ -200,13 +234,18 @@ def demo(out: str, devices: str) -> None:
 
 
 def entry() -> None:
+    from .runtime import finish_heartbeat, record_failure
+
     try:
         main(standalone_mode=False)
+        finish_heartbeat("done")
     except UserError as e:
+        record_failure(e)
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, KeyboardInterrupt):
         # click turns Ctrl-C into Abort.
+        finish_heartbeat("interrupted", "interrupted (Ctrl-C or SIGINT)")
         click.echo("interrupted: committed work is kept; run the same command again to resume", err=True)
         sys.exit(130)
     except click.ClickException as e:
@@ -214,9 +253,10 @@ def entry() -> None:
         sys.exit(e.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        click.echo("interrupted: run the same command again to resume", err=True)
-        sys.exit(130)
     except RuntimeError as e:
+        record_failure(e)
         click.echo(f"failed: {e}", err=True)
         sys.exit(1)
+    except BaseException as e:
+        record_failure(e)
+        raise

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .config import ExtractConfig
-from .runtime import Launch, UserError, fault_point, open_process_log, torchrun_launch
+from .runtime import Launch, UserError, fault_point, heartbeat, open_process_log, torchrun_launch
 
 log = logging.getLogger("dflash.extract")
 
@@ -220,6 +220,7 @@ def run(cfg: ExtractConfig) -> dict:
     name = f"extract-rank{launch.rank}" if launch else "extract-launcher"
     log_path = open_process_log(_log_dir(cfg, loc), name)
     t0 = time.time()
+    heartbeat(phase="preflight")
     job, wanted, devices, todo_tokens = preflight(cfg, loc, launch)
 
     from .cache.manifest import ManifestStore
@@ -290,6 +291,7 @@ def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bo
                 bar.update(tokens)
                 written += nbytes
                 bar.set_postfix_str(f"{written / 1e9:.2f} GB written")
+                heartbeat(phase="extract", tokens_done=int(bar.n), tokens_todo=todo_tokens, bytes_written=written)
                 continue
             except queue.Empty:
                 pass
@@ -332,10 +334,13 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     die_with_parent()
     loc = Location(job.cfg["cache"])
     open_process_log(_log_dir(ExtractConfig(**job.cfg), loc), f"extract-rank{rank}", console=True)
+    from .runtime import finish_heartbeat, record_failure
+
     try:
         worker_run(rank, world, device, job, progress=q, show_bar=False, todo_tokens=0)
-    except BaseException:
-        log.exception("worker %d failed", rank)
+        finish_heartbeat("done")
+    except BaseException as e:
+        record_failure(e)
         raise
 
 
@@ -475,6 +480,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     need_head = cfg.topk > 0
     keep = info.num_layers if need_head else max(job.layer_ids) + 1
     t0 = time.time()
+    heartbeat(phase="load target")
     model = load_target(info, device, job.compute_dtype, keep, need_head)
     log.info("loaded target in %.1fs", time.time() - t0)
     capture = LayerCapture(model, job.layer_ids)
@@ -576,6 +582,7 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink: _Sink, pool: _P
                 event.record()
             sink.put(("batch", batch, h_host, ti_host, tl_host, event, lambda bufs=bufs: pool.release(bufs)))
             tokens_done += N
+            heartbeat(phase="extract", shard=shard_name(j), tokens_done=tokens_done)
         sink.put(("end", j))
     sink.close()
     return tokens_done

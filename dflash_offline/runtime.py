@@ -53,6 +53,8 @@ def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = T
     fh = logging.StreamHandler(stream)
     fh.setFormatter(logging.Formatter(LOG_FORMAT))
     root.addHandler(fh)
+    global _file_handler
+    _file_handler = fh
     if console:
         ch = logging.StreamHandler(sys.stderr)
         ch.setLevel(logging.WARNING)
@@ -63,7 +65,83 @@ def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = T
         "---- %s started: pid %d on %s, python %s, argv %s",
         name, os.getpid(), socket.gethostname(), sys.version.split()[0], " ".join(sys.argv),
     )
+    global _heartbeat
+    _heartbeat = Heartbeat(log_dir / f"{name}{HEARTBEAT_SUFFIX}", name, path)
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# Heartbeats: what a process is doing, for `dflash-offline status`
+
+HEARTBEAT_SUFFIX = ".heartbeat.json"
+HEARTBEAT_EVERY_S = 2.0
+
+_heartbeat: "Heartbeat | None" = None
+_file_handler: logging.Handler | None = None
+
+
+class Heartbeat:
+    """`LOGDIR/NAME.heartbeat.json`, replaced atomically: pid, host, phase, progress, last update.
+
+    Written from the process's own loop (never from a thread), at most every HEARTBEAT_EVERY_S
+    unless the phase changes: a heartbeat that stops advancing means the loop stopped, whatever
+    the reason. `state` is running, done or failed (with the error); a process killed with
+    SIGKILL leaves `running` behind, and `status` sees that its pid is gone.
+    """
+
+    def __init__(self, path: Path, name: str, log_path: Path):
+        self.path = path
+        self.data = {"name": name, "pid": os.getpid(), "host": socket.gethostname(), "log": str(log_path),
+                     "started": time.time(), "updated": time.time(), "state": "running", "phase": "starting"}
+        self._last = 0.0
+        self._write()
+
+    def beat(self, phase: str | None = None, **progress) -> None:
+        changed = phase is not None and phase != self.data["phase"]
+        if phase is not None:
+            self.data["phase"] = phase
+        self.data.update(progress)
+        now = time.time()
+        if changed or now - self._last >= HEARTBEAT_EVERY_S:
+            self.data["updated"] = now
+            self._write()
+
+    def finish(self, state: str, error: str | None = None) -> None:
+        self.data.update(state=state, updated=time.time(), error=error)
+        self._write()
+
+    def _write(self) -> None:
+        import json
+
+        self._last = time.time()
+        tmp = self.path.with_name(self.path.name + f".tmp-{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(self.data))
+            os.replace(tmp, self.path)
+        except OSError:  # a full or vanished log folder must not kill the work itself
+            pass
+
+
+def heartbeat(phase: str | None = None, **progress) -> None:
+    """Update this process's heartbeat (a no-op before open_process_log)."""
+    if _heartbeat is not None:
+        _heartbeat.beat(phase, **progress)
+
+
+def finish_heartbeat(state: str, error: str | None = None) -> None:
+    if _heartbeat is not None:
+        _heartbeat.finish(state, error)
+
+
+def record_failure(exc: BaseException) -> None:
+    """Write the error (with its traceback, unless it is bad input) into the log file only (the
+    terminal gets the CLI's one line) and mark the heartbeat failed: what `status` shows."""
+    if _file_handler is not None:
+        bad_input = isinstance(exc, UserError)
+        record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "refused: %s" if bad_input else "failed: %s",
+                                (exc,), None if bad_input else (type(exc), exc, exc.__traceback__))
+        _file_handler.handle(record)
+    finish_heartbeat("failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,23 +245,41 @@ def single_thread_compute() -> None:
 # Fault points for crash tests
 
 
-_fault_counts: dict[str, int] = {}
+_fault_counts: dict[tuple[str, str], int] = {}
+
+# Environment variable -> what happens on the N-th arrival at the named point.
+FAULT_VARS = {"DFLASH_OFFLINE_KILL_AT": "kill", "DFLASH_OFFLINE_RAISE_AT": "raise", "DFLASH_OFFLINE_STALL_AT": "stall"}
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an armed fault point (DFLASH_OFFLINE_RAISE_AT): a stand-in for any crash."""
 
 
 def fault_point(name: str) -> None:
-    """Kill this process group with SIGKILL on the N-th arrival at `name`.
-
-    Armed by `DFLASH_OFFLINE_KILL_AT=name:N` (tests use it to crash at exact points: mid-shard,
-    between a shard's rename and its manifest commit). Unset, it costs a dict lookup.
+    """Crash tests' hook at an exact point (mid-shard, between a shard's rename and its commit,
+    after a training step...). On the N-th arrival at `name`:
+      DFLASH_OFFLINE_KILL_AT=name:N   SIGKILL of the whole process group;
+      DFLASH_OFFLINE_RAISE_AT=name:N  an InjectedFault exception (the error path: logs, status);
+      DFLASH_OFFLINE_STALL_AT=name:N  sleep for an hour (a process caught mid-run, for `status`).
+    Unset, it costs three dict lookups.
     """
-    spec = os.environ.get("DFLASH_OFFLINE_KILL_AT")
-    if not spec:
-        return
-    want, _, n = spec.partition(":")
-    if want != name:
-        return
-    _fault_counts[name] = _fault_counts.get(name, 0) + 1
-    if _fault_counts[name] == int(n or 1):
-        log.warning("fault point %s reached (%d): SIGKILL", name, _fault_counts[name])
-        time.sleep(0.05)
-        os.killpg(os.getpgid(0), signal.SIGKILL)
+    for var, action in FAULT_VARS.items():
+        spec = os.environ.get(var)
+        if not spec:
+            continue
+        want, _, n = spec.partition(":")
+        if want != name:
+            continue
+        key = (action, name)
+        _fault_counts[key] = _fault_counts.get(key, 0) + 1
+        if _fault_counts[key] != int(n or 1):
+            continue
+        log.warning("fault point %s reached (%d): %s", name, _fault_counts[key], action)
+        if action == "kill":
+            time.sleep(0.05)
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        elif action == "raise":
+            raise InjectedFault(f"injected failure at {name} ({var})")
+        else:
+            heartbeat(phase=f"stalled at {name}")
+            time.sleep(3600)

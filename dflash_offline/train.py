@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .config import TrainConfig
-from .runtime import UserError, fault_point, open_process_log, torchrun_launch
+from .runtime import UserError, fault_point, heartbeat, open_process_log, torchrun_launch
 
 log = logging.getLogger("dflash.train")
 
@@ -140,6 +140,7 @@ def run(cfg: TrainConfig) -> None:
     out = Path(cfg.out)
     name = f"train-rank{launch.rank}" if launch else "train-launcher"
     open_process_log(out / "logs", name)
+    heartbeat(phase="preflight")
     plan = preflight(cfg)
     if launch is None or launch.rank == 0:
         from .cache.location import Location
@@ -172,6 +173,7 @@ def run(cfg: TrainConfig) -> None:
 
     failed = None
     while any(p.is_alive() for p in procs) and failed is None:
+        heartbeat(phase="train", ranks=[p.pid for p in procs])
         time.sleep(0.5)
         failed = failed_process(procs)
     stop_processes(procs, failed)
@@ -188,10 +190,13 @@ def _spawned(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict, p
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     open_process_log(Path(cfg.out) / "logs", f"train-rank{rank}")
+    from .runtime import finish_heartbeat, record_failure
+
     try:
         train_worker(rank, world, device, cfg, plan)
-    except BaseException:
-        log.exception("rank %d failed", rank)
+        finish_heartbeat("done")
+    except BaseException as e:
+        record_failure(e)
         raise
 
 
@@ -271,6 +276,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     # Built on the device: initialising a 27B-shaped drafter's ~1.8B parameters on one CPU thread
     # takes minutes; on the GPU it takes a moment. (GPU and CPU draw different initial weights.)
     t_build = time.perf_counter()
+    heartbeat(phase="build drafter")
     with torch.device(device):
         drafter = DFlashDrafter(dcfg)
     drafter.load_frozen_from_target(cfg.target)
@@ -367,6 +373,8 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
             sched.step()
             opt.zero_grad(set_to_none=True)
             step += 1
+            fault_point("train-step")
+            heartbeat(phase="train", step=step, total_steps=total)
             # Metrics: one all-reduce of a small vector; `.item()` below syncs with the GPU once a step.
             vec = torch.cat([loss_sum.view(1), step_m["slot_correct"], step_m["slot_count"],
                              step_m["tau_sum"].view(1), step_m["blocks"].view(1)])
@@ -396,6 +404,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                     bar.update(1)
                     bar.set_postfix_str(f"loss {loss:.3f} acc1 {acc[1]:.3f} tau {tau:.2f} "
                                         f"{tokens_per_step * bar.format_dict['rate'] if bar.format_dict.get('rate') else 0:.0f} tok/s")
+                heartbeat(phase="train", step=step, total_steps=total, stop_step=stop, loss=loss, tau=tau)
                 if step == 1 or step % cfg.log_every == 0 or step == stop:
                     log.info("step %d/%d loss %.4f acc1 %.3f tau %.2f lr %.2e step %.3fs data-wait %.1f%% recompiles %d",
                              step, total, loss, acc[1], tau, rec["lr"], t_step, 100 * rec["data_wait"], rec["recompiles"])

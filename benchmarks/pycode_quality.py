@@ -1,0 +1,149 @@
+"""Quality run on the pycode fixture: a real trained target, its own greedy completions.
+
+Runs the project's commands as a user would, each in its own process:
+  1. `extract` the fixture's training completions (4000 rows) and held-out completions (200 rows);
+  2. `train` one drafter per variant, all variants at once (separate processes on one GPU), with
+     the same budget (epochs, batch, lr schedule) and seed;
+  3. `eval --cache` on the held-out cache (estimate) and `eval --prompts` on the held-out prompts
+     (speculative decoding against the target, checked token for token against its greedy decode).
+Results go to --results (JSON per step, a summary table in summary.txt).
+
+    python benchmarks/pycode_quality.py --fixture ../shared/fixtures/pycode --work /dev/shm/pycode \
+        --device 0 --epochs 2 --results results/
+
+Variants (the ablation of dflash-method.md): block 16 with decayed weights (gamma 7, the recipe),
+block 16 with flat weights (--gamma inf), block 8 with decayed weights (gamma 4).
+`--smoke` runs the same pipeline on the CPU on a few rows with small rows, to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = {
+    "b16-decay": ["--block-size", "16"],
+    "b16-flat": ["--block-size", "16", "--gamma", "inf"],
+    "b8-decay": ["--block-size", "8"],
+}
+
+
+def cli(*args, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    f = open(log, "w")
+    return subprocess.Popen([sys.executable, "-m", "dflash_offline", *map(str, args)], stdout=f, stderr=subprocess.STDOUT,
+                            env=env)
+
+
+def run(args: list, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in args], **kw)
+
+
+def wait(procs: dict[str, subprocess.Popen], logs: dict[str, Path]) -> dict[str, float]:
+    t0, took = time.time(), {}
+    while len(took) < len(procs):
+        for name, p in procs.items():
+            if name not in took and p.poll() is not None:
+                took[name] = time.time() - t0
+                if p.returncode != 0:
+                    tail = "".join(logs[name].read_text().splitlines(keepends=True)[-20:])
+                    raise SystemExit(f"{name} failed with exit code {p.returncode}:\n{tail}")
+                print(f"  {name} done in {took[name]:.0f}s", flush=True)
+        time.sleep(1)
+    return took
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fixture", default="../shared/fixtures/pycode")
+    ap.add_argument("--work", default="/dev/shm/pycode")
+    ap.add_argument("--results", default="results")
+    ap.add_argument("--device", default="0")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--num-anchors", type=int, default=512)
+    ap.add_argument("--global-batch-tokens", type=int, default=16384)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--eval-prompts", type=int, default=40, help="held-out prompts decoded on the device")
+    ap.add_argument("--max-new-tokens", type=int, default=384)
+    ap.add_argument("--smoke", action="store_true", help="CPU, a few rows: checks the script, not the drafter")
+    args = ap.parse_args()
+    fx, work, res = Path(args.fixture).absolute(), Path(args.work), Path(args.results)
+    work.mkdir(parents=True, exist_ok=True)
+    res.mkdir(parents=True, exist_ok=True)
+    target = fx / "target"
+    train_data, eval_data = fx / "completions-train.parquet", fx / "completions-eval.parquet"
+    prompts = fx / "prompts-eval.parquet"
+    if args.smoke:
+        import pyarrow.parquet as pq
+
+        for name, n in (("train", 48), ("eval", 8)):
+            src = fx / f"completions-{name}.parquet"
+            pq.write_table(pq.read_table(src).slice(0, n), work / f"completions-{name}.parquet")
+        train_data, eval_data = work / "completions-train.parquet", work / "completions-eval.parquet"
+        args.device, args.seq_len, args.num_anchors, args.global_batch_tokens = "cpu", 512, 32, 1024
+        args.eval_prompts, args.max_new_tokens = 2, 24
+    summary: dict = {"args": vars(args), "steps": {}}
+
+    def save() -> None:
+        (res / "pycode.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+    t0 = time.time()
+    # float32 compute: the fixture's completions are the target's fp32 greedy decode.
+    ext = ["--devices", args.device, "--topk", "0", "--max-len", "512", "--compute-dtype", "float32", "--no-progress"]
+    logs = {"extract-train": res / "extract-train.log", "extract-eval": res / "extract-eval.log"}
+    procs = {"extract-train": cli("extract", "--target", target, "--data", train_data, "--cache", work / "cache-train", *ext,
+                                  log=logs["extract-train"]),
+             "extract-eval": cli("extract", "--target", target, "--data", eval_data, "--cache", work / "cache-eval", *ext,
+                                 log=logs["extract-eval"])}
+    summary["steps"]["extract_s"] = wait(procs, logs)
+    manifest = json.loads((work / "cache-train" / "manifest.json").read_text())
+    summary["train_cache"] = {**manifest["totals"], "layer_ids": manifest["capture"]["layer_ids"]}
+    save()
+    print(f"caches in {time.time() - t0:.0f}s: {summary['train_cache']}", flush=True)
+
+    variants = [v for v in args.variants.split(",") if v]
+    common = ["--devices", args.device, "--seq-len", args.seq_len, "--num-anchors", args.num_anchors,
+              "--global-batch-tokens", args.global_batch_tokens, "--epochs", args.epochs, "--lr", "6e-4",
+              "--checkpoint-every", "40", "--keep-checkpoints", "1", "--loader-workers", "2", "--log-every", "20",
+              "--no-progress"]
+    logs = {v: res / f"train-{v}.log" for v in variants}
+    procs = {v: cli("train", "--target", target, "--cache", work / "cache-train", "--out", work / f"run-{v}", *common,
+                    *VARIANTS[v], log=logs[v]) for v in variants}
+    summary["steps"]["train_s"] = wait(procs, logs)
+    for v in variants:
+        m = [json.loads(line) for line in (work / f"run-{v}" / "metrics.jsonl").read_text().splitlines()]
+        steady = m[3:] or m
+        summary.setdefault("train", {})[v] = {
+            "steps": len(m), "loss_first": m[0]["loss"], "loss_last": m[-1]["loss"], "tau_train_last": m[-1]["tau"],
+            "acc_slot1_last": m[-1]["acc_slot1"], "step_time_s": sum(r["step_time"] for r in steady) / len(steady),
+            "data_wait": sum(r["data_wait"] for r in steady) / len(steady), "recompiles": m[-1]["recompiles"],
+            "tokens": m[-1]["tokens"], "loss_curve": [round(r["loss"], 4) for r in m[:: max(1, len(m) // 40)]],
+        }
+    save()
+
+    drafters = [a for v in variants for a in ("--drafter", work / f"run-{v}" / "export")]
+    r = run([sys.executable, "-m", "dflash_offline", "eval", "--target", target, *drafters, "--cache",
+                        work / "cache-eval", "--seq-len", args.seq_len, "--num-anchors", args.num_anchors, "--device",
+                        args.device, "--json", res / "eval-cache.json", "--no-progress"], capture_output=True, text=True)
+    print(r.stdout, r.stderr[-2000:] if r.returncode else "", flush=True)
+    if r.returncode:
+        return 1
+    r = run([sys.executable, "-m", "dflash_offline", "eval", "--target", target, *drafters, "--prompts", prompts,
+                        "--max-prompts", args.eval_prompts, "--max-new-tokens", args.max_new_tokens, "--device",
+                        args.device, "--dtype", "float32", "--json", res / "eval-decode.json", "--no-progress"],
+                       capture_output=True, text=True)
+    print(r.stdout, r.stderr[-2000:] if r.returncode else "", flush=True)
+    summary["steps"]["total_s"] = time.time() - t0
+    save()
+    (res / "summary.txt").write_text(r.stdout)
+    return r.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

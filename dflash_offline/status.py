@@ -1,0 +1,190 @@
+"""`dflash-offline status PATH`: for a cache or a training run, what is done, what is running, what
+failed. Reads manifest.json / checkpoints / metrics.jsonl, and the heartbeat and log file every
+process keeps in `logs/` (runtime.Heartbeat); no torch, nothing written.
+
+A heartbeat says `running` until its process ends; one whose process is gone (same host, pid not
+alive) was killed without a chance to say so (SIGKILL, OOM killer, power loss).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from .runtime import HEARTBEAT_SUFFIX, UserError
+
+STALE_S = 120.0  # a live process whose heartbeat is older than this is reported as not advancing
+HUNG = ("a process is alive but has not advanced for minutes (hung?): read its log; `kill -USR1 PID` writes "
+        "its stacks there")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed process whose parent died first can linger as a zombie: not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return True
+
+
+def processes(log_dir: Path, now: float | None = None) -> list[dict]:
+    """One entry per heartbeat file: name, pid, state (running / done / failed / interrupted /
+    died / stale), phase, progress fields, age of the last beat, error, log path."""
+    now = time.time() if now is None else now
+    host = socket.gethostname()
+    out = []
+    for f in sorted(log_dir.glob(f"*{HEARTBEAT_SUFFIX}")):
+        try:
+            hb = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # being replaced right now, or damaged: the log still tells
+        age = now - float(hb.get("updated", 0))
+        state = hb.get("state", "running")
+        if state == "running":
+            if hb.get("host") == host and not _pid_alive(int(hb["pid"])):
+                state = "died"
+            elif age > STALE_S:
+                state = "stale"
+        out.append({**hb, "state": state, "age_s": age})
+    return out
+
+
+def last_error(log_dir: Path) -> dict | None:
+    """The newest error line (and the exception line of its traceback) in the process logs."""
+    best = None
+    for f in sorted(log_dir.glob("*.log")):
+        try:
+            lines = f.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            continue
+        for i in range(len(lines) - 1, -1, -1):
+            if " ERROR " in lines[i] or lines[i].startswith("Fatal Python error"):
+                when = lines[i][:23]
+                detail = lines[i].split("] ", 1)[-1]
+                # A traceback follows the ERROR line; its last line names the exception.
+                tail = [ln for ln in lines[i + 1:i + 200] if ln and not ln.startswith((" ", "Traceback", "20"))]
+                if tail:
+                    detail = tail[-1] if detail.startswith("failed:") else detail
+                if best is None or when > best["time"]:
+                    best = {"time": when, "log": str(f), "error": detail}
+                break
+    return best
+
+
+def cache_status(path: str) -> dict:
+    from .cache.location import Location
+    from .cache.manifest import ManifestStore
+
+    loc = Location(path)
+    m = ManifestStore(loc).read()
+    if m is None:
+        raise UserError(f"{path}: no manifest.json; not a cache (or nothing committed yet)")
+    committed = {s["name"] for s in m["shards"]}
+    debris = [n for n in loc.listdir("shards") if n.endswith(".zarr") and n[:-5] not in committed]
+    logs = Path(loc.path("logs")) if not loc.remote else Path("dflash-logs")
+    procs = processes(logs) if logs.is_dir() else []
+    running = [p for p in procs if p["state"] == "running"]
+    if m["status"] == "complete":
+        verdict = "complete"
+    elif running:
+        verdict = "extracting"
+    elif any(p["state"] == "stale" for p in procs):
+        verdict = HUNG
+    else:
+        verdict = "interrupted: run the same extract command again to resume"
+    return {"kind": "cache", "path": str(path), "status": m["status"], "verdict": verdict,
+            "shards_committed": len(m["shards"]), "shards_planned": m["plan"]["num_shards"], "totals": m["totals"],
+            "debris": debris, "processes": procs, "last_error": last_error(logs) if logs.is_dir() else None}
+
+
+def run_status(path: str) -> dict:
+    from .train import CHECKPOINT_PREFIX, list_checkpoints
+
+    out = Path(path)
+    steps = list_checkpoints(out)
+    metrics = out / "metrics.jsonl"
+    last = None
+    if metrics.is_file():
+        lines = [ln for ln in metrics.read_text().splitlines() if ln.strip()]
+        if lines:
+            try:
+                last = json.loads(lines[-1])
+            except json.JSONDecodeError:
+                last = json.loads(lines[-2]) if len(lines) > 1 else None  # the last line being written
+    total = None
+    if steps:
+        state = json.loads((out / f"{CHECKPOINT_PREFIX}{steps[-1]}" / "state.json").read_text())
+        total = state.get("total_steps")
+    procs = processes(out / "logs") if (out / "logs").is_dir() else []
+    for p in procs:
+        total = total or p.get("total_steps")
+    running = [p for p in procs if p["state"] == "running"]
+    failed = [p for p in procs if p["state"] in ("failed", "died", "interrupted")]
+    export = (out / "export" / "config.json").is_file()
+    done = [p for p in procs if p["state"] == "done"]
+    if running:
+        verdict = "training"
+    elif any(p["state"] == "stale" for p in procs):
+        verdict = HUNG
+    elif export and not failed and (done or not procs):
+        verdict = "finished (export written)"
+    elif failed or steps or last is not None:
+        verdict = "stopped before the end: run the same train command again to resume" + \
+                  (f" from step-{steps[-1]}" if steps else " (no checkpoint yet: from the start)")
+    else:
+        verdict = "nothing recorded yet"
+    return {"kind": "run", "path": str(path), "verdict": verdict, "checkpoints": steps,
+            "last_metrics": last, "total_steps": total, "export": export, "processes": procs,
+            "last_error": last_error(out / "logs") if (out / "logs").is_dir() else None}
+
+
+def status(path: str) -> dict:
+    p = Path(path)
+    if "://" in str(path) or (p / "manifest.json").is_file():
+        return cache_status(path)
+    if p.is_dir() and ((p / "metrics.jsonl").exists() or any(p.glob("step-*")) or any((p / "logs").glob("train-*"))):
+        return run_status(path)
+    raise UserError(f"{path}: neither a cache (manifest.json) nor a training run folder (metrics.jsonl, step-N/, logs/)")
+
+
+def _age(s: float) -> str:
+    return f"{s:.0f}s" if s < 120 else (f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h")
+
+
+def format_status(st: dict) -> str:
+    lines = []
+    if st["kind"] == "cache":
+        t = st["totals"]
+        lines.append(f"cache {st['path']}: {st['verdict']}")
+        lines.append(f"  {st['shards_committed']}/{st['shards_planned']} shards committed: {t['samples']} samples, "
+                     f"{t['tokens']} tokens, {t['bytes'] / 1e9:.3f} GB")
+        if st["debris"]:
+            lines.append(f"  {len(st['debris'])} uncommitted shard folder(s) (removed when extraction resumes): "
+                         + ", ".join(st["debris"][:4]))
+    else:
+        lines.append(f"run {st['path']}: {st['verdict']}")
+        m = st["last_metrics"]
+        if m:
+            of = f"/{st['total_steps']}" if st["total_steps"] else ""
+            lines.append(f"  last step {m['step']}{of}: loss {m['loss']:.4f}, slot-1 accuracy {m['acc_slot1']:.3f}, "
+                         f"tau {m['tau']:.2f}, {m['step_time']:.3f} s/step")
+        lines.append(f"  checkpoints: {', '.join(f'step-{s}' for s in st['checkpoints']) or 'none'}; "
+                     f"export: {'yes' if st['export'] else 'no'}")
+    for p in st["processes"]:
+        prog = ", ".join(f"{k} {p[k]}" for k in ("shard", "tokens_done", "step", "total_steps") if k in p)
+        state = p["state"]
+        note = {"died": " (process gone without a word: killed?)", "stale": " (no heartbeat: hung?)"}.get(state, "")
+        err = f": {p['error']}" if p.get("error") and state in ("failed", "interrupted") else ""
+        lines.append(f"  {p['name']:<18} pid {p['pid']:<7} {state}{note}{err}; phase {p['phase']}"
+                     + (f", {prog}" if prog else "") + f"; last heartbeat {_age(p['age_s'])} ago")
+    e = st["last_error"]
+    lines.append(f"  last error: {e['error']} ({e['log']}, {e['time']})" if e else "  last error: none")
+    return "\n".join(lines)

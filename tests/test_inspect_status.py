@@ -1,0 +1,187 @@
+"""Looking at caches and runs: the notebook API (`open_cache`, no torch), `inspect`, `status` of a
+complete cache, a cache mid-extraction (running and killed) and a training run that crashed, and
+docs/inspect.ipynb executed against a tiny cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, extract_args, run_cli
+
+
+def test_open_cache_reads_what_was_written(valid_cache, tiny_data):
+    import pyarrow.parquet as pq
+    import zarr
+
+    from dflash_offline import open_cache
+
+    cache = open_cache(str(valid_cache))
+    m = json.loads((valid_cache / "manifest.json").read_text())
+    shards = cache.shards
+    assert list(shards["shard"]) == [s["name"] for s in m["shards"]]
+    assert shards["samples"].sum() == m["totals"]["samples"] and shards["tokens"].sum() == m["totals"]["tokens"]
+    src = pq.read_table(tiny_data).to_pydict()
+    assert sorted(cache.sample_ids.tolist()) == sorted(src["id"])
+    for sid in (0, 17, 47):
+        s = cache.sample(sid)
+        row = src["id"].index(sid)
+        np.testing.assert_array_equal(s.input_ids, np.asarray(src["input_ids"][row][:128], np.int32))
+        np.testing.assert_array_equal(s.loss_mask, np.asarray(src["loss_mask"][row][:128], np.uint8))
+        # Hidden states: exactly the stored bf16 words widened to float32, per layer.
+        g = zarr.open_group(str(valid_cache / "shards" / f"{s.shard}.zarr"), mode="r")
+        k = int(np.flatnonzero(g["sample_ids"][:] == sid)[0])
+        a, b = g["sample_offsets"][k], g["sample_offsets"][k + 1]
+        bits = g["hidden"][a:b]
+        for j, lid in enumerate(cache.layer_ids):
+            want = (bits[:, j].astype(np.uint32) << 16).view(np.float32)
+            np.testing.assert_array_equal(s.hidden[lid], want)
+        assert s.topk_ids.shape == (len(s), 4) and s.topk_logprobs.dtype == np.float32
+    with pytest.raises(Exception, match="no committed sample with id 999"):
+        cache.sample(999)
+
+
+def test_layer_stats_and_outlier_channels(tmp_path):
+    """A cache written with the project's writer, holding planted heavy channels: the statistics
+    equal numpy's over the same values and name exactly the planted channels."""
+    from dflash_offline import open_cache
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore, new_manifest
+    from dflash_offline.cache.writer import ShardLayout, ShardWriter
+
+    rng = np.random.default_rng(0)
+    H, layers, planted = 32, [1, 3], {1: [5], 3: [7, 20]}
+    loc = Location(str(tmp_path / "cache"))
+    store = ManifestStore(loc)
+    store.init_or_check(new_manifest(
+        target={"path": "synthetic", "model_type": "qwen3", "num_layers": 4, "hidden_size": H, "vocab_size": 100,
+                "config_sha256": "x", "weights_fingerprint": "y"},
+        capture={"layer_ids": layers, "topk": 0, "hidden_dtype": "bfloat16", "max_len": 64},
+        source={"files": [], "rows": 6}, plan={"shard_tokens": 0, "sort_window": 0, "num_shards": 1}))
+    loc.makedirs("shards")
+    w = ShardWriter(loc, "shards/shard-000000.zarr", ShardLayout(tokens=6 * 40, num_layers=2, hidden_size=H, topk=0,
+                                                                  chunk_tokens=64, layer_ids=layers))
+    values = []
+    for sid in range(6):
+        x = rng.standard_normal((40, 2, H)).astype(np.float32)
+        for j, lid in enumerate(layers):
+            x[:, j, planted[lid]] *= 50.0
+        bits = (x.view(np.uint32) >> 16).astype(np.uint16)  # truncate to bf16
+        values.append((bits.astype(np.uint32) << 16).view(np.float32))
+        w.append(sid, rng.integers(0, 100, 40).astype(np.int32), np.ones(40, np.uint8), bits, None, None)
+    entry = w.close("shard-000000")
+    entry["bytes"] = loc.du("shards/shard-000000.zarr")
+    store.commit_shard(entry)
+    allv = np.concatenate(values)
+    stats = open_cache(str(tmp_path / "cache")).layer_stat_records(max_tokens=10_000)
+    for j, r in enumerate(stats):
+        x = allv[:, j].astype(np.float64)
+        assert r["layer"] == layers[j] and r["tokens"] == 240
+        assert r["mean"] == pytest.approx(x.mean()) and r["std"] == pytest.approx(x.std())
+        assert r["absmax"] == pytest.approx(np.abs(x).max())
+        assert sorted(r["outlier_channels"]) == planted[layers[j]]
+    # A bounded read: asking for fewer tokens reads fewer.
+    assert open_cache(str(tmp_path / "cache")).layer_stat_records(max_tokens=50)[0]["tokens"] == 50
+
+
+def test_open_cache_never_imports_torch(valid_cache):
+    code = ("import sys, dflash_offline as d; c = d.open_cache(sys.argv[1]); s = c.sample(int(c.sample_ids[0])); "
+            "c.layer_stats(); c.shards; print(c.summary()); "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]")
+    r = subprocess.run([sys.executable, "-c", code, str(valid_cache)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "per layer" in r.stdout
+
+
+def test_notebook_executes(valid_cache, monkeypatch):
+    import nbclient
+    import nbformat
+
+    monkeypatch.setenv("DFLASH_CACHE", str(valid_cache))
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend draws headless
+    nb = nbformat.read(ROOT / "docs" / "inspect.ipynb", as_version=4)
+    nbclient.NotebookClient(nb, timeout=180, kernel_name="python3",
+                            resources={"metadata": {"path": str(ROOT)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "torch imported: False" in text
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 2  # both figures drawn
+
+
+def test_inspect_command(valid_cache):
+    r = run_cli(["inspect", valid_cache, "--sample", "5"])
+    assert r.returncode == 0, r.stderr
+    m = json.loads((valid_cache / "manifest.json").read_text())
+    assert f"complete, {len(m['shards'])}/{len(m['shards'])} shards, 48 samples" in r.stdout
+    assert "shard-000000" in r.stdout and "outlier channels" in r.stdout
+    assert "sample 5 (shard-" in r.stdout and "layer   5: norm mean" in r.stdout
+    r = run_cli(["inspect", valid_cache.parent])
+    assert r.returncode == 2 and "no manifest.json" in r.stderr
+
+
+def test_status_of_a_complete_cache(valid_cache):
+    r = run_cli(["status", valid_cache])
+    assert r.returncode == 0, r.stderr
+    assert "complete" in r.stdout.splitlines()[0] and "last error: none" in r.stdout
+    assert "extract-launcher" in r.stdout and " done;" in r.stdout
+    st = json.loads(run_cli(["status", valid_cache, "--json"]).stdout)
+    assert st["kind"] == "cache" and st["debris"] == [] and st["shards_committed"] == st["shards_planned"]
+
+
+def test_status_mid_extraction_running_then_killed(tiny_dense, tiny_data, tmp_path):
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["DFLASH_OFFLINE_STALL_AT"] = "shard-committed:2"
+    proc = subprocess.Popen([sys.executable, "-m", "dflash_offline", *map(str, extract_args(tiny_dense, tiny_data, cache))],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline, st = time.time() + 180, None
+        while time.time() < deadline:
+            if (cache / "manifest.json").exists():
+                st = json.loads(run_cli(["status", cache, "--json"]).stdout)
+                if st["shards_committed"] >= 2 and any("stalled" in p["phase"] for p in st["processes"]):
+                    break
+            time.sleep(1)
+        assert st is not None and st["verdict"] == "extracting", run_cli(["status", cache]).stdout
+        r = run_cli(["status", cache])
+        assert "extracting" in r.stdout and "2/" in r.stdout and "running" in r.stdout, r.stdout
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for _ in range(20):  # SIGKILL lands asynchronously
+        r = run_cli(["status", cache])
+        if "interrupted" in r.stdout:
+            break
+        time.sleep(0.5)
+    assert r.returncode == 0
+    assert "interrupted: run the same extract command again to resume" in r.stdout, r.stdout
+    assert "died (process gone without a word: killed?)" in r.stdout
+
+
+def test_status_of_a_run_that_crashed(valid_cache, tiny_dense, tmp_path):
+    out = tmp_path / "run"
+    r = run_cli(["train", "--target", tiny_dense, "--cache", valid_cache, "--out", out, "--seq-len", "128",
+                 "--num-anchors", "8", "--block-size", "8", "--global-batch-tokens", "128", "--mask-token-id", "1",
+                 "--num-layers", "1", "--checkpoint-every", "2", "--loader-workers", "0", "--no-progress"],
+                env={"DFLASH_OFFLINE_RAISE_AT": "train-step:3"})
+    assert r.returncode == 1 and "injected failure at train-step" in r.stderr, r.stderr
+    r = run_cli(["status", out])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "stopped before the end: run the same train command again to resume from step-2" in lines[0], r.stdout
+    assert "checkpoints: step-2; export: no" in r.stdout
+    assert "train-launcher" in r.stdout and "failed: InjectedFault: injected failure at train-step" in r.stdout
+    assert "last error: dflash_offline.runtime.InjectedFault: injected failure at train-step" in r.stdout
+    assert "train-launcher.log" in r.stdout
+    # The traceback is in the log file, for whoever reads it later.
+    assert "Traceback" in (out / "logs" / "train-launcher.log").read_text()
