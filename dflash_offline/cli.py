@@ -30,6 +30,8 @@ def main() -> None:
     log-probabilities) into a committed, resumable Zarr cache, one process per device.
     Stage two, `train`: a DFlash drafter trains from that cache (DDP, one process per GPU),
     resumable to the step; `export` writes it in the format serving engines load.
+    Around them: `eval` (acceptance length by speculative decoding, or from a cache),
+    `inspect` (what a cache holds), `status` (what is done, running or failed), `verify`.
 
     \b
     Quick start (CPU, tiny built-in recipe):
