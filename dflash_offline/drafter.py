@@ -441,6 +441,22 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str) -> Path:
     return out
 
 
+def load_checkpoint(ck_dir: str) -> DFlashDrafter:
+    """The drafter of a training checkpoint `step-N/` (state.json + drafter.safetensors, float32);
+    the frozen embedding and LM head are placeholders until load_frozen_from_target."""
+    from safetensors.torch import load_file
+
+    ck = Path(ck_dir)
+    state = json.loads((ck / "state.json").read_text())
+    drafter = DFlashDrafter(DrafterConfig(**state["drafter"]))
+    got = drafter.load_state_dict(load_file(str(ck / "drafter.safetensors")), strict=False)
+    lost = [k for k in got.missing_keys if not k.startswith(FROZEN_PREFIXES)]
+    if got.unexpected_keys or lost:
+        raise UserError(f"{ck}: drafter weights do not match its config (unexpected {got.unexpected_keys[:3]}, "
+                        f"missing {lost[:3]}); the checkpoint is damaged")
+    return drafter
+
+
 def load_exported(out_dir: str, target_dir: str | None = None) -> DFlashDrafter:
     """Rebuild a drafter from an export (float32 trainable weights); frozen parts from target_dir."""
     from safetensors import safe_open

@@ -80,18 +80,12 @@ def eos_ids(target_dir: str) -> set[int]:
 def load_drafter(path: str, target_dir: str):
     """A drafter from an export folder (config.json) or a training checkpoint (step-N/), with the
     target's frozen embedding and LM head; refuses a drafter made for another target shape."""
-    from safetensors.torch import load_file
-
-    from .drafter import DFlashDrafter, DrafterConfig, load_exported
+    from .drafter import load_checkpoint, load_exported
     from .model_folder import read_target
 
     root = Path(path)
     if (root / "state.json").is_file() and (root / "drafter.safetensors").is_file():
-        state = json.loads((root / "state.json").read_text())
-        drafter = DFlashDrafter(DrafterConfig(**state["drafter"]))
-        got = drafter.load_state_dict(load_file(str(root / "drafter.safetensors")), strict=False)
-        if got.unexpected_keys or [k for k in got.missing_keys if not k.startswith(("embed_tokens.", "lm_head."))]:
-            raise UserError(f"--drafter {path}: checkpoint weights do not match its state.json")
+        drafter = load_checkpoint(str(root))
     elif (root / "config.json").is_file():
         drafter = load_exported(str(root))
     else:

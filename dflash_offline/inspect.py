@@ -93,17 +93,15 @@ class CacheView:
 
     def sample(self, sample_id: int) -> SampleView:
         """One sample by its input id: tokens, loss mask, float32 hidden states per layer, top-k."""
-        for entry in self.manifest["shards"]:
-            if any(a <= int(sample_id) <= b for a, b in entry["sample_ids"]):
-                got = self._reader.shard(entry["name"]).by_id(int(sample_id))
-                if got is not None:
-                    h = got.hidden
-                    return SampleView(
-                        sample_id=int(sample_id), shard=entry["name"], input_ids=got.input_ids, loss_mask=got.loss_mask,
-                        hidden={lid: h[:, j] for j, lid in enumerate(self.layer_ids)},
-                        topk_ids=got.topk_ids,
-                        topk_logprobs=None if got.topk_logprobs is None else got.topk_logprobs.astype(np.float32))
-        raise UserError(f"{self.path}: no committed sample with id {sample_id}")
+        try:
+            got = self._reader.sample(int(sample_id))
+        except KeyError:
+            raise UserError(f"{self.path}: no committed sample with id {sample_id}") from None
+        h = got.hidden
+        return SampleView(
+            sample_id=int(sample_id), shard=got.shard, input_ids=got.input_ids, loss_mask=got.loss_mask,
+            hidden={lid: h[:, j] for j, lid in enumerate(self.layer_ids)}, topk_ids=got.topk_ids,
+            topk_logprobs=None if got.topk_logprobs is None else got.topk_logprobs.astype(np.float32))
 
     def _token_sample(self, max_tokens: int, seed: int) -> np.ndarray:
         """float32 [T, n, H] hidden states of whole samples drawn at random (seeded) across the

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,13 +127,22 @@ def test_inspect_command(valid_cache):
     assert r.returncode == 2 and "no manifest.json" in r.stderr
 
 
-def test_status_of_a_complete_cache(valid_cache):
+def test_status_of_a_complete_cache(tiny_dense, tiny_data, tmp_path):
+    # A cache of its own: the shared one also logs the refused runs of other tests.
+    valid_cache = tmp_path / "cache"
+    assert run_cli(extract_args(tiny_dense, tiny_data, valid_cache)).returncode == 0
     r = run_cli(["status", valid_cache])
     assert r.returncode == 0, r.stderr
     assert "complete" in r.stdout.splitlines()[0] and "last error: none" in r.stdout
     assert "extract-launcher" in r.stdout and " done;" in r.stdout
     st = json.loads(run_cli(["status", valid_cache, "--json"]).stdout)
     assert st["kind"] == "cache" and st["debris"] == [] and st["shards_committed"] == st["shards_planned"]
+    # A refused rerun leaves the cache complete and its reason as the last error.
+    r = run_cli(extract_args(tiny_dense, tiny_data, valid_cache, "--topk", "2"))
+    assert r.returncode == 2
+    r = run_cli(["status", valid_cache])
+    assert "complete" in r.stdout.splitlines()[0]
+    assert "last error: refused: " in r.stdout and "capture.topk" in r.stdout, r.stdout
 
 
 def test_status_mid_extraction_running_then_killed(tiny_dense, tiny_data, tmp_path):

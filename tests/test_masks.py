@@ -181,7 +181,10 @@ def test_input_errors():
     with pytest.raises(TypeError, match="must be bool"):
         attention(q, k, k, mask.float())
     with pytest.raises(TypeError, match="BlockMask"):
-        attention(q, k, k, None)
+        attention(q, k, k, "causal")
+    # None: no mask at all (a drafted block at inference sees every key it is given).
+    full = torch.ones(1, 1, q.shape[2], k.shape[2], dtype=torch.bool)
+    torch.testing.assert_close(attention(q, k, k, None), attention(q, k, k, full))
 
 
 def test_count_recompiles_is_an_int():

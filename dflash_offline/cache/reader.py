@@ -30,6 +30,7 @@ class Sample:
     hidden_bits: np.ndarray  # uint16 [t, n, H] (bfloat16 bits)
     topk_ids: np.ndarray | None  # int32 [t, k]
     topk_logprobs: np.ndarray | None  # float16 [t, k]
+    shard: str = ""  # the shard it was read from
 
     @property
     def hidden(self) -> np.ndarray:
@@ -57,7 +58,7 @@ class Shard:
             sample_id=int(self.ids[k]),
             input_ids=g["input_ids"][a:b], loss_mask=g["loss_mask"][a:b], hidden_bits=g["hidden"][a:b],
             topk_ids=g["topk_ids"][a:b] if has_topk else None,
-            topk_logprobs=g["topk_logprobs"][a:b] if has_topk else None,
+            topk_logprobs=g["topk_logprobs"][a:b] if has_topk else None, shard=self.name,
         )
 
     def by_id(self, sample_id: int) -> Sample | None:
