@@ -139,35 +139,41 @@ def export(run_dir: str, step: int | None, dest: str | None) -> None:
 
 
 @main.command(name="eval")
-@click.option("--target", required=True, help="The target's Hugging Face folder.")
-@click.option("--drafter", "drafters", multiple=True, required=True,
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML whose keys are these options (command-line values win).")
+@click.option("--target", help="The target's Hugging Face folder.")
+@click.option("--drafter", "drafters", multiple=True,
               help="A drafter export folder or a step-N checkpoint; repeat to compare several.")
 @click.option("--prompts", help="Parquet with input_ids: speculative decoding against the target, checked lossless.")
 @click.option("--cache", help="A (held-out) cache: acceptance estimated from it, without running the target.")
-@click.option("--device", default="cpu", show_default=True, help="One GPU index (e.g. 0) or cpu.")
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]),
-              help="Target and drafter dtype for decoding (float32: lossless checks are exact).")
-@click.option("--max-new-tokens", default=256, show_default=True, type=int, help="New tokens per prompt.")
+@click.option("--device", help="One GPU index (e.g. 0) or cpu.  [default: cpu]")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              help="Target and drafter dtype for decoding (float32: the lossless check is exact).  [default: float32]")
+@click.option("--max-new-tokens", type=int, help="New tokens per prompt.  [default: 256]")
 @click.option("--max-prompts", type=int, help="Use only the first N prompts.")
-@click.option("--ignore-eos", is_flag=True, help="Always generate --max-new-tokens (do not stop at end-of-sequence).")
-@click.option("--baseline/--no-baseline", default=True, show_default=True,
-              help="Also decode with the target alone: the lossless reference and the speed baseline.")
-@click.option("--seq-len", default=2048, show_default=True, type=int, help="Cache estimate: tokens per packed row.")
-@click.option("--num-anchors", default=256, show_default=True, type=int, help="Cache estimate: blocks per row.")
+@click.option("--ignore-eos", is_flag=True, default=None, help="Always generate --max-new-tokens (do not stop at end-of-sequence).")
+@click.option("--baseline/--no-baseline", default=None,
+              help="Also decode with the target alone: the lossless reference and the speed baseline.  [default: on]")
+@click.option("--seq-len", type=int, help="Cache estimate: tokens per packed row.  [default: 2048]")
+@click.option("--num-anchors", type=int, help="Cache estimate: blocks per row.  [default: 256]")
 @click.option("--max-rows", type=int, help="Cache estimate: use at most this many rows.")
 @click.option("--json", "json_path", help="Write the full report here as JSON.")
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bars.")
-def eval_(target, drafters, prompts, cache, device, dtype, max_new_tokens, max_prompts, ignore_eos, baseline,
-          seq_len, num_anchors, max_rows, json_path, progress) -> None:
+@click.option("--progress/--no-progress", default=None, help="Progress bars.  [default: on]")
+@click.pass_context
+def eval_(ctx: click.Context, config_file, **options) -> None:
     """Acceptance length of drafters: speculative decoding against the target (tau, acceptance per
     slot, tokens/s vs the target alone, output checked equal to its greedy decode), and/or the
     estimate from a held-out cache."""
+    from .config import EvalConfig, load_recipe, merge
+
+    given = {k: v for k, v in _given(ctx, **options).items() if v is not None}
+    if "drafters" in given:
+        given["drafters"] = list(given["drafters"])
+        if not given["drafters"]:
+            del given["drafters"]
+    recipe = load_recipe(config_file, EvalConfig) if config_file else {}
     from . import evaluate
 
-    evaluate.run(evaluate.EvalConfig(
-        target=target, drafters=list(drafters), prompts=prompts, cache=cache, device=device, dtype=dtype,
-        max_new_tokens=max_new_tokens, max_prompts=max_prompts, ignore_eos=ignore_eos, baseline=baseline,
-        seq_len=seq_len, num_anchors=num_anchors, max_rows=max_rows, json_path=json_path, progress=progress))
+    evaluate.run(merge(EvalConfig, recipe, given))
 
 
 @main.command()

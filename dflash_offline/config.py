@@ -196,3 +196,48 @@ class TrainConfig:
         if self.gamma is not None:
             return float(self.gamma)
         return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, 7.0 * self.block_size / 16)
+
+
+@dataclass
+class EvalConfig:
+    target: str = ""
+    """The target's Hugging Face folder."""
+    drafters: list[str] = field(default_factory=list)
+    """Drafter export folders or step-N checkpoints, compared on the same prompts."""
+    prompts: str | None = None
+    """Parquet with input_ids: speculative decoding against the target, checked lossless."""
+    cache: str | None = None
+    """A held-out cache: acceptance estimated from it, without running the target."""
+    device: str = "cpu"
+    """One GPU index or cpu."""
+    dtype: str = "float32"
+    """Target and drafter dtype for decoding; float32 makes the lossless check exact."""
+    max_new_tokens: int = 256
+    max_prompts: int | None = None
+    """Use only the first N prompts."""
+    ignore_eos: bool = False
+    """Always generate max_new_tokens."""
+    baseline: bool = True
+    """Also decode with the target alone: the lossless reference and the speed baseline."""
+    seq_len: int = 2048
+    """Cache estimate: tokens per packed row."""
+    num_anchors: int = 256
+    """Cache estimate: blocks per row."""
+    max_rows: int | None = None
+    """Cache estimate: at most this many rows."""
+    json_path: str | None = None
+    """Write the full report here as JSON."""
+    progress: bool = True
+
+    def validate(self) -> None:
+        if not self.target:
+            raise UserError("eval: --target is required")
+        if not self.drafters:
+            raise UserError("eval: give at least one --drafter (an export folder or a step-N checkpoint)")
+        if not self.prompts and not self.cache:
+            raise UserError("eval: give --prompts PARQUET (speculative decoding) and/or --cache CACHE (estimate)")
+        for name in ("max_new_tokens", "seq_len", "num_anchors"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise UserError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")

@@ -22,6 +22,8 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+
+from .config import EvalConfig
 from pathlib import Path
 from typing import Protocol
 
@@ -416,38 +418,6 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
 
 # ----------------------------------------------------------------------------------------------
 # The command
-
-
-@dataclass
-class EvalConfig:
-    target: str = ""
-    drafters: list[str] = field(default_factory=list)
-    prompts: str | None = None
-    cache: str | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_new_tokens: int = 256
-    max_prompts: int | None = None
-    ignore_eos: bool = False
-    baseline: bool = True
-    seq_len: int = 2048
-    num_anchors: int = 256
-    max_rows: int | None = None
-    json_path: str | None = None
-    progress: bool = True
-
-    def validate(self) -> None:
-        if not self.target:
-            raise UserError("eval: --target is required")
-        if not self.drafters:
-            raise UserError("eval: give at least one --drafter (an export folder or a step-N checkpoint)")
-        if not self.prompts and not self.cache:
-            raise UserError("eval: give --prompts PARQUET (speculative decoding) and/or --cache CACHE (estimate)")
-        for name in ("max_new_tokens", "seq_len", "num_anchors"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise UserError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
 
 
 def run(cfg: EvalConfig) -> dict:
