@@ -64,12 +64,12 @@ def main() -> int:
     ap.add_argument("--work", default="/dev/shm/pycode")
     ap.add_argument("--results", default="results")
     ap.add_argument("--device", default="0")
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=6, help="the published recipe's 6; the first run used 2")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--num-anchors", type=int, default=512)
     ap.add_argument("--global-batch-tokens", type=int, default=16384)
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--eval-prompts", type=int, default=40, help="held-out prompts decoded on the device")
+    ap.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts decoded on the device")
     ap.add_argument("--max-new-tokens", type=int, default=384)
     ap.add_argument("--smoke", action="store_true", help="CPU, a few rows: checks the script, not the drafter")
     args = ap.parse_args()
@@ -123,7 +123,8 @@ def main() -> int:
             "steps": len(m), "loss_first": m[0]["loss"], "loss_last": m[-1]["loss"], "tau_train_last": m[-1]["tau"],
             "acc_slot1_last": m[-1]["acc_slot1"], "step_time_s": sum(r["step_time"] for r in steady) / len(steady),
             "data_wait": sum(r["data_wait"] for r in steady) / len(steady), "recompiles": m[-1]["recompiles"],
-            "tokens": m[-1]["tokens"], "loss_curve": [round(r["loss"], 4) for r in m[:: max(1, len(m) // 40)]],
+            "tokens": m[-1]["tokens"], "first_steps_s": [round(r["step_time"], 2) for r in m[:3]],  # compile
+            "acc_per_slot_last": m[-1]["acc"], "loss_curve": [round(r["loss"], 4) for r in m[:: max(1, len(m) // 40)]],
         }
     save()
 
