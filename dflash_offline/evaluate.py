@@ -399,9 +399,9 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     cuda = device.startswith("cuda")
     total: dict | None = None
     with torch.no_grad():
+        build = masks.flex_block_mask if cuda else masks.dense_mask
         for mb in make_loader(stream, 0, 1, pin=False):
             mb = {k: v.to(device) for k, v in mb.items()}
-            build = masks.flex_block_mask if cuda else masks.dense_mask
             mask = build(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
                 h = drafter(mb["target_hidden"], mb["block_ids"], mb["ctx_positions"], mb["block_positions"], mask)
@@ -438,7 +438,8 @@ def run(cfg: EvalConfig) -> dict:
     single_thread_compute()
     drafters = [(p, load_drafter(p, cfg.target)) for p in cfg.drafters]  # all refused before any decoding
     report: dict = {"target": str(Path(cfg.target).absolute()), "device": device, "dtype": cfg.dtype,
-                    "torch": torch.__version__, "drafters": []}
+                    "torch": torch.__version__,
+                    "drafters": [{"path": str(p), "block_size": d.cfg.block_size} for p, d in drafters]}
     if cfg.prompts:
         _decode_all(cfg, drafters, device, report)
     if cfg.cache:
@@ -447,21 +448,12 @@ def run(cfg: EvalConfig) -> dict:
             t0 = time.time()
             est = cache_acceptance(cfg.cache, d, device, cfg.seq_len, cfg.num_anchors, cfg.max_rows)
             log.info("cache estimate for %s: tau %.3f over %d blocks (%.1fs)", path, est["tau"], est["blocks"], time.time() - t0)
-            _entry(report, i, path, d)["cache_estimate"] = est
+            report["drafters"][i]["cache_estimate"] = est
     print(format_report(report), flush=True)
     if cfg.json_path:
         Path(cfg.json_path).write_text(json.dumps(report, indent=1) + "\n")
         print(f"json: {cfg.json_path}")
     return report
-
-
-def _entry(report: dict, i: int, path: str, drafter) -> dict:
-    while len(report["drafters"]) <= i:
-        report["drafters"].append({})
-    e = report["drafters"][i]
-    e.setdefault("path", str(path))
-    e.setdefault("block_size", drafter.cfg.block_size)
-    return e
 
 
 def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
@@ -492,7 +484,7 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
             runs.append(speculative_decode(session, proposer, p, cfg.max_new_tokens, eos))
             acc = [a for r in runs for a in r.accepted]
             bar.set_postfix_str(f"tau {1 + np.mean(acc):.2f}" if acc else "")
-        e = _entry(report, i, path, drafter)
+        e = report["drafters"][i]
         e.update(summarize(runs, drafter.cfg.block_size))
         if reference is not None:
             bad = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference)) if r.tokens != ref]

@@ -334,14 +334,10 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     die_with_parent()
     loc = Location(job.cfg["cache"])
     open_process_log(_log_dir(ExtractConfig(**job.cfg), loc), f"extract-rank{rank}", console=True)
-    from .runtime import finish_heartbeat, record_failure
+    from .runtime import reported_outcome
 
-    try:
+    with reported_outcome():
         worker_run(rank, world, device, job, progress=q, show_bar=False, todo_tokens=0)
-        finish_heartbeat("done")
-    except BaseException as e:
-        record_failure(e)
-        raise
 
 
 class _Sink:

@@ -7,6 +7,7 @@ armed faulthandler. The earlier pipeline this project replaces died without a si
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -83,8 +84,8 @@ _file_handler: logging.Handler | None = None
 class Heartbeat:
     """`LOGDIR/NAME.heartbeat.json`, replaced atomically: pid, host, phase, progress, last update.
 
-    Written from the process's own loop (never from a thread), at most every HEARTBEAT_EVERY_S
-    unless the phase changes: a heartbeat that stops advancing means the loop stopped, whatever
+    Written from the process's own loop (never from a thread; test-only fault points excepted),
+    at most every HEARTBEAT_EVERY_S unless the phase changes: a heartbeat that stops advancing means the loop stopped, whatever
     the reason. `state` is running, done or failed (with the error); a process killed with
     SIGKILL leaves `running` behind, and `status` sees that its pid is gone.
     """
@@ -131,6 +132,18 @@ def heartbeat(phase: str | None = None, **progress) -> None:
 def finish_heartbeat(state: str, error: str | None = None) -> None:
     if _heartbeat is not None:
         _heartbeat.finish(state, error)
+
+
+@contextlib.contextmanager
+def reported_outcome():
+    """Around a worker process's work: heartbeat `done` when it returns, `failed` with the error
+    (and the traceback in the log file) when it raises; the exception goes on."""
+    try:
+        yield
+    except BaseException as e:
+        record_failure(e)
+        raise
+    finish_heartbeat("done")
 
 
 def record_failure(exc: BaseException) -> None:

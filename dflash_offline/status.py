@@ -106,7 +106,7 @@ def cache_status(path: str) -> dict:
 
 
 def run_status(path: str) -> dict:
-    from .train import CHECKPOINT_PREFIX, list_checkpoints
+    from .train import list_checkpoints
 
     out = Path(path)
     steps = list_checkpoints(out)
@@ -119,13 +119,8 @@ def run_status(path: str) -> dict:
                 last = json.loads(lines[-1])
             except json.JSONDecodeError:
                 last = json.loads(lines[-2]) if len(lines) > 1 else None  # the last line being written
-    total = None
-    if steps:
-        state = json.loads((out / f"{CHECKPOINT_PREFIX}{steps[-1]}" / "state.json").read_text())
-        total = state.get("total_steps")
     procs = processes(out / "logs") if (out / "logs").is_dir() else []
-    for p in procs:
-        total = total or p.get("total_steps")
+    total = next((p["total_steps"] for p in procs if p.get("total_steps")), None)
     running = [p for p in procs if p["state"] == "running"]
     failed = [p for p in procs if p["state"] in ("failed", "died", "interrupted")]
     export = (out / "export" / "config.json").is_file()

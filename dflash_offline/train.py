@@ -190,14 +190,10 @@ def _spawned(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict, p
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     open_process_log(Path(cfg.out) / "logs", f"train-rank{rank}")
-    from .runtime import finish_heartbeat, record_failure
+    from .runtime import reported_outcome
 
-    try:
+    with reported_outcome():
         train_worker(rank, world, device, cfg, plan)
-        finish_heartbeat("done")
-    except BaseException as e:
-        record_failure(e)
-        raise
 
 
 # ----------------------------------------------------------------------------------------------
