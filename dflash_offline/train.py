@@ -331,6 +331,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     wait_total = 0.0
     t_run = time.perf_counter()
     acc = None
+    first_micro = True
     while step < stop:
         epoch, in_epoch = divmod(step, spe)
         end = min(spe, in_epoch + (stop - step))
@@ -351,16 +352,26 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
             for i, mb in enumerate(micro):
                 last = i == accum - 1
                 ctx = model.no_sync() if (world > 1 and not last) else _null()
+                # The process's first micro-batch compiles the mask builder and the flex kernels:
+                # its phases are timed (with GPU syncs, this once) so a slow start says where it is.
+                phases = _PhaseTimer(cuda, log, rank) if first_micro else None
+                first_micro = False
                 with ctx:
                     if cuda:
                         mask = masks.flex_block_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
                     else:
                         mask = masks.dense_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
+                    _mark(phases, "mask")
                     with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=bf16):
                         h = model(mb["target_hidden"], mb["block_ids"], mb["ctx_positions"], mb["block_positions"], mask)
+                        _mark(phases, "forward")
                         ls, correct = block_loss(h, drafter.lm_head.weight, mb["labels"], mb["weights"],
                                                  cfg.loss_chunk_tokens)
+                        _mark(phases, "loss")
                     (ls.double() * scale).float().backward()
+                    _mark(phases, "backward")
+                if phases is not None:
+                    phases.report()
                 loss_sum += ls.detach().double()
                 mm = block_metrics(correct, mb["weights"], mb["anchor_valid"], B)
                 step_m = mm if step_m is None else {k: step_m[k] + mm[k] for k in mm}
@@ -433,6 +444,40 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     if world > 1:
         dist.barrier()  # no rank tears the group down while another still talks to it
         dist.destroy_process_group()
+
+
+class _PhaseTimer:
+    """Wall time of the phases of one micro-batch, each closed by a device sync."""
+
+    def __init__(self, cuda: bool, logger, rank: int):
+        import torch
+
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+        self.log, self.rank = logger, rank
+        self.t = time.perf_counter()
+        self.times: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        self.sync()
+        now = time.perf_counter()
+        self.times.append((name, now - self.t))
+        self.t = now
+        heartbeat(phase=f"first step: {name} done")
+
+    def report(self) -> None:
+        import torch
+
+        parts = ", ".join(f"{n} {t:.1f}s" for n, t in self.times)
+        self.log.info("rank %d first micro-batch (compiles the mask builder and flex kernels): %s", self.rank, parts)
+        try:  # dynamo's own account: which frames compiled and how long each took
+            self.log.info("compile times:\n%s", torch._dynamo.utils.compile_times(repr="str"))
+        except Exception as e:  # a private API: its absence must not stop training
+            self.log.info("compile times unavailable (%s)", e)
+
+
+def _mark(phases: _PhaseTimer | None, name: str) -> None:
+    if phases is not None:
+        phases.mark(name)
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
