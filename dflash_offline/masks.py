@@ -9,10 +9,11 @@ may attend
   - block kv >= S   iff (kv - S) // B == n (its own block, bidirectional), for valid and invalid
     blocks alike, so every query row keeps at least one key and softmax never yields NaN.
 
-`make_mask_mod` is the only place these rules are written. `flex_block_mask` hands it to
-flex_attention's `create_block_mask` (the fast, block-sparse path); `dense_mask` evaluates the very
-same function on broadcast index tensors (the SDPA reference, and the CPU training path, since flex
-has no backward on CPU). A fix to the rules therefore reaches both kernels at once.
+`make_mask_mod` is the only place these rules are written. `flex_block_mask` builds flex_attention's
+BlockMask from it (the fast, block-sparse path: `block_tables` evaluates it once per block to find
+the tiles, the kernel evaluates it inside partial tiles); `dense_mask` evaluates the very same
+function on broadcast index tensors (the SDPA reference, and the CPU training path, since flex has
+no backward on CPU). A fix to the rules therefore reaches both kernels at once.
 """
 
 from __future__ import annotations
@@ -23,17 +24,17 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-__all__ = ["make_mask_mod", "dense_mask", "flex_block_mask", "attention", "count_recompiles"]
+__all__ = ["make_mask_mod", "dense_mask", "block_tables", "flex_block_mask", "attention", "count_recompiles"]
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
 # Inductor compiles Triton kernels in-process, not in its pool of compile-worker subprocesses: on
-# the H200 machine (torch 2.11+cu130) the first compiled create_block_mask waited on that pool for
-# over 280 s without progress, and public reports show the same pool dying or hanging in exactly
-# this call (torchtitan issue 3944, with TORCHINDUCTOR_COMPILE_THREADS=1 as the fix). The few flex
-# kernels compile in seconds in-process. An explicit TORCHINDUCTOR_COMPILE_THREADS still wins.
+# the H200 machine (torch 2.11+cu130) the first compile (then of create_block_mask) waited on that
+# pool for over 280 s without progress, and public reports show the same pool dying or hanging
+# (torchtitan issue 3944, with TORCHINDUCTOR_COMPILE_THREADS=1 as the fix). The flex forward and
+# backward kernels compile in seconds in-process. An explicit TORCHINDUCTOR_COMPILE_THREADS wins.
 if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
     import torch._inductor.config as _inductor_config
 
@@ -47,11 +48,6 @@ if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
 # fastest kernel; a shape change is a deliberate, visible recompile (see count_recompiles).
 # Nothing compiles until the first CUDA call, but the wrapping imports torch._dynamo (seconds).
 _flex = torch.compile(flex_attention, dynamic=False)
-# create_block_mask's `_compile=True` is deprecated (torch 2.13 warns and just wraps
-# torch.compile(create_block_mask) anew on each call); compiling it once here is the recommended
-# equivalent and, for the reasons above, keeps one cache entry for the per-step masks.
-_create_block_mask_compiled = torch.compile(create_block_mask, dynamic=False)
-
 
 def _check_mask_inputs(doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor,
                        block_size: int) -> tuple[int, int, int]:
@@ -128,14 +124,69 @@ def dense_mask(doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor, block_siz
     return mod(b, h, q, kv).expand(R, 1, Q, KV).contiguous()
 
 
-def flex_block_mask(doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int) -> BlockMask:
-    """BlockMask for flex_attention (head-independent: H=None), built on doc_ids.device. Compiled on
-    CUDA (eager create_block_mask materialises the dense [R, Q, KV] mask first), eager on CPU."""
+SPARSE_BLOCK = 128  # flex_attention's default BlockMask tile (queries x keys)
+
+
+def block_tables(doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Which 128 x 128 tiles of the [Q, KV] mask hold any allowed pair and which hold only allowed
+    pairs: (any, full), bool [R, ceil(Q/128), ceil(KV/128)], the tables create_block_mask would
+    derive from mask_mod, at a fraction of its cost.
+
+    The rules give every query of a block the same row (they read q only through n = q // B), so
+    mask_mod is evaluated once per block, at its first query: [R, N, KV] instead of [R, N*B, KV]
+    (6.3M entries for 512 blocks over 12,288 keys). A query tile then lists a key tile if any of
+    its blocks allows any key there, and marks it full if all of its blocks allow all of them;
+    tiles cut short by the end of Q or KV are never full (create_block_mask pads with False too).
+    Checked equal to create_block_mask in tests/test_masks.py."""
     R, S, N = _check_mask_inputs(doc_ids, anchors, anchor_valid, block_size)
+    B, T, dev = block_size, SPARSE_BLOCK, doc_ids.device
+    Q, KV = N * B, S + N * B
+    Tq, Tk = -(-Q // T), -(-KV // T)
+    mod = make_mask_mod(doc_ids, anchors, anchor_valid, S, B)
+    b = torch.arange(R, device=dev).view(R, 1, 1)
+    h = torch.zeros(1, 1, 1, dtype=torch.long, device=dev)
+    first_query = (torch.arange(N, device=dev) * B).view(1, N, 1)
+    kv = torch.arange(KV, device=dev).view(1, 1, KV)
+    rows = mod(b, h, first_query, kv).expand(R, N, KV)
+    tiles = F.pad(rows, (0, Tk * T - KV), value=False).view(R, N, Tk, T)
+    block_any, block_full = tiles.any(-1).float(), tiles.all(-1).float()  # [R, N, Tk]
+    # Query tile t holds queries t*128 .. t*128+127: blocks (t*128)//B .. ((t+1)*128-1)//B.
+    t = torch.arange(Tq, device=dev)
+    n = torch.arange(N, device=dev)
+    first, last = (t * T) // B, torch.clamp(((t + 1) * T - 1) // B, max=N - 1)
+    overlap = ((n >= first[:, None]) & (n <= last[:, None])).float()  # [Tq, N]
+    # Block counts are small integers, exact in float32: these matmuls are boolean OR / AND.
+    any_t = (overlap @ block_any) > 0
+    full_t = ((overlap @ block_full) == overlap.sum(-1)[:, None]) & ((t + 1) * T <= Q)[:, None]
+    return any_t, full_t
+
+
+def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """bool [R, Tq, Tk] -> (count [R, 1, Tq], indices [R, 1, Tq, Tk]) int32: the listed tiles first,
+    in ascending order (BlockMask's layout)."""
+    count = tiles.sum(-1, dtype=torch.int32)
+    # A stable sort of the negated flags puts listed tiles first and keeps their ascending order.
+    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count[:, None], order[:, None]
+
+
+def flex_block_mask(doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int) -> BlockMask:
+    """BlockMask for flex_attention (head-independent: H=1), built on doc_ids.device from
+    block_tables and mask_mod, in eager tensor ops.
+
+    Not create_block_mask: it evaluates mask_mod on every (query, key) pair, so eagerly it
+    materialises the dense [R, Q, KV] mask, and compiled, its first Triton build took 190 s at
+    Q = 8192 x KV = 12,288 on an H200 (30 s at Q = 4096): minutes before the first step on every
+    fresh machine and for every new shape. block_tables needs one [R, N, KV] evaluation."""
+    any_t, full_t = block_tables(doc_ids, anchors, anchor_valid, block_size)  # validates the inputs
+    R, S = doc_ids.shape
+    N = anchors.shape[1]
     Q, KV = N * block_size, S + N * block_size
     mod = make_mask_mod(doc_ids, anchors, anchor_valid, S, block_size)
-    build = _create_block_mask_compiled if doc_ids.device.type == "cuda" else create_block_mask
-    return build(mod, R, None, Q, KV, device=doc_ids.device)
+    count, idx = _ordered(any_t & ~full_t)
+    full_count, full_idx = _ordered(full_t)
+    return BlockMask.from_kv_blocks(count, idx, full_count, full_idx, BLOCK_SIZE=SPARSE_BLOCK, mask_mod=mod,
+                                    seq_lengths=(Q, KV))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask, scale: float | None = None) -> Tensor:

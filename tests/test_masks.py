@@ -151,6 +151,31 @@ def test_block_mask_tiles_match_dense(seed, S, N, B):
     assert torch.equal(full, tiles.all(-1).all(-1))
 
 
+def _listed(num, idx):
+    """The tile lists of a BlockMask as a set of (row, head, tile, listed tile) per entry."""
+    out = set()
+    for r, h, t in np.ndindex(*num.shape):
+        out |= {(r, h, t, int(i)) for i in idx[r, h, t, : int(num[r, h, t])]}
+    return out
+
+
+@pytest.mark.parametrize("seed,S,N,B", FLEX_CASES + [(9, 250, 13, 10), (10, 512, 32, 8), (11, 1000, 64, 16)])
+def test_block_mask_equals_create_block_mask(seed, S, N, B):
+    """flex_block_mask's tables (built per block, no dense mask) equal those of flex_attention's own
+    create_block_mask run on the same mask_mod, for the key tiles and the transposed query tiles
+    the backward uses; B = 10 puts block boundaries inside query tiles."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc_ids, anchors, valid = make_rows(seed, 2, S, N, B)
+    ours = flex_block_mask(doc_ids, anchors, valid, B)
+    ref = create_block_mask(make_mask_mod(doc_ids, anchors, valid, S, B), 2, None, N * B, S + N * B, device="cpu")
+    assert ours.shape == ref.shape and ours.BLOCK_SIZE == ref.BLOCK_SIZE
+    for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                     ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        assert torch.equal(getattr(ours, num), getattr(ref, num)), num
+        assert _listed(getattr(ours, num), getattr(ours, idx)) == _listed(getattr(ref, num), getattr(ref, idx)), idx
+
+
 def test_input_errors():
     doc_ids, anchors, valid = make_rows(0, 2, 64, 6, 4)
     with pytest.raises(ValueError, match="same shape"):
