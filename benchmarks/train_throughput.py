@@ -102,12 +102,18 @@ def main() -> None:
     ap.add_argument("--loader-workers", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="a tiny shape, for a CPU smoke run of this script")
+    ap.add_argument("--metrics", default=None, help="only recompute the figures from this metrics.jsonl of an "
+                    "earlier run with the same shape options (no training)")
     args = ap.parse_args()
     if args.tiny:
         global LAYERS
         SHAPE.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
         LAYERS = [1, 2, 3, 4, 5]
+    if args.metrics:
+        recs = [json.loads(line) for line in Path(args.metrics).read_text().splitlines()]
+        print(json.dumps(figures(recs, args), indent=1))
+        return 0
 
     import torch
 
@@ -142,38 +148,46 @@ def main() -> None:
     if len(recs) < 4:
         print(f"only {len(recs)} steps finished: too few for steady-state figures", flush=True)
         return 1
-    steady = recs[3:]  # the first steps compile
-    step_time = sum(r["step_time"] for r in steady) / len(steady)
+    res = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu", "torch": torch.__version__,
+           "shape": "tiny" if args.tiny else "qwen3.5-27b drafter", "interrupted": interrupted, **figures(recs, args)}
+    for k, v in res.items():
+        print(f"{k}: {v}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def figures(recs: list[dict], args) -> dict:
+    """Throughput figures from the trainer's metrics.jsonl records. Steady state = every step after
+    the third (the first compiles). Each epoch restarts the loader processes, so an epoch's first
+    step waits for data; `within_epoch` leaves those steps out (this benchmark's small cache has
+    only rows / rows_per_step steps per epoch, a real cache thousands)."""
+    steady = recs[3:]
+    within = [r for i, r in enumerate(recs) if i >= 3 and r["epoch"] == recs[i - 1]["epoch"]]
     H, I, V = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
     qd, kvd = SHAPE["num_attention_heads"] * SHAPE["head_dim"], SHAPE["num_key_value_heads"] * SHAPE["head_dim"]
-    Q = args.num_anchors * 16
-    S = args.seq_len
+    Q, S = args.num_anchors * 16, args.seq_len
     per_layer_block = 2 * H * qd + 2 * H * kvd + 3 * H * I  # q, o, k, v, mlp params used per block token
     flops_row = (6 * 5 * per_layer_block * Q  # 5 drafter layers, block tokens, fwd + bwd
                  + 6 * 5 * 2 * H * kvd * S  # context k/v projections
                  + 6 * len(LAYERS) * H * H * S  # fc
                  + 4 * H * V * Q)  # LM head: forward + input gradient (frozen weight)
-    flops_step = flops_row * spe_rows
-    res = {
-        "device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu", "torch": torch.__version__,
-        "steps": len(recs), "step_time_s": step_time,
-        "shape": "tiny" if args.tiny else "qwen3.5-27b drafter", "seq_len": args.seq_len,
-        "num_anchors": args.num_anchors, "rows_per_step": spe_rows,
-        "context_tokens_per_s": args.seq_len * spe_rows / step_time,
-        "block_tokens_per_s": Q * spe_rows / step_time,
-        "model_tflops_per_s": flops_step / step_time / 1e12,
-        "share_of_bf16_peak": flops_step / step_time / PEAK,
-        "max_mem_gb": max(r.get("max_mem_gb", 0) for r in recs),
-        "data_wait_mean": sum(r["data_wait"] for r in steady) / len(steady),
-        "recompiles_after_first_step": recs[-1]["recompiles"] - recs[0]["recompiles"],
-        "recompiles_total": recs[-1]["recompiles"],
-        "interrupted": interrupted, "first_step_s": recs[0]["step_time"], "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"],
-    }
-    for k, v in res.items():
-        print(f"{k}: {v}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
+    flops_step = flops_row * args.rows_per_step
 
+    def block(rs: list[dict]) -> dict:
+        t = sum(r["step_time"] for r in rs) / len(rs)
+        return {"steps": len(rs), "step_time_s": t, "context_tokens_per_s": S * args.rows_per_step / t,
+                "block_tokens_per_s": Q * args.rows_per_step / t, "model_tflops_per_s": flops_step / t / 1e12,
+                "share_of_bf16_peak": flops_step / t / PEAK, "data_wait_mean": sum(r["data_wait"] for r in rs) / len(rs)}
+
+    return {"steps": len(recs), "seq_len": S, "num_anchors": args.num_anchors, "rows_per_step": args.rows_per_step,
+            "model_flops_per_step": flops_step, "steady": block(steady),
+            "within_epoch": block(within) if within else None,
+            "epoch_first_steps_s": [round(r["step_time"], 3) for prev, r in zip(recs, recs[1:]) if r["epoch"] != prev["epoch"]],
+            "max_mem_gb": max(r.get("max_mem_gb", 0) for r in recs),
+            "recompiles_after_first_step": recs[-1]["recompiles"] - recs[0]["recompiles"],
+            "recompiles_total": recs[-1]["recompiles"], "first_step_s": recs[0]["step_time"],
+            "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"]}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -352,7 +352,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
             for i, mb in enumerate(micro):
                 last = i == accum - 1
                 ctx = model.no_sync() if (world > 1 and not last) else _null()
-                # The process's first micro-batch compiles the mask builder and the flex kernels:
+                # The process's first micro-batch compiles the flex kernels (forward, backward):
                 # its phases are timed (with GPU syncs, this once) so a slow start says where it is.
                 phases = _PhaseTimer(cuda, log, rank) if first_micro else None
                 first_micro = False
@@ -468,7 +468,7 @@ class _PhaseTimer:
         import torch
 
         parts = ", ".join(f"{n} {t:.1f}s" for n, t in self.times)
-        self.log.info("rank %d first micro-batch (compiles the mask builder and flex kernels): %s", self.rank, parts)
+        self.log.info("rank %d first micro-batch (compiles the flex kernels): %s", self.rank, parts)
         try:  # dynamo's own account: which frames compiled and how long each took
             self.log.info("compile times:\n%s", torch._dynamo.utils.compile_times(repr="str"))
         except Exception as e:  # a private API: its absence must not stop training

@@ -1,4 +1,4 @@
-"""GPU: the trainer's compiled path (flex BlockMask built by the compiled create_block_mask,
+"""GPU: the trainer's compiled path (flex BlockMask from masks.block_tables,
 compiled flex_attention, bf16 autocast, fused AdamW) learns and never recompiles after the first
 step, over 60 steps of varying rows and anchors."""
 
