@@ -102,6 +102,9 @@ def main() -> None:
     ap.add_argument("--loader-workers", type=int, default=3)
     ap.add_argument("--out", default=None)
     ap.add_argument("--tiny", action="store_true", help="a tiny shape, for a CPU smoke run of this script")
+    ap.add_argument("--attention", default="auto", choices=["auto", "sdpa"],
+                    help="auto = compiled flex (the trainer's GPU path); sdpa = SDPA with a dense mask (the baseline)")
+    ap.add_argument("--keep", action="store_true", help="reuse --workdir's target and cache if they exist")
     ap.add_argument("--metrics", default=None, help="only recompute the figures from this metrics.jsonl of an "
                     "earlier run with the same shape options (no training)")
     args = ap.parse_args()
@@ -122,17 +125,21 @@ def main() -> None:
 
     dev = "cuda:0" if torch.cuda.is_available() else "cpu"
     work = Path(args.workdir)
-    shutil.rmtree(work, ignore_errors=True)
     t0 = time.time()
-    make_target(work / "target", dev)
-    make_cache(work / "cache", work / "target", args.rows, args.seq_len, dev)
-    print(f"synthetic target and cache in {time.time() - t0:.1f}s", flush=True)
+    if not (args.keep and (work / "cache" / "manifest.json").exists()):
+        shutil.rmtree(work, ignore_errors=True)
+        make_target(work / "target", dev)
+        make_cache(work / "cache", work / "target", args.rows, args.seq_len, dev)
+        print(f"synthetic target and cache in {time.time() - t0:.1f}s", flush=True)
+    shutil.rmtree(work / "run", ignore_errors=True)
+    args.attention_pairs_per_row = attention_pairs_per_row(work / "cache", args)
     spe_rows = args.rows_per_step
     cfg = TrainConfig(cache=str(work / "cache"), target=str(work / "target"), out=str(work / "run"),
                       devices="0" if dev.startswith("cuda") else "cpu", seq_len=args.seq_len,
                       num_anchors=args.num_anchors, block_size=16, global_batch_tokens=args.seq_len * spe_rows,
                       epochs=100, max_steps=args.steps, mask_token_id=1 if args.tiny else 248070, loader_workers=args.loader_workers,
-                      checkpoint_every=10**9, final_checkpoint=False, progress=False, log_every=1)
+                      checkpoint_every=10**9, final_checkpoint=False, progress=False, log_every=1,
+                      attention=args.attention)
     interrupted = False
     try:
         train.run(cfg)
@@ -149,7 +156,8 @@ def main() -> None:
         print(f"only {len(recs)} steps finished: too few for steady-state figures", flush=True)
         return 1
     res = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu", "torch": torch.__version__,
-           "shape": "tiny" if args.tiny else "qwen3.5-27b drafter", "interrupted": interrupted, **figures(recs, args)}
+           "shape": "tiny" if args.tiny else "qwen3.5-27b drafter", "attention": args.attention,
+           "interrupted": interrupted, **figures(recs, args)}
     for k, v in res.items():
         print(f"{k}: {v}")
     if args.out:
@@ -173,21 +181,66 @@ def figures(recs: list[dict], args) -> dict:
                  + 6 * len(LAYERS) * H * H * S  # fc
                  + 4 * H * V * Q)  # LM head: forward + input gradient (frozen weight)
     flops_step = flops_row * args.rows_per_step
+    # Attention over the pairs the mask allows (QK^T and PV, 2 FLOPs a multiply-add, forward + a
+    # backward of twice that): what any kernel must compute; flex also computes masked pairs inside
+    # partial tiles, SDPA all of them, and neither is counted.
+    pairs = getattr(args, "attention_pairs_per_row", None)
+    attn_step = (3 * 5 * 4 * pairs * qd * args.rows_per_step) if pairs else 0.0
 
     def block(rs: list[dict]) -> dict:
         t = sum(r["step_time"] for r in rs) / len(rs)
         return {"steps": len(rs), "step_time_s": t, "context_tokens_per_s": S * args.rows_per_step / t,
                 "block_tokens_per_s": Q * args.rows_per_step / t, "model_tflops_per_s": flops_step / t / 1e12,
-                "share_of_bf16_peak": flops_step / t / PEAK, "data_wait_mean": sum(r["data_wait"] for r in rs) / len(rs)}
+                "share_of_bf16_peak": flops_step / t / PEAK,
+                "with_attention_tflops_per_s": (flops_step + attn_step) / t / 1e12,
+                "with_attention_share_of_bf16_peak": (flops_step + attn_step) / t / PEAK,
+                "data_wait_mean": sum(r["data_wait"] for r in rs) / len(rs)}
 
     return {"steps": len(recs), "seq_len": S, "num_anchors": args.num_anchors, "rows_per_step": args.rows_per_step,
-            "model_flops_per_step": flops_step, "steady": block(steady),
+            "model_flops_per_step": flops_step, "attention_flops_per_step": attn_step,
+            "attention_pairs_per_row": pairs, "steady": block(steady),
             "within_epoch": block(within) if within else None,
             "epoch_first_steps_s": [round(r["step_time"], 3) for prev, r in zip(recs, recs[1:]) if r["epoch"] != prev["epoch"]],
             "max_mem_gb": max(r.get("max_mem_gb", 0) for r in recs),
             "recompiles_after_first_step": recs[-1]["recompiles"] - recs[0]["recompiles"],
             "recompiles_total": recs[-1]["recompiles"], "first_step_s": recs[0]["step_time"],
             "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"]}
+
+def attention_pairs_per_row(cache: Path, args, rows: int = 8) -> float:
+    """Mean number of (query, key) pairs the DFlash mask allows in a row, over `rows` rows packed from
+    the cache the trainer's way (epoch 0's order, its anchors). The rules read a query only through
+    its block, so each block's row of the mask is evaluated once and counted block_size times."""
+    import numpy as np
+    import torch
+
+    from dflash_offline import masks
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.packing import anchor_rng, build_row, epoch_order, loss_weights, pack_rows
+
+    reader = CacheReader(str(cache))
+    samples = [(reader.shard(n), k) for n in reader.shard_names for k in range(len(reader.shard(n)))]
+    lengths = np.array([int(sh.offsets[k + 1] - sh.offsets[k]) for sh, k in samples])
+    packed = pack_rows(lengths, epoch_order(len(samples), 0, 0), args.seq_len)
+    B, N, S = 16, args.num_anchors, args.seq_len
+    total = 0
+    for g, row in enumerate(packed[:rows]):
+        ids, lms = [], []
+        for s_, keep in row:
+            sh, k = samples[s_]
+            a = int(sh.offsets[k])
+            ids.append(sh.group["input_ids"][a:a + keep].astype(np.int64))
+            lms.append(sh.group["loss_mask"][a:a + keep])
+        r = build_row(ids, lms, S, N, B, 1, loss_weights(B, 7.0), anchor_rng(0, 0, g))
+        doc = torch.from_numpy(r.doc_ids)[None]
+        anc = torch.from_numpy(r.anchors)[None]
+        val = torch.from_numpy(r.anchor_valid)[None]
+        mod = masks.make_mask_mod(doc, anc, val, S, B)
+        q = (torch.arange(N) * B).view(1, 1, N, 1)
+        kv = torch.arange(S + N * B).view(1, 1, 1, -1)
+        total += int(mod(torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.zeros(1, 1, 1, 1, dtype=torch.long),
+                         q, kv).sum()) * B
+    return total / max(1, min(rows, len(packed)))
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -48,6 +48,9 @@ class ExtractConfig:
     """Tokens per LM-head chunk when computing top-k (bounds the full-vocabulary logits)."""
     hidden_dtype: str = "bfloat16"
     """Storage dtype of hidden states."""
+    writers: int = 1
+    """Shard writer processes per extract worker (one writes about 0.9 GB/s into /dev/shm; a 27B
+    target's five layers need about 0.46 GB/s per H200)."""
     compute_dtype: str = "auto"
     """Target weights/activations: auto = bfloat16 on GPU, float32 on CPU."""
     max_bytes: int | None = None
@@ -65,7 +68,7 @@ class ExtractConfig:
         if not self.cache:
             raise UserError("no cache location: pass --cache PATH|URL or set `cache` in --config")
         for name in ("max_len", "batch_tokens", "shard_tokens", "sort_window", "chunk_tokens",
-                     "logits_chunk_tokens", "num_layers"):
+                     "logits_chunk_tokens", "num_layers", "writers"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.topk < 0:
@@ -170,6 +173,9 @@ class TrainConfig:
     loss_chunk_tokens: int = 4096
     precision: str = "auto"
     """auto = bf16 autocast with fp32 master weights on GPU, fp32 on CPU."""
+    attention: str = "auto"
+    """auto = compiled flex_attention with a BlockMask on GPU, SDPA with a dense mask on CPU (no flex
+    backward there); sdpa forces the dense path on GPU too (a baseline: O(Q x KV) mask memory)."""
     final_checkpoint: bool = True
     """Write a checkpoint and the export when the run ends (benchmarks turn it off)."""
     verify: str = "quick"
@@ -190,6 +196,8 @@ class TrainConfig:
             raise UserError(f"--verify {self.verify!r}: choose quick or full")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise UserError(f"--precision {self.precision!r}: choose auto, bf16 or fp32")
+        if self.attention not in ("auto", "sdpa"):
+            raise UserError(f"--attention {self.attention!r}: choose auto (flex on GPU) or sdpa (dense mask)")
 
     @property
     def resolved_gamma(self) -> float:

@@ -389,7 +389,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     for name in reader.shard_names:
         sh = reader.shard(name)
         lengths.extend((sh.offsets[1:] - sh.offsets[:-1]).tolist())
-        refs.extend((name, k) for k in range(len(sh)))
+        refs.extend((name, k, int(sh.offsets[k])) for k in range(len(sh)))
     lengths = np.asarray(lengths, np.int64)
     rows = len(pack_rows(lengths, epoch_order(len(refs), seed, 0), seq_len))
     steps = rows if max_rows is None else min(rows, max_rows)

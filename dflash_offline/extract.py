@@ -3,9 +3,10 @@
 Shape of a run:
   launcher (or each torchrun rank): log file -> preflight (no weights) -> manifest created/checked
   -> one worker *process* per device -> each worker: its shards, batch by batch:
-       forward on the main thread -> async copy to pinned host buffers -> a writer thread (I/O only)
-       waits for the copy, stages whole chunks into the shard's Zarr group, and at the shard's end
-       renames it into place and commits it in manifest.json under a lock.
+       forward on its one thread -> async copy into shared, page-locked host slots -> a writer
+       *process* (`sink.py`: numpy and Zarr, no torch) writes whole chunks into the shard's Zarr
+       group, and at the shard's end renames it into place and commits it in manifest.json
+       under a lock.
 
 The plan (which rows make which shard, in which order) is a pure function of the input and the
 options, never of the number of workers: shard j belongs to worker j % W, so one worker, two
@@ -17,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -340,106 +340,6 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
         worker_run(rank, world, device, job, progress=q, show_bar=False, todo_tokens=0)
 
 
-class _Sink:
-    """The writer thread: waits for device-to-host copies, writes chunks, renames and commits shards.
-
-    Only I/O happens here (memcpy into chunk buffers, Zarr writes, hashing, renames); the forward
-    pass stays on the main thread, so the process has one compute thread.
-    """
-
-    def __init__(self, loc, store, layout_kw: dict, on_progress):
-        self.loc, self.store, self.layout_kw, self.on_progress = loc, store, layout_kw, on_progress
-        self.q: queue.Queue = queue.Queue(maxsize=4)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._loop, name="shard-writer", daemon=True)
-        self.thread.start()
-
-    def put(self, item) -> None:
-        while True:
-            if self.error is not None:
-                raise RuntimeError("the shard writer thread failed") from self.error
-            try:
-                self.q.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue
-
-    def close(self) -> None:
-        self.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise RuntimeError("the shard writer thread failed") from self.error
-
-    def _loop(self) -> None:
-        from .cache.writer import ShardLayout, ShardWriter
-
-        writer = None
-        try:
-            while True:
-                item = self.q.get()
-                if item is None:
-                    return
-                kind = item[0]
-                if kind == "begin":
-                    _, j, tokens = item
-                    self.loc.rmtree(tmp_shard_rel(j))
-                    writer = ShardWriter(self.loc, tmp_shard_rel(j), ShardLayout(tokens=tokens, **self.layout_kw))
-                    t_shard = time.time()
-                elif kind == "batch":
-                    _, samples, hidden, tids, tlp, event, release = item
-                    if event is not None:
-                        event.synchronize()  # the async device-to-host copy has landed
-                    h = hidden.numpy()
-                    ti = tids.numpy() if tids is not None else None
-                    tl = tlp.numpy() if tlp is not None else None
-                    pos = 0
-                    for sid, ids, mask in samples:
-                        t = ids.shape[0]
-                        writer.append(sid, ids, mask, h[pos:pos + t],
-                                      ti[pos:pos + t] if ti is not None else None,
-                                      tl[pos:pos + t] if tl is not None else None)
-                        pos += t
-                    release()
-                    self.on_progress(pos, 0)
-                    fault_point("batch-written")
-                elif kind == "end":
-                    _, j = item
-                    name = shard_name(j)
-                    entry = writer.close(name)
-                    writer = None
-                    final = f"shards/{name}.zarr"
-                    self.loc.fsync_tree(tmp_shard_rel(j))
-                    self.loc.rmtree(final)
-                    self.loc.rename(tmp_shard_rel(j), final)
-                    fault_point("shard-renamed")
-                    entry["bytes"] = self.loc.du(final)
-                    m = self.store.commit_shard(entry)
-                    fault_point("shard-committed")
-                    dt = time.time() - t_shard
-                    log.info("committed %s: %d samples, %d tokens, %.1f MB in %.2fs (%.0f tokens/s); cache %d/%d shards",
-                             name, entry["samples"], entry["tokens"], entry["bytes"] / 1e6, dt,
-                             entry["tokens"] / max(dt, 1e-9), len(m["shards"]), m["plan"]["num_shards"])
-                    self.on_progress(0, entry["bytes"])
-        except BaseException as e:  # surfaced on the main thread at its next put()
-            log.exception("shard writer failed")
-            self.error = e
-
-
-class _PinnedPool:
-    """A few reusable pinned host buffers, so copies can run asynchronously and memory stays bounded."""
-
-    def __init__(self, torch, count: int, shapes: dict, pinned: bool):
-        self.free: queue.Queue = queue.Queue()
-        for _ in range(count):
-            self.free.put({k: torch.empty(s, dtype=dt, pin_memory=pinned) for k, (s, dt) in shapes.items()})
-
-    def get(self) -> dict:
-        return self.free.get()
-
-    def release(self, bufs: dict) -> None:
-        self.free.put(bufs)
-
-
 def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar: bool, todo_tokens: int) -> None:
     from .cache.location import Location
     from .cache.manifest import ManifestStore
@@ -482,7 +382,6 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     capture = LayerCapture(model, job.layer_ids)
     n, H, k = len(job.layer_ids), job.hidden_size, cfg.topk
     cuda = device.startswith("cuda")
-    pool = make_pool(torch, cfg, n, H, cuda)
 
     bar = None
     if show_bar:
@@ -500,17 +399,21 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
             bar.update(tokens)
             bar.set_postfix_str(f"{written[0] / 1e9:.2f} GB written")
 
-    sink = _Sink(loc, store, dict(num_layers=n, hidden_size=H, topk=k, chunk_tokens=cfg.chunk_tokens,
-                                  layer_ids=job.layer_ids, hidden_dtype=cfg.hidden_dtype), on_progress)
+    sink = make_sink(cfg, dict(num_layers=n, hidden_size=H, topk=k, chunk_tokens=cfg.chunk_tokens,
+                               layer_ids=job.layer_ids, hidden_dtype=cfg.hidden_dtype), cuda,
+                     _log_dir(cfg, loc), f"extract-rank{rank}", on_progress)
     t_start = time.time()
     try:
-        tokens_done = run_shards(model, capture, cfg, ((j, _shard_samples(job, j, src, reader, cfg.max_len)) for j in mine),
-                                 sink, pool, device)
+        stats = run_shards(model, capture, cfg, ((j, _shard_samples(job, j, src, reader, cfg.max_len)) for j in mine),
+                           sink, device)
     finally:
         if bar is not None:
             bar.close()
     dt = time.time() - t_start
-    log.info("worker %d done: %d tokens in %.1fs (%.0f tokens/s)", rank, tokens_done, dt, tokens_done / max(dt, 1e-9))
+    log.info("worker %d done: %d tokens in %.1fs (%.0f tokens/s); padding %.1f%% of the %d tokens the forward ran; "
+             "writers busy %.0f%% of the time", rank, stats["tokens"], dt, stats["tokens"] / max(dt, 1e-9),
+             100 * stats["padding_fraction"], stats["forward_tokens"],
+             100 * sink.stats["writer_busy_s"] / max(dt * len(sink.procs), 1e-9))
 
 
 def _shard_samples(job: Job, j: int, src, reader, max_len: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
@@ -524,19 +427,23 @@ def _shard_samples(job: Job, j: int, src, reader, max_len: int) -> list[tuple[in
     return out
 
 
-def make_pool(torch, cfg: ExtractConfig, num_layers: int, hidden_size: int, cuda: bool) -> _PinnedPool:
-    k = max(cfg.topk, 1)
-    return _PinnedPool(torch, 3 if cuda else 1, {
-        "hidden": ((cfg.batch_tokens, num_layers, hidden_size), torch.uint16),
-        "ids": ((cfg.batch_tokens, k), torch.int32),
-        "lp": ((cfg.batch_tokens, k), torch.float16),
-    }, pinned=cuda)
+def make_sink(cfg: ExtractConfig, layout_kw: dict, cuda: bool, log_dir: str, log_name: str, on_progress,
+              discard: bool = False):
+    """The writer processes and their shared slots: W + 2 on CUDA (one being filled by the copy,
+    one queued, W being written), W + 1 on CPU (the copy is synchronous there)."""
+    from .sink import ShardSink
+
+    return ShardSink(cfg.cache, layout_kw, batch_tokens=cfg.batch_tokens, writers=cfg.writers,
+                     slots=cfg.writers + (2 if cuda else 1), pin=cuda, log_dir=log_dir, log_name=log_name,
+                     on_progress=on_progress, discard=discard)
 
 
-def run_shards(model, capture, cfg: ExtractConfig, shards, sink: _Sink, pool: _PinnedPool, device: str) -> int:
-    """The hot loop: forward each batch on this thread, hand its async host copies to the writer.
+def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) -> dict:
+    """The hot loop: forward each batch on this thread, copy its outputs into a shared slot
+    (asynchronously, on a copy stream, on CUDA) and hand the slot to the shard's writer process.
 
-    `shards` yields (j, samples). Returns the number of tokens extracted. Closes `sink`.
+    `shards` yields (j, samples). Returns {tokens, forward_tokens, padding_fraction}. Closes
+    `sink` (aborts it on error).
     """
     import torch
 
@@ -544,41 +451,62 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink: _Sink, pool: _P
 
     cuda = device.startswith("cuda")
     k = cfg.topk
-    tokens_done = 0
-    for j, samples in shards:
-        sink.put(("begin", j, sum(s[1].shape[0] for s in samples)))
-        for a, b in make_batches([s[1].shape[0] for s in samples], cfg.batch_tokens):
-            batch = samples[a:b]
-            lens = [s[1].shape[0] for s in batch]
-            S, B = max(lens), len(batch)
-            ids_np = np.zeros((B, S), np.int64)
-            mask_np = np.zeros((B, S), np.int64)
-            flat = np.concatenate([r * S + np.arange(t) for r, t in enumerate(lens)])
-            for r, (_, ids, _) in enumerate(batch):
-                ids_np[r, : ids.shape[0]] = ids
-                mask_np[r, : ids.shape[0]] = 1
-            # Right padding: causal attention and the causal conv / delta-rule recurrence of
-            # Gated DeltaNet never let a padded position influence an earlier real one.
-            input_ids = torch.from_numpy(ids_np).to(device, non_blocking=True)
-            attn = torch.from_numpy(mask_np).to(device, non_blocking=True)
-            index = torch.from_numpy(flat).to(device, non_blocking=True)
-            hidden, tids, tlp = forward_batch(model, capture, input_ids, attn, index, k, cfg.logits_chunk_tokens)
-            N = hidden.shape[0]
-            bufs = pool.get()  # blocks while the writer still holds every buffer
-            h_host = bufs["hidden"][:N]
-            h_host.copy_(hidden.to(torch.bfloat16).view(torch.uint16), non_blocking=cuda)
-            ti_host = tl_host = None
-            if k > 0:
-                ti_host, tl_host = bufs["ids"][:N], bufs["lp"][:N]
-                ti_host.copy_(tids, non_blocking=cuda)
-                tl_host.copy_(tlp, non_blocking=cuda)
-            event = None
-            if cuda:
-                event = torch.cuda.Event()
-                event.record()
-            sink.put(("batch", batch, h_host, ti_host, tl_host, event, lambda bufs=bufs: pool.release(bufs)))
-            tokens_done += N
-            heartbeat(phase="extract", shard=shard_name(j), tokens_done=tokens_done)
-        sink.put(("end", j))
-    sink.close()
-    return tokens_done
+    # A second stream for the device-to-host copies: they overlap the next batch's forward
+    # instead of queueing behind it on the compute stream.
+    copy_stream = torch.cuda.Stream(device=device) if cuda else None
+    dev_flag = torch.zeros(1, dtype=torch.int64, device=device) if cuda else None
+    tokens_done = forward_tokens = 0
+    try:
+        for j, samples in shards:
+            sink.begin(j, sum(s[1].shape[0] for s in samples))
+            for a, b in make_batches([s[1].shape[0] for s in samples], cfg.batch_tokens):
+                batch = samples[a:b]
+                lens = [s[1].shape[0] for s in batch]
+                S, B = max(lens), len(batch)
+                ids_np = np.zeros((B, S), np.int64)
+                mask_np = np.zeros((B, S), np.int64)
+                flat = np.concatenate([r * S + np.arange(t) for r, t in enumerate(lens)])
+                for r, (_, ids, _) in enumerate(batch):
+                    ids_np[r, : ids.shape[0]] = ids
+                    mask_np[r, : ids.shape[0]] = 1
+                # Right padding: causal attention and the causal conv / delta-rule recurrence of
+                # Gated DeltaNet never let a padded position influence an earlier real one.
+                input_ids = torch.from_numpy(ids_np).to(device, non_blocking=True)
+                attn = torch.from_numpy(mask_np).to(device, non_blocking=True)
+                index = torch.from_numpy(flat).to(device, non_blocking=True)
+                hidden, tids, tlp = forward_batch(model, capture, input_ids, attn, index, k, cfg.logits_chunk_tokens)
+                bits = hidden.to(torch.bfloat16).view(torch.uint16)
+                N = hidden.shape[0]
+                slot, seq = sink.acquire()  # blocks while the writers hold every slot
+                host = sink.views(slot)
+                if cuda:
+                    copy_stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(copy_stream):
+                        host["hidden"][:N].copy_(bits, non_blocking=True)
+                        if k > 0:
+                            host["ids"][:N].copy_(tids, non_blocking=True)
+                            host["lp"][:N].copy_(tlp, non_blocking=True)
+                        # Last on the same stream: the writer starts once it reads seq here.
+                        dev_flag.fill_(seq)
+                        host["flag"].copy_(dev_flag, non_blocking=True)
+                    for t in (bits, tids, tlp):
+                        if t is not None:  # not reused by the allocator before the copy stream is done
+                            t.record_stream(copy_stream)
+                else:
+                    host["hidden"][:N].copy_(bits)
+                    if k > 0:
+                        host["ids"][:N].copy_(tids)
+                        host["lp"][:N].copy_(tlp)
+                    host["flag"][0] = seq
+                del host
+                sink.batch(slot, batch, N, seq)
+                tokens_done += N
+                forward_tokens += B * S
+                heartbeat(phase="extract", shard=shard_name(j), tokens_done=tokens_done)
+            sink.end(j)
+        sink.close()
+    except BaseException:
+        sink.abort()
+        raise
+    return {"tokens": tokens_done, "forward_tokens": forward_tokens,
+            "padding_fraction": 1 - tokens_done / max(forward_tokens, 1)}

@@ -30,13 +30,28 @@ class RowStream(torch.utils.data.IterableDataset):
     def __len__(self) -> int:
         return (self.steps - self.start_step) * self.accum
 
-    def _read(self, ref: tuple[str, int], keep: int):
+    def _read(self, ref: tuple, keep: int):
+        """(input_ids, loss_mask, hidden bits) of the first `keep` tokens of sample ref = (shard, k,
+        first token). Local caches are read from the chunk files (cache.reader.ChunkFiles): no
+        Zarr group is opened, so a loader's cost per sample does not grow with the number of
+        shards; URL caches through Zarr."""
         if self._reader is None:
+            from .cache.location import Location
+            from .cache.reader import ChunkFiles
+
+            loc = Location(self.cache)
+            self._reader = ChunkFiles(loc) if not loc.remote else False
             from .cache.reader import CacheReader
 
-            self._reader = CacheReader(self.cache)
+            self._zarr = CacheReader(self.cache)  # URL caches, and refs without their first token
         try:
-            shard = self._reader.shard(ref[0])
+            if self._reader and len(ref) > 2:
+                a = int(ref[2])
+                b = a + keep
+                f = self._reader
+                return (f.read(ref[0], "input_ids", a, b).astype(np.int64), f.read(ref[0], "loss_mask", a, b),
+                        f.read(ref[0], "hidden", a, b))
+            shard = self._zarr.shard(ref[0])
             a = int(shard.offsets[ref[1]])
             g = shard.group
             b = a + keep

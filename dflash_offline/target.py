@@ -258,9 +258,12 @@ def forward_batch(model, capture: LayerCapture, input_ids, attention_mask, flat_
         head = model.get_output_embeddings()
         ids_parts, lp_parts = [], []
         for a in range(0, last.shape[0], logits_chunk_tokens):
-            logits = head(last[a:a + logits_chunk_tokens]).float()
-            lp = torch.log_softmax(logits, dim=-1)
-            v, i = torch.topk(lp, topk, dim=-1)
+            logits = head(last[a:a + logits_chunk_tokens])
+            # top-k of the logits, then log p = logit - logsumexp: the same values as top-k of
+            # log_softmax (within one fp32 rounding), without writing a second full-vocabulary
+            # tensor and without sorting in fp32 what the head produced in bf16.
+            v, i = torch.topk(logits, topk, dim=-1)
+            lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
             ids_parts.append(i.to(torch.int32))
-            lp_parts.append(v.to(torch.float16))
+            lp_parts.append((v.float() - lse).to(torch.float16))
         return hidden, torch.cat(ids_parts), torch.cat(lp_parts)

@@ -77,7 +77,7 @@ def preflight(cfg: TrainConfig) -> dict:
                                 "re-extract it")
         offs = sh.offsets
         lengths.extend((offs[1:] - offs[:-1]).tolist())
-        refs.extend((name, k) for k in range(len(sh)))
+        refs.extend((name, k, int(offs[k])) for k in range(len(sh)))  # (shard, sample, first token)
     log.info("cache: %d shards, %d samples checked (%s) in %.1fs", len(reader.shard_names), len(refs), cfg.verify,
              time.time() - t0)
     import numpy as np
@@ -357,7 +357,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                 phases = _PhaseTimer(cuda, log, rank) if first_micro else None
                 first_micro = False
                 with ctx:
-                    if cuda:
+                    if cuda and cfg.attention != "sdpa":
                         mask = masks.flex_block_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
                     else:
                         mask = masks.dense_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)

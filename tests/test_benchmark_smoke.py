@@ -1,0 +1,45 @@
+"""Each benchmark script runs end to end in its tiny CPU mode (benchmarks are not tests; this only
+keeps them from rotting between GPU runs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args, tmp_path, timeout=600):
+    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def test_extract_throughput_smoke(tmp_path):
+    out = tmp_path / "x.json"
+    r = _run(["benchmarks/extract_throughput.py", "--smoke", "--cache", str(tmp_path / "cache"), "--out", str(out)],
+             tmp_path)
+    res = json.loads(out.read_text())
+    variants = res["shapes"]["tiny-hybrid"]["batches"]["2x64"]
+    assert {"bare", "extract-k32", "copy-k32", "ragged-k32"} <= set(variants)
+    assert variants["ragged-k32"]["padding_fraction"] > 0
+    assert "| extract-k32 |" in r.stdout
+
+
+def test_reader_throughput_smoke(tmp_path):
+    out = tmp_path / "r.json"
+    _run(["benchmarks/reader_throughput.py", "--smoke", "--storage", str(tmp_path / "s"), "--out", str(out)], tmp_path)
+    res = json.loads(out.read_text())
+    (st,) = res["storage"].values()
+    assert st["rows"]["rows"] > 0 and st["direct_samples_GB_per_s"] > 0
+    assert set(res["scaling"]) == {"1x", "1x-zarr", "10x", "10x-zarr"}
+
+
+def test_train_throughput_smoke(tmp_path):
+    out = tmp_path / "t.json"
+    _run(["benchmarks/train_throughput.py", "--tiny", "--workdir", str(tmp_path / "w"), "--steps", "5", "--rows", "8",
+          "--seq-len", "256", "--num-anchors", "16", "--loader-workers", "1", "--out", str(out)], tmp_path)
+    res = json.loads(out.read_text())
+    assert res["steps"] == 5 and res["attention_pairs_per_row"] > 0
