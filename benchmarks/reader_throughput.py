@@ -222,7 +222,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         args.storage, args.tokens, args.layers, args.hidden = "/tmp/dflash-bench-read", 8192, 2, 64
-        args.seq_len, args.num_anchors, args.workers, args.scale_tokens, args.scale_hidden = 1024, 32, 1, 16384, 32
+        args.seq_len, args.num_anchors, args.workers, args.scale_tokens, args.scale_hidden = 1024, 32, 0, 16384, 32
 
     import numpy as np
 

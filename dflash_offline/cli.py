@@ -55,7 +55,7 @@ def main() -> None:
 @click.option("--chunk-tokens", type=int, help="Zarr chunk length along tokens.  [default: 1024]")
 @click.option("--logits-chunk-tokens", type=int, help="Tokens per LM-head chunk for top-k.  [default: 2048]")
 @click.option("--writers", type=int, help="Shard writer processes per worker.  [default: 1]")
-@click.option("--hidden-dtype", type=click.Choice(["bfloat16"]), help="Storage dtype of hidden states.  [default: bfloat16]")
+@click.option("--hidden-dtype", type=click.Choice(["bfloat16", "fp8", "float8_e4m3fn"]), help="Storage dtype of hidden states; fp8 = float8 e4m3fn with a scale per token and layer (half the bytes).  [default: bfloat16]")
 @click.option("--compute-dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), help="Target dtype; auto = bf16 on GPU, fp32 on CPU.")
 @click.option("--max-bytes", type=int, help="Refuse to start if the estimated cache size exceeds this many bytes.")
 @click.option("--log-dir", help="Folder for process logs.  [default: CACHE/logs]")
@@ -176,6 +176,39 @@ def eval_(ctx: click.Context, config_file, **options) -> None:
     from . import evaluate
 
     evaluate.run(merge(EvalConfig, recipe, given))
+
+
+@main.command()
+@click.option("--target", required=True, help="Hugging Face model folder (config.json + *.safetensors).")
+@click.option("--data", multiple=True, required=True, help="Parquet file or folder of *.parquet; repeat for several.")
+@click.option("--cache", default=None, help="Where the cache would go: its free space is the budget.")
+@click.option("--max-bytes", type=int, default=None, help="A budget in bytes for the cache.")
+@click.option("--layers", default=None, help="Target layer ids to capture.  [default: the DFlash rule]")
+@click.option("--num-layers", type=int, default=None, help="How many layers the DFlash rule picks.  [default: extract's]")
+@click.option("--topk", type=int, default=None, help="Top-k log-probabilities per token.  [default: extract's]")
+@click.option("--max-len", type=int, default=None, help="Truncation length.  [default: extract's]")
+@click.option("--extract-gpus", type=int, default=None, help="GPUs extracting.  [default: 5]")
+@click.option("--train-gpus", type=int, default=None, help="GPUs training.  [default: 3]")
+@click.option("--epochs", type=int, default=None, help="Training epochs.  [default: train's]")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(target, data, cache, max_bytes, layers, num_layers, topk, max_len, extract_gpus, train_gpus, epochs,
+         as_json) -> None:
+    """Size a run before it starts: cache bytes per storage mode (bf16, fp8), whether they fit the
+    budget, and estimated hours per stage. Reads config, headers and input rows; loads no weights."""
+    import json as _json
+
+    from .config import parse_int_list
+    from .sizing import PlanConfig, make_plan, report
+
+    given = dict(num_layers=num_layers, topk=topk, max_len=max_len, extract_gpus=extract_gpus,
+                 train_gpus=train_gpus, epochs=epochs)
+    p = make_plan(PlanConfig(target=target, data=list(data), cache=cache, max_bytes=max_bytes,
+                             layers=parse_int_list(layers), **{k: v for k, v in given.items() if v is not None}))
+    if as_json:
+        click.echo(_json.dumps(p, indent=1))
+    else:
+        for line in report(p):
+            click.echo(line)
 
 
 @main.command()

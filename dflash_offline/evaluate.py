@@ -374,7 +374,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     from .cache.reader import CacheReader
     from .loss import block_loss, block_metrics
     from .packing import epoch_order, pack_rows
-    from .stream import RowStream, make_loader
+    from .stream import RowStream, device_hidden, make_loader
 
     reader = CacheReader(cache)
     m = reader.manifest
@@ -396,7 +396,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     B = cfg.block_size
     spec = {"seed": seed, "seq_len": seq_len, "num_anchors": num_anchors, "block_size": B,
             "mask_token_id": cfg.mask_token_id, "gamma": 1.0, "hidden_size": cfg.hidden_size,
-            "num_layers": len(cfg.target_layer_ids)}
+            "num_layers": len(cfg.target_layer_ids), "hidden_dtype": m["capture"]["hidden_dtype"]}
     stream = RowStream(cache, refs, lengths, spec, 0, 0, 1, 1, 0, steps)
     drafter = drafter.to(device)
     cuda = device.startswith("cuda")
@@ -404,7 +404,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     with torch.no_grad():
         build = masks.flex_block_mask if cuda else masks.dense_mask
         for mb in make_loader(stream, 0, 1, pin=False):
-            mb = {k: v.to(device) for k, v in mb.items()}
+            mb = device_hidden({k: v.to(device) for k, v in mb.items()})
             mask = build(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
                 h = drafter(mb["target_hidden"], mb["block_ids"], mb["ctx_positions"], mb["block_positions"], mask)

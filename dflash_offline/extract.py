@@ -100,9 +100,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TB"
 
 
-def bytes_per_token(num_layers: int, hidden_size: int, topk: int) -> int:
-    # hidden (bf16) + top-k ids (int32) and log-probs (fp16) + input_ids (int32) + loss_mask (uint8)
-    return num_layers * hidden_size * 2 + topk * 6 + 5
+def bytes_per_token(num_layers: int, hidden_size: int, topk: int, hidden_dtype: str = "bfloat16") -> int:
+    """hidden (bf16: 2 bytes a value; fp8: 1 byte a value + a float32 scale a layer) + top-k ids
+    (int32) and log-probs (fp16) + input_ids (int32) + loss_mask (uint8)."""
+    hidden = num_layers * hidden_size * 2 if hidden_dtype == "bfloat16" else num_layers * (hidden_size + 4)
+    return hidden + topk * 6 + 5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,7 +176,7 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     tl = np.minimum(source.lengths, cfg.max_len)
     total_tokens = int(tl.sum())
     todo_tokens = sum(int(tl[rows].sum()) for j, rows in enumerate(shards) if shard_name(j) not in committed)
-    bpt = bytes_per_token(len(layer_ids), info.hidden_size, cfg.topk)
+    bpt = bytes_per_token(len(layer_ids), info.hidden_size, cfg.topk, cfg.hidden_dtype)
     need, whole = todo_tokens * bpt, total_tokens * bpt
     if cfg.max_bytes is not None and whole > cfg.max_bytes:
         raise UserError(
@@ -447,10 +449,13 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
     """
     import torch
 
+    from .cache.fp8 import DTYPE_NAME as FP8
+    from .cache.fp8 import quantize as quantize_fp8
     from .target import forward_batch
 
     cuda = device.startswith("cuda")
     k = cfg.topk
+    fp8 = cfg.hidden_dtype == FP8
     # A second stream for the device-to-host copies: they overlap the next batch's forward
     # instead of queueing behind it on the compute stream.
     copy_stream = torch.cuda.Stream(device=device) if cuda else None
@@ -475,7 +480,11 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
                 attn = torch.from_numpy(mask_np).to(device, non_blocking=True)
                 index = torch.from_numpy(flat).to(device, non_blocking=True)
                 hidden, tids, tlp = forward_batch(model, capture, input_ids, attn, index, k, cfg.logits_chunk_tokens)
-                bits = hidden.to(torch.bfloat16).view(torch.uint16)
+                scale = None
+                if fp8:  # quantised here, on the device: the host and the writer see 8-bit values only
+                    bits, scale = quantize_fp8(hidden)
+                else:
+                    bits = hidden.to(torch.bfloat16).view(torch.uint16)
                 N = hidden.shape[0]
                 slot, seq = sink.acquire()  # blocks while the writers hold every slot
                 host = sink.views(slot)
@@ -483,17 +492,21 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
                     copy_stream.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(copy_stream):
                         host["hidden"][:N].copy_(bits, non_blocking=True)
+                        if scale is not None:
+                            host["scale"][:N].copy_(scale, non_blocking=True)
                         if k > 0:
                             host["ids"][:N].copy_(tids, non_blocking=True)
                             host["lp"][:N].copy_(tlp, non_blocking=True)
                         # Last on the same stream: the writer starts once it reads seq here.
                         dev_flag.fill_(seq)
                         host["flag"].copy_(dev_flag, non_blocking=True)
-                    for t in (bits, tids, tlp):
+                    for t in (bits, scale, tids, tlp):
                         if t is not None:  # not reused by the allocator before the copy stream is done
                             t.record_stream(copy_stream)
                 else:
                     host["hidden"][:N].copy_(bits)
+                    if scale is not None:
+                        host["scale"][:N].copy_(scale)
                     if k > 0:
                         host["ids"][:N].copy_(tids)
                         host["lp"][:N].copy_(tlp)

@@ -42,10 +42,14 @@ from .runtime import fault_point
 log = logging.getLogger("dflash.extract")
 
 
-def slot_arrays(batch_tokens: int, num_layers: int, hidden_size: int, topk: int) -> list[tuple[str, tuple, str]]:
-    """(name, shape, numpy dtype) of the arrays of one slot, in memory order."""
+def slot_arrays(batch_tokens: int, num_layers: int, hidden_size: int, topk: int,
+                hidden_dtype: str = "bfloat16") -> list[tuple[str, tuple, str]]:
+    """(name, shape, numpy dtype) of the arrays of one slot, in memory order. fp8 hidden states
+    come as uint8 bits plus a float32 scale per token and layer."""
     k = max(topk, 1)
-    return [("flag", (1,), "int64"), ("hidden", (batch_tokens, num_layers, hidden_size), "uint16"),
+    fp8 = hidden_dtype == "float8_e4m3fn"
+    return [("flag", (1,), "int64"), ("hidden", (batch_tokens, num_layers, hidden_size), "uint8" if fp8 else "uint16"),
+            ("scale", (batch_tokens, num_layers), "float32"),
             ("ids", (batch_tokens, k), "int32"), ("lp", (batch_tokens, k), "float16")]
 
 
@@ -133,8 +137,9 @@ def _writer_loop(w, cache, layout_kw, slot_names, arrays, inq, outq, discard: bo
             _wait_flag(v["flag"], seq)
             t0 = time.perf_counter()  # busy time starts when the data is there
             has_k = layout_kw["topk"] > 0
+            fp8 = layout_kw.get("hidden_dtype") == "float8_e4m3fn"
             writer.append_batch(samples, v["hidden"][:N], v["ids"][:N] if has_k else None,
-                                v["lp"][:N] if has_k else None)
+                                v["lp"][:N] if has_k else None, v["scale"][:N] if fp8 else None)
             outq.put(("free", s))
             outq.put(("progress", N, 0))
             fault_point("batch-written")
@@ -196,7 +201,8 @@ class ShardSink:
         if writers < 1 or slots < 1:
             raise ValueError(f"need at least one writer and one slot (got {writers}, {slots})")
         self.on_progress = on_progress
-        self.arrays = slot_arrays(batch_tokens, layout_kw["num_layers"], layout_kw["hidden_size"], layout_kw["topk"])
+        self.arrays = slot_arrays(batch_tokens, layout_kw["num_layers"], layout_kw["hidden_size"], layout_kw["topk"],
+                                  layout_kw.get("hidden_dtype", "bfloat16"))
         size = _slot_bytes(self.arrays)
         self.log_dir, self.log_name = log_dir, log_name
         self.shms = [shared_memory.SharedMemory(create=True, size=size) for _ in range(slots)]
@@ -238,7 +244,6 @@ class ShardSink:
             raise
         log.info("%d shard writer processes (pids %s), %d shared slots of %.1f MB%s", writers,
                  ", ".join(str(p.pid) for p in self.procs), slots, size / 1e6, ", page-locked" if pin else "")
-        self._torch = None
 
     # -- shared memory --------------------------------------------------------------------------
 
@@ -262,13 +267,11 @@ class ShardSink:
             self._pinned.append(ptr)
 
     def views(self, slot: int) -> dict:
-        """torch views of a slot: flag [1] int64, hidden [T, n, H] uint16, ids [T, k] int32, lp [T, k] float16."""
+        """torch views of a slot: flag [1] int64, hidden [T, n, H] uint16 (uint8 for fp8), scale [T, n]
+        float32 (fp8 only), ids [T, k] int32, lp [T, k] float16."""
         import torch
 
         return {k: torch.from_numpy(v) for k, v in self._np[slot].items()}
-
-    def flag_view(self, slot: int) -> np.ndarray:
-        return self._np[slot]["flag"]
 
     # -- messages ---------------------------------------------------------------------------
 

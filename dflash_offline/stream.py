@@ -12,7 +12,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .cache.fp8 import DTYPE_NAME as FP8
 from .packing import anchor_rng, build_row, epoch_order, loss_weights, pack_rows
+
+
+def device_hidden(mb: dict) -> dict:
+    """A micro-batch on its device: fp8 rows' bits and scales -> bf16 `target_hidden` [R, S, n*H],
+    dequantised there (the GPU, in training); bf16 rows pass through."""
+    if "target_hidden_scale" in mb:
+        from .cache.fp8 import dequantize
+
+        bits, scale = mb.pop("target_hidden_bits"), mb.pop("target_hidden_scale")
+        R, S, width = bits.shape
+        n = scale.shape[-1]
+        mb["target_hidden"] = dequantize(bits.view(R, S, n, width // n), scale, torch.bfloat16).view(R, S, width)
+    return mb
 
 
 class RowStream(torch.utils.data.IterableDataset):
@@ -30,11 +44,13 @@ class RowStream(torch.utils.data.IterableDataset):
     def __len__(self) -> int:
         return (self.steps - self.start_step) * self.accum
 
-    def _read(self, ref: tuple, keep: int):
-        """(input_ids, loss_mask, hidden bits) of the first `keep` tokens of sample ref = (shard, k,
-        first token). Local caches are read from the chunk files (cache.reader.ChunkFiles): no
-        Zarr group is opened, so a loader's cost per sample does not grow with the number of
-        shards; URL caches through Zarr."""
+    def _read(self, ref: tuple, keep: int, out: np.ndarray, out_scale: np.ndarray | None):
+        """(input_ids, loss_mask, hidden bits or None, hidden scale or None) of the first `keep`
+        tokens of sample ref = (shard, k, first token); the hidden bits (and fp8 scales) go into
+        `out` [keep, n, H] (`out_scale` [keep, n]) when None is returned.
+        Local caches are read from the chunk files (cache.reader.ChunkFiles): no Zarr group is
+        opened, so a loader's cost per sample does not grow with the number of shards; URL caches
+        through Zarr."""
         if self._reader is None:
             from .cache.location import Location
             from .cache.reader import ChunkFiles
@@ -49,13 +65,17 @@ class RowStream(torch.utils.data.IterableDataset):
                 a = int(ref[2])
                 b = a + keep
                 f = self._reader
+                f.read(ref[0], "hidden", a, b, out=out)
+                if out_scale is not None:
+                    f.read(ref[0], "hidden_scale", a, b, out=out_scale)
                 return (f.read(ref[0], "input_ids", a, b).astype(np.int64), f.read(ref[0], "loss_mask", a, b),
-                        f.read(ref[0], "hidden", a, b))
+                        None, None)
             shard = self._zarr.shard(ref[0])
             a = int(shard.offsets[ref[1]])
             g = shard.group
             b = a + keep
-            return g["input_ids"][a:b].astype(np.int64), g["loss_mask"][a:b], g["hidden"][a:b]
+            return (g["input_ids"][a:b].astype(np.int64), g["loss_mask"][a:b], g["hidden"][a:b],
+                    g["hidden_scale"][a:b] if out_scale is not None else None)
         except Exception as e:
             # Never train on (or skip) unreadable data silently: name the shard and stop.
             raise RuntimeError(f"cache {self.cache}: shard {ref[0]}, sample {ref[1]} is unreadable "
@@ -63,24 +83,32 @@ class RowStream(torch.utils.data.IterableDataset):
 
     def make(self, global_row: int, packed: list[tuple[int, int]]) -> dict:
         sp = self.spec
-        ids, masks, hidden = [], [], []
+        S, n, H = sp["seq_len"], sp["num_layers"], sp["hidden_size"]
+        fp8 = sp.get("hidden_dtype") == FP8
+        # The row's hidden states, zero past its samples; local caches read straight into it.
+        bits = np.zeros((S, n * H), np.uint8 if fp8 else np.uint16)
+        scale = np.zeros((S, n), np.float32) if fp8 else None
+        ids, masks = [], []
+        t = 0
         for s, keep in packed:
-            i, m, h = self._read(self.refs[s], keep)
+            i, m, h, sc = self._read(self.refs[s], keep, bits[t:t + keep].reshape(keep, n, H),
+                                     scale[t:t + keep] if fp8 else None)
             ids.append(i)
             masks.append(m)
-            hidden.append(h)
+            if h is not None:
+                bits[t:t + keep] = h.reshape(keep, -1)
+                if fp8:
+                    scale[t:t + keep] = sc
+            t += keep
         row = build_row(ids, masks, sp["seq_len"], sp["num_anchors"], sp["block_size"], sp["mask_token_id"],
                         loss_weights(sp["block_size"], sp["gamma"]), anchor_rng(sp["seed"], self.epoch, global_row))
-        S = sp["seq_len"]
-        bits = np.zeros((S, sp["num_layers"] * sp["hidden_size"]), np.uint16)
-        t = 0
-        for h in hidden:
-            bits[t:t + h.shape[0]] = h.reshape(h.shape[0], -1)
-            t += h.shape[0]
         as_t = lambda x: torch.from_numpy(np.ascontiguousarray(x))[None]  # noqa: E731 - [1, ...]
         return {
             "row": torch.tensor([global_row]),
-            "target_hidden": as_t(bits).view(torch.bfloat16),
+            # bf16 rows carry the hidden states; fp8 rows their bits and scales, which the consumer
+            # dequantises on its device (`device_hidden`): half the bytes through the loader.
+            **({"target_hidden_bits": as_t(bits), "target_hidden_scale": as_t(scale)} if fp8 else
+               {"target_hidden": as_t(bits).view(torch.bfloat16)}),
             "doc_ids": as_t(row.doc_ids), "ctx_positions": as_t(row.positions),
             "anchors": as_t(row.anchors), "anchor_valid": as_t(row.anchor_valid),
             "block_ids": as_t(row.block_ids), "block_positions": as_t(row.block_positions),

@@ -83,6 +83,9 @@ def preflight(cfg: TrainConfig) -> dict:
     import numpy as np
 
     lengths = np.asarray(lengths, np.int64)
+    if m["capture"]["hidden_dtype"] not in ("bfloat16", "float8_e4m3fn"):
+        raise UserError(f"--cache {cfg.cache} stores hidden states as {m['capture']['hidden_dtype']!r}, which this "
+                        "version cannot read (bfloat16, float8_e4m3fn); re-extract with --hidden-dtype bfloat16 or fp8")
     dcfg = DrafterConfig.from_target(cfg.target, m["capture"]["layer_ids"], block_size=cfg.block_size,
                                      num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
     world = len(devices)
@@ -101,7 +104,7 @@ def preflight(cfg: TrainConfig) -> dict:
         "devices": devices, "world": world, "accum": accum, "rows_per_epoch": rows, "steps_per_epoch": spe,
         "total_steps": spe * cfg.epochs, "refs": refs, "lengths": lengths, "drafter": asdict(dcfg),
         "cache_fingerprint": manifest_fingerprint(m), "hidden_size": m["target"]["hidden_size"],
-        "num_layers_captured": len(m["capture"]["layer_ids"]),
+        "num_layers_captured": len(m["capture"]["layer_ids"]), "hidden_dtype": m["capture"]["hidden_dtype"],
     }
     log.info("plan: %d rows/epoch, %d ranks x %d micro-batches of %d tokens per step, %d steps/epoch, %d steps total",
              rows, world, accum, cfg.seq_len, spe, plan["total_steps"])
@@ -257,7 +260,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     from .drafter import DFlashDrafter, DrafterConfig, export_drafter
     from .loss import block_loss, block_metrics
     from .runtime import single_thread_compute
-    from .stream import RowStream, make_loader
+    from .stream import RowStream, device_hidden, make_loader
 
     single_thread_compute()
     cuda = device.startswith("cuda")
@@ -316,7 +319,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     spe = plan["steps_per_epoch"]
     spec = {"seed": cfg.seed, "seq_len": cfg.seq_len, "num_anchors": cfg.num_anchors, "block_size": cfg.block_size,
             "mask_token_id": dcfg.mask_token_id, "gamma": cfg.resolved_gamma, "hidden_size": plan["hidden_size"],
-            "num_layers": plan["num_layers_captured"]}
+            "num_layers": plan["num_layers_captured"], "hidden_dtype": plan["hidden_dtype"]}
     accum = plan["accum"]
     B = cfg.block_size
     metrics_file = open(out / "metrics.jsonl", "a") if rank == 0 else None
@@ -341,7 +344,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
             t0 = time.perf_counter()
             micro = [next(it) for _ in range(accum)]  # all micro-batches first: the step's weight sum
             t_data = time.perf_counter() - t0
-            micro = [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro]
+            micro = [device_hidden({k: v.to(device, non_blocking=True) for k, v in mb.items()}) for mb in micro]
             wsum = torch.stack([mb["weights"].sum() for mb in micro]).sum().double()
             if world > 1:
                 dist.all_reduce(wsum)

@@ -27,14 +27,19 @@ class Sample:
     sample_id: int
     input_ids: np.ndarray  # int32 [t]
     loss_mask: np.ndarray  # uint8 [t]
-    hidden_bits: np.ndarray  # uint16 [t, n, H] (bfloat16 bits)
+    hidden_bits: np.ndarray  # uint16 [t, n, H] (bfloat16 bits), or uint8 (float8 e4m3fn bits)
     topk_ids: np.ndarray | None  # int32 [t, k]
     topk_logprobs: np.ndarray | None  # float16 [t, k]
     shard: str = ""  # the shard it was read from
+    hidden_scale: np.ndarray | None = None  # float32 [t, n]: 8-bit caches only
 
     @property
     def hidden(self) -> np.ndarray:
         """float32 [t, n, H]."""
+        if self.hidden_scale is not None:
+            from .fp8 import dequantize_np
+
+            return dequantize_np(self.hidden_bits, self.hidden_scale)
         return bf16_bits_to_float32(self.hidden_bits)
 
 
@@ -59,6 +64,7 @@ class Shard:
             input_ids=g["input_ids"][a:b], loss_mask=g["loss_mask"][a:b], hidden_bits=g["hidden"][a:b],
             topk_ids=g["topk_ids"][a:b] if has_topk else None,
             topk_logprobs=g["topk_logprobs"][a:b] if has_topk else None, shard=self.name,
+            hidden_scale=g["hidden_scale"][a:b] if "hidden_scale" in g else None,
         )
 
     def by_id(self, sample_id: int) -> Sample | None:
@@ -123,17 +129,26 @@ class ChunkFiles:
                                        "sep": (enc.get("configuration") or {}).get("separator", "/")}
         return self._meta[key]
 
-    def read(self, shard: str, name: str, a: int, b: int) -> np.ndarray:
-        """Tokens [a, b) of array `name` of committed shard `shard`."""
+    def read(self, shard: str, name: str, a: int, b: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Tokens [a, b) of array `name` of committed shard `shard` (into `out` when given: a
+        C-contiguous array of the range's shape and dtype)."""
         m = self._array(shard, name)
         if m is None:
             g = zarr.open_group(store=self.loc.url(f"shards/{shard}.zarr"), mode="r")
-            return g[name][a:b]
+            got = g[name][a:b]
+            if out is None:
+                return got
+            out[...] = got
+            return out
         C, tail, dt, sep = m["chunk"][0], m["shape"][1:], m["dtype"], m["sep"]
         if not 0 <= a <= b <= m["shape"][0]:
             raise IndexError(f"shard {shard}, {name}: tokens [{a}, {b}) outside [0, {m['shape'][0]})")
         row = int(np.prod(tail, dtype=np.int64)) * dt.itemsize
-        out = np.empty((b - a,) + tail, dt)
+        if out is None:
+            out = np.empty((b - a,) + tail, dt)
+        elif out.shape != (b - a,) + tail or out.dtype != dt or not out.flags.c_contiguous:
+            raise ValueError(f"out of shape {out.shape} {out.dtype} for {name} tokens [{a}, {b}): expected "
+                             f"{(b - a,) + tail} {dt}, C-contiguous")
         flat = out.reshape(-1).view(np.uint8)
         size = C * row + 4
         if self._buf is None or self._buf.shape[0] < size:

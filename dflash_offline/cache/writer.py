@@ -40,7 +40,9 @@ log = logging.getLogger("dflash.cache")
 SHARD_FORMAT = "dflash-offline/shard"
 SHARD_VERSION = 1
 # Arrays covered by the checksum, in the order their digests are combined.
-CHECKSUM_ARRAYS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs", "sample_offsets", "sample_ids")
+CHECKSUM_ARRAYS = ("input_ids", "loss_mask", "hidden", "hidden_scale", "topk_ids", "topk_logprobs", "sample_offsets",
+                   "sample_ids")
+FP8 = "float8_e4m3fn"
 
 
 CHECKSUM_ALGORITHMS = ("crc32c", "sha256")
@@ -130,22 +132,32 @@ class ShardWriter:
             )
 
         small = max(1, min(T, 1 << 20))
-        self.hidden = make("hidden", (T, n, H), (C, n, H), "uint16", ("token", "layer", "channel"),
+        fp8 = layout.hidden_dtype == FP8
+        if layout.hidden_dtype not in ("bfloat16", FP8):
+            raise ValueError(f"hidden_dtype {layout.hidden_dtype!r}: this version writes bfloat16 or {FP8}")
+        self.hidden_np_dtype = np.dtype(np.uint8 if fp8 else np.uint16)
+        self.hidden = make("hidden", (T, n, H), (C, n, H), self.hidden_np_dtype, ("token", "layer", "channel"),
+                           {"dtype": FP8, "note": "uint8 words holding float8 e4m3fn bits; value = bits x "
+                                                  "hidden_scale[token, layer]"} if fp8 else
                            {"dtype": "bfloat16", "note": "uint16 words holding bfloat16 bits"})
+        # The arrays along the token axis that are written chunk by chunk: name -> (array, staging buffer).
+        self._tok = {"hidden": (self.hidden, np.empty((C, n, H), self.hidden_np_dtype))}
+        if fp8:
+            scale = make("hidden_scale", (T, n), (C, n), "float32", ("token", "layer"),
+                         {"note": "float32 scale of each token's and layer's float8 values"})
+            self._tok["hidden_scale"] = (scale, np.empty((C, n), np.float32))
         self.topk_ids = self.topk_lp = None
         if k > 0:
             self.topk_ids = make("topk_ids", (T, k), (C, k), "int32", ("token", "rank"))
             self.topk_lp = make("topk_logprobs", (T, k), (C, k), "float16", ("token", "rank"))
+            self._tok["topk_ids"] = (self.topk_ids, np.empty((C, k), np.int32))
+            self._tok["topk_logprobs"] = (self.topk_lp, np.empty((C, k), np.float16))
         self._small = small
         self._make = make
         # Local stores: whole chunks go straight to their files (see the module docstring).
         self._direct_root = None if loc.remote or not _plain_codecs(self.hidden) else loc.path(rel)
         self._made_dirs: set[str] = set()
         self.timing = {"write_s": 0.0, "hash_s": 0.0, "stage_s": 0.0, "bytes": 0}
-        # Chunk staging buffers: filled by `append`, flushed as whole chunks.
-        self._buf_h = np.empty((C, n, H), np.uint16)
-        self._buf_i = np.empty((C, max(k, 1)), np.int32)
-        self._buf_l = np.empty((C, max(k, 1)), np.float16)
         self._fill = 0  # rows staged in the buffers
         self._flushed = 0  # tokens already written to storage
         self._hash = {name: new_digest(checksum) for name in CHECKSUM_ARRAYS}
@@ -159,58 +171,64 @@ class ShardWriter:
         return self._offsets[-1]
 
     def append(self, sample_id: int, input_ids: np.ndarray, loss_mask: np.ndarray,
-               hidden: np.ndarray, topk_ids: np.ndarray | None, topk_logprobs: np.ndarray | None) -> None:
-        """One sample: hidden uint16 [t, n, H], top-k [t, k] (or None when topk == 0)."""
-        self.append_batch([(sample_id, input_ids, loss_mask)], hidden, topk_ids, topk_logprobs)
+               hidden: np.ndarray, topk_ids: np.ndarray | None, topk_logprobs: np.ndarray | None,
+               hidden_scale: np.ndarray | None = None) -> None:
+        """One sample: hidden [t, n, H] (uint16 bf16 bits, or uint8 fp8 bits with hidden_scale
+        float32 [t, n]), top-k [t, k] (or None when topk == 0)."""
+        self.append_batch([(sample_id, input_ids, loss_mask)], hidden, topk_ids, topk_logprobs, hidden_scale)
 
     def append_batch(self, samples: list, hidden: np.ndarray, topk_ids: np.ndarray | None,
-                     topk_logprobs: np.ndarray | None) -> None:
+                     topk_logprobs: np.ndarray | None, hidden_scale: np.ndarray | None = None) -> None:
         """Consecutive samples [(id, input_ids, loss_mask), ...] whose rows lie back to back in
-        hidden [N, n, H] (uint16) and top-k [N, k]; N is the sum of their lengths."""
+        hidden [N, n, H] (and hidden_scale [N, n] for fp8) and top-k [N, k]; N is the sum of their
+        lengths."""
         lens = [int(ids.shape[0]) for _, ids, _ in samples]
         N = sum(lens)
         n, H = self.layout.num_layers, self.layout.hidden_size
         if self._offsets[-1] + N > self.layout.tokens:
             raise RuntimeError(f"shard {self.rel}: samples {samples[0][0]}.. overflow the planned {self.layout.tokens} tokens")
-        if hidden.shape != (N, n, H) or hidden.dtype != np.uint16:
+        if hidden.shape != (N, n, H) or hidden.dtype != self.hidden_np_dtype:
             raise RuntimeError(f"shard {self.rel}: hidden of shape {hidden.shape} {hidden.dtype} for {N} tokens of "
-                               f"{len(samples)} samples, expected ({N}, {n}, {H}) uint16")
+                               f"{len(samples)} samples, expected ({N}, {n}, {H}) {self.hidden_np_dtype}")
+        inputs = {"hidden": hidden}
+        if "hidden_scale" in self._tok:
+            if hidden_scale is None or hidden_scale.shape != (N, n):
+                raise RuntimeError(f"shard {self.rel}: fp8 hidden states need hidden_scale of shape ({N}, {n}), got "
+                                   f"{None if hidden_scale is None else hidden_scale.shape}")
+            inputs["hidden_scale"] = hidden_scale.astype(np.float32, copy=False)
+        if self.topk_ids is not None:
+            inputs["topk_ids"], inputs["topk_logprobs"] = topk_ids, topk_logprobs
         for (sid, ids, mask), t in zip(samples, lens):
             self._input_ids.append(np.asarray(ids, np.int32))
             self._loss_mask.append(np.asarray(mask, np.uint8))
             self._offsets.append(self._offsets[-1] + t)
             self._ids.append(int(sid))
         C = self.layout.chunk_tokens
-        has_k = self.topk_ids is not None
         pos = 0
         # 1. Complete a partly staged chunk.
         if self._fill:
             take = min(C - self._fill, N)
-            self._stage(hidden, topk_ids, topk_logprobs, pos, take)
+            self._stage(inputs, pos, take)
             pos += take
             if self._fill == C:
                 self._flush()
-        # 2. Whole chunks straight from the caller's buffer, in one Zarr call.
+        # 2. Whole chunks straight from the caller's buffer.
         whole = (N - pos) // C * C
         if whole:
             a, b = self._flushed, self._flushed + whole
-            self._write(self.hidden, "hidden", a, b, hidden[pos:pos + whole])
-            if has_k:
-                self._write(self.topk_ids, "topk_ids", a, b, topk_ids[pos:pos + whole])
-                self._write(self.topk_lp, "topk_logprobs", a, b, topk_logprobs[pos:pos + whole])
+            for name, data in inputs.items():
+                self._write(self._tok[name][0], name, a, b, data[pos:pos + whole])
             self._flushed = b
             pos += whole
         # 3. Stage the tail.
         if pos < N:
-            self._stage(hidden, topk_ids, topk_logprobs, pos, N - pos)
+            self._stage(inputs, pos, N - pos)
 
-    def _stage(self, hidden, topk_ids, topk_logprobs, pos: int, take: int) -> None:
+    def _stage(self, inputs: dict, pos: int, take: int) -> None:
         t0 = time.perf_counter()
         f = self._fill
-        self._buf_h[f:f + take] = hidden[pos:pos + take]
-        if self.topk_ids is not None:
-            self._buf_i[f:f + take] = topk_ids[pos:pos + take]
-            self._buf_l[f:f + take] = topk_logprobs[pos:pos + take]
+        for name, data in inputs.items():
+            self._tok[name][1][f:f + take] = data[pos:pos + take]
         self._fill += take
         self.timing["stage_s"] += time.perf_counter() - t0
 
@@ -253,10 +271,8 @@ class ShardWriter:
         if self._fill == 0:
             return
         a, b = self._flushed, self._flushed + self._fill
-        self._write(self.hidden, "hidden", a, b, self._buf_h[: self._fill])
-        if self.topk_ids is not None:
-            self._write(self.topk_ids, "topk_ids", a, b, self._buf_i[: self._fill])
-            self._write(self.topk_lp, "topk_logprobs", a, b, self._buf_l[: self._fill])
+        for name, (arr, buf) in self._tok.items():
+            self._write(arr, name, a, b, buf[: self._fill])
         self._flushed = b
         self._fill = 0
 
@@ -277,7 +293,7 @@ class ShardWriter:
             z[:] = arr
             self._hash[aname].update(arr)
         digests = {k: h.hexdigest() for k, h in self._hash.items()
-                   if k not in ("topk_ids", "topk_logprobs") or self.topk_ids is not None}
+                   if k in self._tok or k in small}
         return {
             "name": name,
             "samples": len(self._ids),
