@@ -460,6 +460,8 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
     # instead of queueing behind it on the compute stream.
     copy_stream = torch.cuda.Stream(device=device) if cuda else None
     dev_flag = torch.zeros(1, dtype=torch.int64, device=device) if cuda else None
+    if cuda:
+        sink.poll = copy_stream.query
     tokens_done = forward_tokens = 0
     try:
         for j, samples in shards:

@@ -78,11 +78,26 @@ def _attach(name: str) -> shared_memory.SharedMemory:
 
 def _wait_flag(flag: np.ndarray, seq: int) -> None:
     """Until the device's copy of batch `seq` into this slot has landed (its flag is written last).
-    The worker's death ends this process (die_with_parent), so no timeout is needed here."""
+    The worker's death ends this process (die_with_parent), and a worker that stops waits for no
+    writer, so no timeout is needed here; the heartbeat keeps saying the process is alive."""
+    from .runtime import heartbeat
+
     delay = 0.0002
     while int(flag[0]) != seq:
         time.sleep(delay)
         delay = min(delay * 2, 0.002)
+        heartbeat()
+
+
+def _next_message(inq):
+    """The next message from the worker, beating the heartbeat while there is none."""
+    from .runtime import heartbeat
+
+    while True:
+        try:
+            return inq.get(timeout=5.0)
+        except queue.Empty:
+            heartbeat()
 
 
 def writer_main(w: int, cache: str, layout_kw: dict, slot_names: list[str], arrays, inq, outq,
@@ -114,10 +129,14 @@ def _writer_loop(w, cache, layout_kw, slot_names, arrays, inq, outq, discard: bo
     outq.put(("ready", w, os.getpid()))
     log.info("shard writer %d: %d shared slots of %.1f MB mapped", w, len(shms), _slot_bytes(arrays) / 1e6)
     writer, t_shard, busy = None, 0.0, 0.0
+    from .runtime import heartbeat
+
+    heartbeat(phase="write")
     while True:
-        msg = inq.get()
+        msg = _next_message(inq)
         if msg is None:
             break
+        heartbeat()
         t0 = time.perf_counter()
         kind = msg[0]
         if discard:  # benchmarks only: measures the pipeline without the writes
@@ -221,6 +240,9 @@ class ShardSink:
         self._begun = 0
         self._closed: set[int] = set()
         self._pinned: list[int] = []
+        # Called while waiting on the writers: run_shards sets the copy stream's query(), which
+        # raises after a CUDA error (the flags would then never be written, and all would wait).
+        self.poll = None
         try:
             for w in range(writers):
                 p = ctx.Process(target=writer_main, name=f"{log_name}-writer{w}", daemon=True,
@@ -308,15 +330,18 @@ class ShardSink:
                 "Run the same command again to resume.")
 
     def _check_alive(self) -> None:
+        if self.poll is not None:
+            self.poll()  # e.g. the copy stream's query(): raises on a sticky CUDA error
         for w, p in enumerate(self.procs):
             if not p.is_alive() and w not in self._closed:
-                # Let an error message that is still in the queue name the cause.
+                # Let a message that is still in the queue name the cause (or say it closed).
                 try:
                     while True:
                         self._handle(self.outq.get(timeout=0.2))
                 except queue.Empty:
                     pass
-                raise WriterFailed(self._failure())
+                if w not in self._closed or p.exitcode not in (0, None):
+                    raise WriterFailed(self._failure())
 
     def _drain(self) -> None:
         while True:
@@ -376,14 +401,24 @@ class ShardSink:
                 p.kill()
         for p in self.procs:
             p.join()
-        self._release()
+        # Messages still buffered for a dead reader would block this process's exit (a queue's
+        # feeder thread is joined at exit): drop them.
+        for q in [*self.inqs, self.outq]:
+            q.cancel_join_thread()
+        self._release(aborting=True)
 
-    def _release(self) -> None:
+    def _release(self, aborting: bool = False) -> None:
         if self._pinned:
             import torch
 
             cudart = torch.cuda.cudart()
-            torch.cuda.synchronize()
+            try:
+                torch.cuda.synchronize()  # no copy may still target a slot
+            except RuntimeError:
+                if not aborting:
+                    raise
+                self._pinned = []  # after a CUDA error: leave the mappings to the process's exit
+                return
             for ptr in self._pinned:
                 cudart.cudaHostUnregister(ptr)
             self._pinned = []

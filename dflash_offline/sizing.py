@@ -123,7 +123,8 @@ def make_plan(p: PlanConfig) -> dict:
     for mode in MODES:
         bpt = bytes_per_token(n, info.hidden_size, p.topk, mode)
         size = tokens * bpt
-        budget = min(x for x in (p.max_bytes, free) if x is not None) if (p.max_bytes or free) else None
+        known = [x for x in (p.max_bytes, free) if x is not None]
+        budget = min(known) if known else None
         modes[mode] = {"bytes_per_token": bpt, "bytes": size, "fits": None if budget is None else size <= budget}
     fwd = 2.0 * decoder_matrix_params(info) + (2.0 * info.hidden_size * info.vocab_size if p.topk else 0.0)
     ext_tps = EXTRACT_SHARE * H200_BF16_PEAK / fwd

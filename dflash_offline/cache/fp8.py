@@ -28,7 +28,11 @@ def quantize(x):
 
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # tiny: float32 inputs below ~3e-43 would give a zero scale and 0/0. A NaN or inf in a
+    # vector gives it a NaN/inf scale, so it decodes to NaN as a bf16 cache would store it: the
+    # trainer's loss shows it, nothing is clamped silently (and no check syncs with the GPU here).
+    scale = torch.where(amax > 0, (amax / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny),
+                        torch.where(amax == 0, torch.ones_like(amax), amax))
     q = (xf / scale.unsqueeze(-1)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(torch.uint8), scale
 

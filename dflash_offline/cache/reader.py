@@ -115,8 +115,11 @@ class ChunkFiles:
                 m = json.load(f)
             codecs = [(c["name"], (c.get("configuration") or {}).get("endian")) for c in m["codecs"]]
             enc = m["chunk_key_encoding"]
-            plain = (codecs == [("bytes", "little"), ("crc32c", None)] and enc.get("name") == "default"
-                     and m["chunk_grid"]["name"] == "regular")
+            # One-byte dtypes carry no byte order (Zarr writes their `bytes` codec without one).
+            one_byte = np.dtype(m["data_type"]).itemsize == 1
+            plain = (codecs in ([("bytes", "little"), ("crc32c", None)],) + (([("bytes", None), ("crc32c", None)],)
+                                                                             if one_byte else ())
+                     and enc.get("name") == "default" and m["chunk_grid"]["name"] == "regular")
             if not plain:
                 self._meta[key] = None
             else:

@@ -93,8 +93,10 @@ def _plain_codecs(arr) -> bool:
     import sys
 
     names = [type(c).__name__ for c in arr.metadata.codecs]
-    return sys.byteorder == "little" and names == ["BytesCodec", "Crc32cCodec"] and \
-        getattr(arr.metadata.codecs[0], "endian", None) is not None and arr.metadata.codecs[0].endian.value == "little"
+    endian = getattr(arr.metadata.codecs[0], "endian", None)
+    # One-byte dtypes have no byte order: Zarr writes their `bytes` codec without one.
+    ordered = (endian is None and np.dtype(arr.dtype).itemsize == 1) or (endian is not None and endian.value == "little")
+    return sys.byteorder == "little" and names == ["BytesCodec", "Crc32cCodec"] and ordered
 
 
 @dataclass
