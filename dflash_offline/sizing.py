@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ExtractConfig, TrainConfig
-from .model_folder import KEY_REWRITES, _safetensors_header, read_target
+from .extract import bytes_per_token
+from .model_folder import _safetensors_header, read_target
+from .target import _checkpoint_name
 from .runtime import UserError
 
 H200_BF16_PEAK = 774e12  # measured dense bf16 matmul FLOP/s
@@ -57,10 +59,7 @@ def decoder_matrix_params(info) -> int:
         for key, meta in header.items():
             if key == "__metadata__":
                 continue
-            name = key
-            for old, new in KEY_REWRITES:
-                if name.startswith(old):
-                    name = new + name[len(old):]
+            name = _checkpoint_name(key)
             if not name.startswith("model.layers.") or len(meta["shape"]) != 2:
                 continue
             if int(name.split(".")[2]) < info.num_layers:
@@ -88,12 +87,6 @@ def drafter_flops_per_context_token(text: dict, n_captured: int, p: PlanConfig) 
     return row / S
 
 
-def bytes_per_token(n: int, H: int, topk: int, mode: str) -> int:
-    from .extract import bytes_per_token as bpt
-
-    return bpt(n, H, topk, mode)
-
-
 def make_plan(p: PlanConfig) -> dict:
     from . import data, target
 
@@ -119,12 +112,12 @@ def make_plan(p: PlanConfig) -> dict:
         free = probe.free_bytes()
     text = _text_config(info)
     n = len(layer_ids)
+    known = [x for x in (p.max_bytes, free) if x is not None]
+    budget = min(known) if known else None
     modes = {}
     for mode in MODES:
         bpt = bytes_per_token(n, info.hidden_size, p.topk, mode)
         size = tokens * bpt
-        known = [x for x in (p.max_bytes, free) if x is not None]
-        budget = min(known) if known else None
         modes[mode] = {"bytes_per_token": bpt, "bytes": size, "fits": None if budget is None else size <= budget}
     fwd = 2.0 * decoder_matrix_params(info) + (2.0 * info.hidden_size * info.vocab_size if p.topk else 0.0)
     ext_tps = EXTRACT_SHARE * H200_BF16_PEAK / fwd
