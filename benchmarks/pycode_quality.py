@@ -13,6 +13,9 @@ Results go to --results (JSON per step, a summary table in summary.txt).
 
 Variants (the ablation of dflash-method.md): block 16 with decayed weights (gamma 7, the recipe),
 block 16 with flat weights (--gamma inf), block 8 with decayed weights (gamma 4).
+`--hidden-dtypes bfloat16,fp8` also extracts an 8-bit training cache and trains every variant on
+each cache with the same seed and steps (runs named VARIANT and VARIANT-fp8); the held-out cache
+stays bf16, the features a drafter meets when serving. `--eval-prompts 0` skips decoding.
 `--smoke` runs the same pipeline on the CPU on a few rows with small rows, to check the script.
 """
 
@@ -69,6 +72,8 @@ def main() -> int:
     ap.add_argument("--num-anchors", type=int, default=512)
     ap.add_argument("--global-batch-tokens", type=int, default=16384)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--hidden-dtypes", default="bfloat16",
+                    help="training caches to make: bfloat16 and/or fp8 (comma-separated)")
     ap.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts decoded on the device")
     ap.add_argument("--max-new-tokens", type=int, default=384)
     ap.add_argument("--eval-jobs", type=int, default=4, help="decoding processes per variant (prompt slices)")
@@ -88,7 +93,7 @@ def main() -> int:
             pq.write_table(pq.read_table(src).slice(0, n), work / f"completions-{name}.parquet")
         train_data, eval_data = work / "completions-train.parquet", work / "completions-eval.parquet"
         args.device, args.seq_len, args.num_anchors, args.global_batch_tokens = "cpu", 512, 32, 1024
-        args.eval_prompts, args.max_new_tokens, args.eval_jobs = 4, 24, 2
+        args.eval_prompts, args.max_new_tokens, args.eval_jobs = min(args.eval_prompts, 4), 24, 2
     summary: dict = {"args": vars(args), "steps": {}}
 
     def save() -> None:
@@ -97,25 +102,39 @@ def main() -> int:
     t0 = time.time()
     # float32 compute: the fixture's completions are the target's fp32 greedy decode.
     ext = ["--devices", args.device, "--topk", "0", "--max-len", "512", "--compute-dtype", "float32", "--no-progress"]
-    logs = {"extract-train": res / "extract-train.log", "extract-eval": res / "extract-eval.log"}
-    procs = {"extract-train": cli("extract", "--target", target, "--data", train_data, "--cache", work / "cache-train", *ext,
-                                  log=logs["extract-train"]),
-             "extract-eval": cli("extract", "--target", target, "--data", eval_data, "--cache", work / "cache-eval", *ext,
-                                 log=logs["extract-eval"])}
+    dtypes = [d for d in args.hidden_dtypes.split(",") if d]
+    bad = [d for d in dtypes if d not in ("bfloat16", "fp8")]
+    if bad or not dtypes:
+        raise SystemExit(f"--hidden-dtypes {args.hidden_dtypes!r}: choose from bfloat16, fp8")
+    train_caches = {d: work / ("cache-train" if d == "bfloat16" else f"cache-train-{d}") for d in dtypes}
+    logs = {f"extract-train-{d}": res / f"extract-train-{d}.log" for d in dtypes}
+    logs["extract-eval"] = res / "extract-eval.log"
+    procs = {f"extract-train-{d}": cli("extract", "--target", target, "--data", train_data, "--cache", c, *ext,
+                                       "--hidden-dtype", d, log=logs[f"extract-train-{d}"])
+             for d, c in train_caches.items()}
+    procs["extract-eval"] = cli("extract", "--target", target, "--data", eval_data, "--cache", work / "cache-eval", *ext,
+                                log=logs["extract-eval"])
     summary["steps"]["extract_s"] = wait(procs, logs)
-    manifest = json.loads((work / "cache-train" / "manifest.json").read_text())
+    summary["train_caches"] = {}
+    for d, c in train_caches.items():
+        m = json.loads((c / "manifest.json").read_text())
+        summary["train_caches"][d] = {**m["totals"], "bytes_on_storage": sum(f.stat().st_size for f in c.rglob("*") if f.is_file())}
+    manifest = json.loads((train_caches[dtypes[0]] / "manifest.json").read_text())
     summary["train_cache"] = {**manifest["totals"], "layer_ids": manifest["capture"]["layer_ids"]}
     save()
     print(f"caches in {time.time() - t0:.0f}s: {summary['train_cache']}", flush=True)
 
-    variants = [v for v in args.variants.split(",") if v]
+    # One run per (variant, training cache): VARIANT on bf16, VARIANT-fp8 on the 8-bit cache.
+    jobs = {(v if d == "bfloat16" else f"{v}-{d}"): (v, train_caches[d]) for d in dtypes
+            for v in args.variants.split(",") if v}
+    variants = list(jobs)
     common = ["--devices", args.device, "--seq-len", args.seq_len, "--num-anchors", args.num_anchors,
               "--global-batch-tokens", args.global_batch_tokens, "--epochs", args.epochs, "--lr", "6e-4",
               "--checkpoint-every", "40", "--keep-checkpoints", "1", "--loader-workers", "2", "--log-every", "20",
               "--no-progress"]
     logs = {v: res / f"train-{v}.log" for v in variants}
-    procs = {v: cli("train", "--target", target, "--cache", work / "cache-train", "--out", work / f"run-{v}", *common,
-                    *VARIANTS[v], log=logs[v]) for v in variants}
+    procs = {v: cli("train", "--target", target, "--cache", jobs[v][1], "--out", work / f"run-{v}", *common,
+                    *VARIANTS[jobs[v][0]], log=logs[v]) for v in variants}
     summary["steps"]["train_s"] = wait(procs, logs)
     for v in variants:
         m = [json.loads(line) for line in (work / f"run-{v}" / "metrics.jsonl").read_text().splitlines()]
@@ -136,6 +155,10 @@ def main() -> int:
     print(r.stdout, r.stderr[-2000:] if r.returncode else "", flush=True)
     if r.returncode:
         return 1
+    if args.eval_prompts <= 0:
+        summary["steps"]["total_s"] = time.time() - t0
+        save()
+        return 0
     # Decoding is batch 1 and mostly waits on Python and kernel launches, so the prompts are split
     # into --eval-jobs slices and every (variant, slice) pair decodes in its own process at once.
     t_dec = time.time()

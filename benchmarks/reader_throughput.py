@@ -11,7 +11,7 @@ and reads them back in one run with the same number of loader processes:
 
   rows     the trainer's own path: `stream.RowStream` + DataLoader (packing, anchors, labels, the
            hidden rows of every packed sample): context tokens/s, the figure to compare with the
-           trainer's consumption (10,709 context tokens/s on an H200 for the 27B drafter)
+           trainer's consumption (11,784 context tokens/s on an H200 for the 27B drafter)
   zarr     every sample of the cache, sample by sample (`Shard` reads), GB/s
   per-file every file with `torch.load`, GB/s
 
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-TRAINER_CTX_TOKENS_PER_S = 10_709  # the 27B drafter on one H200, docs/benchmarks.md
+TRAINER_CTX_TOKENS_PER_S = 11_784  # the 27B drafter on one H200 (fused loss), docs/benchmarks.md
 
 
 def write_zarr_cache(root: Path, lengths: list[int], n: int, H: int, seed: int, per_shard: int = 16) -> None:

@@ -11,8 +11,8 @@ attention, bf16 autocast, fp32 master weights, loader processes, and reads its m
     python benchmarks/train_throughput.py --workdir /dev/shm/bench-train --steps 50 --out results.json
 
 Reports: tokens/s (context tokens and block tokens), model FLOP/s from an analytic count (matmuls
-only: drafter layers fwd+bwd, fc, LM head fwd + input-grad bwd; attention and the loss's
-recomputation not counted) as a share of the bf16 matmul peak measured on an H200 (774 TFLOP/s),
+only: drafter layers fwd+bwd, fc, LM head fwd + input-grad bwd; attention counted separately,
+the head's recomputed logits of `--loss-impl recompute` not counted) as a share of the bf16 matmul peak measured on an H200 (774 TFLOP/s),
 peak GPU memory, data-wait fraction, recompiles after the first step.
 """
 
@@ -104,6 +104,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a tiny shape, for a CPU smoke run of this script")
     ap.add_argument("--attention", default="auto", choices=["auto", "sdpa"],
                     help="auto = compiled flex (the trainer's GPU path); sdpa = SDPA with a dense mask (the baseline)")
+    ap.add_argument("--loss-impl", default="fused", choices=["fused", "recompute"],
+                    help="fused: the head's input gradient made in the loss forward (the default); recompute: "
+                    "checkpointed loss chunks, the head's logits recomputed in the backward")
     ap.add_argument("--keep", action="store_true", help="reuse --workdir's target and cache if they exist")
     ap.add_argument("--metrics", default=None, help="only recompute the figures from this metrics.jsonl of an "
                     "earlier run with the same shape options (no training)")
@@ -139,7 +142,7 @@ def main() -> None:
                       num_anchors=args.num_anchors, block_size=16, global_batch_tokens=args.seq_len * spe_rows,
                       epochs=100, max_steps=args.steps, mask_token_id=1 if args.tiny else 248070, loader_workers=args.loader_workers,
                       checkpoint_every=10**9, final_checkpoint=False, progress=False, log_every=1,
-                      attention=args.attention)
+                      attention=args.attention, loss_impl=args.loss_impl)
     interrupted = False
     try:
         train.run(cfg)
@@ -157,7 +160,7 @@ def main() -> None:
         return 1
     res = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu", "torch": torch.__version__,
            "shape": "tiny" if args.tiny else "qwen3.5-27b drafter", "attention": args.attention,
-           "interrupted": interrupted, **figures(recs, args)}
+           "loss_impl": args.loss_impl, "interrupted": interrupted, **figures(recs, args)}
     for k, v in res.items():
         print(f"{k}: {v}")
     if args.out:

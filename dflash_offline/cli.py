@@ -112,6 +112,7 @@ def extract(ctx: click.Context, config_file, **options) -> None:
 @click.option("--prefetch", type=int, help="Rows each loader process reads ahead.  [default: 4]")
 @click.option("--attention", type=click.Choice(["auto", "sdpa"]), help="auto = compiled flex on GPU, SDPA + dense mask on CPU; sdpa = the dense baseline on GPU too.")
 @click.option("--loss-chunk-tokens", type=int, help="Block tokens per LM-head chunk in the loss.  [default: 4096]")
+@click.option("--loss-impl", type=click.Choice(["fused", "recompute"]), help="fused: the head's input gradient is made in the loss forward; recompute: checkpointed chunks.  [default: fused]")
 @click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), help="auto = bf16 autocast on GPU, fp32 on CPU.")
 @click.option("--verify", type=click.Choice(["quick", "full"]), help="quick: shards exist and open; full: also checksums.  [default: quick]")
 @click.option("--progress/--no-progress", default=None, help="Progress bar.  [default: on]")

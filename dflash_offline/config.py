@@ -174,6 +174,9 @@ class TrainConfig:
     prefetch: int = 4
     """Rows each loader process reads ahead."""
     loss_chunk_tokens: int = 4096
+    loss_impl: str = "fused"
+    """fused: the frozen head's input gradient is made in the loss forward (two head matmuls per
+    token); recompute: checkpointed chunks whose logits the backward recomputes (three)."""
     precision: str = "auto"
     """auto = bf16 autocast with fp32 master weights on GPU, fp32 on CPU."""
     attention: str = "auto"
@@ -199,6 +202,8 @@ class TrainConfig:
             raise UserError(f"--verify {self.verify!r}: choose quick or full")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise UserError(f"--precision {self.precision!r}: choose auto, bf16 or fp32")
+        if self.loss_impl not in ("fused", "recompute"):
+            raise UserError(f"--loss-impl {self.loss_impl!r}: choose fused or recompute")
         if self.attention not in ("auto", "sdpa"):
             raise UserError(f"--attention {self.attention!r}: choose auto (flex on GPU) or sdpa (dense mask)")
 

@@ -369,7 +369,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                         h = model(mb["target_hidden"], mb["block_ids"], mb["ctx_positions"], mb["block_positions"], mask)
                         _mark(phases, "forward")
                         ls, correct = block_loss(h, drafter.lm_head.weight, mb["labels"], mb["weights"],
-                                                 cfg.loss_chunk_tokens)
+                                                 cfg.loss_chunk_tokens, cfg.loss_impl)
                         _mark(phases, "loss")
                     (ls.double() * scale).float().backward()
                     _mark(phases, "backward")

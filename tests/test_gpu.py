@@ -84,3 +84,33 @@ def test_hybrid_on_cuda_with_fla(tiny_hybrid, tiny_data, tmp_path):
     assert worst <= bound
     assert agree / positions >= 0.98
     assert control > 10 * bound
+
+
+def test_fp8_cache_on_cuda_within_bound_and_trains(tiny_hybrid, tiny_data, tmp_path):
+    """Quantising on the device (fp8 e4m3 + a float32 scale per token and layer) and dequantising
+    in the trainer on the device: the fp8 cache is within cache/fp8.py's bound of the bf16 cache
+    of the same forward, and the compiled trainer runs on it."""
+    common = ["--target", str(tiny_hybrid), "--data", str(tiny_data), "--devices", "0", "--topk", "0",
+              "--max-len", "120", "--batch-tokens", "480", "--shard-tokens", "1500", "--no-progress"]
+    for name, extra in (("bf16", []), ("fp8", ["--hidden-dtype", "fp8"])):
+        r = run_cli(["extract", *common, "--cache", str(tmp_path / name), *extra])
+        assert r.returncode == 0, r.stderr
+    a, b = CacheReader(str(tmp_path / "bf16")), CacheReader(str(tmp_path / "fp8"))
+    worst = 0.0
+    for sa in a.samples():
+        sb = b.sample(sa.sample_id)
+        ref, got = torch.from_numpy(sa.hidden), torch.from_numpy(sb.hidden)
+        limit = 2.0 ** -4 * ref.abs() + 2.0 ** -10 * torch.from_numpy(sb.hidden_scale).unsqueeze(-1) + 1e-6
+        worst = max(worst, float(((got - ref).abs() / limit).max()))
+    print(f"fp8 on cuda: largest error {worst:.2f} of the bound")
+    assert worst <= 1.0
+    out = tmp_path / "run"
+    r = run_cli(["train", "--target", str(tiny_hybrid), "--cache", str(tmp_path / "fp8"), "--out", str(out),
+                 "--devices", "0", "--seq-len", "256", "--num-anchors", "16", "--block-size", "8",
+                 "--global-batch-tokens", "512", "--mask-token-id", "1", "--num-layers", "2", "--max-steps", "8",
+                 "--loader-workers", "0", "--no-progress"], timeout=600)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(recs) == 8 and all(np.isfinite(x["loss"]) for x in recs)
