@@ -20,6 +20,25 @@ def _given(ctx: click.Context, **values) -> dict:
     return out
 
 
+class ByteSize(click.ParamType):
+    """A size in bytes: 123456, 64GB, 1.5T, 512MiB (k/M/G/T are powers of 1000, KiB/MiB/GiB/TiB of 1024)."""
+
+    name = "SIZE"
+    UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+             "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        import re
+
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in self.UNITS:
+            self.fail(f"{value!r} is not a size (examples: 2000000000, 64GB, 1.5T, 512MiB)", param, ctx)
+        return int(float(m.group(1)) * self.UNITS[unit])
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="dflash-offline")
 def main() -> None:
@@ -57,7 +76,8 @@ def main() -> None:
 @click.option("--writers", type=int, help="Shard writer processes per worker.  [default: 1]")
 @click.option("--hidden-dtype", type=click.Choice(["bfloat16", "fp8", "float8_e4m3fn"]), help="Storage dtype of hidden states; fp8 = float8 e4m3fn with a scale per token and layer (half the bytes).  [default: bfloat16]")
 @click.option("--compute-dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), help="Target dtype; auto = bf16 on GPU, fp32 on CPU.")
-@click.option("--max-bytes", type=int, help="Refuse to start if the estimated cache size exceeds this many bytes.")
+@click.option("--max-bytes", type=ByteSize(), help="Budget of the cache on storage (e.g. 64GB): workers pause while unreleased shards fill it; a budget below one shard is refused.")
+@click.option("--passes", type=int, help="Produce the input N times, each pass in its own order (for train --follow --stream).  [default: 1]")
 @click.option("--log-dir", help="Folder for process logs.  [default: CACHE/logs]")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on the terminal.  [default: on]")
 @click.pass_context
@@ -115,6 +135,9 @@ def extract(ctx: click.Context, config_file, **options) -> None:
 @click.option("--loss-impl", type=click.Choice(["fused", "recompute"]), help="fused: the head's input gradient is made in the loss forward; recompute: checkpointed chunks.  [default: fused]")
 @click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), help="auto = bf16 autocast on GPU, fp32 on CPU.")
 @click.option("--verify", type=click.Choice(["quick", "full"]), help="quick: shards exist and open; full: also checksums.  [default: quick]")
+@click.option("--follow/--no-follow", default=None, help="Train while extract fills the cache: take shards as they are committed, wait when all are consumed (needs --epochs 1).")
+@click.option("--stream/--no-stream", default=None, help="With --follow: delete each shard once a checkpoint is past its last use.")
+@click.option("--follow-window", type=int, help="Shards shuffled and packed together with --follow.  [default: 4]")
 @click.option("--progress/--no-progress", default=None, help="Progress bar.  [default: on]")
 @click.pass_context
 def train(ctx: click.Context, config_file, **options) -> None:
@@ -183,7 +206,7 @@ def eval_(ctx: click.Context, config_file, **options) -> None:
 @click.option("--target", required=True, help="Hugging Face model folder (config.json + *.safetensors).")
 @click.option("--data", multiple=True, required=True, help="Parquet file or folder of *.parquet; repeat for several.")
 @click.option("--cache", default=None, help="Where the cache would go: its free space is the budget.")
-@click.option("--max-bytes", type=int, default=None, help="A budget in bytes for the cache.")
+@click.option("--max-bytes", type=ByteSize(), default=None, help="A budget for the cache (e.g. 64GB).")
 @click.option("--layers", default=None, help="Target layer ids to capture.  [default: the DFlash rule]")
 @click.option("--num-layers", type=int, default=None, help="How many layers the DFlash rule picks.  [default: extract's]")
 @click.option("--topk", type=int, default=None, help="Top-k log-probabilities per token.  [default: extract's]")

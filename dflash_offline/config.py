@@ -56,7 +56,12 @@ class ExtractConfig:
     compute_dtype: str = "auto"
     """Target weights/activations: auto = bfloat16 on GPU, float32 on CPU."""
     max_bytes: int | None = None
-    """Refuse to start when the estimated cache size exceeds this many bytes."""
+    """Budget of the cache on storage: committed shards not yet released by a streaming trainer
+    plus shards being written. A worker pauses before a shard that would exceed it (and says so)
+    until a consumer releases shards; a budget smaller than the largest shard is refused."""
+    passes: int = 1
+    """Produce the input this many times, each pass in its own deterministic order (multi-epoch
+    training within a budget: `train --follow --stream` consumes every pass once)."""
     log_dir: str | None = None
     """Where process logs go; default CACHE/logs (a local folder `dflash-logs` for URL caches)."""
     progress: bool = True
@@ -70,7 +75,7 @@ class ExtractConfig:
         if not self.cache:
             raise UserError("no cache location: pass --cache PATH|URL or set `cache` in --config")
         for name in ("max_len", "batch_tokens", "shard_tokens", "sort_window", "chunk_tokens",
-                     "logits_chunk_tokens", "num_layers", "writers"):
+                     "logits_chunk_tokens", "num_layers", "writers", "passes"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.topk < 0:
@@ -186,6 +191,17 @@ class TrainConfig:
     """Write a checkpoint and the export when the run ends (benchmarks turn it off)."""
     verify: str = "quick"
     """quick: every shard listed exists and opens; full: also every checksum (reads the whole cache)."""
+    follow: bool = False
+    """Train while `extract` fills the cache: start on what is committed, take shards as they are
+    committed (in plan order, `follow_window` at a time), wait visibly when all are consumed, end
+    when the plan's last shard is consumed. Every committed shard is consumed once (epochs = 1;
+    `extract --passes N` makes N epochs)."""
+    stream: bool = False
+    """With follow: delete each shard once a checkpoint is past its last use (the manifest records
+    it first), so a budgeted extraction (`--max-bytes`) can go on."""
+    follow_window: int = 4
+    """Shards per window with follow: samples are shuffled and packed within a window (the budget
+    must hold a window's shards)."""
     progress: bool = True
 
     def validate(self) -> None:
@@ -202,6 +218,13 @@ class TrainConfig:
             raise UserError(f"--verify {self.verify!r}: choose quick or full")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise UserError(f"--precision {self.precision!r}: choose auto, bf16 or fp32")
+        if self.stream and not self.follow:
+            raise UserError("--stream needs --follow (it releases shards of a cache that extraction is still filling)")
+        if self.follow and self.epochs != 1:
+            raise UserError(f"--follow consumes every committed shard once, so --epochs must be 1 (got {self.epochs}); "
+                            "for several epochs extract with --passes N")
+        if self.follow_window <= 0:
+            raise UserError(f"--follow-window must be positive, got {self.follow_window}")
         if self.loss_impl not in ("fused", "recompute"):
             raise UserError(f"--loss-impl {self.loss_impl!r}: choose fused or recompute")
         if self.attention not in ("auto", "sdpa"):

@@ -23,14 +23,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .cache.manifest import shard_name
 from .config import ExtractConfig
 from .runtime import Launch, UserError, fault_point, heartbeat, open_process_log, torchrun_launch
 
 log = logging.getLogger("dflash.extract")
-
-
-def shard_name(j: int) -> str:
-    return f"shard-{j:06d}"
 
 
 def tmp_shard_rel(j: int) -> str:
@@ -52,20 +49,38 @@ class Job:
     source: dict  # data.Source as plain fields
     shards: list[np.ndarray]  # global rows of each shard, in write order
     compute_dtype: str  # resolved: bfloat16 / float16 / float32
+    shard_bytes: list[int]  # planned bytes of each shard on storage (the budget's reservation)
 
 
-def make_plan(lengths: np.ndarray, max_len: int, shard_tokens: int, sort_window: int) -> list[np.ndarray]:
-    """Rows -> shards. Within each window of `sort_window` input rows, rows are ordered longest
-    first (ties by row), then cut into shards of at most `shard_tokens` tokens (a single longer
-    sample makes a shard of its own). Longest first: the first batch is the largest, so a batch
-    that does not fit in memory fails in the first seconds, not hours in."""
+def pass_order(num_rows: int, p: int) -> np.ndarray:
+    """The order in which pass p visits the input rows: the input order for pass 0, a fixed
+    permutation of it for each later pass (extract --passes), so every pass is shuffled anew."""
+    if p == 0:
+        return np.arange(num_rows)
+    return np.random.default_rng([p, 0x9A55]).permutation(num_rows)
+
+
+def make_plan(lengths: np.ndarray, max_len: int, shard_tokens: int, sort_window: int,
+              passes: int = 1) -> list[np.ndarray]:
+    """Rows -> shards. Within each window of `sort_window` rows (in the pass's order), rows are
+    ordered longest first (ties by row), then cut into shards of at most `shard_tokens` tokens (a
+    single longer sample makes a shard of its own). Longest first: the first batch is the largest,
+    so a batch that does not fit in memory fails in the first seconds, not hours in. With several
+    passes the shards of pass p follow those of pass p - 1."""
+    if passes > 1:
+        return [s for p in range(passes) for s in _pass_plan(lengths, max_len, shard_tokens, sort_window, p)]
+    return _pass_plan(lengths, max_len, shard_tokens, sort_window, 0)
+
+
+def _pass_plan(lengths: np.ndarray, max_len: int, shard_tokens: int, sort_window: int, p: int) -> list[np.ndarray]:
     tl = np.minimum(lengths, max_len)
+    order = pass_order(tl.shape[0], p)
     shards: list[np.ndarray] = []
     cur: list[int] = []
     cur_tokens = 0
     for w in range(0, tl.shape[0], sort_window):
-        rows = np.arange(w, min(w + sort_window, tl.shape[0]))
-        rows = rows[np.lexsort((rows, -tl[rows]))]
+        rows = order[w:w + sort_window]
+        rows = rows[np.lexsort((np.arange(rows.shape[0]), -tl[rows]))]  # ties keep the pass's order
         for r in rows:
             t = int(tl[r])
             if cur and cur_tokens + t > shard_tokens:
@@ -90,6 +105,12 @@ def make_batches(lengths: list[int], batch_tokens: int) -> list[tuple[int, int]]
         out.append((a, b))
         a = b
     return out
+
+
+def reserved_bytes(tokens: int, bpt: int, chunk_tokens: int) -> int:
+    """What a shard of `tokens` tokens may take on storage: whole chunks (the last one is written
+    full size) plus a little metadata. The budget reserves this before the shard starts."""
+    return -(-tokens // chunk_tokens) * chunk_tokens * bpt + 64 * 1024
 
 
 def human_bytes(n: float) -> str:
@@ -140,7 +161,7 @@ def resolve_compute_dtype(name: str, devices: list[str], launch: Launch | None) 
 def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     """All checks that need no weights. Raises UserError; writes nothing to the cache."""
     from . import data, target
-    from .cache.manifest import ManifestStore, check_compatible, new_manifest
+    from .cache.manifest import ManifestStore, check_compatible, committed_names, new_manifest
     from .runtime import check_devices_exist, parse_devices
 
     cfg.validate()
@@ -160,34 +181,47 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     source = data.scan(cfg.data, info.vocab_size)
     log.info("input: %d files, %d rows, %d tokens (scanned in %.1fs)", len(source.files), source.rows,
              int(source.lengths.sum()), time.time() - t0)
-    shards = make_plan(source.lengths, cfg.max_len, cfg.shard_tokens, cfg.sort_window)
+    shards = make_plan(source.lengths, cfg.max_len, cfg.shard_tokens, cfg.sort_window, cfg.passes)
     truncated = int((source.lengths > cfg.max_len).sum())
     wanted = new_manifest(
         target=info.manifest_entry(),
         capture={"layer_ids": layer_ids, "topk": cfg.topk, "hidden_dtype": cfg.hidden_dtype, "max_len": cfg.max_len,
                  "compute_dtype": compute_dtype},
         source=source.manifest_entry(),
-        plan={"shard_tokens": cfg.shard_tokens, "sort_window": cfg.sort_window, "num_shards": len(shards)},
+        plan={"shard_tokens": cfg.shard_tokens, "sort_window": cfg.sort_window, "num_shards": len(shards),
+              "tokens": int(sum(int(np.minimum(source.lengths[r], cfg.max_len).sum()) for r in shards)),
+              **({"passes": cfg.passes,
+                  "shards_per_pass": [len(_pass_plan(source.lengths, cfg.max_len, cfg.shard_tokens, cfg.sort_window, p))
+                                      for p in range(cfg.passes)]} if cfg.passes > 1 else {})},
     )
     existing = ManifestStore(loc).read()
     if existing is not None:
         check_compatible(existing, wanted, loc.url("manifest.json"))
-    committed = {s["name"] for s in (existing or {}).get("shards", [])}
+    committed = committed_names(existing) if existing else set()
     tl = np.minimum(source.lengths, cfg.max_len)
-    total_tokens = int(tl.sum())
+    total_tokens = int(sum(int(tl[rows].sum()) for rows in shards))
     todo_tokens = sum(int(tl[rows].sum()) for j, rows in enumerate(shards) if shard_name(j) not in committed)
     bpt = bytes_per_token(len(layer_ids), info.hidden_size, cfg.topk, cfg.hidden_dtype)
     need, whole = todo_tokens * bpt, total_tokens * bpt
-    if cfg.max_bytes is not None and whole > cfg.max_bytes:
-        raise UserError(
-            f"estimated cache size {human_bytes(whole)} ({total_tokens} tokens x {bpt} bytes/token) exceeds "
-            f"--max-bytes {human_bytes(cfg.max_bytes)}; lower --max-len, --topk or the number of layers, or raise --max-bytes"
-        )
+    shard_bytes = [reserved_bytes(int(tl[rows].sum()), bpt, cfg.chunk_tokens) for rows in shards]
+    if cfg.max_bytes is not None:
+        if max(shard_bytes) > cfg.max_bytes:
+            j = int(np.argmax(shard_bytes))
+            raise UserError(
+                f"--max-bytes {human_bytes(cfg.max_bytes)} cannot hold one shard: {shard_name(j)} needs about "
+                f"{human_bytes(shard_bytes[j])} ({int(tl[shards[j]].sum())} tokens x {bpt} bytes/token); raise "
+                "--max-bytes, or lower --shard-tokens, --max-len, --topk or the number of layers")
+        if whole > cfg.max_bytes:
+            log.warning("the cache (%s) is larger than --max-bytes %s: workers pause whenever the budget is full, "
+                        "until a consumer (`train --follow --stream`) releases shards", human_bytes(whole),
+                        human_bytes(cfg.max_bytes))
     free = loc.free_bytes()
-    if free is not None and need > free:
+    room = need if cfg.max_bytes is None else min(need, cfg.max_bytes)
+    if free is not None and room > free:
         raise UserError(
-            f"the cache needs about {human_bytes(need)} more ({todo_tokens} tokens x {bpt} bytes/token) but "
-            f"{loc.path()} has {human_bytes(free)} free; free space or choose another --cache"
+            f"the cache needs about {human_bytes(room)} more ({todo_tokens} tokens x {bpt} bytes/token"
+            + ("" if cfg.max_bytes is None or need <= cfg.max_bytes else ", bounded by --max-bytes")
+            + f") but {loc.path()} has {human_bytes(free)} free; free space or choose another --cache"
         )
     # Warnings only once the run is accepted: a refused run prints one line.
     if truncated:
@@ -198,8 +232,8 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     log.info("plan: %d shards, %d tokens (%d to do), %.2f GB estimated (%d bytes/token), layers %s, topk %d",
              len(shards), total_tokens, todo_tokens, whole / 1e9, bpt, layer_ids, cfg.topk)
     job = Job(
-        cfg=asdict(cfg), target_path=str(info.path), layer_ids=layer_ids,
-        hidden_size=info.hidden_size, source=_source_state(source), shards=shards, compute_dtype=compute_dtype,
+        cfg=asdict(cfg), target_path=str(info.path), layer_ids=layer_ids, hidden_size=info.hidden_size,
+        source=_source_state(source), shards=shards, compute_dtype=compute_dtype, shard_bytes=shard_bytes,
     )
     return job, wanted, devices, todo_tokens
 
@@ -234,6 +268,8 @@ def run(cfg: ExtractConfig) -> dict:
                             f"{loc.path('.run.lock')}); wait for it or stop it, then run again")
     store = ManifestStore(loc)
     store.init_or_check(wanted)
+    if launch is None or launch.rank == 0:
+        store.set_budget(cfg.max_bytes)
     loc.makedirs("shards")
     if launch is not None:
         device = worker_device(devices, launch, launch.rank)
@@ -290,6 +326,9 @@ def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bo
         while True:
             try:
                 kind, tokens, nbytes = q.get(timeout=0.5)
+                if kind in ("paused", "resumed"):  # (kind, occupancy, why): a worker waits for budget
+                    bar.set_postfix_str(f"paused: {nbytes}" if kind == "paused" else f"{written / 1e9:.2f} GB written")
+                    continue
                 bar.update(tokens)
                 written += nbytes
                 bar.set_postfix_str(f"{written / 1e9:.2f} GB written")
@@ -312,9 +351,11 @@ def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bo
 
 def _summary(manifest: dict, elapsed: float, log_path, launch) -> None:
     t = manifest["totals"]
+    released = len(manifest.get("released", []))
     lines = [
-        f"cache: {manifest['status']}, {len(manifest['shards'])}/{manifest['plan']['num_shards']} shards, "
-        f"{t['samples']} samples, {t['tokens']} tokens, {t['bytes'] / 1e9:.3f} GB",
+        f"cache: {manifest['status']}, {len(manifest['shards']) + released}/{manifest['plan']['num_shards']} shards"
+        + (f" ({released} consumed and released)" if released else "")
+        + f", on storage {t['samples']} samples, {t['tokens']} tokens, {t['bytes'] / 1e9:.3f} GB",
         f"time: {elapsed:.1f} s" + ("" if launch else f" (logs: {os.path.dirname(log_path)})"),
     ]
     for line in lines:
@@ -344,7 +385,7 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
 
 def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar: bool, todo_tokens: int) -> None:
     from .cache.location import Location
-    from .cache.manifest import ManifestStore
+    from .cache.manifest import ManifestStore, committed_names
     from .data import RowReader, Source, SourceFile
     from .runtime import single_thread_compute
     from .target import LayerCapture, load_target, read_target
@@ -355,13 +396,15 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     cfg = ExtractConfig(**job.cfg)
     loc = Location(cfg.cache)
     store = ManifestStore(loc)
-    committed = {s["name"] for s in store.read()["shards"]}
+    committed = committed_names(store.read())
     mine = [j for j in range(len(job.shards)) if j % world == rank and shard_name(j) not in committed]
     # Debris of an interrupted run: this worker's uncommitted shard folders, finished or not.
     for j in range(rank, len(job.shards), world):
         if shard_name(j) not in committed:
             loc.rmtree(tmp_shard_rel(j))
             loc.rmtree(f"shards/{shard_name(j)}.zarr")
+    # Reservations this worker made before it was killed (their debris is gone now): rewritten anew.
+    store.drop_reservations({shard_name(j) for j in mine})
     log.info("worker %d/%d on %s: %d shards to write (%d already committed in all)", rank, world, device,
              len(mine), len(committed))
     if not mine:
@@ -404,10 +447,21 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     sink = make_sink(cfg, dict(num_layers=n, hidden_size=H, topk=k, chunk_tokens=cfg.chunk_tokens,
                                layer_ids=job.layer_ids, hidden_dtype=cfg.hidden_dtype), cuda,
                      _log_dir(cfg, loc), f"extract-rank{rank}", on_progress)
+    def on_pause(paused: bool, used: int, why: str) -> None:
+        if progress is not None:
+            progress.put(("paused" if paused else "resumed", used, why))
+        if bar is not None:
+            bar.set_postfix_str(f"paused: {why}" if paused else f"{written[0] / 1e9:.2f} GB written")
+
+    def admitted():
+        for j in mine:
+            if cfg.max_bytes is not None:
+                wait_for_budget(store, j, job.shard_bytes[j], cfg.max_bytes, on_pause)
+            yield j, _shard_samples(job, j, src, reader, cfg.max_len)
+
     t_start = time.time()
     try:
-        stats = run_shards(model, capture, cfg, ((j, _shard_samples(job, j, src, reader, cfg.max_len)) for j in mine),
-                           sink, device)
+        stats = run_shards(model, capture, cfg, admitted(), sink, device)
     finally:
         if bar is not None:
             bar.close()
@@ -416,6 +470,34 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
              "writers busy %.0f%% of the time", rank, stats["tokens"], dt, stats["tokens"] / max(dt, 1e-9),
              100 * stats["padding_fraction"], stats["forward_tokens"],
              100 * sink.stats["writer_busy_s"] / max(dt * len(sink.procs), 1e-9))
+
+
+def wait_for_budget(store, j: int, nbytes: int, budget: int, on_pause, poll_s: float = 0.5) -> None:
+    """Block until shard j is admitted under the budget (ManifestStore.reserve): the shards before
+    it must have started, and the unconsumed cache must leave room for it. Pausing is not an
+    error: a streaming trainer releases shards as it finishes them."""
+    before = [shard_name(i) for i in range(j)]
+    t0 = last = None
+    while True:
+        ok, used = store.reserve(shard_name(j), nbytes, budget, before)
+        if ok:
+            if t0 is not None:
+                log.info("resumed %s after %.1fs paused", shard_name(j), time.time() - t0)
+                on_pause(False, used, "")
+            return
+        full = used + nbytes > budget
+        why = (f"cache full ({human_bytes(used)} of {human_bytes(budget)} budget; {shard_name(j)} needs "
+               f"{human_bytes(nbytes)})" if full else f"waiting for the shards before {shard_name(j)} to start")
+        now = time.time()
+        if t0 is None:
+            t0 = now
+            on_pause(True, used, why)
+        if last is None or now - last > 30:
+            log.info("paused: %s; waiting for a consumer to release shards" if full else "paused: %s", why)
+            last = now
+        heartbeat(phase="paused", why=why, occupancy_bytes=used, budget_bytes=budget)
+        fault_point("extract-paused")
+        time.sleep(poll_s)
 
 
 def _shard_samples(job: Job, j: int, src, reader, max_len: int) -> list[tuple[int, np.ndarray, np.ndarray]]:

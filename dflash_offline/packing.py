@@ -115,6 +115,16 @@ def manifest_fingerprint(manifest: dict) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def follow_fingerprint(manifest: dict) -> str:
+    """Identity of a cache that is still being filled (train --follow): what decides its future
+    content (target, capture, source, plan), not the shards committed so far."""
+    h = hashlib.sha256()
+    h.update(repr((manifest["target"].get("weights_fingerprint"), manifest["capture"],
+                   [(f["rows"], f["sha256"]) for f in manifest["source"]["files"]],
+                   sorted(manifest["plan"].items()))).encode())
+    return "sha256:" + h.hexdigest()
+
+
 def steps_per_epoch(num_rows: int, world: int, accum: int) -> int:
     """Whole optimizer steps in an epoch; the remainder rows are dropped (static shapes, equal ranks)."""
     return num_rows // (world * accum)

@@ -81,13 +81,13 @@ def last_error(log_dir: Path) -> dict | None:
 
 def cache_status(path: str) -> dict:
     from .cache.location import Location
-    from .cache.manifest import ManifestStore
+    from .cache.manifest import ManifestStore, committed_names, occupancy
 
     loc = Location(path)
     m = ManifestStore(loc).read()
     if m is None:
         raise UserError(f"{path}: no manifest.json; not a cache (or nothing committed yet)")
-    committed = {s["name"] for s in m["shards"]}
+    committed = committed_names(m)
     debris = [n for n in loc.listdir("shards") if n.endswith(".zarr") and n[:-5] not in committed]
     logs = Path(loc.path("logs")) if not loc.remote else Path("dflash-logs")
     procs = processes(logs) if logs.is_dir() else []
@@ -101,7 +101,10 @@ def cache_status(path: str) -> dict:
     else:
         verdict = "interrupted: run the same extract command again to resume"
     return {"kind": "cache", "path": str(path), "status": m["status"], "verdict": verdict,
-            "shards_committed": len(m["shards"]), "shards_planned": m["plan"]["num_shards"], "totals": m["totals"],
+            "shards_committed": len(committed), "shards_planned": m["plan"]["num_shards"], "totals": m["totals"],
+            "shards_released": len(m.get("released", [])), "occupancy_bytes": occupancy(m),
+            "budget_bytes": m.get("budget_bytes"), "in_flight": sorted(m.get("reserved") or {}),
+            "consumers": {k: len(v["finished"]) for k, v in (m.get("consumers") or {}).items()},
             "debris": debris, "processes": procs, "last_error": last_error(logs) if logs.is_dir() else None}
 
 

@@ -31,8 +31,9 @@ def device_hidden(mb: dict) -> dict:
 
 class RowStream(torch.utils.data.IterableDataset):
     def __init__(self, cache: str, refs: list[tuple[str, int]], lengths: np.ndarray, spec: dict,
-                 epoch: int, rank: int, world: int, accum: int, start_step: int, steps: int):
+                 epoch: int, rank: int, world: int, accum: int, start_step: int, steps: int, pad_rows: bool = False):
         self.cache, self.refs, self.lengths, self.spec = cache, refs, lengths, spec
+        self.pad_rows = pad_rows  # rows past the packed ones are empty (weight 0): a follow window's last step
         self.epoch, self.rank, self.world, self.accum = epoch, rank, world, accum
         self.start_step, self.steps = start_step, steps
         self._reader = None
@@ -124,6 +125,9 @@ class RowStream(torch.utils.data.IterableDataset):
                 continue
             step, micro = divmod(k, self.accum)
             g = (step * self.accum + micro) * self.world + self.rank
+            if g >= len(rows) and self.pad_rows:
+                yield self.make(g, [])
+                continue
             if g >= len(rows):
                 raise RuntimeError(f"row {g} does not exist in epoch {self.epoch} ({len(rows)} rows): plan and stream disagree")
             yield self.make(g, rows[g])

@@ -21,7 +21,7 @@ import os
 import shutil
 import socket
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import TrainConfig
@@ -47,16 +47,14 @@ def preflight(cfg: TrainConfig) -> dict:
     devices = parse_devices(cfg.devices)
     if torchrun_launch() is None:
         check_devices_exist(devices)
+    if cfg.follow:
+        return _preflight_follow(cfg, devices)
     reader = CacheReader(cfg.cache)
     m = reader.manifest
     if m["status"] != "complete":
         raise UserError(f"--cache {cfg.cache}: extraction is not complete ({len(m['shards'])}/{m['plan']['num_shards']} "
-                        "shards); finish it by running the extract command again")
-    info = read_target(cfg.target)
-    for key, mine in (("weights_fingerprint", info.weights_fingerprint), ("config_sha256", info.config_sha256)):
-        if m["target"].get(key) != mine:
-            raise UserError(f"--cache {cfg.cache} was extracted from another target (target.{key} differs from "
-                            f"--target {cfg.target}); extract a cache with this target or pass the one it was made from")
+                        "shards); finish it by running the extract command again, or train with --follow --epochs 1")
+    _check_cache_target(cfg, m)
     t0 = time.time()
     refs, lengths = [], []
     for name in reader.shard_names:
@@ -83,15 +81,9 @@ def preflight(cfg: TrainConfig) -> dict:
     import numpy as np
 
     lengths = np.asarray(lengths, np.int64)
-    if m["capture"]["hidden_dtype"] not in ("bfloat16", "float8_e4m3fn"):
-        raise UserError(f"--cache {cfg.cache} stores hidden states as {m['capture']['hidden_dtype']!r}, which this "
-                        "version cannot read (bfloat16, float8_e4m3fn); re-extract with --hidden-dtype bfloat16 or fp8")
     dcfg = DrafterConfig.from_target(cfg.target, m["capture"]["layer_ids"], block_size=cfg.block_size,
                                      num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
-    world = len(devices)
-    launch = torchrun_launch()
-    if launch is not None:
-        world = launch.world_size
+    world = _world(devices)
     accum = accumulation(cfg.global_batch_tokens, cfg.seq_len, world)
     # Rows per epoch vary a little with the order; every epoch runs as many steps as the
     # shortest one has, so a step never meets a missing row.
@@ -112,9 +104,78 @@ def preflight(cfg: TrainConfig) -> dict:
     return plan
 
 
+def _check_cache_target(cfg: TrainConfig, m: dict) -> None:
+    from .model_folder import read_target
+
+    info = read_target(cfg.target)
+    for key, mine in (("weights_fingerprint", info.weights_fingerprint), ("config_sha256", info.config_sha256)):
+        if m["target"].get(key) != mine:
+            raise UserError(f"--cache {cfg.cache} was extracted from another target (target.{key} differs from "
+                            f"--target {cfg.target}); extract a cache with this target or pass the one it was made from")
+    if m["capture"]["hidden_dtype"] not in ("bfloat16", "float8_e4m3fn"):
+        raise UserError(f"--cache {cfg.cache} stores hidden states as {m['capture']['hidden_dtype']!r}, which this "
+                        "version cannot read (bfloat16, float8_e4m3fn); re-extract with --hidden-dtype bfloat16 or fp8")
+
+
+def _world(devices: list[str]) -> int:
+    launch = torchrun_launch()
+    return launch.world_size if launch is not None else len(devices)
+
+
+def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> dict:
+    """--follow: the cache may still be empty or missing; what is fixed now is its identity (target,
+    capture, plan), the schedule (from the plan's token count) and the window rule. Which rows a
+    step trains on is fixed once its window's shards are committed (`follow_window_rows`)."""
+    from .cache.location import Location
+    from .cache.manifest import ManifestStore, committed_names
+    from .drafter import DrafterConfig
+    from .packing import accumulation, follow_fingerprint
+
+    store = ManifestStore(Location(cfg.cache))
+    t0 = last = time.time()
+    while (m := store.read()) is None:
+        if time.time() - last > 30:
+            log.info("waiting for %s/manifest.json (no extraction has started there yet) for %.0fs", cfg.cache,
+                     time.time() - t0)
+            last = time.time()
+        heartbeat(phase="waiting for the cache", cache=cfg.cache)
+        time.sleep(0.5)
+    _check_cache_target(cfg, m)
+    tokens = m["plan"].get("tokens")
+    if tokens is None:
+        raise UserError(f"--cache {cfg.cache} was made by an older version (its plan has no token count), so --follow "
+                        "cannot size the schedule; train without --follow once extraction is complete")
+    budget = m.get("budget_bytes")
+    sizes = [s["bytes"] for s in m["shards"]] + [s["bytes"] for s in m.get("released", [])]
+    if budget and sizes and cfg.follow_window * max(sizes) > budget:
+        raise UserError(f"--follow-window {cfg.follow_window} shards of up to {max(sizes) / 1e6:.1f} MB do not fit the "
+                        f"cache's budget ({budget / 1e6:.1f} MB, extract --max-bytes): the trainer would wait forever "
+                        f"for a window; lower --follow-window to {max(1, budget // max(sizes))} or raise the budget")
+    dcfg = DrafterConfig.from_target(cfg.target, m["capture"]["layer_ids"], block_size=cfg.block_size,
+                                     num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
+    world = _world(devices)
+    accum = accumulation(cfg.global_batch_tokens, cfg.seq_len, world)
+    # The schedule spans the plan's tokens in whole rows; packing leaves rows a little short, so a
+    # run takes a few % more steps than this, which run at the schedule's final learning rate.
+    total = max(1, math.ceil(tokens / (cfg.seq_len * world * accum)))
+    plan = {
+        "devices": devices, "world": world, "accum": accum, "total_steps": total, "follow": True,
+        "num_shards": m["plan"]["num_shards"], "drafter": asdict(dcfg), "cache_fingerprint": follow_fingerprint(m),
+        "hidden_size": m["target"]["hidden_size"], "num_layers_captured": len(m["capture"]["layer_ids"]),
+        "hidden_dtype": m["capture"]["hidden_dtype"], "consumer": str(Path(cfg.out).resolve()),
+    }
+    log.info("plan (follow%s): %d shards planned, %d committed so far, %d tokens; windows of %d shards; %d ranks x %d "
+             "micro-batches of %d tokens per step; about %d steps", ", stream" if cfg.stream else "",
+             m["plan"]["num_shards"], len(committed_names(m)), tokens, cfg.follow_window, world, accum, cfg.seq_len,
+             total)
+    check_resume(cfg, plan)
+    return plan
+
+
 # Settings a resumed run must share with its checkpoint: they decide the numbers of every step.
 RESUME_KEYS = ("seq_len", "num_anchors", "block_size", "gamma", "seed", "global_batch_tokens", "epochs", "num_layers",
-               "lr", "warmup_ratio", "weight_decay", "clip", "mask_token_id", "precision", "loss_chunk_tokens")
+               "lr", "warmup_ratio", "weight_decay", "clip", "mask_token_id", "precision", "loss_chunk_tokens",
+               "follow", "follow_window")
 
 
 def check_resume(cfg: TrainConfig, plan: dict) -> None:
@@ -128,9 +189,11 @@ def check_resume(cfg: TrainConfig, plan: dict) -> None:
     state = json.loads((ck / "state.json").read_text())
     if state["cache_fingerprint"] != plan["cache_fingerprint"]:
         raise UserError(f"{ck} was trained on another cache (its fingerprint differs); use a new --out")
+    defaults = TrainConfig()
     for key in RESUME_KEYS:
-        if state["config"].get(key) != getattr(cfg, key):
-            raise UserError(f"{ck} was made with {key} = {state['config'].get(key)}, this run has {getattr(cfg, key)}; "
+        theirs = state["config"].get(key, getattr(defaults, key))  # a key newer than the checkpoint: its default
+        if theirs != getattr(cfg, key):
+            raise UserError(f"{ck} was made with {key} = {theirs}, this run has {getattr(cfg, key)}; "
                             "use the same settings to resume, or a new --out")
 
 
@@ -248,6 +311,162 @@ def _lr_lambda(total: int, warmup: int):
 
 
 # ----------------------------------------------------------------------------------------------
+# What the steps run over: epochs of a complete cache, or windows of a cache being filled
+
+
+@dataclass
+class Segment:
+    """A run of steps over one sample order: an epoch, or a follow window of shards."""
+
+    key: int  # epoch, or window index: seeds the order and the anchors
+    refs: list  # (shard, sample, first token)
+    lengths: object  # np.ndarray of sample lengths
+    base: int  # global step at the segment's first step
+    steps: int
+    shards: list = field(default_factory=list)
+    sample_ids: list = field(default_factory=list)  # follow: ids of the samples the rows hold
+
+
+def _epoch_segments(plan: dict, step: int, stop: int):
+    spe = plan["steps_per_epoch"]
+    for e in range(step // spe, -(-stop // spe)):
+        yield Segment(e, plan["refs"], plan["lengths"], e * spe, spe)
+
+
+def follow_window_rows(cfg: TrainConfig, plan: dict, window: int, names: list[str]):
+    """A committed window's refs, lengths, the ids of the samples its rows hold, and its number of
+    steps: the rows are packed in the order epoch_order(window), and the last step is filled with
+    empty rows (no sample dropped)."""
+    import numpy as np
+
+    from .cache.reader import CacheReader
+    from .packing import epoch_order, pack_rows
+
+    reader = CacheReader(cfg.cache)
+    refs, lengths, ids = [], [], []
+    for name in names:
+        sh = reader.shard(name)
+        offs = sh.offsets
+        lengths.extend((offs[1:] - offs[:-1]).tolist())
+        refs.extend((name, k, int(offs[k])) for k in range(len(offs) - 1))
+        ids.extend(int(i) for i in sh.ids)
+    lengths = np.asarray(lengths, np.int64)
+    rows = pack_rows(lengths, epoch_order(len(refs), cfg.seed, window), cfg.seq_len)
+    trained = [ids[smp] for row in rows for smp, _ in row]
+    return refs, lengths, trained, -(-len(rows) // (plan["world"] * plan["accum"]))
+
+
+def _follow_segments(cfg: TrainConfig, plan: dict, rank: int, world: int, device: str, window: int, base: int,
+                     step: int, checkpoint_now, current_step):
+    """Windows of `follow_window` shards in plan order, each yielded once all its shards are
+    committed. Rank 0 watches the manifest and tells the others (a broadcast per poll), so every
+    rank waits, checkpoints and goes on at the same moment. While it waits with `--stream`, a
+    checkpoint releases the windows already trained, so a budgeted extraction can go on."""
+    import torch
+    import torch.distributed as dist
+
+    from .cache.location import Location
+    from .cache.manifest import ManifestStore, committed_names, shard_name
+
+    G, N = cfg.follow_window, plan["num_shards"]
+    store = ManifestStore(Location(cfg.cache))
+    flag = torch.zeros(1, dtype=torch.int64, device=device if device.startswith("cuda") else "cpu")
+    recorded = window  # windows < recorded are in the consumer record (the checkpoint we resumed from)
+    while window * G < N:
+        names = [shard_name(i) for i in range(window * G, min((window + 1) * G, N))]
+        t0 = last = time.time()
+        while True:
+            if rank == 0:
+                m = store.read()
+                have = committed_names(m)
+                if all(n in have for n in names):
+                    code = 1
+                elif cfg.stream and recorded < window and current_step() > 0:
+                    ckpts = list_checkpoints(Path(cfg.out))
+                    # starved with trained windows still on storage: checkpoint, which releases them
+                    # (unless the checkpoint of this very step did already)
+                    code = 2 if not ckpts or ckpts[-1] < current_step() else 0
+                    if code == 0:
+                        recorded = window
+                else:
+                    code = 0
+                    missing = [n for n in names if n not in have]
+                    if time.time() - last > 30 or last == t0:
+                        log.info("waiting for %s (window %d: %d of %d shards committed; the cache has %d of %d)",
+                                 missing[0], window, len(names) - len(missing), len(names), len(have), N)
+                        last = time.time() + (0 if last != t0 else 1e-6)
+                    heartbeat(phase="waiting for shards", step=current_step(), window=window, missing=missing[0],
+                              committed=len(have), planned=N)
+                flag.fill_(code)
+            if world > 1:
+                dist.broadcast(flag, 0)
+            code = int(flag.item())
+            if code == 1:
+                break
+            if code == 2:
+                checkpoint_now(prev)
+                recorded = window
+                continue
+            fault_point("train-waiting")
+            time.sleep(0.5)
+        if time.time() - t0 > 1 and rank == 0:
+            log.info("window %d ready after %.1fs waiting", window, time.time() - t0)
+        refs, lengths, trained, steps = follow_window_rows(cfg, plan, window, names)
+        prev = Segment(window, refs, lengths, base, steps, names, trained)
+        yield prev
+        base += steps
+        window += 1
+
+
+CONSUMED = "consumed.jsonl"
+
+
+def _record_window(out: Path, seg: Segment) -> None:
+    """One line per trained window: its shards and the ids of the samples its rows held (a
+    multi-pass cache holds each id once per pass). Lines past the resumed checkpoint go on resume."""
+    with open(out / CONSUMED, "a") as f:
+        f.write(json.dumps({"window": seg.key, "first_step": seg.base, "steps": seg.steps, "shards": seg.shards,
+                            "sample_ids": seg.sample_ids}) + "\n")
+
+
+def _truncate_jsonl(path: Path, keep) -> None:
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    kept = []
+    for ln in lines:
+        try:
+            if keep(json.loads(ln)):
+                kept.append(ln)
+        except json.JSONDecodeError:  # a line cut by a kill
+            pass
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(k + "\n" for k in kept))
+    os.replace(tmp, path)
+
+
+def _consumed(cfg: TrainConfig, plan: dict, window: int) -> None:
+    """Rank 0, after a checkpoint whose next window is `window`: the shards of all earlier windows
+    are finished for good. Recorded in the manifest first; with --stream their data is deleted
+    after (a kill in between leaves folders that the next call deletes)."""
+    from .cache.location import Location
+    from .cache.manifest import ManifestStore, shard_name
+
+    n = min(window * cfg.follow_window, plan["num_shards"])
+    if n == 0:
+        return
+    loc = Location(cfg.cache)
+    finished = [shard_name(i) for i in range(n)]
+    released = ManifestStore(loc).record_consumed(plan["consumer"], finished, release=cfg.stream)
+    fault_point("train-released")
+    deleted = [name for name in released if loc.exists(f"shards/{name}.zarr")]
+    for name in deleted:
+        loc.rmtree(f"shards/{name}.zarr")
+    if deleted:
+        log.info("released %d shards (%s .. %s), %d in all", len(deleted), deleted[0], deleted[-1], len(released))
+
+
+# ----------------------------------------------------------------------------------------------
 # The rank's loop
 
 
@@ -295,6 +514,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, warmup))
 
     step = 0
+    resumed_state: dict = {}
     found = list_checkpoints(out)
     if rank == 0:
         # Steps after the last checkpoint run again: their metrics go, as do half-written checkpoints.
@@ -314,9 +534,15 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
         opt.load_state_dict(tr["optimizer"])
         sched.load_state_dict(tr["scheduler"])
         torch.set_rng_state(tr["rng_cpu"])
+        resumed_state = json.loads((ck / "state.json").read_text())
         log.info("resumed from %s (step %d of %d)", ck, step, total)
-    stop = min(total, cfg.max_steps) if cfg.max_steps is not None else total
-    spe = plan["steps_per_epoch"]
+    follow = bool(plan.get("follow"))
+    if follow:
+        # The schedule's length is an estimate; the data's end is the end (or --max-steps).
+        stop = cfg.max_steps if cfg.max_steps is not None else None
+    else:
+        stop = min(total, cfg.max_steps) if cfg.max_steps is not None else total
+    spe = plan.get("steps_per_epoch")
     spec = {"seed": cfg.seed, "seq_len": cfg.seq_len, "num_anchors": cfg.num_anchors, "block_size": cfg.block_size,
             "mask_token_id": dcfg.mask_token_id, "gamma": cfg.resolved_gamma, "hidden_size": plan["hidden_size"],
             "num_layers": plan["num_layers_captured"], "hidden_dtype": plan["hidden_dtype"]}
@@ -328,19 +554,55 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     if rank == 0 and cfg.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=stop, initial=step, unit="step", desc="train", dynamic_ncols=True)
+        bar = tqdm(total=stop if stop is not None else total, initial=step, unit="step", desc="train",
+                   dynamic_ncols=True)
     recompiles0 = masks.count_recompiles()
     tokens_per_step = cfg.seq_len * accum * world
     wait_total = 0.0
     t_run = time.perf_counter()
     acc = None
     first_micro = True
-    while step < stop:
-        epoch, in_epoch = divmod(step, spe)
-        end = min(spe, in_epoch + (stop - step))
-        stream = RowStream(cfg.cache, plan["refs"], plan["lengths"], spec, epoch, rank, world, accum, in_epoch, end)
+    def checkpoint(seg: Segment, in_seg: int) -> None:
+        """All ranks call this at the same step (it has barriers); rank 0 writes."""
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            state = {"step": step, "cache_fingerprint": plan["cache_fingerprint"], "config": asdict(cfg),
+                     "drafter": plan["drafter"]}
+            if follow:
+                done = in_seg >= seg.steps  # at a window's end the next window starts here
+                state["follow"] = {"window": seg.key + 1 if done else seg.key, "window_start": step if done else seg.base}
+            else:
+                state.update(epoch=step // spe, step_in_epoch=step % spe)
+            save_checkpoint(out, step, drafter, opt, sched, state, cfg.keep_checkpoints)
+            log.info("checkpoint step-%d saved", step)
+            if follow:
+                _consumed(cfg, plan, state["follow"]["window"])
+        if world > 1:
+            dist.barrier()
+
+    if follow:
+        fstate = resumed_state.get("follow", {"window": 0, "window_start": 0})
+        if rank == 0:  # windows from the resumed one on run again, and are recorded again
+            _truncate_jsonl(out / CONSUMED, lambda r: r["window"] < fstate["window"])
+        if rank == 0 and found:
+            _consumed(cfg, plan, fstate["window"])  # a kill between checkpoint and release: finish it now
+        segments = _follow_segments(cfg, plan, rank, world, device, fstate["window"], fstate["window_start"], step,
+                                    lambda seg: checkpoint(seg, seg.steps), lambda: step)
+    else:
+        segments = _epoch_segments(plan, step, stop)
+    last_seg = None
+    for seg in segments:
+        last_seg = seg
+        in_seg0 = step - seg.base
+        end = seg.steps if stop is None else min(seg.steps, in_seg0 + (stop - step))
+        if end <= in_seg0:
+            break
+        epoch = seg.key
+        stream = RowStream(cfg.cache, seg.refs, seg.lengths, spec, seg.key, rank, world, accum, in_seg0, end,
+                           pad_rows=follow)
         it = iter(make_loader(stream, cfg.loader_workers, cfg.prefetch, pin=cuda))
-        for s in range(in_epoch, end):
+        for s in range(in_seg0, end):
             t0 = time.perf_counter()
             micro = [next(it) for _ in range(accum)]  # all micro-batches first: the step's weight sum
             t_data = time.perf_counter() - t0
@@ -418,18 +680,16 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                 if step == 1 or step % cfg.log_every == 0 or step == stop:
                     log.info("step %d/%d loss %.4f acc1 %.3f tau %.2f lr %.2e step %.3fs data-wait %.1f%% recompiles %d",
                              step, total, loss, acc[1], tau, rec["lr"], t_step, 100 * rec["data_wait"], rec["recompiles"])
+            if follow and rank == 0 and s + 1 == seg.steps:
+                _record_window(out, seg)
             if step % cfg.checkpoint_every == 0 or (step == stop and cfg.final_checkpoint):
-                if world > 1:
-                    dist.barrier()
-                if rank == 0:
-                    state = {"step": step, "epoch": step // spe, "step_in_epoch": step % spe,
-                             "cache_fingerprint": plan["cache_fingerprint"], "config": asdict(cfg),
-                             "drafter": plan["drafter"]}
-                    save_checkpoint(out, step, drafter, opt, sched, state, cfg.keep_checkpoints)
-                    log.info("checkpoint step-%d saved", step)
-                if world > 1:
-                    dist.barrier()
+                checkpoint(seg, s + 1)
         del it
+        if stop is not None and step >= stop:
+            break
+    if follow and cfg.final_checkpoint and last_seg is not None and (not list_checkpoints(out) or
+                                                                     list_checkpoints(out)[-1] != step):
+        checkpoint(last_seg, step - last_seg.base)
     elapsed = time.perf_counter() - t_run
     if rank == 0:
         if bar is not None:
@@ -437,7 +697,8 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
         if cfg.final_checkpoint:
             path = export_drafter(drafter, str(out / "export"))
             log.info("exported drafter to %s", path)
-            print(f"trained {step}/{total} steps in {elapsed:.1f}s; checkpoints in {out}; export in {path}", flush=True)
+            done = f"{step} steps (the schedule planned {total})" if follow else f"{step}/{total} steps"
+            print(f"trained {done} in {elapsed:.1f}s; checkpoints in {out}; export in {path}", flush=True)
         if metrics_file:
             metrics_file.close()
         if tb is not None:

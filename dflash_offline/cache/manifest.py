@@ -24,8 +24,13 @@ IDENTITY_FIELDS = [
     ("target", "vocab_size"), ("target", "config_sha256"), ("target", "weights_fingerprint"),
     ("capture", "layer_ids"), ("capture", "topk"), ("capture", "hidden_dtype"), ("capture", "max_len"), ("capture", "compute_dtype"),
     ("source", "rows"), ("source", "files"),
-    ("plan", "shard_tokens"), ("plan", "sort_window"), ("plan", "num_shards"),
+    ("plan", "shard_tokens"), ("plan", "sort_window"), ("plan", "num_shards"), ("plan", "passes"),
 ]
+
+def shard_name(j: int) -> str:
+    """Shard j of the plan (in plan order): the format names shards by their plan index."""
+    return f"shard-{j:06d}"
+
 
 HOW_TO_FIX = "point --cache at a new location, or run with the settings the cache was made with"
 
@@ -104,20 +109,104 @@ class ManifestStore:
             m = self.read()
             if m is None:
                 raise RuntimeError("manifest.json vanished during extraction")
-            if any(s["name"] == entry["name"] for s in m["shards"]):
+            if entry["name"] in committed_names(m):
                 return m  # already committed (a retried commit after a crash in between)
             m["shards"].append(entry)
             m["shards"].sort(key=lambda s: s["name"])
-            m["totals"] = {
-                "samples": sum(s["samples"] for s in m["shards"]),
-                "tokens": sum(s["tokens"] for s in m["shards"]),
-                "bytes": sum(s["bytes"] for s in m["shards"]),
-            }
-            if len(m["shards"]) == m["plan"]["num_shards"]:
-                m["status"] = "complete"
-                m["completed"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            (m.get("reserved") or {}).pop(entry["name"], None)
+            _update_totals(m)
             self.loc.write_json_atomic(MANIFEST, m)
             return m
+
+    # -- the bounded cache: reservations (extract), consumer records and releases (train --stream)
+
+    def reserve(self, name: str, nbytes: int, budget: int, before: list[str]) -> tuple[bool, int]:
+        """Admit shard `name` (planned size `nbytes`) if every shard in `before` is already
+        committed, released or admitted, and the unconsumed cache plus all admitted shards stays
+        within `budget`. Admission in plan order means the shards on storage are always a prefix
+        of the plan plus what consumers have not released, so a consumer that waits for the next
+        shard can never wait on a shard that waits for space. Returns (admitted, occupancy)."""
+        with self.loc.lock():
+            m = self.read()
+            reserved = m.setdefault("reserved", {})
+            if name in reserved or name in committed_names(m):
+                return True, occupancy(m)
+            known = committed_names(m) | set(reserved)
+            used = occupancy(m)
+            if any(b not in known for b in before) or used + nbytes > budget:
+                return False, used
+            reserved[name] = int(nbytes)
+            self.loc.write_json_atomic(MANIFEST, m)
+            return True, used + nbytes
+
+    def set_budget(self, max_bytes: int | None) -> None:
+        """Record the run's --max-bytes (a trainer that follows the cache checks its window fits)."""
+        with self.loc.lock():
+            m = self.read()
+            if max_bytes is None:
+                m.pop("budget_bytes", None)
+            else:
+                m["budget_bytes"] = int(max_bytes)
+            self.loc.write_json_atomic(MANIFEST, m)
+
+    def drop_reservations(self, names: set[str]) -> None:
+        """Reservations of shards whose writer died (a restarted worker drops its own)."""
+        with self.loc.lock():
+            m = self.read()
+            reserved = m.get("reserved") or {}
+            if not names & set(reserved):
+                return
+            for n in names:
+                reserved.pop(n, None)
+            self.loc.write_json_atomic(MANIFEST, m)
+
+    def record_consumed(self, consumer: str, finished: list[str], release: bool) -> list[str]:
+        """Record that `consumer` has finished these shards for good (its checkpoint is past their
+        last use); with `release`, move their entries to `released` (their data is deleted by the
+        caller after this returns: the manifest never lists a shard as readable that is gone).
+        Returns the names of all released shards among `finished`."""
+        with self.loc.lock():
+            m = self.read()
+            rec = m.setdefault("consumers", {}).setdefault(consumer, {"finished": []})
+            done = set(rec["finished"])
+            rec["finished"] = sorted(done | set(finished))
+            rec["updated"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            gone = []
+            if release:
+                keep = []
+                for s in m["shards"]:
+                    (gone if s["name"] in finished else keep).append(s)
+                m["shards"] = keep
+                m.setdefault("released", []).extend(gone)
+                m["released"].sort(key=lambda s: s["name"])
+                _update_totals(m)
+            self.loc.write_json_atomic(MANIFEST, m)
+            mine = set(finished)
+            # All of them, not only this call's: their folders may outlive a kill after an earlier call.
+            return [s["name"] for s in m.get("released", []) if s["name"] in mine]
+
+
+def committed_names(m: dict) -> set[str]:
+    """Shards that have been committed: on storage (`shards`) or consumed and deleted (`released`)."""
+    return {s["name"] for s in m["shards"]} | {s["name"] for s in m.get("released", [])}
+
+
+def occupancy(m: dict) -> int:
+    """Bytes the budget counts: committed shards not yet released, plus admitted shards in flight."""
+    return sum(s["bytes"] for s in m["shards"]) + sum((m.get("reserved") or {}).values())
+
+
+def _update_totals(m: dict) -> None:
+    m["totals"] = {
+        "samples": sum(s["samples"] for s in m["shards"]),
+        "tokens": sum(s["tokens"] for s in m["shards"]),
+        "bytes": sum(s["bytes"] for s in m["shards"]),
+    }
+    if m.get("released"):
+        m["totals_released"] = {k: sum(s[k] for s in m["released"]) for k in ("samples", "tokens", "bytes")}
+    if len(committed_names(m)) == m["plan"]["num_shards"] and m["status"] != "complete":
+        m["status"] = "complete"
+        m["completed"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def id_ranges(ids) -> list[list[int]]:
