@@ -269,7 +269,12 @@ def run(cfg: ExtractConfig) -> dict:
     store = ManifestStore(loc)
     store.init_or_check(wanted)
     if launch is None or launch.rank == 0:
-        store.set_budget(cfg.max_bytes)
+        store.set_budget(cfg.max_bytes, max(job.shard_bytes))
+        _finish_releases(store, loc)
+    if launch is None:
+        # Before any worker starts: a killed run's reservations would let a later shard be admitted
+        # ahead of an earlier one (each torchrun rank drops its own instead).
+        store.drop_reservations(set((store.read().get("reserved") or {})))
     loc.makedirs("shards")
     if launch is not None:
         device = worker_device(devices, launch, launch.rank)
@@ -282,6 +287,17 @@ def run(cfg: ExtractConfig) -> dict:
     manifest = store.read()
     _summary(manifest, time.time() - t0, log_path, launch)
     return manifest
+
+
+def _finish_releases(store, loc) -> None:
+    """Released shards whose data a killed trainer did not delete: deleted now (so the budget gets
+    the space back even if that trainer is never restarted)."""
+    left = store.read().get("releasing", [])
+    for name in left:
+        loc.rmtree(f"shards/{name}.zarr")
+    if left:
+        store.deleted(left)
+        log.info("deleted %d released shards a consumer had left on storage", len(left))
 
 
 def _wait_for_other_ranks(store) -> None:

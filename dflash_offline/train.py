@@ -55,6 +55,10 @@ def preflight(cfg: TrainConfig) -> dict:
         raise UserError(f"--cache {cfg.cache}: extraction is not complete ({len(m['shards'])}/{m['plan']['num_shards']} "
                         "shards); finish it by running the extract command again, or train with --follow --epochs 1")
     _check_cache_target(cfg, m)
+    if m.get("released"):
+        raise UserError(f"--cache {cfg.cache}: {len(m['released'])} of its shards were consumed and deleted by a "
+                        "streaming trainer (train --follow --stream), so it no longer holds all its samples; "
+                        "extract a new cache")
     t0 = time.time()
     refs, lengths = [], []
     for name in reader.shard_names:
@@ -104,6 +108,18 @@ def preflight(cfg: TrainConfig) -> dict:
     return plan
 
 
+def window_misfit(cfg: TrainConfig, m: dict) -> str | None:
+    """Why a follow window can never be on storage at once under the cache's budget, or None.
+    A window is up to follow_window shards of at most the plan's largest shard (extract records
+    both); fewer than that would leave extraction paused and the trainer waiting, forever."""
+    budget, biggest = m.get("budget_bytes"), m.get("max_shard_bytes")
+    if budget and biggest and cfg.follow_window * biggest > budget:
+        return (f"--follow-window {cfg.follow_window} shards of up to {biggest / 1e6:.1f} MB do not fit the cache's "
+                f"budget ({budget / 1e6:.1f} MB, extract --max-bytes): extraction would pause and the trainer wait "
+                f"forever; lower --follow-window to {max(1, budget // biggest)} or raise the budget")
+    return None
+
+
 def _check_cache_target(cfg: TrainConfig, m: dict) -> None:
     from .model_folder import read_target
 
@@ -145,24 +161,36 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> dict:
     if tokens is None:
         raise UserError(f"--cache {cfg.cache} was made by an older version (its plan has no token count), so --follow "
                         "cannot size the schedule; train without --follow once extraction is complete")
-    budget = m.get("budget_bytes")
-    sizes = [s["bytes"] for s in m["shards"]] + [s["bytes"] for s in m.get("released", [])]
-    if budget and sizes and cfg.follow_window * max(sizes) > budget:
-        raise UserError(f"--follow-window {cfg.follow_window} shards of up to {max(sizes) / 1e6:.1f} MB do not fit the "
-                        f"cache's budget ({budget / 1e6:.1f} MB, extract --max-bytes): the trainer would wait forever "
-                        f"for a window; lower --follow-window to {max(1, budget // max(sizes))} or raise the budget")
+    problem = window_misfit(cfg, m)
+    if problem:
+        raise UserError(problem)
+    mine = str(Path(cfg.out).resolve())
+    others = sorted(c for c in (m.get("consumers") or {}) if c != mine)
+    if m.get("released") and mine not in (m.get("consumers") or {}):
+        raise UserError(f"--cache {cfg.cache}: {len(m['released'])} shards were already consumed and deleted by "
+                        f"another trainer ({', '.join(others)}); this run would miss them; extract a new cache")
+    if cfg.stream and others:
+        raise UserError(f"--cache {cfg.cache} is also followed by {', '.join(others)}; --stream would delete shards "
+                        "that run may not have read. Use one streaming trainer per cache (or remove that entry from "
+                        "`consumers` in manifest.json if the run is gone)")
+    budget, biggest = m.get("budget_bytes"), m.get("max_shard_bytes")
+    if budget and biggest and not cfg.stream and m["plan"]["num_shards"] * biggest > budget:
+        raise UserError(f"--cache {cfg.cache} has a budget ({budget / 1e6:.1f} MB) that holds about "
+                        f"{budget // biggest} of its {m['plan']['num_shards']} shards; without --stream nothing is "
+                        "released and both stages would wait forever: add --stream")
     dcfg = DrafterConfig.from_target(cfg.target, m["capture"]["layer_ids"], block_size=cfg.block_size,
                                      num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
     world = _world(devices)
     accum = accumulation(cfg.global_batch_tokens, cfg.seq_len, world)
-    # The schedule spans the plan's tokens in whole rows; packing leaves rows a little short, so a
-    # run takes a few % more steps than this, which run at the schedule's final learning rate.
+    # An estimate for the progress bar and the log: windows pack separately and fill their last
+    # step with empty rows, so a run takes more steps. The learning rate follows the tokens
+    # trained, not this count (`_lr_at`).
     total = max(1, math.ceil(tokens / (cfg.seq_len * world * accum)))
     plan = {
         "devices": devices, "world": world, "accum": accum, "total_steps": total, "follow": True,
         "num_shards": m["plan"]["num_shards"], "drafter": asdict(dcfg), "cache_fingerprint": follow_fingerprint(m),
         "hidden_size": m["target"]["hidden_size"], "num_layers_captured": len(m["capture"]["layer_ids"]),
-        "hidden_dtype": m["capture"]["hidden_dtype"], "consumer": str(Path(cfg.out).resolve()),
+        "hidden_dtype": m["capture"]["hidden_dtype"], "consumer": mine, "plan_tokens": int(tokens),
     }
     log.info("plan (follow%s): %d shards planned, %d committed so far, %d tokens; windows of %d shards; %d ranks x %d "
              "micro-batches of %d tokens per step; about %d steps", ", stream" if cfg.stream else "",
@@ -301,6 +329,13 @@ def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: dict, keep
     return final
 
 
+def _lr_at(progress: float, warmup_ratio: float) -> float:
+    """Warm-up then cosine over the fraction of the plan's tokens trained (train --follow)."""
+    if progress < warmup_ratio:
+        return progress / warmup_ratio
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (progress - warmup_ratio) / max(1e-12, 1.0 - warmup_ratio))))
+
+
 def _lr_lambda(total: int, warmup: int):
     def f(step: int) -> float:
         if step < warmup:
@@ -325,6 +360,8 @@ class Segment:
     steps: int
     shards: list = field(default_factory=list)
     sample_ids: list = field(default_factory=list)  # follow: ids of the samples the rows hold
+    tokens: int = 0  # follow: the window's tokens, and those of all windows before it (the schedule)
+    tokens_before: int = 0
 
 
 def _epoch_segments(plan: dict, step: int, stop: int):
@@ -356,47 +393,48 @@ def follow_window_rows(cfg: TrainConfig, plan: dict, window: int, names: list[st
     return refs, lengths, trained, -(-len(rows) // (plan["world"] * plan["accum"]))
 
 
-def _follow_segments(cfg: TrainConfig, plan: dict, rank: int, world: int, device: str, window: int, base: int,
-                     step: int, checkpoint_now, current_step):
+def _follow_segments(cfg: TrainConfig, plan: dict, rank: int, world: int, device: str, fstate: dict,
+                     checkpoint_now, current_step, last_checkpoint):
     """Windows of `follow_window` shards in plan order, each yielded once all its shards are
     committed. Rank 0 watches the manifest and tells the others (a broadcast per poll), so every
-    rank waits, checkpoints and goes on at the same moment. While it waits with `--stream`, a
-    checkpoint releases the windows already trained, so a budgeted extraction can go on."""
+    rank waits, checkpoints and goes on at the same moment. With `--stream`, when extraction is
+    paused for space while the trainer waits, a checkpoint releases the windows already trained."""
     import torch
     import torch.distributed as dist
 
     from .cache.location import Location
-    from .cache.manifest import ManifestStore, committed_names, shard_name
+    from .cache.manifest import ManifestStore, committed_names, occupancy, shard_name
 
     G, N = cfg.follow_window, plan["num_shards"]
+    window, base, tokens_before = fstate["window"], fstate["window_start"], fstate.get("tokens_before", 0)
     store = ManifestStore(Location(cfg.cache))
     flag = torch.zeros(1, dtype=torch.int64, device=device if device.startswith("cuda") else "cpu")
-    recorded = window  # windows < recorded are in the consumer record (the checkpoint we resumed from)
+    prev = None
     while window * G < N:
         names = [shard_name(i) for i in range(window * G, min((window + 1) * G, N))]
-        t0 = last = time.time()
+        t0, last_log = time.time(), 0.0
         while True:
             if rank == 0:
                 m = store.read()
+                problem = window_misfit(cfg, m)  # a budget set (or changed) after this run started
+                if problem:
+                    raise UserError(problem)
                 have = committed_names(m)
-                if all(n in have for n in names):
+                missing = [n for n in names if n not in have]
+                budget, biggest = m.get("budget_bytes"), m.get("max_shard_bytes") or 0
+                blocked = (budget is not None and missing[:1] and missing[0] not in (m.get("reserved") or {})
+                           and occupancy(m) + biggest > budget)
+                if not missing:
                     code = 1
-                elif cfg.stream and recorded < window and current_step() > 0:
-                    ckpts = list_checkpoints(Path(cfg.out))
-                    # starved with trained windows still on storage: checkpoint, which releases them
-                    # (unless the checkpoint of this very step did already)
-                    code = 2 if not ckpts or ckpts[-1] < current_step() else 0
-                    if code == 0:
-                        recorded = window
+                elif cfg.stream and blocked and prev is not None and last_checkpoint() < current_step():
+                    code = 2  # extraction waits for space that trained windows hold: checkpoint, release them
                 else:
                     code = 0
-                    missing = [n for n in names if n not in have]
-                    if time.time() - last > 30 or last == t0:
-                        log.info("waiting for %s (window %d: %d of %d shards committed; the cache has %d of %d)",
-                                 missing[0], window, len(names) - len(missing), len(names), len(have), N)
-                        last = time.time() + (0 if last != t0 else 1e-6)
-                    heartbeat(phase="waiting for shards", step=current_step(), window=window, missing=missing[0],
-                              committed=len(have), planned=N)
+                    if time.time() - last_log > 30:
+                        log.info("waiting for %s (window %d: %d of %d shards committed; the cache has %d of %d%s)",
+                                 missing[0], window, len(names) - len(missing), len(names), len(have), N,
+                                 "; extraction is paused for space" if blocked else "")
+                        last_log = time.time()
                 flag.fill_(code)
             if world > 1:
                 dist.broadcast(flag, 0)
@@ -405,16 +443,17 @@ def _follow_segments(cfg: TrainConfig, plan: dict, rank: int, world: int, device
                 break
             if code == 2:
                 checkpoint_now(prev)
-                recorded = window
                 continue
+            heartbeat(phase="waiting for shards", step=current_step(), window=window, first_shard=names[0])
             fault_point("train-waiting")
             time.sleep(0.5)
         if time.time() - t0 > 1 and rank == 0:
             log.info("window %d ready after %.1fs waiting", window, time.time() - t0)
         refs, lengths, trained, steps = follow_window_rows(cfg, plan, window, names)
-        prev = Segment(window, refs, lengths, base, steps, names, trained)
+        prev = Segment(window, refs, lengths, base, steps, names, trained, int(lengths.sum()), tokens_before)
         yield prev
         base += steps
+        tokens_before += prev.tokens
         window += 1
 
 
@@ -457,13 +496,14 @@ def _consumed(cfg: TrainConfig, plan: dict, window: int) -> None:
         return
     loc = Location(cfg.cache)
     finished = [shard_name(i) for i in range(n)]
-    released = ManifestStore(loc).record_consumed(plan["consumer"], finished, release=cfg.stream)
+    store = ManifestStore(loc)
+    pending = store.record_consumed(plan["consumer"], finished, release=cfg.stream)
     fault_point("train-released")
-    deleted = [name for name in released if loc.exists(f"shards/{name}.zarr")]
-    for name in deleted:
+    for name in pending:
         loc.rmtree(f"shards/{name}.zarr")
-    if deleted:
-        log.info("released %d shards (%s .. %s), %d in all", len(deleted), deleted[0], deleted[-1], len(released))
+    if pending:
+        store.deleted(pending)
+        log.info("released %d shards (%s .. %s)", len(pending), pending[0], pending[-1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -562,6 +602,8 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     t_run = time.perf_counter()
     acc = None
     first_micro = True
+    last_ckpt = [found[-1] if found else 0]  # the same on every rank: they all call checkpoint() together
+
     def checkpoint(seg: Segment, in_seg: int) -> None:
         """All ranks call this at the same step (it has barriers); rank 0 writes."""
         if world > 1:
@@ -571,13 +613,15 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                      "drafter": plan["drafter"]}
             if follow:
                 done = in_seg >= seg.steps  # at a window's end the next window starts here
-                state["follow"] = {"window": seg.key + 1 if done else seg.key, "window_start": step if done else seg.base}
+                state["follow"] = {"window": seg.key + 1 if done else seg.key, "window_start": step if done else seg.base,
+                                   "tokens_before": seg.tokens_before + (seg.tokens if done else 0)}
             else:
                 state.update(epoch=step // spe, step_in_epoch=step % spe)
             save_checkpoint(out, step, drafter, opt, sched, state, cfg.keep_checkpoints)
             log.info("checkpoint step-%d saved", step)
             if follow:
                 _consumed(cfg, plan, state["follow"]["window"])
+        last_ckpt[0] = step
         if world > 1:
             dist.barrier()
 
@@ -587,8 +631,8 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
             _truncate_jsonl(out / CONSUMED, lambda r: r["window"] < fstate["window"])
         if rank == 0 and found:
             _consumed(cfg, plan, fstate["window"])  # a kill between checkpoint and release: finish it now
-        segments = _follow_segments(cfg, plan, rank, world, device, fstate["window"], fstate["window_start"], step,
-                                    lambda seg: checkpoint(seg, seg.steps), lambda: step)
+        segments = _follow_segments(cfg, plan, rank, world, device, fstate, lambda seg: checkpoint(seg, seg.steps),
+                                    lambda: step, lambda: last_ckpt[0])
     else:
         segments = _epoch_segments(plan, step, stop)
     last_seg = None
@@ -641,6 +685,13 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                 mm = block_metrics(correct, mb["weights"], mb["anchor_valid"], B)
                 step_m = mm if step_m is None else {k: step_m[k] + mm[k] for k in mm}
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+            if follow:
+                # The schedule runs over the plan's tokens, not over a step count known in advance:
+                # this step's place is the middle of its share of the window's tokens.
+                lr_now = cfg.lr * _lr_at(min(1.0, (seg.tokens_before + seg.tokens * (s + 0.5) / seg.steps)
+                                             / plan["plan_tokens"]), cfg.warmup_ratio)
+                for group in opt.param_groups:
+                    group["lr"] = lr_now
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
@@ -661,7 +712,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                 tau = float(v[1 + 2 * B] / max(v[2 + 2 * B], 1))
                 t_step = time.perf_counter() - t0
                 rec = {"step": step, "epoch": epoch, "loss": loss, "acc_slot1": float(acc[1]), "tau": tau,
-                       "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm), "step_time": t_step,
+                       "lr": lr_now if follow else sched.get_last_lr()[0], "grad_norm": float(gnorm), "step_time": t_step,
                        "data_wait": t_data / t_step,
                        "acc": [round(float(a), 5) for a in acc[1:]], "tokens": step * tokens_per_step,
                        "recompiles": masks.count_recompiles() - recompiles0}
@@ -687,8 +738,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
         del it
         if stop is not None and step >= stop:
             break
-    if follow and cfg.final_checkpoint and last_seg is not None and (not list_checkpoints(out) or
-                                                                     list_checkpoints(out)[-1] != step):
+    if follow and cfg.final_checkpoint and last_seg is not None and last_ckpt[0] != step:
         checkpoint(last_seg, step - last_seg.base)
     elapsed = time.perf_counter() - t_run
     if rank == 0:
@@ -697,7 +747,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
         if cfg.final_checkpoint:
             path = export_drafter(drafter, str(out / "export"))
             log.info("exported drafter to %s", path)
-            done = f"{step} steps (the schedule planned {total})" if follow else f"{step}/{total} steps"
+            done = f"{step} steps (about {total} estimated)" if follow else f"{step}/{total} steps"
             print(f"trained {done} in {elapsed:.1f}s; checkpoints in {out}; export in {path}", flush=True)
         if metrics_file:
             metrics_file.close()

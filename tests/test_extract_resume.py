@@ -64,8 +64,9 @@ def test_two_workers_equal_one(reference, tiny_dense, tiny_data, tmp_path):
     assert b.verify() == []
 
 
+# Mid-shard kills of one worker (a half-written temporary shard on disk) are covered by the
+# two-worker case below and by the random kills of tests/fault/campaign.py (test_crash_campaign.py).
 @pytest.mark.parametrize("point, devices", [
-    ("batch-written:3", "cpu"),          # mid-shard: a half-written temporary shard on disk
     ("shard-renamed:2", "cpu"),          # shard complete and renamed, manifest not yet updated
     ("manifest-tmp-written:3", "cpu"),   # new manifest written under a temporary name, not replaced
     ("shard-committed:4", "cpu"),        # right after a commit

@@ -132,6 +132,13 @@ def test_follow_stream_with_sigkills_loses_nothing_and_stays_in_budget(tiny_dens
     assert sum(r["steps"] for r in records) == len(metrics)
     assert (out / "export").is_dir()
 
+    # The cache no longer holds its samples: a plain trainer, or a second streaming one, is refused.
+    base = ["train", "--target", str(tiny_dense), "--cache", str(cache), *TRAIN]
+    r = run_cli([a for a in base if a not in ("--follow", "--stream")] + ["--out", str(tmp_path / "plain")])
+    assert r.returncode != 0 and "consumed and deleted by a streaming trainer" in r.stderr, r.stderr
+    r = run_cli([*base, "--out", str(tmp_path / "second")])
+    assert r.returncode != 0 and "already consumed and deleted by another trainer" in r.stderr, r.stderr
+
 
 def test_budget_refusal_and_pass_orders(tiny_dense, tiny_data, tmp_path):
     # A budget that cannot hold one shard is refused before any work, naming the shard.

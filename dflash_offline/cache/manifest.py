@@ -139,14 +139,18 @@ class ManifestStore:
             self.loc.write_json_atomic(MANIFEST, m)
             return True, used + nbytes
 
-    def set_budget(self, max_bytes: int | None) -> None:
-        """Record the run's --max-bytes (a trainer that follows the cache checks its window fits)."""
+    def set_budget(self, max_bytes: int | None, max_shard_bytes: int | None = None) -> None:
+        """Record the run's --max-bytes and the largest shard's planned bytes: a trainer that
+        follows the cache checks that a window of its shards fits."""
         with self.loc.lock():
             m = self.read()
             if max_bytes is None:
                 m.pop("budget_bytes", None)
+                m.pop("max_shard_bytes", None)
             else:
                 m["budget_bytes"] = int(max_bytes)
+                if max_shard_bytes is not None:
+                    m["max_shard_bytes"] = int(max_shard_bytes)
             self.loc.write_json_atomic(MANIFEST, m)
 
     def drop_reservations(self, names: set[str]) -> None:
@@ -162,28 +166,39 @@ class ManifestStore:
 
     def record_consumed(self, consumer: str, finished: list[str], release: bool) -> list[str]:
         """Record that `consumer` has finished these shards for good (its checkpoint is past their
-        last use); with `release`, move their entries to `released` (their data is deleted by the
-        caller after this returns: the manifest never lists a shard as readable that is gone).
-        Returns the names of all released shards among `finished`."""
+        last use); with `release`, move their entries to `released` and list them in `releasing`
+        until the caller has deleted their data (`deleted`): readers never see a shard listed in
+        `shards` that is gone, and the budget counts the bytes until they are. Returns the names
+        still to delete (this call's and any an earlier, killed caller left)."""
         with self.loc.lock():
             m = self.read()
             rec = m.setdefault("consumers", {}).setdefault(consumer, {"finished": []})
             done = set(rec["finished"])
             rec["finished"] = sorted(done | set(finished))
             rec["updated"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            gone = []
             if release:
-                keep = []
+                mine = set(finished)
+                keep, gone = [], []
                 for s in m["shards"]:
-                    (gone if s["name"] in finished else keep).append(s)
+                    (gone if s["name"] in mine else keep).append(s)
                 m["shards"] = keep
                 m.setdefault("released", []).extend(gone)
                 m["released"].sort(key=lambda s: s["name"])
+                m["releasing"] = sorted(set(m.get("releasing", [])) | {s["name"] for s in gone})
                 _update_totals(m)
             self.loc.write_json_atomic(MANIFEST, m)
-            mine = set(finished)
-            # All of them, not only this call's: their folders may outlive a kill after an earlier call.
-            return [s["name"] for s in m.get("released", []) if s["name"] in mine]
+            return list(m.get("releasing", []))
+
+    def deleted(self, names: list[str]) -> None:
+        """The data of these released shards is gone from storage: the budget stops counting it."""
+        with self.loc.lock():
+            m = self.read()
+            left = sorted(set(m.get("releasing", [])) - set(names))
+            if left:
+                m["releasing"] = left
+            else:
+                m.pop("releasing", None)
+            self.loc.write_json_atomic(MANIFEST, m)
 
 
 def committed_names(m: dict) -> set[str]:
@@ -192,8 +207,11 @@ def committed_names(m: dict) -> set[str]:
 
 
 def occupancy(m: dict) -> int:
-    """Bytes the budget counts: committed shards not yet released, plus admitted shards in flight."""
-    return sum(s["bytes"] for s in m["shards"]) + sum((m.get("reserved") or {}).values())
+    """Bytes the budget counts: committed shards on storage, released shards whose data is not
+    deleted yet, and admitted shards in flight."""
+    releasing = set(m.get("releasing", []))
+    return (sum(s["bytes"] for s in m["shards"]) + sum((m.get("reserved") or {}).values())
+            + sum(s["bytes"] for s in m.get("released", []) if s["name"] in releasing))
 
 
 def _update_totals(m: dict) -> None:

@@ -1,0 +1,19 @@
+"""The crash campaign of tests/fault/campaign.py in its reduced form: two SIGKILLs of each stage's
+process tree at random (seeded) moments, each followed by a resume; the cache and the training
+run must equal uninterrupted runs (shards by checksum; losses and final weights bit for bit).
+The full campaign is `python tests/fault/campaign.py --kills 20` (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_reduced_crash_campaign(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "fault" / "campaign.py"), "--kills", "2", "--seed", "1",
+                        "--work", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    print(r.stdout[-3000:])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "4/4 identical" in r.stdout and "both resumed runs identical" in r.stdout
