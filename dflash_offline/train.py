@@ -169,10 +169,6 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> dict:
     if m.get("released") and mine not in (m.get("consumers") or {}):
         raise UserError(f"--cache {cfg.cache}: {len(m['released'])} shards were already consumed and deleted by "
                         f"another trainer ({', '.join(others)}); this run would miss them; extract a new cache")
-    if cfg.stream and others:
-        raise UserError(f"--cache {cfg.cache} is also followed by {', '.join(others)}; --stream would delete shards "
-                        "that run may not have read. Use one streaming trainer per cache (or remove that entry from "
-                        "`consumers` in manifest.json if the run is gone)")
     budget, biggest = m.get("budget_bytes"), m.get("max_shard_bytes")
     if budget and biggest and not cfg.stream and m["plan"]["num_shards"] * biggest > budget:
         raise UserError(f"--cache {cfg.cache} has a budget ({budget / 1e6:.1f} MB) that holds about "
@@ -197,6 +193,8 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> dict:
              m["plan"]["num_shards"], len(committed_names(m)), tokens, cfg.follow_window, world, accum, cfg.seq_len,
              total)
     check_resume(cfg, plan)
+    # Last, under the manifest's lock: two trainers started at once cannot both pass as the only one.
+    store.register_consumer(mine, cfg.stream)
     return plan
 
 

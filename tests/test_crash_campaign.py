@@ -13,6 +13,7 @@ from conftest import ROOT
 
 def test_reduced_crash_campaign(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "fault" / "campaign.py"), "--kills", "2", "--seed", "1",
+                        "--rows", "96", "--steps", "16",
                         "--work", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     print(r.stdout[-3000:])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

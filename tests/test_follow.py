@@ -107,6 +107,7 @@ def test_follow_stream_with_sigkills_loses_nothing_and_stays_in_budget(tiny_dens
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     print(f"killed {dict(killed)}; peak shard bytes on storage {peak[0]} of budget {budget}")
+    assert killed == {"extract": 3, "train": 3}, killed  # each side was killed while it still ran
 
     m = json.loads((cache / "manifest.json").read_text())
     jsonschema.validate(m, json.loads(SCHEMA_PATH.read_text()))  # released, consumers, passes included
@@ -165,3 +166,41 @@ def test_budget_refusal_and_pass_orders(tiny_dense, tiny_data, tmp_path):
     assert first == [r for s in one for r in s.tolist()]  # pass 0 is the one-pass plan
     rest = [r for s in two[len(one):] for r in s.tolist()]
     assert sorted(rest) == list(range(len(lengths))) and rest != first  # every row once more, another order
+
+
+def test_follow_resume_after_sigkill_equals_straight_run(tiny_dense, valid_cache, tmp_path):
+    """A follow run killed right after its second checkpoint (mid-window) and resumed gives the
+    losses, learning rates (the schedule follows the plan's tokens) and final weights of a run
+    that was never killed."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    cache = tmp_path / "cache"
+    shutil.copytree(valid_cache, cache)  # a follower records itself in the manifest
+    opts = ["--seq-len", "128", "--num-anchors", "8", "--block-size", "4", "--global-batch-tokens", "256",
+            "--mask-token-id", "1", "--num-layers", "1", "--epochs", "1", "--follow", "--follow-window", "2",
+            "--loader-workers", "0", "--checkpoint-every", "3", "--no-progress"]
+    base = ["train", "--target", str(tiny_dense), "--cache", str(cache), *opts]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    r = run_cli([*base, "--out", str(straight)])
+    assert r.returncode == 0, r.stderr
+    env = {**os.environ, "DFLASH_OFFLINE_KILL_AT": "checkpoint-saved:2"}
+    r = run_cli([*base, "--out", str(resumed)], env=env)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    r = run_cli([*base, "--out", str(resumed)])
+    assert r.returncode == 0, r.stderr
+
+    def records(out):
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+    a, b = records(straight), records(resumed)
+    assert len(a) > 6 and [x["step"] for x in b] == list(range(1, len(a) + 1))
+    assert [(x["loss"], x["lr"]) for x in a] == [(x["loss"], x["lr"]) for x in b]
+    assert a[-1]["lr"] < 0.1 * max(x["lr"] for x in a)  # the schedule ran to its end
+    last = max(int(p.name[5:]) for p in straight.glob("step-*"))
+    wa, wb = (load_file(str(o / f"step-{last}" / "drafter.safetensors")) for o in (straight, resumed))
+    for k in wa:
+        np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
+    assert (straight / "consumed.jsonl").read_text() == (resumed / "consumed.jsonl").read_text()

@@ -164,6 +164,25 @@ class ManifestStore:
                 reserved.pop(n, None)
             self.loc.write_json_atomic(MANIFEST, m)
 
+    def register_consumer(self, consumer: str, stream: bool) -> None:
+        """Enter a trainer that follows this cache, under the lock, before it reads anything: a
+        streaming trainer deletes shards, so it must be the only consumer, and nobody may join
+        a cache that one streams. Raises UserError naming the other consumer."""
+        with self.loc.lock():
+            m = self.read()
+            consumers = m.setdefault("consumers", {})
+            others = sorted(c for c in consumers if c != consumer)
+            streaming = [c for c in others if consumers[c].get("stream")]
+            if streaming or (stream and others):
+                raise UserError(f"{self.loc.url(MANIFEST)}: {', '.join(streaming or others)} follows this cache"
+                                + (" and deletes its shards (--stream)" if streaming else "")
+                                + "; one streaming trainer per cache (remove that entry from `consumers` in "
+                                "manifest.json if the run is gone)")
+            rec = consumers.setdefault(consumer, {"finished": []})
+            rec["stream"] = bool(stream)
+            rec["updated"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            self.loc.write_json_atomic(MANIFEST, m)
+
     def record_consumed(self, consumer: str, finished: list[str], release: bool) -> list[str]:
         """Record that `consumer` has finished these shards for good (its checkpoint is past their
         last use); with `release`, move their entries to `released` and list them in `releasing`
