@@ -181,7 +181,12 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     source = data.scan(cfg.data, info.vocab_size)
     log.info("input: %d files, %d rows, %d tokens (scanned in %.1fs)", len(source.files), source.rows,
              int(source.lengths.sum()), time.time() - t0)
-    shards = make_plan(source.lengths, cfg.max_len, cfg.shard_tokens, cfg.sort_window, cfg.passes)
+    # make_plan's passes, built once and kept apart for the manifest's shards_per_pass.
+    per_pass = [_pass_plan(source.lengths, cfg.max_len, cfg.shard_tokens, cfg.sort_window, p) for p in range(cfg.passes)]
+    shards = [s for plan in per_pass for s in plan]
+    tl = np.minimum(source.lengths, cfg.max_len)
+    tokens_of = [int(tl[rows].sum()) for rows in shards]
+    total_tokens = sum(tokens_of)
     truncated = int((source.lengths > cfg.max_len).sum())
     wanted = new_manifest(
         target=info.manifest_entry(),
@@ -189,27 +194,23 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
                  "compute_dtype": compute_dtype},
         source=source.manifest_entry(),
         plan={"shard_tokens": cfg.shard_tokens, "sort_window": cfg.sort_window, "num_shards": len(shards),
-              "tokens": int(sum(int(np.minimum(source.lengths[r], cfg.max_len).sum()) for r in shards)),
-              **({"passes": cfg.passes,
-                  "shards_per_pass": [len(_pass_plan(source.lengths, cfg.max_len, cfg.shard_tokens, cfg.sort_window, p))
-                                      for p in range(cfg.passes)]} if cfg.passes > 1 else {})},
+              "tokens": total_tokens,
+              **({"passes": cfg.passes, "shards_per_pass": [len(plan) for plan in per_pass]} if cfg.passes > 1 else {})},
     )
     existing = ManifestStore(loc).read()
     if existing is not None:
         check_compatible(existing, wanted, loc.url("manifest.json"))
     committed = committed_names(existing) if existing else set()
-    tl = np.minimum(source.lengths, cfg.max_len)
-    total_tokens = int(sum(int(tl[rows].sum()) for rows in shards))
-    todo_tokens = sum(int(tl[rows].sum()) for j, rows in enumerate(shards) if shard_name(j) not in committed)
+    todo_tokens = sum(t for j, t in enumerate(tokens_of) if shard_name(j) not in committed)
     bpt = bytes_per_token(len(layer_ids), info.hidden_size, cfg.topk, cfg.hidden_dtype)
     need, whole = todo_tokens * bpt, total_tokens * bpt
-    shard_bytes = [reserved_bytes(int(tl[rows].sum()), bpt, cfg.chunk_tokens) for rows in shards]
+    shard_bytes = [reserved_bytes(t, bpt, cfg.chunk_tokens) for t in tokens_of]
     if cfg.max_bytes is not None:
         if max(shard_bytes) > cfg.max_bytes:
             j = int(np.argmax(shard_bytes))
             raise UserError(
                 f"--max-bytes {human_bytes(cfg.max_bytes)} cannot hold one shard: {shard_name(j)} needs about "
-                f"{human_bytes(shard_bytes[j])} ({int(tl[shards[j]].sum())} tokens x {bpt} bytes/token); raise "
+                f"{human_bytes(shard_bytes[j])} ({tokens_of[j]} tokens x {bpt} bytes/token); raise "
                 "--max-bytes, or lower --shard-tokens, --max-len, --topk or the number of layers")
         if whole > cfg.max_bytes:
             log.warning("the cache (%s) is larger than --max-bytes %s: workers pause whenever the budget is full, "

@@ -41,7 +41,6 @@ def preflight(cfg: TrainConfig) -> dict:
     from .drafter import DrafterConfig
     from .packing import accumulation, manifest_fingerprint, pack_rows, epoch_order, steps_per_epoch
     from .runtime import check_devices_exist, parse_devices
-    from .model_folder import read_target
 
     cfg.validate()
     devices = parse_devices(cfg.devices)
@@ -794,12 +793,7 @@ def _mark(phases: _PhaseTimer | None, name: str) -> None:
 
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop records past the checkpoint we resume from: those steps run again."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    _truncate_jsonl(path, lambda r: r["step"] <= step)
 
 
 class _null:
