@@ -244,15 +244,19 @@ def verify(cache: str) -> None:
     from .cache.reader import CacheReader
 
     reader = CacheReader(cache)
-    bad = []
+    bad = {}
     for name in tqdm(reader.shard_names, unit="shard", desc="verify"):
-        if reader.verify_shard(name) is not None:
-            bad.append(name)
+        problem = reader.verify_shard(name)
+        if problem is not None:
+            bad[name] = problem
     m = reader.manifest
     click.echo(f"{len(reader.shard_names) - len(bad)}/{len(reader.shard_names)} shards match their checksums "
                f"({m['status']}, {m['totals']['samples']} samples, {m['totals']['tokens']} tokens)")
     if bad:
-        click.echo(f"damaged: {', '.join(bad)}; delete them from manifest.json (or re-extract into a new cache)", err=True)
+        for name, problem in bad.items():
+            click.echo(f"damaged: {name}: {problem}", err=True)
+        click.echo(f"{len(bad)} damaged shard(s): delete them from manifest.json (or re-extract into a new cache)",
+                   err=True)
         sys.exit(1)
 
 
@@ -301,7 +305,7 @@ def demo(out: str, devices: str) -> None:
 
 
 def entry() -> None:
-    from .runtime import finish_heartbeat, record_failure
+    from .runtime import Stopped, current_log, finish_heartbeat, record_failure
 
     try:
         main(standalone_mode=False)
@@ -310,6 +314,11 @@ def entry() -> None:
         record_failure(e)
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except Stopped as e:
+        # SIGTERM/SIGINT: the work in progress was finished and committed; the message says how to resume.
+        finish_heartbeat("stopped", str(e))
+        click.echo(str(e), err=True)
+        sys.exit(e.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):
         # click turns Ctrl-C into Abort.
         finish_heartbeat("interrupted", "interrupted (Ctrl-C or SIGINT)")
@@ -320,9 +329,13 @@ def entry() -> None:
         sys.exit(e.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
-    except RuntimeError as e:
+    except Exception as e:
+        # One line on the terminal; the traceback and the phase are in the process log.
         record_failure(e)
-        click.echo(f"failed: {e}", err=True)
+        what = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
+        log_path = current_log()
+        click.echo(f"failed: {what}" + (f" (traceback in {log_path})" if log_path and
+                                        not isinstance(e, RuntimeError) else ""), err=True)
         sys.exit(1)
     except BaseException as e:
         record_failure(e)

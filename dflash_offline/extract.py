@@ -25,7 +25,8 @@ import numpy as np
 
 from .cache.manifest import shard_name
 from .config import ExtractConfig
-from .runtime import Launch, UserError, fault_point, heartbeat, open_process_log, torchrun_launch
+from .runtime import (Launch, Stopped, UserError, fault_point, heartbeat, install_stop_handlers, open_process_log,
+                      signal_name, stop_requested, torchrun_launch)
 
 log = logging.getLogger("dflash.extract")
 
@@ -255,15 +256,30 @@ def run(cfg: ExtractConfig) -> dict:
     cfg.validate()  # no log folder for a run that names no cache
     loc = Location(cfg.cache)
     name = f"extract-rank{launch.rank}" if launch else "extract-launcher"
-    log_path = open_process_log(_log_dir(cfg, loc), name)
+    why = loc.unwritable()
+    if why:
+        raise UserError(f"--cache {cfg.cache}: cannot write there ({why}); choose a writable location")
+    try:
+        log_path = open_process_log(_log_dir(cfg, loc), name)
+    except OSError as e:  # before anything else: no log, no cache, one line
+        raise UserError(f"--cache {cfg.cache}: cannot write its log folder {_log_dir(cfg, loc)} "
+                        f"({e.strerror or e}); choose a writable location (or --log-dir)") from None
+    install_stop_handlers()  # SIGTERM/SIGINT: finish the shards being written, commit them, exit
     t0 = time.time()
     heartbeat(phase="preflight")
     job, wanted, devices, todo_tokens = preflight(cfg, loc, launch)
+    if stop_requested():
+        raise Stopped(stop_requested(), f"stopped on {signal_name(stop_requested())} before any work; "
+                      "nothing changed; run the same command again to start")
 
     from .cache.manifest import ManifestStore
 
     if launch is None:
-        run_lock = loc.try_run_lock()  # held until this process exits
+        try:
+            run_lock = loc.try_run_lock()  # held until this process exits
+        except OSError as e:
+            raise UserError(f"--cache {cfg.cache}: cannot write there ({e.strerror or e}); choose a writable "
+                            "location") from None
         if run_lock is None:
             raise UserError(f"--cache {cfg.cache}: another extract is running on this cache (it holds "
                             f"{loc.path('.run.lock')}); wait for it or stop it, then run again")
@@ -281,11 +297,16 @@ def run(cfg: ExtractConfig) -> dict:
         device = worker_device(devices, launch, launch.rank)
         worker_run(launch.rank, launch.world_size, device, job, progress=None,
                    show_bar=cfg.progress and launch.rank == 0, todo_tokens=todo_tokens)
-        if launch.rank == 0:
+        if launch.rank == 0 and not stop_requested():
             _wait_for_other_ranks(store)
+        stopped = stop_requested()
     else:
-        _launch_workers(job, devices, todo_tokens, cfg.progress, _log_dir(cfg, loc))
+        stopped = _launch_workers(job, devices, todo_tokens, cfg.progress, _log_dir(cfg, loc))
     manifest = store.read()
+    if stopped:
+        done = len(manifest["shards"]) + len(manifest.get("released", []))
+        raise Stopped(stopped, f"stopped on {signal_name(stopped)}: {done}/{manifest['plan']['num_shards']} shards "
+                      "committed, none half-written; run the same command again to resume")
     _summary(manifest, time.time() - t0, log_path, launch)
     return manifest
 
@@ -311,7 +332,7 @@ def _wait_for_other_ranks(store) -> None:
     last = 0.0
     while True:
         m = store.read()
-        if m["status"] == "complete":
+        if m["status"] == "complete" or stop_requested():
             return
         if time.time() - last > 30:
             log.info("waiting for other ranks: %d/%d shards committed (%.0fs)", len(m["shards"]),
@@ -320,29 +341,39 @@ def _wait_for_other_ranks(store) -> None:
         time.sleep(0.5)
 
 
-def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bool, log_dir: str) -> None:
+def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bool, log_dir: str) -> int | None:
+    """Run one worker process per device to the end. Returns the signal number if the run was
+    stopped on request (the workers finished their shards in progress and exited), else None."""
     import multiprocessing as mp
 
     from tqdm import tqdm
 
-    from .runtime import failed_process, stop_processes
+    from .runtime import STOP_CODES, failed_process, forward_stop, request_stop, stop_processes
 
     ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
     q = ctx.Queue()
     procs = []
+    install_stop_handlers(forward=lambda signum: forward_stop(procs))
     for rank, dev in enumerate(devices):
         p = ctx.Process(target=worker_entry, args=(rank, len(devices), dev, job, q), name=f"extract-rank{rank}")
         p.start()
         procs.append(p)
+        if stop_requested():  # a request that came while the workers were starting
+            forward_stop(procs[-1:])
     log.info("started %d worker processes: %s", len(procs), ", ".join(f"{p.pid} on {d}" for p, d in zip(procs, devices)))
+    heartbeat(phase="extract", workers=[p.pid for p in procs])
     bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
                desc="extract", smoothing=0.05)
     written = 0
     failed = None
+    errors: dict[int, str] = {}  # rank -> its error line (sent before it exits)
     try:
         while True:
             try:
                 kind, tokens, nbytes = q.get(timeout=0.5)
+                if kind == "error":  # (kind, rank, line)
+                    errors[tokens] = nbytes
+                    continue
                 if kind in ("paused", "resumed"):  # (kind, occupancy, why): a worker waits for budget
                     bar.set_postfix_str(f"paused: {nbytes}" if kind == "paused" else f"{written / 1e9:.2f} GB written")
                     continue
@@ -353,17 +384,50 @@ def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bo
                 continue
             except queue.Empty:
                 pass
-            failed = failed_process(procs)
-            if failed is not None or all(p.exitcode == 0 for p in procs):
+            failed = failed_process(procs, allow=STOP_CODES)
+            if any(p.exitcode in STOP_CODES for p in procs) and not stop_requested():
+                # A worker was stopped on its own (kill -TERM PID): the others stop with it.
+                request_stop(next(p.exitcode for p in procs if p.exitcode in STOP_CODES) - 128)
+                forward_stop(procs)
+            if failed is not None or all(p.exitcode is not None for p in procs):
                 break
     finally:
         bar.close()
         stop_processes(procs, failed)
+    if failed is None and stop_requested():
+        return stop_requested()
     if failed is not None:
-        raise RuntimeError(
-            f"worker {failed} ({devices[failed]}) exited with code {procs[failed].exitcode}; "
-            f"see {os.path.join(log_dir, f'extract-rank{failed}.log')}. Run the same command again to resume."
-        )
+        _drain_errors(q, errors)
+        raise RuntimeError(_worker_failure(job, failed, devices[failed], procs[failed].exitcode, errors.get(failed),
+                                           os.path.join(log_dir, f"extract-rank{failed}.log")))
+
+
+def _drain_errors(q, errors: dict) -> None:
+    while True:
+        try:
+            kind, rank, line = q.get(timeout=0.2)
+        except queue.Empty:
+            return
+        if kind == "error":
+            errors[rank] = line
+
+
+def _worker_failure(job: Job, rank: int, device: str, code: int, error: str | None, log_path: str) -> str:
+    """The launcher's one line for a failed worker: its own error, and for a full device what to do."""
+    from .cache.location import Location
+    from .cache.manifest import ManifestStore
+    from .runtime import is_no_space
+
+    if error and is_no_space(error):
+        error = error.split("; see ")[0]  # the worker's pointer to its logs and its advice: said below
+        loc = Location(job.cfg["cache"])
+        m = ManifestStore(loc).read() or {"shards": [], "released": []}
+        done = len(m["shards"]) + len(m.get("released", []))
+        return (f"no space left on the device of {loc.path()}: {done}/{len(job.shards)} shards committed, none "
+                f"half-written; free space (or raise the quota), then run the same command again to resume "
+                f"(worker {rank}: {error})")
+    what = error or f"exited with code {code}"
+    return f"worker {rank} ({device}) failed: {what}; see {log_path}. Run the same command again to resume."
 
 
 def _summary(manifest: dict, elapsed: float, log_path, launch) -> None:
@@ -394,13 +458,18 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     die_with_parent()
     loc = Location(job.cfg["cache"])
     open_process_log(_log_dir(ExtractConfig(**job.cfg), loc), f"extract-rank{rank}", console=True)
-    from .runtime import reported_outcome
+    install_stop_handlers(announce=False)
+    from .runtime import worker_outcome
 
-    with reported_outcome():
+    with worker_outcome(on_error=lambda line: q.put(("error", rank, line))):
         worker_run(rank, world, device, job, progress=q, show_bar=False, todo_tokens=0)
+        if stop_requested():
+            raise Stopped(stop_requested(), f"worker {rank}: stopped on {signal_name(stop_requested())} "
+                          "after committing its shards in progress")
 
 
 def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar: bool, todo_tokens: int) -> None:
+    heartbeat(phase="import")  # torch and the model code: a broken install fails here
     from .cache.location import Location
     from .cache.manifest import ManifestStore, committed_names
     from .data import RowReader, Source, SourceFile
@@ -424,7 +493,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     store.drop_reservations({shard_name(j) for j in mine})
     log.info("worker %d/%d on %s: %d shards to write (%d already committed in all)", rank, world, device,
              len(mine), len(committed))
-    if not mine:
+    if not mine or stop_requested():
         return
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -439,7 +508,9 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     keep = info.num_layers if need_head else max(job.layer_ids) + 1
     t0 = time.time()
     heartbeat(phase="load target")
+    fault_point("load-target")
     model = load_target(info, device, job.compute_dtype, keep, need_head)
+    heartbeat(phase="extract")
     log.info("loaded target in %.1fs", time.time() - t0)
     capture = LayerCapture(model, job.layer_ids)
     n, H, k = len(job.layer_ids), job.hidden_size, cfg.topk
@@ -471,9 +542,13 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
             bar.set_postfix_str(f"paused: {why}" if paused else f"{written[0] / 1e9:.2f} GB written")
 
     def admitted():
-        for j in mine:
-            if cfg.max_bytes is not None:
-                wait_for_budget(store, j, job.shard_bytes[j], cfg.max_bytes, on_pause)
+        for i, j in enumerate(mine):
+            # A stop request ends the run between shards: the one being written is finished first.
+            if stop_requested() or (cfg.max_bytes is not None and
+                                    not wait_for_budget(store, j, job.shard_bytes[j], cfg.max_bytes, on_pause)):
+                log.info("stop requested: %d of this worker's shards not started (%s first)", len(mine) - i,
+                            shard_name(j))
+                return
             yield j, _shard_samples(job, j, src, reader, cfg.max_len)
 
     t_start = time.time()
@@ -489,10 +564,11 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
              100 * sink.stats["writer_busy_s"] / max(dt * len(sink.procs), 1e-9))
 
 
-def wait_for_budget(store, j: int, nbytes: int, budget: int, on_pause, poll_s: float = 0.5) -> None:
+def wait_for_budget(store, j: int, nbytes: int, budget: int, on_pause, poll_s: float = 0.5) -> bool:
     """Block until shard j is admitted under the budget (ManifestStore.reserve): the shards before
     it must have started, and the unconsumed cache must leave room for it. Pausing is not an
-    error: a streaming trainer releases shards as it finishes them."""
+    error: a streaming trainer releases shards as it finishes them. False: a stop was requested
+    while waiting (the shard is not admitted)."""
     before = [shard_name(i) for i in range(j)]
     t0 = last = None
     while True:
@@ -501,7 +577,9 @@ def wait_for_budget(store, j: int, nbytes: int, budget: int, on_pause, poll_s: f
             if t0 is not None:
                 log.info("resumed %s after %.1fs paused", shard_name(j), time.time() - t0)
                 on_pause(False, used, "")
-            return
+            return True
+        if stop_requested():
+            return False
         full = used + nbytes > budget
         why = (f"cache full ({human_bytes(used)} of {human_bytes(budget)} budget; {shard_name(j)} needs "
                f"{human_bytes(nbytes)})" if full else f"waiting for the shards before {shard_name(j)} to start")
@@ -617,6 +695,7 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
                 tokens_done += N
                 forward_tokens += B * S
                 heartbeat(phase="extract", shard=shard_name(j), tokens_done=tokens_done)
+                fault_point("batch-done")
             sink.end(j)
         sink.close()
     except BaseException:

@@ -83,6 +83,9 @@ def read_target(path: str) -> TargetInfo:
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if key not in text:
             raise UserError(f"{cfg_path}: missing {key!r}; is this a causal language model?")
+    if int(text["num_hidden_layers"]) < 1:
+        raise UserError(f"{cfg_path}: num_hidden_layers is {text['num_hidden_layers']}: the target has no decoder "
+                        "layers whose hidden states could be captured; point --target at a causal language model")
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise UserError(f"--target {path}: no *.safetensors weights in the folder")

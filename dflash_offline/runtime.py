@@ -51,7 +51,7 @@ def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = T
     root.setLevel(logging.INFO)
     for h in list(root.handlers):
         root.removeHandler(h)
-    fh = logging.StreamHandler(stream)
+    fh = _LogFileHandler(stream)
     fh.setFormatter(logging.Formatter(LOG_FORMAT))
     root.addHandler(fh)
     global _file_handler
@@ -69,6 +69,16 @@ def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = T
     global _heartbeat
     _heartbeat = Heartbeat(log_dir / f"{name}{HEARTBEAT_SUFFIX}", name, path)
     return path
+
+
+class _LogFileHandler(logging.StreamHandler):
+    """A log file whose device is full (or gone) drops lines instead of printing a "--- Logging
+    error ---" traceback per line on the terminal: the run's own error message is the one to see."""
+
+    def handleError(self, record) -> None:
+        if isinstance(sys.exc_info()[1], OSError):
+            return
+        super().handleError(record)
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,6 +139,11 @@ def heartbeat(phase: str | None = None, **progress) -> None:
         _heartbeat.beat(phase, **progress)
 
 
+def current_log() -> str | None:
+    """This process's log file (None before open_process_log)."""
+    return _heartbeat.data["log"] if _heartbeat is not None else None
+
+
 def finish_heartbeat(state: str, error: str | None = None) -> None:
     if _heartbeat is not None:
         _heartbeat.finish(state, error)
@@ -146,15 +161,137 @@ def reported_outcome():
     finish_heartbeat("done")
 
 
+@contextlib.contextmanager
+def worker_outcome(on_error=None):
+    """Around a stage worker process's work (extract worker, training rank): like
+    reported_outcome, and a stop on request ends the process with 128 + the signal, a second
+    signal (KeyboardInterrupt) with 130, each with its state in the heartbeat. An error goes to
+    the log (with its traceback) and to `on_error(one line)` (the launcher's queue: the log and
+    the heartbeat may sit on a full disk), and the process exits with 1, printing nothing."""
+    try:
+        yield
+    except Stopped as e:
+        log.info("%s", e)
+        finish_heartbeat("stopped", str(e))
+        raise SystemExit(e.exit_code) from None
+    except KeyboardInterrupt:
+        log.warning("interrupted: stopped at once, the unit in progress abandoned (it is not committed)")
+        finish_heartbeat("interrupted", "stopped at once by a second signal")
+        raise SystemExit(128 + signal.SIGINT) from None
+    except Exception as e:
+        record_failure(e)
+        if on_error is not None:
+            with contextlib.suppress(Exception):
+                on_error(f"{type(e).__name__}: {e}".splitlines()[0][:1000])
+        raise SystemExit(1) from None
+    except BaseException as e:
+        record_failure(e)
+        raise
+    finish_heartbeat("done")
+
+
+def is_no_space(text: str) -> bool:
+    """Whether an error line is a full device (ENOSPC, or the quota kind EDQUOT)."""
+    import errno
+
+    return any(f"[Errno {n}]" in text for n in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)))
+
+
 def record_failure(exc: BaseException) -> None:
     """Write the error (with its traceback, unless it is bad input) into the log file only (the
     terminal gets the CLI's one line) and mark the heartbeat failed: what `status` shows."""
     if _file_handler is not None:
         bad_input = isinstance(exc, UserError)
-        record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "refused: %s" if bad_input else "failed: %s",
-                                (exc,), None if bad_input else (type(exc), exc, exc.__traceback__))
+        phase = _heartbeat.data["phase"] if _heartbeat is not None else "starting"
+        record = log.makeRecord(log.name, logging.ERROR, __file__, 0,
+                                "refused: %s" if bad_input else "failed: %s (phase: %s)",
+                                (exc,) if bad_input else (exc, phase),
+                                None if bad_input else (type(exc), exc, exc.__traceback__))
         _file_handler.handle(record)
     finish_heartbeat("failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
+
+
+# --------------------------------------------------------------------------------------------
+# Graceful stop: SIGTERM / SIGINT
+
+# A second signal this soon after the first is the same request arriving twice: a terminal's
+# Ctrl-C reaches every process of the foreground group, and the launcher forwards it as well.
+REPEAT_WINDOW_S = 2.0
+STOP_CODES = {128 + signal.SIGINT, 128 + signal.SIGTERM}  # exit codes of a process that stopped on request
+
+
+class Stopped(Exception):
+    """The run stopped on SIGTERM/SIGINT at a safe point, its complete work committed. The CLI
+    prints the message (it says how to resume) and exits with 128 + the signal's number."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum
+
+
+class _StopRequest:
+    """The first SIGTERM/SIGINT asks the process's loop to stop at its next safe point (after the
+    shard being written, after the training step); a later one stops at once (KeyboardInterrupt:
+    nothing half-done is ever committed, so that is safe too, only less tidy)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.at = 0.0
+        self.forward = None  # launcher: called with the signal number, passes it on to the workers
+        self.announce = True  # on the terminal (WARNING); a launcher's workers only log it
+
+    def handler(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self.at = signum, now
+            log.log(logging.WARNING if self.announce else logging.INFO,
+                    "%s received: stopping at the next safe point (a second signal stops at once)",
+                    signal.Signals(signum).name)
+            heartbeat(phase="stopping", stop_signal=signal.Signals(signum).name)
+            if self.forward is not None:
+                self.forward(signum)
+            return
+        if now - self.at < REPEAT_WINDOW_S:
+            return
+        log.warning("second %s: stopping now; the unit in progress is abandoned", signal.Signals(signum).name)
+        if self.forward is not None:
+            self.forward(signum)
+        raise KeyboardInterrupt
+
+
+_stop = _StopRequest()
+
+
+def install_stop_handlers(forward=None, announce: bool = True) -> None:
+    """Route SIGTERM and SIGINT to the graceful stop (main thread only). `forward(signum)`: a
+    launcher passes each request on to its worker processes; `announce=False` in those workers
+    (the launcher tells the terminal, the workers their logs)."""
+    _stop.forward, _stop.announce = forward, announce
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, _stop.handler)
+
+
+def ignore_stop_signals() -> None:
+    """Helper processes (shard writers, loader workers) are stopped by their owner, not by the
+    terminal's Ctrl-C reaching the whole process group."""
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+
+
+def stop_requested() -> int | None:
+    """The signal number of a pending stop request, else None."""
+    return _stop.signum
+
+
+def request_stop(signum: int) -> None:
+    """Record a stop request as if `signum` had arrived (a launcher whose worker was stopped alone)."""
+    if _stop.signum is None:
+        _stop.signum, _stop.at = signum, time.monotonic()
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,9 +369,20 @@ def die_with_parent() -> None:
         pass
 
 
-def failed_process(procs) -> int | None:
-    """Index of the first process that exited with a non-zero code, else None."""
-    return next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0)), None)
+def failed_process(procs, allow=()) -> int | None:
+    """Index of the first process that exited with a non-zero code (other than those in `allow`), else None."""
+    return next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0, *allow)), None)
+
+
+def forward_stop(procs) -> None:
+    """A launcher passes a stop request on to its worker processes as SIGTERM: each finishes its
+    shard or step (the ranks agree on the step); a repeated request stops them at once."""
+    for p in procs:
+        if p.is_alive():
+            try:
+                os.kill(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
 
 def stop_processes(procs, failed: int | None) -> None:
@@ -261,7 +409,8 @@ def single_thread_compute() -> None:
 _fault_counts: dict[tuple[str, str], int] = {}
 
 # Environment variable -> what happens on the N-th arrival at the named point.
-FAULT_VARS = {"DFLASH_OFFLINE_KILL_AT": "kill", "DFLASH_OFFLINE_RAISE_AT": "raise", "DFLASH_OFFLINE_STALL_AT": "stall"}
+FAULT_VARS = {"DFLASH_OFFLINE_KILL_AT": "kill", "DFLASH_OFFLINE_RAISE_AT": "raise", "DFLASH_OFFLINE_STALL_AT": "stall",
+              "DFLASH_OFFLINE_DELAY_AT": "delay"}
 
 
 class InjectedFault(RuntimeError):
@@ -273,8 +422,10 @@ def fault_point(name: str) -> None:
     after a training step...). On the N-th arrival at `name`:
       DFLASH_OFFLINE_KILL_AT=name:N   SIGKILL of the whole process group;
       DFLASH_OFFLINE_RAISE_AT=name:N  an InjectedFault exception (the error path: logs, status);
-      DFLASH_OFFLINE_STALL_AT=name:N  sleep for an hour (a process caught mid-run, for `status`).
-    Unset, it costs three dict lookups.
+      DFLASH_OFFLINE_STALL_AT=name:N  sleep for an hour (a process caught mid-run, for `status`);
+      DFLASH_OFFLINE_DELAY_AT=name:S  sleep S seconds at *every* arrival (a slow run, so that a
+                                      signal lands mid-shard or mid-run).
+    Unset, it costs four dict lookups.
     """
     for var, action in FAULT_VARS.items():
         spec = os.environ.get(var)
@@ -282,6 +433,9 @@ def fault_point(name: str) -> None:
             continue
         want, _, n = spec.partition(":")
         if want != name:
+            continue
+        if action == "delay":
+            time.sleep(float(n))
             continue
         key = (action, name)
         _fault_counts[key] = _fault_counts.get(key, 0) + 1

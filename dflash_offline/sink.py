@@ -66,6 +66,16 @@ def _slot_bytes(arrays) -> int:
     return sum((int(np.prod(s)) * np.dtype(dt).itemsize + 63) // 64 * 64 for _, s, dt in arrays)
 
 
+def _close_shm(shm: shared_memory.SharedMemory) -> None:
+    try:
+        shm.close()
+    except BufferError:
+        # A view still exports the buffer (on the error path, from a traceback's frame): the mapping
+        # goes with it or with the process. Drop the handles so that the object's finalizer does not
+        # try again at exit and print "Exception ignored" on the terminal.
+        shm._buf = shm._mmap = None
+
+
 def _attach(name: str) -> shared_memory.SharedMemory:
     """Map a segment the worker created. A spawned child shares its parent's resource tracker, so
     registering the name again there is a no-op, and the worker's unlink unregisters it once."""
@@ -103,9 +113,10 @@ def _next_message(inq):
 def writer_main(w: int, cache: str, layout_kw: dict, slot_names: list[str], arrays, inq, outq,
                 log_dir: str, log_name: str, discard: bool = False) -> None:
     """Entry of writer process w: log file first, then its loop (numpy and Zarr only)."""
-    from .runtime import die_with_parent, open_process_log, reported_outcome
+    from .runtime import die_with_parent, ignore_stop_signals, open_process_log, reported_outcome
 
     die_with_parent()
+    ignore_stop_signals()  # the worker decides when its writers stop (it finishes the shard first)
     open_process_log(log_dir, log_name, console=False)
     try:
         with reported_outcome():
@@ -119,12 +130,22 @@ def writer_main(w: int, cache: str, layout_kw: dict, slot_names: list[str], arra
 def _writer_loop(w, cache, layout_kw, slot_names, arrays, inq, outq, discard: bool) -> None:
     from .cache.location import Location
     from .cache.manifest import ManifestStore
-    from .cache.writer import ShardLayout, ShardWriter
-    from .extract import shard_name, tmp_shard_rel
 
     loc = Location(cache)
     store = ManifestStore(loc)
     shms = [_attach(n) for n in slot_names]
+    try:
+        _write_loop(w, loc, store, shms, arrays, layout_kw, inq, outq, discard)
+    finally:
+        for shm in shms:
+            _close_shm(shm)
+    outq.put(("closed", w))
+
+
+def _write_loop(w, loc, store, shms, arrays, layout_kw, inq, outq, discard: bool) -> None:
+    from .cache.writer import ShardLayout, ShardWriter
+    from .extract import shard_name, tmp_shard_rel
+
     slots = [_views(s.buf, arrays) for s in shms]
     outq.put(("ready", w, os.getpid()))
     log.info("shard writer %d: %d shared slots of %.1f MB mapped", w, len(shms), _slot_bytes(arrays) / 1e6)
@@ -188,12 +209,6 @@ def _writer_loop(w, cache, layout_kw, slot_names, arrays, inq, outq, discard: bo
         busy += time.perf_counter() - t0
     v = None
     slots.clear()  # the views pin the mappings: drop them before closing
-    for shm in shms:
-        try:
-            shm.close()
-        except BufferError:  # a view still referenced; the mapping goes with the process
-            pass
-    outq.put(("closed", w))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,8 +440,5 @@ class ShardSink:
         self._unlink()
         self._np = []
         for s in self.shms:
-            try:
-                s.close()
-            except BufferError:  # a torch view still alive somewhere; the mapping goes with the process
-                pass
+            _close_shm(s)
         self.shms = []

@@ -36,8 +36,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def processes(log_dir: Path, now: float | None = None) -> list[dict]:
-    """One entry per heartbeat file: name, pid, state (running / done / failed / interrupted /
-    died / stale), phase, progress fields, age of the last beat, error, log path."""
+    """One entry per heartbeat file: name, pid, state (running / done / failed / stopped /
+    interrupted / died / stale), phase, progress fields, age of the last beat, error, log path."""
     now = time.time() if now is None else now
     host = socket.gethostname()
     out = []
@@ -58,8 +58,9 @@ def processes(log_dir: Path, now: float | None = None) -> list[dict]:
 
 
 def last_error(log_dir: Path) -> dict | None:
-    """The newest error line (and the exception line of its traceback) in the process logs."""
-    best = None
+    """The newest error line (and the exception line of its traceback) in the process logs. A
+    launcher's "worker N exited" is only the echo of a worker's own error: the worker's is shown."""
+    found = []
     for f in sorted(log_dir.glob("*.log")):
         try:
             lines = f.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -73,10 +74,21 @@ def last_error(log_dir: Path) -> dict | None:
                 tail = [ln for ln in lines[i + 1:i + 200] if ln and not ln.startswith((" ", "Traceback", "20"))]
                 if tail:
                     detail = tail[-1] if detail.startswith("failed:") else detail
-                if best is None or when > best["time"]:
-                    best = {"time": when, "log": str(f), "error": detail}
+                found.append({"time": when, "log": str(f), "error": detail})
                 break
-    return best
+    if not found:
+        return None
+    newest = max(found, key=lambda e: e["time"])
+    if newest["log"].endswith("launcher.log"):
+        # The launcher's failure echoes a worker's: show the worker's own, if it is from this run.
+        def seconds(e):
+            return time.mktime(time.strptime(e["time"][:19], "%Y-%m-%d %H:%M:%S"))
+
+        causes = [e for e in found if not e["log"].endswith("launcher.log")
+                  and 0 <= seconds(newest) - seconds(e) < 60]
+        if causes:
+            return max(causes, key=lambda e: e["time"])
+    return newest
 
 
 def cache_status(path: str) -> dict:
@@ -85,19 +97,29 @@ def cache_status(path: str) -> dict:
 
     loc = Location(path)
     m = ManifestStore(loc).read()
-    if m is None:
-        raise UserError(f"{path}: no manifest.json; not a cache (or nothing committed yet)")
-    committed = committed_names(m)
-    debris = [n for n in loc.listdir("shards") if n.endswith(".zarr") and n[:-5] not in committed]
     logs = Path(loc.path("logs")) if not loc.remote else Path("dflash-logs")
     procs = processes(logs) if logs.is_dir() else []
+    if m is None:
+        if not procs:
+            raise UserError(f"{path}: no manifest.json; not a cache (or nothing committed yet)")
+        # An extraction that ended before it created the manifest (refused, or failed in preflight).
+        m = {"status": "not created", "plan": {"num_shards": 0}, "totals": {"samples": 0, "tokens": 0, "bytes": 0},
+             "shards": []}
+    committed = committed_names(m)
+    debris = [n for n in loc.listdir("shards") if n.endswith(".zarr") and n[:-5] not in committed]
     running = [p for p in procs if p["state"] == "running"]
-    if m["status"] == "complete":
+    if m["status"] == "not created" and not running:
+        verdict = "no manifest yet: the extraction ended before it created one (see the last error)"
+    elif m["status"] == "complete":
         verdict = "complete"
     elif running:
         verdict = "extracting"
     elif any(p["state"] == "stale" for p in procs):
         verdict = HUNG
+    elif any(p["state"] == "failed" for p in procs):
+        verdict = "failed (see the last error): run the same extract command again to resume once it is fixed"
+    elif any(p["state"] == "stopped" for p in procs):
+        verdict = "stopped on request (SIGTERM/SIGINT): run the same extract command again to resume"
     else:
         verdict = "interrupted: run the same extract command again to resume"
     return {"kind": "cache", "path": str(path), "status": m["status"], "verdict": verdict,
@@ -125,7 +147,7 @@ def run_status(path: str) -> dict:
     procs = processes(out / "logs") if (out / "logs").is_dir() else []
     total = next((p["total_steps"] for p in procs if p.get("total_steps")), None)
     running = [p for p in procs if p["state"] == "running"]
-    failed = [p for p in procs if p["state"] in ("failed", "died", "interrupted")]
+    failed = [p for p in procs if p["state"] in ("failed", "died", "interrupted", "stopped")]
     export = (out / "export" / "config.json").is_file()
     done = [p for p in procs if p["state"] == "done"]
     if running:
@@ -146,7 +168,7 @@ def run_status(path: str) -> dict:
 
 def status(path: str) -> dict:
     p = Path(path)
-    if "://" in str(path) or (p / "manifest.json").is_file():
+    if "://" in str(path) or (p / "manifest.json").is_file() or any((p / "logs").glob("extract-*")):
         return cache_status(path)
     if p.is_dir() and ((p / "metrics.jsonl").exists() or any(p.glob("step-*")) or any((p / "logs").glob("train-*"))):
         return run_status(path)
@@ -180,7 +202,7 @@ def format_status(st: dict) -> str:
         prog = ", ".join(f"{k} {p[k]}" for k in ("shard", "tokens_done", "step", "total_steps") if k in p)
         state = p["state"]
         note = {"died": " (process gone without a word: killed?)", "stale": " (no heartbeat: hung?)"}.get(state, "")
-        err = f": {p['error']}" if p.get("error") and state in ("failed", "interrupted") else ""
+        err = f": {p['error']}" if p.get("error") and state in ("failed", "interrupted", "stopped") else ""
         lines.append(f"  {p['name']:<18} pid {p['pid']:<7} {state}{note}{err}; phase {p['phase']}"
                      + (f", {prog}" if prog else "") + f"; last heartbeat {_age(p['age_s'])} ago")
     e = st["last_error"]

@@ -133,9 +133,18 @@ class RowStream(torch.utils.data.IterableDataset):
             yield self.make(g, rows[g])
 
 
+def _loader_worker_init(worker_id: int) -> None:
+    # A terminal's Ctrl-C reaches the whole process group: the rank stops its loaders itself,
+    # after finishing its step (a loader dying first would fail that step).
+    from .runtime import ignore_stop_signals
+
+    ignore_stop_signals()
+
+
 def make_loader(stream: RowStream, num_workers: int, prefetch: int, pin: bool):
     kw = {}
     if num_workers > 0:
         # spawn: a forked loader would inherit the parent's CUDA context and threads.
-        kw = dict(multiprocessing_context="spawn", prefetch_factor=prefetch, persistent_workers=False)
+        kw = dict(multiprocessing_context="spawn", prefetch_factor=prefetch, persistent_workers=False,
+                  worker_init_fn=_loader_worker_init)
     return torch.utils.data.DataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin, **kw)

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import TrainConfig
-from .runtime import UserError, fault_point, heartbeat, open_process_log, torchrun_launch
+from .runtime import (Stopped, UserError, fault_point, heartbeat, install_stop_handlers, open_process_log,
+                      signal_name, stop_requested, torchrun_launch)
 
 log = logging.getLogger("dflash.train")
 
@@ -230,9 +231,17 @@ def run(cfg: TrainConfig) -> None:
     launch = torchrun_launch()
     out = Path(cfg.out)
     name = f"train-rank{launch.rank}" if launch else "train-launcher"
-    open_process_log(out / "logs", name)
+    try:
+        open_process_log(out / "logs", name)
+    except OSError as e:  # before anything else: no log, no run folder, one line
+        raise UserError(f"--out {cfg.out}: cannot write its log folder {out / 'logs'} ({e.strerror or e}); "
+                        "choose a writable run folder") from None
+    install_stop_handlers()  # SIGTERM/SIGINT: finish the step, checkpoint, exit
     heartbeat(phase="preflight")
     plan = preflight(cfg)
+    if stop_requested():
+        raise Stopped(stop_requested(), f"stopped on {signal_name(stop_requested())} before training started; "
+                      "nothing changed; run the same command again to start")
     if launch is None or launch.rank == 0:
         from .cache.location import Location
 
@@ -254,37 +263,81 @@ def run(cfg: TrainConfig) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    from .runtime import STOP_CODES, failed_process, forward_stop, request_stop, stop_processes
+
     ctx = mp.get_context("spawn")
     procs = []
+    errq = ctx.Queue()  # each failing rank's error line (its log may sit on a full disk)
+    install_stop_handlers(forward=lambda signum: forward_stop(procs))
     for rank, dev in enumerate(devices):
-        p = ctx.Process(target=_spawned, args=(rank, len(devices), dev, cfg, plan, port), name=f"train-rank{rank}")
+        p = ctx.Process(target=_spawned, args=(rank, len(devices), dev, cfg, plan, port, errq), name=f"train-rank{rank}")
         p.start()
         procs.append(p)
-    from .runtime import failed_process, stop_processes
-
+        if stop_requested():  # a request that came while the ranks were starting
+            forward_stop(procs[-1:])
     failed = None
-    while any(p.is_alive() for p in procs) and failed is None:
-        heartbeat(phase="train", ranks=[p.pid for p in procs])
-        time.sleep(0.5)
-        failed = failed_process(procs)
-    stop_processes(procs, failed)
-    bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    try:
+        while any(p.is_alive() for p in procs) and failed is None:
+            heartbeat(phase="stopping" if stop_requested() else "train", ranks=[p.pid for p in procs])
+            time.sleep(0.5)
+            failed = failed_process(procs, allow=STOP_CODES)
+            if not stop_requested() and any(p.exitcode in STOP_CODES for p in procs):
+                request_stop(next(p.exitcode for p in procs if p.exitcode in STOP_CODES) - 128)
+    finally:
+        stop_processes(procs, failed)
+    bad = [r for r, p in enumerate(procs) if p.exitcode != 0 and not (stop_requested() and p.exitcode in STOP_CODES)]
+    if not bad and stop_requested():
+        raise Stopped(stop_requested(), stopped_message(stop_requested(), out))
     if bad:
-        raise RuntimeError(f"training rank {bad[0]} exited with code {procs[bad[0]].exitcode}; see "
-                           f"{out / 'logs' / f'train-rank{bad[0]}.log'}. Run the same command again to resume.")
+        errors = {}
+        while True:
+            try:
+                r, line = errq.get(timeout=0.2)
+            except Exception:  # queue.Empty
+                break
+            errors[r] = line
+        # The first rank to fail is the cause; the others' errors (a broken collective) follow from it.
+        first = min(errors, key=lambda r: errors[r][0]) if errors else bad[0]
+        what = errors[first][1] if errors else f"exited with code {procs[first].exitcode}"
+        raise RuntimeError(f"training rank {first} failed: {what}; see {out / 'logs' / f'train-rank{first}.log'}. "
+                           "Run the same command again to resume.")
 
 
-def _spawned(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict, port: int) -> None:
+def _spawned(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict, port: int, errq) -> None:
     from .runtime import die_with_parent
 
     die_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     open_process_log(Path(cfg.out) / "logs", f"train-rank{rank}")
-    from .runtime import reported_outcome
+    install_stop_handlers(announce=False)
+    from .runtime import worker_outcome
 
-    with reported_outcome():
+    with worker_outcome(on_error=lambda line: errq.put((rank, (time.time(), line)))):
         train_worker(rank, world, device, cfg, plan)
+
+
+def stopped_message(signum: int, out: Path) -> str:
+    steps = list_checkpoints(out)
+    if not steps:
+        return (f"stopped on {signal_name(signum)} before the first checkpoint: nothing to resume from; "
+                "run the same command again to start over")
+    return (f"stopped on {signal_name(signum)}: checkpoint step-{steps[-1]} saved in {out}; "
+            "run the same command again to resume")
+
+
+def _agreed_stop(group, world: int) -> int | None:
+    """The stop signal if any rank has one (every rank calls this at the same point), else None.
+    One tiny all-reduce on a gloo group: a host-side collective, no GPU sync."""
+    sig = stop_requested() or 0
+    if world > 1:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([sig], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        sig = int(t.item())
+    return sig or None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -391,7 +444,7 @@ def follow_window_rows(cfg: TrainConfig, plan: dict, window: int, names: list[st
 
 
 def _follow_segments(cfg: TrainConfig, plan: dict, rank: int, world: int, device: str, fstate: dict,
-                     checkpoint_now, current_step, last_checkpoint):
+                     checkpoint_now, current_step, last_checkpoint, agreed_stop):
     """Windows of `follow_window` shards in plan order, each yielded once all its shards are
     committed. Rank 0 watches the manifest and tells the others (a broadcast per poll), so every
     rank waits, checkpoints and goes on at the same moment. With `--stream`, when extraction is
@@ -441,6 +494,8 @@ def _follow_segments(cfg: TrainConfig, plan: dict, rank: int, world: int, device
             if code == 2:
                 checkpoint_now(prev)
                 continue
+            if agreed_stop():
+                return
             heartbeat(phase="waiting for shards", step=current_step(), window=window, first_shard=names[0])
             fault_point("train-waiting")
             time.sleep(0.5)
@@ -508,6 +563,7 @@ def _consumed(cfg: TrainConfig, plan: dict, window: int) -> None:
 
 
 def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict) -> None:
+    heartbeat(phase="import")  # torch and the model code: a broken install fails here
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -522,8 +578,16 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(device)
+    ctrl = None  # the group that agrees on stopping: gloo, so the check never syncs with the GPU
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+        ctrl = dist.new_group(backend="gloo") if cuda else None
+    stopping: list[int | None] = [None]
+
+    def agreed_stop() -> int | None:
+        stopping[0] = stopping[0] or _agreed_stop(ctrl, world)
+        return stopping[0]
+
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     dcfg = DrafterConfig(**plan["drafter"])
@@ -534,6 +598,8 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     heartbeat(phase="build drafter")
     with torch.device(device):
         drafter = DFlashDrafter(dcfg)
+    heartbeat(phase="load weights")
+    fault_point("load-weights")
     drafter.load_frozen_from_target(cfg.target)
     drafter.to(device)
     log.info("drafter: %.2fB trainable parameters on %s, built and frozen parts loaded in %.1fs",
@@ -629,7 +695,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
         if rank == 0 and found:
             _consumed(cfg, plan, fstate["window"])  # a kill between checkpoint and release: finish it now
         segments = _follow_segments(cfg, plan, rank, world, device, fstate, lambda seg: checkpoint(seg, seg.steps),
-                                    lambda: step, lambda: last_ckpt[0])
+                                    lambda: step, lambda: last_ckpt[0], agreed_stop)
     else:
         segments = _epoch_segments(plan, step, stop)
     last_seg = None
@@ -661,6 +727,9 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                 # The process's first micro-batch compiles the flex kernels (forward, backward):
                 # its phases are timed (with GPU syncs, this once) so a slow start says where it is.
                 phases = _PhaseTimer(cuda, log, rank) if first_micro else None
+                if first_micro:
+                    heartbeat(phase="first step: compile" if cuda and cfg.attention != "sdpa" else "first step")
+                    fault_point("compile")  # the first micro-batch compiles the flex kernels (GPU)
                 first_micro = False
                 with ctx:
                     if cuda and cfg.attention != "sdpa":
@@ -732,9 +801,26 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                 _record_window(out, seg)
             if step % cfg.checkpoint_every == 0 or (step == stop and cfg.final_checkpoint):
                 checkpoint(seg, s + 1)
+            if agreed_stop():  # SIGTERM/SIGINT on any rank: all stop after this step, checkpointed
+                if last_ckpt[0] != step:
+                    checkpoint(seg, s + 1)
+                break
         del it
-        if stop is not None and step >= stop:
+        if stopping[0] or (stop is not None and step >= stop):
             break
+    if stopping[0]:
+        if follow and last_seg is not None and last_ckpt[0] != step:  # stopped while waiting for shards
+            checkpoint(last_seg, step - last_seg.base)
+        if bar is not None:
+            bar.close()
+        if metrics_file:
+            metrics_file.close()
+        if tb is not None:
+            tb.close()
+        if world > 1:
+            dist.barrier()
+            dist.destroy_process_group()
+        raise Stopped(stopping[0], stopped_message(stopping[0], out))
     if follow and cfg.final_checkpoint and last_seg is not None and last_ckpt[0] != step:
         checkpoint(last_seg, step - last_seg.base)
     elapsed = time.perf_counter() - t_run

@@ -19,6 +19,14 @@ SCHEMA_PATH = ROOT / "manifests" / "cache-manifest.schema.json"
 # Small, fast options for every extract in the tests (a few seconds on 2 CPU cores).
 SMALL_OPTS = ["--devices", "cpu", "--topk", "4", "--max-len", "128", "--batch-tokens", "512",
               "--shard-tokens", "1024", "--no-progress"]
+# Options of the resume tests: small shards (7 of them) and chunks, so kills land mid-cache.
+RESUME_OPTS = ["--topk", "4", "--max-len", "120", "--batch-tokens", "360", "--shard-tokens", "450",
+               "--chunk-tokens", "128", "--no-progress"]
+# Small, fast options for the training tests (a step takes a few ms on the CPU).
+TRAIN = ["--seq-len", "256", "--num-anchors", "16", "--block-size", "8", "--global-batch-tokens", "512",
+         "--lr", "3e-3", "--mask-token-id", "1", "--num-layers", "2", "--loader-workers", "0", "--no-progress"]
+# The uninterrupted runs resumed runs are compared with (straight_run).
+STRAIGHT = ["--epochs", "2", "--max-steps", "12", "--checkpoint-every", "100"]
 TINY_DATA_ROWS = 48
 TINY_DATA_MAX_LEN = 120
 
@@ -143,3 +151,49 @@ def valid_cache(tmp_path_factory, tiny_dense, tiny_data) -> Path:
     assert r.returncode == 0, f"extract failed ({r.returncode}):\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     assert (cache / "manifest.json").is_file()
     return cache
+
+
+@pytest.fixture(scope="session")
+def arith_cache(tiny_dense, tmp_path_factory):
+    """A complete cache of 160 arithmetic rows (topk 0) that the training tests learn from."""
+    from dflash_offline.tiny import make_tiny_data
+
+    root = tmp_path_factory.mktemp("train")
+    data = make_tiny_data(root / "arith.parquet", rows=160, min_len=40, max_len=120, pattern="arith", seed=3)
+    cache = root / "cache"
+    r = run_cli(["extract", "--target", str(tiny_dense), "--data", str(data), "--cache", str(cache),
+                 "--topk", "0", "--max-len", "128", "--batch-tokens", "1024", "--shard-tokens", "2048", "--no-progress"])
+    assert r.returncode == 0, r.stderr
+    return cache
+
+
+@pytest.fixture(scope="session")
+def extract_reference(tiny_dense, tiny_data, tmp_path_factory):
+    """An uninterrupted extract of tiny_data with RESUME_OPTS (7 shards): what resumed runs must equal."""
+    import json
+
+    cache = tmp_path_factory.mktemp("ref") / "cache"
+    r = run_cli(["extract", "--target", tiny_dense, "--data", tiny_data, "--cache", cache, "--devices", "cpu",
+                 *RESUME_OPTS])
+    assert r.returncode == 0, r.stderr
+    m = json.loads((cache / "manifest.json").read_text())
+    assert m["status"] == "complete" and m["plan"]["num_shards"] >= 6
+    return cache
+
+
+@pytest.fixture(scope="session")
+def straight_run(arith_cache, tiny_dense, tmp_path_factory):
+    """straight_run(devices) -> the run folder of an uninterrupted `train` on arith_cache with TRAIN
+    and STRAIGHT options (12 steps over 2 epochs, step-12 saved), made once per device list."""
+    runs: dict[str, Path] = {}
+
+    def get(devices: str) -> Path:
+        if devices not in runs:
+            out = tmp_path_factory.mktemp("straight") / devices.replace(",", "-")
+            r = run_cli(["train", "--target", tiny_dense, "--cache", arith_cache, "--out", out, *TRAIN, *STRAIGHT,
+                         "--devices", devices], timeout=600)
+            assert r.returncode == 0, r.stderr
+            runs[devices] = out
+        return runs[devices]
+
+    return get

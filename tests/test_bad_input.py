@@ -199,6 +199,27 @@ def target_without_weights(s: Setup) -> Bad:
     return Bad(opts={"target": d}, expect=["target-no-weights", "no *.safetensors"])
 
 
+def target_zero_layers(s: Setup) -> Bad:
+    d = s.tmp / "target-no-layers"
+    shutil.copytree(Path(s.fx("tiny_dense")), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] = 0
+    (d / "config.json").write_text(json.dumps(cfg))
+    return Bad(opts={"target": d}, expect=["target-no-layers", "num_hidden_layers is 0", "no decoder layers"])
+
+
+def target_weights_without_layers(s: Setup) -> Bad:
+    """config.json says 8 decoder layers; the weights hold only the embedding and the head."""
+    from safetensors.numpy import load_file, save_file
+
+    d = s.tmp / "target-no-layer-weights"
+    d.mkdir()
+    shutil.copy(Path(s.fx("tiny_dense")) / "config.json", d)
+    w = load_file(str(Path(s.fx("tiny_dense")) / "model.safetensors"))
+    save_file({k: v for k, v in w.items() if ".layers." not in k}, str(d / "model.safetensors"))
+    return Bad(opts={"target": d}, expect=["target-no-layer-weights", "no tensor for model.layers.0."])
+
+
 def layer_out_of_range(s: Setup) -> Bad:
     return Bad(opts={"layers": "1,3,8"}, expect=["--layers", "layer 8 does not exist", "0..7"])
 
@@ -309,6 +330,8 @@ CASES = [
      ()),
     ("target-without-config", target_without_config, True, ()),
     ("target-without-safetensors", target_without_weights, True, ()),
+    ("target-zero-decoder-layers", target_zero_layers, True, ()),
+    ("target-weights-without-decoder-layers", target_weights_without_layers, True, ()),
     ("layer-out-of-range", layer_out_of_range, True, ()),
     ("devices-gpu-missing", missing_gpu, True, ()),
     ("devices-unparseable", bad_devices_spec, True, ()),
@@ -460,3 +483,97 @@ def test_weight_shape_mismatch_refused_before_workers(tiny_dense, tiny_data, tmp
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().count("\n") == 0 and "mlp" in r.stderr and "implies" in r.stderr
     assert not (cache / "logs" / "extract-rank0.log").exists()  # no worker started
+
+
+# --------------------------------------------------------------------------------------------
+# Cases that need a cache location of their own
+
+
+@pytest.mark.parametrize("damage", ["not-json", "no-shards-field"])
+def test_corrupted_manifest_is_refused_and_left_alone(damage, tiny_dense, tiny_data, valid_cache, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(valid_cache, cache)
+    m = (cache / "manifest.json").read_text()
+    (cache / "manifest.json").write_text(m[: len(m) // 2] if damage == "not-json"
+                                         else json.dumps({k: v for k, v in json.loads(m).items() if k != "shards"}))
+    before, listing = tree_digest(cache), tree_listing(cache)
+    from conftest import extract_args
+
+    for args in (extract_args(tiny_dense, tiny_data, cache), ["verify", cache], ["inspect", cache]):
+        r = run_cli(args, timeout=120)
+        assert_refused(r, Bad(expect=["manifest.json", "restore manifest.json from a copy"]), f"{damage} {args[0]}")
+    assert tree_digest(cache) == before and tree_listing(cache) == listing
+
+
+def test_unwritable_cache_location_is_refused(tiny_dense, tiny_data, tmp_path):
+    """A --cache below a regular file (root ignores permission bits, so a mode would not do)."""
+    from conftest import extract_args
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    r = run_cli(extract_args(tiny_dense, tiny_data, blocker / "cache"), timeout=120)
+    assert_refused(r, Bad(expect=["--cache", "a-file/cache", "cannot write there", "a-file is not a folder",
+                                  "choose a writable location"]), "cache")
+    r = run_cli(extract_args(tiny_dense, tiny_data, tmp_path / "cache", "--log-dir", blocker / "logs"), timeout=120)
+    assert_refused(r, Bad(expect=["cannot write its log folder", "a-file/logs", "--log-dir"]), "log folder")
+    assert not (tmp_path / "cache").exists()
+    assert blocker.read_text() == "not a folder"
+
+
+def test_over_long_rows_are_truncated_with_one_warning(tiny_dense, tiny_data, tmp_path):
+    """Rows longer than --max-len are kept, cut to their first --max-len tokens, with one warning."""
+    from conftest import extract_args
+
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.data import scan
+
+    cache = tmp_path / "cache"
+    r = run_cli(extract_args(tiny_dense, tiny_data, cache, "--max-len", "64"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    lengths = scan([str(tiny_data)], VOCAB).lengths
+    n_long = int((lengths > 64).sum())
+    assert n_long > 0
+    assert r.stderr.strip().splitlines() == [
+        f"WARNING: {n_long} of {len(lengths)} samples are longer than --max-len 64 and are truncated"]
+    got = {s.sample_id: len(s.input_ids) for s in CacheReader(str(cache)).samples()}
+    assert max(got.values()) == 64 and len(got) == len(lengths)
+
+
+TRAIN_OPTS = ["--seq-len", "128", "--num-anchors", "8", "--block-size", "8", "--global-batch-tokens", "128",
+              "--num-layers", "1", "--loader-workers", "0", "--no-progress", "--epochs", "1"]
+
+
+def train_no_mask_token(s: Setup, out: Path) -> tuple[list, Bad]:
+    return ["--out", out], Bad(expect=["declares no mask token", "--mask-token-id"])
+
+
+def train_other_target(s: Setup, out: Path) -> tuple[list, Bad]:
+    from dflash_offline.tiny import make_tiny_target
+
+    other = make_tiny_target(s.tmp / "other-target", kind="qwen3", seed=5)
+    return ["--out", out, "--target", other, "--mask-token-id", "1"], Bad(expect=["another target"])
+
+
+def train_out_unwritable(s: Setup, out: Path) -> tuple[list, Bad]:
+    blocker = s.tmp / "a-file"
+    blocker.write_text("x")
+    return ["--out", blocker / "run", "--mask-token-id", "1"], Bad(expect=["--out", "cannot write its log folder"])
+
+
+def train_mask_token_out_of_vocab(s: Setup, out: Path) -> tuple[list, Bad]:
+    return ["--out", out, "--mask-token-id", str(VOCAB)], Bad(expect=["--mask-token-id", str(VOCAB)])
+
+
+@pytest.mark.parametrize("build", [train_no_mask_token, train_other_target, train_out_unwritable,
+                                   train_mask_token_out_of_vocab],
+                         ids=["no-mask-token", "cache-from-other-target", "out-unwritable", "mask-token-out-of-vocab"])
+def test_train_bad_input_is_refused(build, tiny_dense, valid_cache, tmp_path, request):
+    out = tmp_path / "run"
+    extra, bad = build(Setup(tmp=tmp_path, fx=request.getfixturevalue), out)
+    before = tree_digest(valid_cache)
+    args = ["train", "--target", tiny_dense, "--cache", valid_cache, *TRAIN_OPTS, *extra]
+    r = run_cli(args, timeout=120)
+    assert_refused(r, bad, build.__name__)
+    assert tree_digest(valid_cache) == before
+    left = set(os.listdir(out)) if out.exists() else set()
+    assert left <= {"logs"}, f"a refused run left {sorted(left)} in its run folder"

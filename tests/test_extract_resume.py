@@ -16,11 +16,10 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import RESUME_OPTS, run_cli
 from dflash_offline.cache.reader import CacheReader
 
-OPTS = ["--topk", "4", "--max-len", "120", "--batch-tokens", "360", "--shard-tokens", "450",
-        "--chunk-tokens", "128", "--no-progress"]
+OPTS = RESUME_OPTS
 
 
 def extract(target, data, cache, devices="cpu", env=None):
@@ -40,23 +39,13 @@ def assert_no_debris(cache) -> None:
     assert not [f for f in os.listdir(cache) if f.startswith("manifest.json.tmp")]
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_dense, tiny_data, tmp_path_factory):
-    cache = tmp_path_factory.mktemp("ref") / "cache"
-    r = extract(tiny_dense, tiny_data, cache)
-    assert r.returncode == 0, r.stderr
-    m = json.loads((cache / "manifest.json").read_text())
-    assert m["status"] == "complete" and m["plan"]["num_shards"] >= 6
-    return cache
-
-
-def test_two_workers_equal_one(reference, tiny_dense, tiny_data, tmp_path):
+def test_two_workers_equal_one(extract_reference, tiny_dense, tiny_data, tmp_path):
     cache = tmp_path / "cache"
     r = extract(tiny_dense, tiny_data, cache, devices="cpu,cpu")
     assert r.returncode == 0, r.stderr
-    assert shard_table(cache) == shard_table(reference)
+    assert shard_table(cache) == shard_table(extract_reference)
     assert (cache / "logs" / "extract-rank1.log").exists()
-    a, b = CacheReader(str(reference)), CacheReader(str(cache))
+    a, b = CacheReader(str(extract_reference)), CacheReader(str(cache))
     for sa in a.samples():
         sb = b.sample(sa.sample_id)
         np.testing.assert_array_equal(sa.hidden_bits, sb.hidden_bits)
@@ -72,7 +61,7 @@ def test_two_workers_equal_one(reference, tiny_dense, tiny_data, tmp_path):
     ("shard-committed:4", "cpu"),        # right after a commit
     ("batch-written:5", "cpu,cpu"),      # two workers, one kills the whole group mid-shard
 ])
-def test_sigkill_then_resume_equals_uninterrupted(point, devices, reference, tiny_dense, tiny_data, tmp_path):
+def test_sigkill_then_resume_equals_uninterrupted(point, devices, extract_reference, tiny_dense, tiny_data, tmp_path):
     cache = tmp_path / "cache"
     env = {**os.environ, "DFLASH_OFFLINE_KILL_AT": point}
     r = extract(tiny_dense, tiny_data, cache, devices=devices, env=env)
@@ -86,7 +75,7 @@ def test_sigkill_then_resume_equals_uninterrupted(point, devices, reference, tin
 
     r = extract(tiny_dense, tiny_data, cache, devices="cpu")
     assert r.returncode == 0, r.stderr
-    assert shard_table(cache) == shard_table(reference)
+    assert shard_table(cache) == shard_table(extract_reference)
     assert_no_debris(cache)
     ids = sorted(s.sample_id for s in CacheReader(str(cache)).samples())
     assert ids == list(range(48))  # no duplicates, none missing
@@ -94,15 +83,15 @@ def test_sigkill_then_resume_equals_uninterrupted(point, devices, reference, tin
     assert f"({before} already committed in all)" in log
 
 
-def test_rerun_of_complete_cache_does_nothing(reference, tiny_dense, tiny_data):
-    before = (reference / "manifest.json").read_bytes()
-    r = extract(tiny_dense, tiny_data, reference)
+def test_rerun_of_complete_cache_does_nothing(extract_reference, tiny_dense, tiny_data):
+    before = (extract_reference / "manifest.json").read_bytes()
+    r = extract(tiny_dense, tiny_data, extract_reference)
     assert r.returncode == 0, r.stderr
-    assert (reference / "manifest.json").read_bytes() == before
+    assert (extract_reference / "manifest.json").read_bytes() == before
     assert "complete" in r.stdout
 
 
-def test_torchrun_ranks_equal_launcher(reference, tiny_dense, tiny_data, tmp_path):
+def test_torchrun_ranks_equal_launcher(extract_reference, tiny_dense, tiny_data, tmp_path):
     """The same command under torchrun (one rank per process, no launcher) writes the same cache."""
     import subprocess
     import sys
@@ -116,7 +105,7 @@ def test_torchrun_ranks_equal_launcher(reference, tiny_dense, tiny_data, tmp_pat
         capture_output=True, text=True, env=env, timeout=300, start_new_session=True,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert shard_table(cache) == shard_table(reference)
+    assert shard_table(cache) == shard_table(extract_reference)
     assert (cache / "logs" / "extract-rank0.log").exists() and (cache / "logs" / "extract-rank1.log").exists()
     assert "complete" in r.stdout
 
@@ -138,7 +127,7 @@ def test_config_recipe_and_cli_override(tiny_dense, tiny_data, tmp_path):
     assert max(s.input_ids.shape[0] for s in CacheReader(str(cache)).samples()) == 64
 
 
-def test_fsspec_url_cache_equals_path_cache(reference, tiny_dense, tiny_data, tmp_path):
+def test_fsspec_url_cache_equals_path_cache(extract_reference, tiny_dense, tiny_data, tmp_path):
     """An fsspec URL goes through fsspec/zarr's FsspecStore (here the `local://` backend) and
     writes the same shards; a crash and resume work there too."""
     url = f"local://{tmp_path / 'cache'}"
@@ -149,7 +138,7 @@ def test_fsspec_url_cache_equals_path_cache(reference, tiny_dense, tiny_data, tm
     r = run_cli(["extract", "--target", str(tiny_dense), "--data", str(tiny_data), "--cache", url,
                  "--devices", "cpu", *OPTS, *logs])
     assert r.returncode == 0, r.stderr
-    assert shard_table(tmp_path / "cache") == shard_table(reference)
+    assert shard_table(tmp_path / "cache") == shard_table(extract_reference)
     assert_no_debris(tmp_path / "cache")
     assert CacheReader(url).verify() == []
 

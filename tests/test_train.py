@@ -8,26 +8,10 @@ import shutil
 import signal
 
 import numpy as np
-import pytest
 from safetensors.numpy import load_file
 
-from conftest import run_cli
+from conftest import TRAIN, run_cli
 
-TRAIN = ["--seq-len", "256", "--num-anchors", "16", "--block-size", "8", "--global-batch-tokens", "512",
-         "--lr", "3e-3", "--mask-token-id", "1", "--num-layers", "2", "--loader-workers", "0", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def arith_cache(tiny_dense, tmp_path_factory):
-    from dflash_offline.tiny import make_tiny_data
-
-    root = tmp_path_factory.mktemp("train")
-    data = make_tiny_data(root / "arith.parquet", rows=160, min_len=40, max_len=120, pattern="arith", seed=3)
-    cache = root / "cache"
-    r = run_cli(["extract", "--target", str(tiny_dense), "--data", str(data), "--cache", str(cache),
-                 "--topk", "0", "--max-len", "128", "--batch-tokens", "1024", "--shard-tokens", "2048", "--no-progress"])
-    assert r.returncode == 0, r.stderr
-    return cache
 
 
 def train(tiny_dense, cache, out, *extra, env=None):
@@ -73,10 +57,8 @@ def test_training_learns_and_exports(arith_cache, tiny_dense, tmp_path):
     assert d is not None
 
 
-def test_resume_after_sigkill_equals_straight_run(arith_cache, tiny_dense, tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    r = train(tiny_dense, arith_cache, straight, "--epochs", "2", "--max-steps", "12", "--checkpoint-every", "6")
-    assert r.returncode == 0, r.stderr
+def test_resume_after_sigkill_equals_straight_run(arith_cache, tiny_dense, straight_run, tmp_path):
+    straight, resumed = straight_run("cpu"), tmp_path / "resumed"
     env = {**os.environ, "DFLASH_OFFLINE_KILL_AT": "checkpoint-saved:1"}
     r = train(tiny_dense, arith_cache, resumed, "--epochs", "2", "--max-steps", "12", "--checkpoint-every", "6", env=env)
     assert r.returncode == -signal.SIGKILL, r.stderr
@@ -92,19 +74,16 @@ def test_resume_after_sigkill_equals_straight_run(arith_cache, tiny_dense, tmp_p
         np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
 
 
-def test_two_gloo_ranks_equal_one_process(arith_cache, tiny_dense, tmp_path):
+def test_two_gloo_ranks_equal_one_process(straight_run):
     """Same global batch (512 tokens): one process accumulates 2 rows, two ranks take one each.
     Tolerance: float sums in another order (DDP's all-reduce averages gradients) differ in the last
-    bits, so weights agree to 1e-5 relative after 6 AdamW steps, not bit for bit."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    r = train(tiny_dense, arith_cache, one, "--epochs", "1", "--max-steps", "6")
-    assert r.returncode == 0, r.stderr
-    r = train(tiny_dense, arith_cache, two, "--epochs", "1", "--max-steps", "6", "--devices", "cpu,cpu")
-    assert r.returncode == 0, r.stderr
+    bits, so weights agree to 1e-5 relative after 12 AdamW steps, not bit for bit."""
+    one, two = straight_run("cpu"), straight_run("cpu,cpu")
     assert (two / "logs" / "train-rank1.log").exists()
     la, lb = [x["loss"] for x in metrics(one)], [x["loss"] for x in metrics(two)]
+    assert len(la) == len(lb) == 12
     np.testing.assert_allclose(la, lb, rtol=1e-5)
-    wa, wb = weights(one, 6), weights(two, 6)
+    wa, wb = weights(one, 12), weights(two, 12)
     for k in wa:
         np.testing.assert_allclose(wa[k], wb[k], rtol=1e-5, atol=1e-6, err_msg=k)
 

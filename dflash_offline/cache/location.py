@@ -90,6 +90,20 @@ class Location:
                 total += os.path.getsize(os.path.join(dirpath, n))
         return total
 
+    def unwritable(self) -> str | None:
+        """Why a local location cannot hold a cache (its nearest existing folder is a file, or not
+        writable), else None. URLs say so only when written."""
+        if self.remote:
+            return None
+        p = Path(self.path()).absolute()
+        while not p.exists():
+            p = p.parent
+        if not p.is_dir():
+            return f"{p} is not a folder"
+        if not os.access(p, os.W_OK | os.X_OK):
+            return f"{p} is not writable"
+        return None
+
     def free_bytes(self) -> int | None:
         """Free space where the cache will grow, or None when storage cannot say (URLs)."""
         if self.remote:
@@ -145,10 +159,15 @@ class Location:
             return
         final = self.path(rel)
         tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:  # e.g. ENOSPC: the old manifest stands, and the partial copy goes
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         from ..runtime import fault_point
 
         fault_point("manifest-tmp-written")

@@ -83,10 +83,17 @@ class ManifestStore:
         text = self.loc.read_text(MANIFEST)
         if text is None:
             return None
+        fix = "restore manifest.json from a copy, or extract into a new --cache"
         try:
-            return json.loads(text)
+            m = json.loads(text)
         except json.JSONDecodeError as e:
-            raise UserError(f"{self.loc.url(MANIFEST)}: not valid JSON ({e}); the cache is damaged") from None
+            raise UserError(f"{self.loc.url(MANIFEST)}: not valid JSON ({e}); the cache is damaged: {fix}") from None
+        missing = [k for k in ("format", "status", "plan", "shards", "totals") if k not in m] if isinstance(m, dict) \
+            else ["(not an object)"]
+        if missing:
+            raise UserError(f"{self.loc.url(MANIFEST)}: damaged or not a dflash-offline manifest (no "
+                            f"{', '.join(missing)}); {fix}")
+        return m
 
     def init_or_check(self, wanted: dict) -> dict:
         """Create the manifest if absent, else refuse an incompatible run. Returns the manifest."""

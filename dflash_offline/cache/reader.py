@@ -45,19 +45,45 @@ class Sample:
         return bf16_bits_to_float32(self.hidden_bits)
 
 
+class ShardUnreadable(RuntimeError):
+    """A committed shard's data cannot be read back as written (the message names the shard)."""
+
+
 class Shard:
+    """A committed shard, read through Zarr. Any read error names the shard; on a local cache a
+    chunk file that is missing is an error too (Zarr would read it back as zeros)."""
+
     def __init__(self, loc: Location, entry: dict):
         self.entry = entry
         self.name = entry["name"]
-        self.group = zarr.open_group(store=loc.url(f"shards/{self.name}.zarr"), mode="r", **loc.zarr_kwargs())
-        self.offsets = self.group["sample_offsets"][:]
-        self.ids = self.group["sample_ids"][:]
+        try:
+            self.group = zarr.open_group(store=loc.url(f"shards/{self.name}.zarr"), mode="r", **loc.zarr_kwargs())
+            if not loc.remote:
+                self._check_chunk_files(loc.path(f"shards/{self.name}.zarr"))
+            self.offsets = self.group["sample_offsets"][:]
+            self.ids = self.group["sample_ids"][:]
+        except Exception as e:
+            raise ShardUnreadable(f"shard {self.name} is unreadable ({type(e).__name__}: {e})") from e
         self._index = {int(i): k for k, i in enumerate(self.ids)}
+
+    def _check_chunk_files(self, root: str) -> None:
+        for name, arr in self.group.arrays():
+            grid = [-(-n // c) for n, c in zip(arr.shape, arr.chunks)]
+            want = int(np.prod(grid)) if arr.size else 0
+            have = sum(len(files) for _, _, files in os.walk(os.path.join(root, name, "c")))
+            if have < want:
+                raise ValueError(f"{name}: {want - have} of its {want} chunk files are missing")
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
 
     def sample(self, k: int) -> Sample:
+        try:
+            return self._sample(k)
+        except Exception as e:  # a chunk that fails its CRC32C, a truncated file: never skipped
+            raise ShardUnreadable(f"shard {self.name}, sample {k} is unreadable ({type(e).__name__}: {e})") from e
+
+    def _sample(self, k: int) -> Sample:
         a, b = int(self.offsets[k]), int(self.offsets[k + 1])
         g = self.group
         has_topk = "topk_ids" in g

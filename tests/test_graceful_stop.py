@@ -1,0 +1,129 @@
+"""Graceful stop: SIGTERM or SIGINT (Ctrl-C reaches the whole process group) ends a run at a safe
+point. Extraction finishes the shards being written and commits them; training finishes its step
+and saves a checkpoint there. The process exits with 128 + the signal, prints one line that says how
+to resume, leaves no debris, and the resumed run equals an uninterrupted one.
+
+The runs are slowed with DFLASH_OFFLINE_DELAY_AT (a sleep at every batch or step), so the signal
+lands while a shard or a step is in progress.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import _LAUNCH_VARS, STRAIGHT, TRAIN, run_cli
+from test_extract_resume import OPTS, assert_no_debris, shard_table
+from test_train import metrics, weights
+
+
+def start(args, env: dict) -> subprocess.Popen:
+    """The CLI in its own process group (as a terminal would run it), stderr captured."""
+    full = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    full.update(PYTHONUNBUFFERED="1", **env)
+    return subprocess.Popen([sys.executable, "-m", "dflash_offline", *map(str, args)], env=full, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def wait_until(cond, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the run ended (rc {proc.returncode}) before the signal:\n{out}\n{err}")
+        if time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail("the run never reached the point to signal")
+        time.sleep(0.1)
+
+
+def committed(cache: Path) -> int:
+    try:
+        return len(json.loads((cache / "manifest.json").read_text())["shards"])
+    except (OSError, json.JSONDecodeError, KeyError):
+        return 0
+
+
+def signal_run(proc: subprocess.Popen, sig: int, group: bool) -> tuple[int, str]:
+    """SIGTERM to the launcher alone (a scheduler, `kill PID`) or SIGINT to the whole group (Ctrl-C)."""
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        os.kill(proc.pid, sig)
+    try:
+        _, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("sig, group, devices", [
+    (signal.SIGTERM, False, "cpu"),      # kill -TERM LAUNCHER: the launcher forwards it
+    (signal.SIGINT, True, "cpu,cpu"),    # Ctrl-C: every process of the group gets it at once
+], ids=["sigterm-launcher", "sigint-group-2-workers"])
+def test_extract_stops_after_the_shard_and_resumes(sig, group, devices, extract_reference, tiny_dense, tiny_data, tmp_path):
+    cache = tmp_path / "cache"
+    args = ["extract", "--target", tiny_dense, "--data", tiny_data, "--cache", cache, "--devices", devices, *OPTS]
+    proc = start(args, {"DFLASH_OFFLINE_DELAY_AT": "batch-done:0.25"})
+    wait_until(lambda: committed(cache) >= 1, proc)
+    rc, err = signal_run(proc, sig, group)
+    name = signal.Signals(sig).name
+    assert rc == 128 + sig, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"stopped on {name}:") and "run the same command again to resume" in last, err
+    m = json.loads((cache / "manifest.json").read_text())
+    assert m["status"] != "complete" and 1 <= len(m["shards"]) < m["plan"]["num_shards"]
+    assert_no_debris(cache)  # the shards in progress were finished and committed, none left half-written
+    assert not list(cache.glob("shards/.tmp*")) and not list(cache.glob(".tmp*"))
+    logs = "".join(p.read_text() for p in (cache / "logs").glob("extract-rank*.log"))
+    assert f"{name} received: stopping at the next safe point" in logs
+    st = run_cli(["status", cache, "--json"])
+    procs = {p["name"]: p["state"] for p in json.loads(st.stdout)["processes"]}
+    assert procs["extract-launcher"] == "stopped" and procs["extract-rank0"] == "stopped", procs
+    assert "stopped on request" in json.loads(st.stdout)["verdict"]
+
+    r = run_cli(args)
+    assert r.returncode == 0, r.stderr
+    assert shard_table(cache) == shard_table(extract_reference)
+    assert_no_debris(cache)
+
+
+@pytest.mark.parametrize("sig, group, devices", [
+    (signal.SIGTERM, False, "cpu"),
+    (signal.SIGINT, True, "cpu,cpu"),    # two gloo ranks agree on the step to stop after
+], ids=["sigterm-one-process", "sigint-group-2-ranks"])
+def test_train_stops_after_the_step_checkpoints_and_resumes(sig, group, devices, arith_cache, tiny_dense,
+                                                            straight_run, tmp_path):
+    common = [*STRAIGHT, "--devices", devices]
+    straight, stopped = straight_run(devices), tmp_path / "stopped"
+    args = ["train", "--target", tiny_dense, "--cache", arith_cache, "--out", stopped, *TRAIN, *common]
+    proc = start(args, {"DFLASH_OFFLINE_DELAY_AT": "train-step:0.25"})
+    mfile = stopped / "metrics.jsonl"
+    wait_until(lambda: mfile.exists() and len(mfile.read_text().splitlines()) >= 2, proc)
+    rc, err = signal_run(proc, sig, group)
+    assert rc == 128 + sig, err
+    last = err.strip().splitlines()[-1]
+    steps = sorted(int(p.name[5:]) for p in stopped.glob("step-*"))
+    assert len(steps) == 1 and 2 <= steps[0] < 12, (steps, err)
+    assert last == (f"stopped on {signal.Signals(sig).name}: checkpoint step-{steps[0]} saved in {stopped}; "
+                    "run the same command again to resume"), err
+    assert metrics(stopped)[-1]["step"] == steps[0]  # stopped right after the step it checkpointed
+    assert not (stopped / "export").exists() and not list(stopped.glob(".tmp-*"))
+    st = json.loads(run_cli(["status", stopped, "--json"]).stdout)
+    assert st["verdict"].startswith("stopped before the end") and f"step-{steps[0]}" in st["verdict"]
+
+    r = run_cli(args)
+    assert r.returncode == 0, r.stderr
+    assert [x["loss"] for x in metrics(straight)] == [x["loss"] for x in metrics(stopped)]
+    wa, wb = weights(straight, 12), weights(stopped, 12)
+    for k in wa:
+        np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
