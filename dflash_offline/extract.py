@@ -303,7 +303,7 @@ def run(cfg: ExtractConfig) -> dict:
     else:
         stopped = _launch_workers(job, devices, todo_tokens, cfg.progress, _log_dir(cfg, loc))
     manifest = store.read()
-    if stopped:
+    if stopped and manifest["status"] != "complete":  # a request that came after the last shard: done
         done = len(manifest["shards"]) + len(manifest.get("released", []))
         raise Stopped(stopped, f"stopped on {signal_name(stopped)}: {done}/{manifest['plan']['num_shards']} shards "
                       "committed, none half-written; run the same command again to resume")
@@ -348,18 +348,17 @@ def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bo
 
     from tqdm import tqdm
 
-    from .runtime import STOP_CODES, failed_process, forward_stop, request_stop, stop_processes
+    from .runtime import STOP_CODES, failed_process, forward_stop, request_stop, spawning, stop_processes
 
     ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
     q = ctx.Queue()
     procs = []
     install_stop_handlers(forward=lambda signum: forward_stop(procs))
-    for rank, dev in enumerate(devices):
-        p = ctx.Process(target=worker_entry, args=(rank, len(devices), dev, job, q), name=f"extract-rank{rank}")
-        p.start()
-        procs.append(p)
-        if stop_requested():  # a request that came while the workers were starting
-            forward_stop(procs[-1:])
+    with spawning():  # a request that comes meanwhile is forwarded once all are started
+        for rank, dev in enumerate(devices):
+            p = ctx.Process(target=worker_entry, args=(rank, len(devices), dev, job, q), name=f"extract-rank{rank}")
+            p.start()
+            procs.append(p)
     log.info("started %d worker processes: %s", len(procs), ", ".join(f"{p.pid} on {d}" for p, d in zip(procs, devices)))
     heartbeat(phase="extract", workers=[p.pid for p in procs])
     bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
@@ -391,9 +390,12 @@ def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bo
                 forward_stop(procs)
             if failed is not None or all(p.exitcode is not None for p in procs):
                 break
-    finally:
+    except BaseException:  # a second signal (stop now), or an error in this loop
         bar.close()
-        stop_processes(procs, failed)
+        stop_processes(procs, failed, abandon=True)
+        raise
+    bar.close()
+    stop_processes(procs, failed)
     if failed is None and stop_requested():
         return stop_requested()
     if failed is not None:
@@ -458,17 +460,18 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     die_with_parent()
     loc = Location(job.cfg["cache"])
     open_process_log(_log_dir(ExtractConfig(**job.cfg), loc), f"extract-rank{rank}", console=True)
-    install_stop_handlers(announce=False)
+    install_stop_handlers(launched=True)
     from .runtime import worker_outcome
 
     with worker_outcome(on_error=lambda line: q.put(("error", rank, line))):
-        worker_run(rank, world, device, job, progress=q, show_bar=False, todo_tokens=0)
-        if stop_requested():
+        left = worker_run(rank, world, device, job, progress=q, show_bar=False, todo_tokens=0)
+        if left:
             raise Stopped(stop_requested(), f"worker {rank}: stopped on {signal_name(stop_requested())} "
                           "after committing its shards in progress")
 
 
-def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar: bool, todo_tokens: int) -> None:
+def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar: bool, todo_tokens: int) -> int:
+    """Write this worker's shards. Returns how many it left unstarted (a stop was requested)."""
     heartbeat(phase="import")  # torch and the model code: a broken install fails here
     from .cache.location import Location
     from .cache.manifest import ManifestStore, committed_names
@@ -494,7 +497,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     log.info("worker %d/%d on %s: %d shards to write (%d already committed in all)", rank, world, device,
              len(mine), len(committed))
     if not mine or stop_requested():
-        return
+        return len(mine)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     src = Source(
@@ -541,13 +544,16 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
         if bar is not None:
             bar.set_postfix_str(f"paused: {why}" if paused else f"{written[0] / 1e9:.2f} GB written")
 
+    left = [0]
+
     def admitted():
         for i, j in enumerate(mine):
             # A stop request ends the run between shards: the one being written is finished first.
             if stop_requested() or (cfg.max_bytes is not None and
                                     not wait_for_budget(store, j, job.shard_bytes[j], cfg.max_bytes, on_pause)):
                 log.info("stop requested: %d of this worker's shards not started (%s first)", len(mine) - i,
-                            shard_name(j))
+                         shard_name(j))
+                left[0] = len(mine) - i
                 return
             yield j, _shard_samples(job, j, src, reader, cfg.max_len)
 
@@ -562,6 +568,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
              "writers busy %.0f%% of the time", rank, stats["tokens"], dt, stats["tokens"] / max(dt, 1e-9),
              100 * stats["padding_fraction"], stats["forward_tokens"],
              100 * sink.stats["writer_busy_s"] / max(dt * len(sink.procs), 1e-9))
+    return left[0]
 
 
 def wait_for_budget(store, j: int, nbytes: int, budget: int, on_pause, poll_s: float = 0.5) -> bool:

@@ -214,9 +214,14 @@ def record_failure(exc: BaseException) -> None:
 # --------------------------------------------------------------------------------------------
 # Graceful stop: SIGTERM / SIGINT
 
-# A second signal this soon after the first is the same request arriving twice: a terminal's
-# Ctrl-C reaches every process of the foreground group, and the launcher forwards it as well.
+# A process on its own (a launcher, a torchrun rank, a one-device run) takes SIGTERM and SIGINT.
+# A second signal this soon after the first is the same request arriving twice (a terminal's
+# Ctrl-C reaches every process of the group; torchrun forwards it as well); a later one stops at
+# once. A launcher's workers ignore both: the launcher passes each request on as FORWARD_SIGNAL,
+# which they count without any window (one: stop at the next safe point; two: stop now).
 REPEAT_WINDOW_S = 2.0
+FORWARD_SIGNAL = signal.SIGUSR2  # SIGUSR1 is faulthandler's
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, FORWARD_SIGNAL)
 STOP_CODES = {128 + signal.SIGINT, 128 + signal.SIGTERM}  # exit codes of a process that stopped on request
 
 
@@ -231,30 +236,37 @@ class Stopped(Exception):
 
 
 class _StopRequest:
-    """The first SIGTERM/SIGINT asks the process's loop to stop at its next safe point (after the
-    shard being written, after the training step); a later one stops at once (KeyboardInterrupt:
-    nothing half-done is ever committed, so that is safe too, only less tidy)."""
+    """The first request asks the process's loop to stop at its next safe point (after the shard
+    being written, after the training step); a later one stops at once (KeyboardInterrupt: nothing
+    half-done is ever committed, so that is safe too, only less tidy); after that, nothing."""
 
     def __init__(self):
         self.signum: int | None = None
         self.at = 0.0
+        self.abandoned = False
         self.forward = None  # launcher: called with the signal number, passes it on to the workers
-        self.announce = True  # on the terminal (WARNING); a launcher's workers only log it
+        self.launched = False  # a launcher's worker: only FORWARD_SIGNAL counts, with no window
 
     def handler(self, signum, frame) -> None:
+        # No heartbeat write here: the handler may interrupt one (they share a temporary file).
+        if self.abandoned:
+            return
         now = time.monotonic()
+        name = "SIGTERM" if signum == FORWARD_SIGNAL else signal.Signals(signum).name  # what the launcher got
         if self.signum is None:
-            self.signum, self.at = signum, now
-            log.log(logging.WARNING if self.announce else logging.INFO,
-                    "%s received: stopping at the next safe point (a second signal stops at once)",
-                    signal.Signals(signum).name)
-            heartbeat(phase="stopping", stop_signal=signal.Signals(signum).name)
+            self.signum, self.at = (signal.SIGTERM if signum == FORWARD_SIGNAL else signum), now
+            if self.launched:
+                log.info("stop requested by the launcher: stopping at the next safe point")
+            else:
+                log.warning("%s received: stopping at the next safe point (a second signal stops at once)", name)
             if self.forward is not None:
                 self.forward(signum)
             return
-        if now - self.at < REPEAT_WINDOW_S:
+        if not self.launched and now - self.at < REPEAT_WINDOW_S:
             return
-        log.warning("second %s: stopping now; the unit in progress is abandoned", signal.Signals(signum).name)
+        self.abandoned = True
+        log.warning("second %s: stopping now; the unit in progress is abandoned",
+                    "stop request" if self.launched else name)
         if self.forward is not None:
             self.forward(signum)
         raise KeyboardInterrupt
@@ -263,20 +275,37 @@ class _StopRequest:
 _stop = _StopRequest()
 
 
-def install_stop_handlers(forward=None, announce: bool = True) -> None:
-    """Route SIGTERM and SIGINT to the graceful stop (main thread only). `forward(signum)`: a
-    launcher passes each request on to its worker processes; `announce=False` in those workers
-    (the launcher tells the terminal, the workers their logs)."""
-    _stop.forward, _stop.announce = forward, announce
+def install_stop_handlers(forward=None, launched: bool = False) -> None:
+    """Route stop requests to the graceful stop (main thread only), then unblock the signals a
+    launcher blocked around this process's start (see `spawning`). `forward(signum)`: a launcher
+    passes each request on to its workers (forward_stop). `launched`: this process is such a
+    worker: SIGTERM and SIGINT are ignored (the launcher decides), FORWARD_SIGNAL counts."""
+    _stop.forward, _stop.launched = forward, launched
     for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, _stop.handler)
+        signal.signal(s, signal.SIG_IGN if launched else _stop.handler)
+    signal.signal(FORWARD_SIGNAL, _stop.handler if launched else signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def ignore_stop_signals() -> None:
     """Helper processes (shard writers, loader workers) are stopped by their owner, not by the
     terminal's Ctrl-C reaching the whole process group."""
-    for s in (signal.SIGTERM, signal.SIGINT):
+    for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+@contextlib.contextmanager
+def spawning():
+    """Around starting child processes: the stop signals are blocked, so a child inherits them
+    blocked and receives a request only once its own handlers are set (a Ctrl-C during its
+    start-up would otherwise kill it with a traceback). Requests for this process wait until the
+    block ends, then arrive."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def stop_requested() -> int | None:
@@ -375,22 +404,33 @@ def failed_process(procs, allow=()) -> int | None:
 
 
 def forward_stop(procs) -> None:
-    """A launcher passes a stop request on to its worker processes as SIGTERM: each finishes its
-    shard or step (the ranks agree on the step); a repeated request stops them at once."""
+    """A launcher passes a stop request on to its worker processes (FORWARD_SIGNAL): each finishes
+    its shard or step (the ranks agree on the step); a repeated request stops them at once."""
     for p in procs:
         if p.is_alive():
             try:
-                os.kill(p.pid, signal.SIGTERM)
+                os.kill(p.pid, FORWARD_SIGNAL)
             except ProcessLookupError:
                 pass
 
 
-def stop_processes(procs, failed: int | None) -> None:
-    """After a failure, terminate the others (their committed work stays); then join all."""
-    if failed is not None:
+STOP_GRACE_S = 20.0  # after a failure, how long the others get to finish their unit before SIGKILL
+
+
+def stop_processes(procs, failed: int | None, abandon: bool = False) -> None:
+    """Join the workers. After a failure (or when the launcher itself stops at once), the others
+    are asked to stop, then killed if they are still running after STOP_GRACE_S: a rank stuck in a
+    collective with a dead peer never reads its request, and SIGKILL is safe (nothing half-done is
+    ever committed)."""
+    if failed is not None or abandon:
+        forward_stop(procs)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
         for p in procs:
             if p.is_alive():
-                p.terminate()
+                log.warning("worker pid %d did not stop within %.0fs: killed", p.pid, STOP_GRACE_S)
+                p.kill()
     for p in procs:
         p.join()
 
@@ -410,7 +450,7 @@ _fault_counts: dict[tuple[str, str], int] = {}
 
 # Environment variable -> what happens on the N-th arrival at the named point.
 FAULT_VARS = {"DFLASH_OFFLINE_KILL_AT": "kill", "DFLASH_OFFLINE_RAISE_AT": "raise", "DFLASH_OFFLINE_STALL_AT": "stall",
-              "DFLASH_OFFLINE_DELAY_AT": "delay"}
+              "DFLASH_OFFLINE_DELAY_AT": "delay", "DFLASH_OFFLINE_HOLD_AT": "hold"}
 
 
 class InjectedFault(RuntimeError):
@@ -423,9 +463,11 @@ def fault_point(name: str) -> None:
       DFLASH_OFFLINE_KILL_AT=name:N   SIGKILL of the whole process group;
       DFLASH_OFFLINE_RAISE_AT=name:N  an InjectedFault exception (the error path: logs, status);
       DFLASH_OFFLINE_STALL_AT=name:N  sleep for an hour (a process caught mid-run, for `status`);
-      DFLASH_OFFLINE_DELAY_AT=name:S  sleep S seconds at *every* arrival (a slow run, so that a
-                                      signal lands mid-shard or mid-run).
-    Unset, it costs four dict lookups.
+      DFLASH_OFFLINE_DELAY_AT=name:S  sleep S seconds at *every* arrival (a slow run);
+      DFLASH_OFFLINE_HOLD_AT=name:N   wait there until a stop is requested (at most 10 minutes),
+                                      heartbeat phase "held at name": a signal lands mid-shard
+                                      or mid-step, deterministically.
+    Unset, it costs five dict lookups.
     """
     for var, action in FAULT_VARS.items():
         spec = os.environ.get(var)
@@ -447,6 +489,11 @@ def fault_point(name: str) -> None:
             os.killpg(os.getpgid(0), signal.SIGKILL)
         elif action == "raise":
             raise InjectedFault(f"injected failure at {name} ({var})")
+        elif action == "hold":
+            heartbeat(phase=f"held at {name}")
+            t0 = time.monotonic()
+            while stop_requested() is None and time.monotonic() - t0 < 600:
+                time.sleep(0.05)
         else:
             heartbeat(phase=f"stalled at {name}")
             time.sleep(3600)

@@ -258,13 +258,16 @@ class ShardSink:
         # Called while waiting on the writers: run_shards sets the copy stream's query(), which
         # raises after a CUDA error (the flags would then never be written, and all would wait).
         self.poll = None
+        from .runtime import spawning
+
         try:
-            for w in range(writers):
-                p = ctx.Process(target=writer_main, name=f"{log_name}-writer{w}", daemon=True,
-                                args=(w, cache, layout_kw, [s.name for s in self.shms], self.arrays, self.inqs[w],
-                                      self.outq, log_dir, f"{log_name}-writer{w}", discard))
-                p.start()
-                self.procs.append(p)
+            with spawning():  # the writers set their own signal dispositions first
+                for w in range(writers):
+                    p = ctx.Process(target=writer_main, name=f"{log_name}-writer{w}", daemon=True,
+                                    args=(w, cache, layout_kw, [s.name for s in self.shms], self.arrays,
+                                          self.inqs[w], self.outq, log_dir, f"{log_name}-writer{w}", discard))
+                    p.start()
+                    self.procs.append(p)
             ready = 0
             deadline = time.time() + 300
             while ready < writers:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import TrainConfig
-from .runtime import (Stopped, UserError, fault_point, heartbeat, install_stop_handlers, open_process_log,
+from .runtime import (Stopped, UserError, fault_point, heartbeat, install_stop_handlers, open_process_log, spawning,
                       signal_name, stop_requested, torchrun_launch)
 
 log = logging.getLogger("dflash.train")
@@ -269,12 +269,12 @@ def run(cfg: TrainConfig) -> None:
     procs = []
     errq = ctx.Queue()  # each failing rank's error line (its log may sit on a full disk)
     install_stop_handlers(forward=lambda signum: forward_stop(procs))
-    for rank, dev in enumerate(devices):
-        p = ctx.Process(target=_spawned, args=(rank, len(devices), dev, cfg, plan, port, errq), name=f"train-rank{rank}")
-        p.start()
-        procs.append(p)
-        if stop_requested():  # a request that came while the ranks were starting
-            forward_stop(procs[-1:])
+    with spawning():  # a request that comes meanwhile is forwarded once all are started
+        for rank, dev in enumerate(devices):
+            p = ctx.Process(target=_spawned, args=(rank, len(devices), dev, cfg, plan, port, errq),
+                            name=f"train-rank{rank}")
+            p.start()
+            procs.append(p)
     failed = None
     try:
         while any(p.is_alive() for p in procs) and failed is None:
@@ -283,8 +283,10 @@ def run(cfg: TrainConfig) -> None:
             failed = failed_process(procs, allow=STOP_CODES)
             if not stop_requested() and any(p.exitcode in STOP_CODES for p in procs):
                 request_stop(next(p.exitcode for p in procs if p.exitcode in STOP_CODES) - 128)
-    finally:
-        stop_processes(procs, failed)
+    except BaseException:  # a second signal (stop now), or an error in this loop
+        stop_processes(procs, failed, abandon=True)
+        raise
+    stop_processes(procs, failed)
     bad = [r for r, p in enumerate(procs) if p.exitcode != 0 and not (stop_requested() and p.exitcode in STOP_CODES)]
     if not bad and stop_requested():
         raise Stopped(stop_requested(), stopped_message(stop_requested(), out))
@@ -310,7 +312,7 @@ def _spawned(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict, p
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     open_process_log(Path(cfg.out) / "logs", f"train-rank{rank}")
-    install_stop_handlers(announce=False)
+    install_stop_handlers(launched=True)
     from .runtime import worker_outcome
 
     with worker_outcome(on_error=lambda line: errq.put((rank, (time.time(), line)))):
@@ -708,7 +710,8 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
         epoch = seg.key
         stream = RowStream(cfg.cache, seg.refs, seg.lengths, spec, seg.key, rank, world, accum, in_seg0, end,
                            pad_rows=follow)
-        it = iter(make_loader(stream, cfg.loader_workers, cfg.prefetch, pin=cuda))
+        with spawning():  # loader processes start with the stop signals blocked, then ignore them
+            it = iter(make_loader(stream, cfg.loader_workers, cfg.prefetch, pin=cuda))
         for s in range(in_seg0, end):
             t0 = time.perf_counter()
             micro = [next(it) for _ in range(accum)]  # all micro-batches first: the step's weight sum
@@ -801,7 +804,8 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                 _record_window(out, seg)
             if step % cfg.checkpoint_every == 0 or (step == stop and cfg.final_checkpoint):
                 checkpoint(seg, s + 1)
-            if agreed_stop():  # SIGTERM/SIGINT on any rank: all stop after this step, checkpointed
+            finished = stop is not None and step >= stop  # the same on every rank
+            if not finished and agreed_stop():  # a stop request on any rank: all stop after this step
                 if last_ckpt[0] != step:
                     checkpoint(seg, s + 1)
                 break

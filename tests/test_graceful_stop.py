@@ -3,8 +3,9 @@ point. Extraction finishes the shards being written and commits them; training f
 and saves a checkpoint there. The process exits with 128 + the signal, prints one line that says how
 to resume, leaves no debris, and the resumed run equals an uninterrupted one.
 
-The runs are slowed with DFLASH_OFFLINE_DELAY_AT (a sleep at every batch or step), so the signal
-lands while a shard or a step is in progress.
+The runs wait at a fault point (DFLASH_OFFLINE_HOLD_AT: mid-shard, or right after a step's optimizer
+update) until the stop request arrives, so the signal lands while a shard or a step is in progress
+in every worker.
 """
 
 from __future__ import annotations
@@ -45,6 +46,21 @@ def wait_until(cond, proc: subprocess.Popen, timeout: float = 240) -> None:
         time.sleep(0.1)
 
 
+def held(log_dir: Path, names: list[str]) -> bool:
+    """Every named process is waiting at the fault point."""
+    for name in names:
+        try:
+            if not json.loads((log_dir / f"{name}.heartbeat.json").read_text())["phase"].startswith("held at"):
+                return False
+        except (OSError, ValueError, KeyError):
+            return False
+    return True
+
+
+def heartbeat(log_dir: Path, name: str) -> dict:
+    return json.loads((log_dir / f"{name}.heartbeat.json").read_text())
+
+
 def committed(cache: Path) -> int:
     try:
         return len(json.loads((cache / "manifest.json").read_text())["shards"])
@@ -73,22 +89,26 @@ def signal_run(proc: subprocess.Popen, sig: int, group: bool) -> tuple[int, str]
 def test_extract_stops_after_the_shard_and_resumes(sig, group, devices, extract_reference, tiny_dense, tiny_data, tmp_path):
     cache = tmp_path / "cache"
     args = ["extract", "--target", tiny_dense, "--data", tiny_data, "--cache", cache, "--devices", devices, *OPTS]
-    proc = start(args, {"DFLASH_OFFLINE_DELAY_AT": "batch-done:0.25"})
-    wait_until(lambda: committed(cache) >= 1, proc)
+    workers = [f"extract-rank{r}" for r in range(len(devices.split(",")))]
+    proc = start(args, {"DFLASH_OFFLINE_HOLD_AT": "batch-done:2"})  # each worker, mid-way through its shards
+    wait_until(lambda: held(cache / "logs", workers), proc)
+    in_progress = {heartbeat(cache / "logs", w)["shard"] for w in workers}
     rc, err = signal_run(proc, sig, group)
     name = signal.Signals(sig).name
     assert rc == 128 + sig, err
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"stopped on {name}:") and "run the same command again to resume" in last, err
     m = json.loads((cache / "manifest.json").read_text())
-    assert m["status"] != "complete" and 1 <= len(m["shards"]) < m["plan"]["num_shards"]
-    assert_no_debris(cache)  # the shards in progress were finished and committed, none left half-written
+    assert m["status"] != "complete" and len(m["shards"]) < m["plan"]["num_shards"]
+    assert in_progress <= {sh["name"] for sh in m["shards"]}  # the shards in progress were finished and committed
+    assert_no_debris(cache)  # and none is left half-written
     assert not list(cache.glob("shards/.tmp*")) and not list(cache.glob(".tmp*"))
-    logs = "".join(p.read_text() for p in (cache / "logs").glob("extract-rank*.log"))
-    assert f"{name} received: stopping at the next safe point" in logs
+    assert f"{name} received: stopping at the next safe point" in (cache / "logs" / "extract-launcher.log").read_text()
+    for w in workers:
+        assert "stop requested by the launcher" in (cache / "logs" / f"{w}.log").read_text()
     st = run_cli(["status", cache, "--json"])
     procs = {p["name"]: p["state"] for p in json.loads(st.stdout)["processes"]}
-    assert procs["extract-launcher"] == "stopped" and procs["extract-rank0"] == "stopped", procs
+    assert procs["extract-launcher"] == "stopped" and all(procs[w] == "stopped" for w in workers), procs
     assert "stopped on request" in json.loads(st.stdout)["verdict"]
 
     r = run_cli(args)
@@ -106,14 +126,14 @@ def test_train_stops_after_the_step_checkpoints_and_resumes(sig, group, devices,
     common = [*STRAIGHT, "--devices", devices]
     straight, stopped = straight_run(devices), tmp_path / "stopped"
     args = ["train", "--target", tiny_dense, "--cache", arith_cache, "--out", stopped, *TRAIN, *common]
-    proc = start(args, {"DFLASH_OFFLINE_DELAY_AT": "train-step:0.25"})
-    mfile = stopped / "metrics.jsonl"
-    wait_until(lambda: mfile.exists() and len(mfile.read_text().splitlines()) >= 2, proc)
+    ranks = ["train-launcher"] if devices == "cpu" else ["train-rank0", "train-rank1"]
+    proc = start(args, {"DFLASH_OFFLINE_HOLD_AT": "train-step:3"})  # every rank, right after step 3's update
+    wait_until(lambda: held(stopped / "logs", ranks), proc)
     rc, err = signal_run(proc, sig, group)
     assert rc == 128 + sig, err
     last = err.strip().splitlines()[-1]
     steps = sorted(int(p.name[5:]) for p in stopped.glob("step-*"))
-    assert len(steps) == 1 and 2 <= steps[0] < 12, (steps, err)
+    assert steps == [3], (steps, err)  # the step in progress was finished and checkpointed
     assert last == (f"stopped on {signal.Signals(sig).name}: checkpoint step-{steps[0]} saved in {stopped}; "
                     "run the same command again to resume"), err
     assert metrics(stopped)[-1]["step"] == steps[0]  # stopped right after the step it checkpointed
@@ -127,3 +147,20 @@ def test_train_stops_after_the_step_checkpoints_and_resumes(sig, group, devices,
     wa, wb = weights(straight, 12), weights(stopped, 12)
     for k in wa:
         np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
+
+
+def test_ctrl_c_while_workers_start_is_a_clean_stop(tiny_dense, tiny_data, tmp_path):
+    """Ctrl-C while the launcher is starting its workers: the workers receive the request only once
+    their handlers are set (the signals are blocked across their start), so the run stops cleanly
+    (exit 130, one line, no traceback), with nothing half-written."""
+    cache = tmp_path / "cache"
+    args = ["extract", "--target", tiny_dense, "--data", tiny_data, "--cache", cache, "--devices", "cpu,cpu", *OPTS]
+    proc = start(args, {})
+    log = cache / "logs" / "extract-launcher.log"
+    wait_until(lambda: log.exists() and "started 2 worker processes" in log.read_text(), proc)
+    rc, err = signal_run(proc, signal.SIGINT, group=True)
+    assert rc == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("stopped on SIGINT"), err
+    m = json.loads((cache / "manifest.json").read_text())
+    assert m["status"] != "complete"
+    assert_no_debris(cache)
