@@ -164,3 +164,45 @@ def test_ctrl_c_while_workers_start_is_a_clean_stop(tiny_dense, tiny_data, tmp_p
     m = json.loads((cache / "manifest.json").read_text())
     assert m["status"] != "complete"
     assert_no_debris(cache)
+
+
+def test_follow_trainer_stopped_while_waiting_for_shards(tiny_dense, tiny_data, valid_cache, tmp_path):
+    """`train --follow` waiting for a shard that extraction has not committed yet: SIGTERM saves a
+    checkpoint of what it trained and stops; once extraction is done, the resumed trainer gives
+    the losses and learning rates of a follow run over the complete cache."""
+    import shutil
+
+    from conftest import extract_args
+
+    follow = ["--seq-len", "128", "--num-anchors", "8", "--block-size", "4", "--global-batch-tokens", "256",
+              "--mask-token-id", "1", "--num-layers", "1", "--epochs", "1", "--follow", "--follow-window", "2",
+              "--loader-workers", "0", "--checkpoint-every", "100", "--no-progress"]
+    complete = tmp_path / "complete"
+    shutil.copytree(valid_cache, complete)  # a follower records itself in the manifest
+    straight = tmp_path / "straight"
+    r = run_cli(["train", "--target", tiny_dense, "--cache", complete, "--out", straight, *follow])
+    assert r.returncode == 0, r.stderr
+
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    ex_args = extract_args(tiny_dense, tiny_data, cache)  # the plan of valid_cache
+    extractor = start(ex_args, {"DFLASH_OFFLINE_HOLD_AT": "batch-done:8"})  # mid-way through the third (last) shard
+    try:
+        wait_until(lambda: held(cache / "logs", ["extract-rank0"]) and committed(cache) >= 2, extractor)
+        tr_args = ["train", "--target", tiny_dense, "--cache", cache, "--out", out, *follow]
+        trainer = start(tr_args, {})
+        hb = cache.parent / "run" / "logs" / "train-launcher.heartbeat.json"
+        wait_until(lambda: hb.exists() and json.loads(hb.read_text())["phase"] == "waiting for shards", trainer)
+        rc, err = signal_run(trainer, signal.SIGTERM, group=False)
+        assert rc == 128 + signal.SIGTERM, err
+        steps = sorted(int(p.name[5:]) for p in out.glob("step-*"))
+        assert steps and metrics(out)[-1]["step"] == steps[-1], (steps, err)
+        assert err.strip().splitlines()[-1].startswith(f"stopped on SIGTERM: checkpoint step-{steps[-1]} saved"), err
+    finally:
+        if extractor.poll() is None:
+            signal_run(extractor, signal.SIGTERM, group=False)
+    r = run_cli(ex_args)
+    assert r.returncode == 0, r.stderr
+    r = run_cli(tr_args)
+    assert r.returncode == 0, r.stderr
+    a, b = metrics(straight), metrics(out)
+    assert [(x["loss"], x["lr"]) for x in a] == [(x["loss"], x["lr"]) for x in b]
