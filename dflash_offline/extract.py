@@ -272,7 +272,7 @@ def run(cfg: ExtractConfig) -> dict:
         raise Stopped(stop_requested(), f"stopped on {signal_name(stop_requested())} before any work; "
                       "nothing changed; run the same command again to start")
 
-    from .cache.manifest import ManifestStore
+    from .cache.manifest import ManifestStore, committed_names
 
     if launch is None:
         try:
@@ -304,7 +304,7 @@ def run(cfg: ExtractConfig) -> dict:
         stopped = _launch_workers(job, devices, todo_tokens, cfg.progress, _log_dir(cfg, loc))
     manifest = store.read()
     if stopped and manifest["status"] != "complete":  # a request that came after the last shard: done
-        done = len(manifest["shards"]) + len(manifest.get("released", []))
+        done = len(committed_names(manifest))
         raise Stopped(stopped, f"stopped on {signal_name(stopped)}: {done}/{manifest['plan']['num_shards']} shards "
                       "committed, none half-written; run the same command again to resume")
     _summary(manifest, time.time() - t0, log_path, launch)
@@ -417,14 +417,14 @@ def _drain_errors(q, errors: dict) -> None:
 def _worker_failure(job: Job, rank: int, device: str, code: int, error: str | None, log_path: str) -> str:
     """The launcher's one line for a failed worker: its own error, and for a full device what to do."""
     from .cache.location import Location
-    from .cache.manifest import ManifestStore
+    from .cache.manifest import ManifestStore, committed_names
     from .runtime import is_no_space
 
     if error and is_no_space(error):
         error = error.split("; see ")[0]  # the worker's pointer to its logs and its advice: said below
         loc = Location(job.cfg["cache"])
         m = ManifestStore(loc).read() or {"shards": [], "released": []}
-        done = len(m["shards"]) + len(m.get("released", []))
+        done = len(committed_names(m))
         return (f"no space left on the device of {loc.path()}: {done}/{len(job.shards)} shards committed, none "
                 f"half-written; free space (or raise the quota), then run the same command again to resume "
                 f"(worker {rank}: {error})")
