@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .runtime import UserError
+from .runtime import UserError, ordinary_mode
 from .model_folder import KEY_REWRITES, read_target
 
 log = logging.getLogger("dflash.drafter")
@@ -428,6 +428,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str) -> Path:
     try:
         tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in drafter.trainable_state_dict().items()}
         save_file(tensors, str(tmp / EXPORT_WEIGHTS), metadata={"format": "pt"})
+        ordinary_mode(tmp / EXPORT_WEIGHTS)  # safetensors leaves 0600: a serving process of another user reads it
         (tmp / EXPORT_CONFIG).write_text(json.dumps(drafter.cfg.to_export_dict(), indent=2) + "\n", encoding="utf-8")
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         if out.exists():

@@ -363,7 +363,7 @@ def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bo
     heartbeat(phase="extract", workers=[p.pid for p in procs])
     bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
                desc="extract", smoothing=0.05)
-    written = 0
+    written = done = 0  # counted here: a disabled bar (--no-progress) never advances
     failed = None
     errors: dict[int, str] = {}  # rank -> its error line (sent before it exits)
     try:
@@ -378,8 +378,9 @@ def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bo
                     continue
                 bar.update(tokens)
                 written += nbytes
+                done += tokens
                 bar.set_postfix_str(f"{written / 1e9:.2f} GB written")
-                heartbeat(phase="extract", tokens_done=int(bar.n), tokens_todo=todo_tokens, bytes_written=written)
+                heartbeat(phase="extract", tokens_done=done, tokens_todo=todo_tokens, bytes_written=written)
                 continue
             except queue.Empty:
                 pass

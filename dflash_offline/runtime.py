@@ -67,6 +67,10 @@ def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = T
         name, os.getpid(), socket.gethostname(), sys.version.split()[0], " ".join(sys.argv),
     )
     global _heartbeat
+    if _heartbeat is not None and _heartbeat.data["pid"] == os.getpid() and _heartbeat.data["state"] == "running":
+        # An earlier stage of this process (the demo: extract, then train) returned normally: a
+        # failure or a stop would have been recorded. Left `running`, `status` would call it died.
+        _heartbeat.finish("done")
     _heartbeat = Heartbeat(log_dir / f"{name}{HEARTBEAT_SUFFIX}", name, path)
     return path
 
@@ -209,6 +213,42 @@ def record_failure(exc: BaseException) -> None:
                                 None if bad_input else (type(exc), exc, exc.__traceback__))
         _file_handler.handle(record)
     finish_heartbeat("failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
+
+
+# --------------------------------------------------------------------------------------------
+# Files for others to read, and numbers for people
+
+
+def umask() -> int:
+    """This process's umask, read without changing it where Linux says it (/proc), else by
+    setting and restoring it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def ordinary_mode(*paths: str | os.PathLike) -> None:
+    """Give files the mode a plain open() would (0644 under umask 022). Writers that go through
+    a temporary file (safetensors) leave 0600, which a serving process of another user cannot read."""
+    mode = 0o666 & ~umask()
+    for path in paths:
+        os.chmod(path, mode)
+
+
+def human_count(n: float) -> str:
+    """1234 -> "1.23K", 2.1e9 -> "2.10B": parameter and token counts in log lines."""
+    for unit in ("", "K", "M", "B"):
+        if abs(n) < (999.5 if unit == "" else 999.995):  # what rounds to 1000 takes the next unit
+            return f"{n:.0f}" if unit == "" else f"{n:.2f}{unit}"
+        n /= 1000
+    return f"{n:.2f}T"
 
 
 # --------------------------------------------------------------------------------------------

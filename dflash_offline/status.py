@@ -166,13 +166,57 @@ def run_status(path: str) -> dict:
             "last_error": last_error(out / "logs") if (out / "logs").is_dir() else None}
 
 
+def _is_run(p: Path) -> bool:
+    return p.is_dir() and ((p / "metrics.jsonl").exists() or any(p.glob("step-*")) or any((p / "logs").glob("train-*")))
+
+
+def _is_cache(p: Path) -> bool:
+    from .cache.manifest import FORMAT
+
+    try:
+        return json.loads((p / "manifest.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _named(kind: str, paths: list[str]) -> str:
+    shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+    return f"the {kind}{'s' if len(paths) > 1 else ''} {shown}"
+
+
+def folder_hint(path: str, command: str) -> str | None:
+    """For a local folder that is not what `command` takes (status: a cache or a run; verify,
+    inspect: a cache) but holds some in its subfolders (the demo's top folder): a one-line refusal
+    that names them and the command to type. None when there is nothing to point at."""
+    p = Path(path)
+    if "://" in str(path) or not p.is_dir() or (p / "manifest.json").exists():
+        return None
+    caches, runs = [], []
+    for sub in sorted(p.iterdir()):
+        if sub.is_dir() and not sub.name.startswith("."):  # .tmp-* folders are half-written exports
+            if _is_cache(sub):
+                caches.append(os.path.join(path, sub.name))
+            elif _is_run(sub):
+                runs.append(os.path.join(path, sub.name))
+    if not caches and not runs:
+        return None
+    held = " and ".join(_named(kind, found) for kind, found in (("cache", caches), ("run", runs)) if found)
+    if command == "status":
+        return f"{path}: not a cache or a run folder; it holds {held}: dflash-offline status {(caches or runs)[0]}"
+    if caches:
+        return f"{path}: no manifest.json, not a cache; it holds {held}: dflash-offline {command} {caches[0]}"
+    return (f"{path}: no manifest.json, not a cache; it holds no cache but {held} (training runs): "
+            f"dflash-offline status {runs[0]}")
+
+
 def status(path: str) -> dict:
     p = Path(path)
     if "://" in str(path) or (p / "manifest.json").is_file() or any((p / "logs").glob("extract-*")):
         return cache_status(path)
-    if p.is_dir() and ((p / "metrics.jsonl").exists() or any(p.glob("step-*")) or any((p / "logs").glob("train-*"))):
+    if _is_run(p):
         return run_status(path)
-    raise UserError(f"{path}: neither a cache (manifest.json) nor a training run folder (metrics.jsonl, step-N/, logs/)")
+    raise UserError(folder_hint(path, "status") or
+                    f"{path}: neither a cache (manifest.json) nor a training run folder (metrics.jsonl, step-N/, logs/)")
 
 
 def _age(s: float) -> str:

@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import TrainConfig
-from .runtime import (Stopped, UserError, fault_point, heartbeat, install_stop_handlers, open_process_log, spawning,
-                      signal_name, stop_requested, torchrun_launch)
+from .runtime import (Stopped, UserError, fault_point, heartbeat, human_count, install_stop_handlers, open_process_log,
+                      ordinary_mode, spawning, signal_name, stop_requested, torchrun_launch)
 
 log = logging.getLogger("dflash.train")
 
@@ -366,6 +366,7 @@ def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: dict, keep
     tmp.mkdir(parents=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in drafter.trainable_state_dict().items()},
               str(tmp / "drafter.safetensors"))
+    ordinary_mode(tmp / "drafter.safetensors")  # safetensors leaves 0600: unreadable to another user
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "rng_cpu": torch.get_rng_state()}, tmp / "trainer.pt")
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
@@ -604,8 +605,8 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     fault_point("load-weights")
     drafter.load_frozen_from_target(cfg.target)
     drafter.to(device)
-    log.info("drafter: %.2fB trainable parameters on %s, built and frozen parts loaded in %.1fs",
-             sum(p.numel() for p in drafter.trainable_parameters()) / 1e9, device, time.perf_counter() - t_build)
+    log.info("drafter: %s trainable parameters on %s, built and frozen parts loaded in %.1fs",
+             human_count(sum(p.numel() for p in drafter.trainable_parameters())), device, time.perf_counter() - t_build)
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
     model = drafter
     if world > 1:
@@ -641,6 +642,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
         torch.set_rng_state(tr["rng_cpu"])
         resumed_state = json.loads((ck / "state.json").read_text())
         log.info("resumed from %s (step %d of %d)", ck, step, total)
+    start_step = step
     follow = bool(plan.get("follow"))
     if follow:
         # The schedule's length is an estimate; the data's end is the end (or --max-steps).
@@ -835,7 +837,14 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
             path = export_drafter(drafter, str(out / "export"))
             log.info("exported drafter to %s", path)
             done = f"{step} steps (about {total} estimated)" if follow else f"{step}/{total} steps"
-            print(f"trained {done} in {elapsed:.1f}s; checkpoints in {out}; export in {path}", flush=True)
+            if not follow and stop < total:
+                done += f" (--max-steps {stop})"
+            if found and step == start_step:
+                # Resumed from the final checkpoint: nothing left to train (the export is written again).
+                log.info("already complete at step-%d: nothing to train", step)
+                print(f"already complete: {done}; checkpoints in {out}; export in {path}", flush=True)
+            else:
+                print(f"trained {done} in {elapsed:.1f}s; checkpoints in {out}; export in {path}", flush=True)
         if metrics_file:
             metrics_file.close()
         if tb is not None:

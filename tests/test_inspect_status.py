@@ -137,6 +137,9 @@ def test_status_of_a_complete_cache(tiny_dense, tiny_data, tmp_path):
     assert "extract-launcher" in r.stdout and " done;" in r.stdout
     st = json.loads(run_cli(["status", valid_cache, "--json"]).stdout)
     assert st["kind"] == "cache" and st["debris"] == [] and st["shards_committed"] == st["shards_planned"]
+    # --no-progress (in extract_args): the launcher counts the tokens itself, not with the disabled bar.
+    hb = json.loads((valid_cache / "logs" / "extract-launcher.heartbeat.json").read_text())
+    assert hb["tokens_done"] == hb["tokens_todo"] == st["totals"]["tokens"] > 0, hb
     # A refused rerun leaves the cache complete and its reason as the last error.
     r = run_cli(extract_args(tiny_dense, tiny_data, valid_cache, "--topk", "2"))
     assert r.returncode == 2
@@ -194,3 +197,85 @@ def test_status_of_a_run_that_crashed(valid_cache, tiny_dense, tmp_path):
     assert "train-launcher.log" in r.stdout
     # The traceback is in the log file, for whoever reads it later.
     assert "Traceback" in (out / "logs" / "train-launcher.log").read_text()
+
+
+def test_stage_after_stage_in_one_process_is_done_not_died(tiny_dense, tiny_data, tmp_path):
+    """The demo runs extract, then train, in one process: opening the next stage's log finishes
+    the previous stage's heartbeat as done (it returned), so status does not call it killed."""
+    cache = tmp_path / "cache"
+    script = (
+        "import sys\n"
+        "from dflash_offline import extract, runtime\n"
+        "from dflash_offline.config import ExtractConfig\n"
+        "extract.run(ExtractConfig(target=sys.argv[1], data=[sys.argv[2]], cache=sys.argv[3], topk=4, max_len=128,\n"
+        "                          batch_tokens=512, shard_tokens=1024, progress=False))\n"
+        "runtime.open_process_log(sys.argv[4], 'next-stage', console=False)\n"
+        "runtime.finish_heartbeat('done')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script, str(tiny_dense), str(tiny_data), str(cache), str(tmp_path / "logs")],
+                       capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(run_cli(["status", cache, "--json"]).stdout)
+    launcher = next(p for p in st["processes"] if p["name"] == "extract-launcher")
+    assert launcher["state"] == "done", launcher
+    assert st["verdict"] == "complete"
+    r = run_cli(["status", cache])
+    assert "died" not in r.stdout and " done;" in r.stdout, r.stdout
+
+
+def test_top_folder_points_at_its_caches_and_runs(valid_cache, tmp_path):
+    """The demo's top folder (cache/, train/, tiny-target/, data) is refused in one line that
+    names what it holds and the command to type."""
+    top = tmp_path / "demo"
+    top.mkdir()
+    (top / "cache").symlink_to(valid_cache)
+    (top / "train" / "step-3").mkdir(parents=True)
+    (top / "train" / "metrics.jsonl").write_text("")
+    (top / "tiny-target").mkdir()
+    (top / "tiny-target" / "config.json").write_text("{}")
+    (top / "generated").mkdir()
+    r = run_cli(["status", top])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert (f"{top}: not a cache or a run folder; it holds the cache {top}/cache and the run {top}/train: "
+            f"dflash-offline status {top}/cache") in r.stderr, r.stderr
+    for command in ("verify", "inspect"):
+        r = run_cli([command, top])
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"it holds the cache {top}/cache and the run {top}/train: dflash-offline {command} {top}/cache" \
+            in r.stderr, r.stderr
+    # Runs only: verify points at no cache, and says how to look at the runs.
+    (top / "cache").unlink()
+    (top / "train2").mkdir()
+    (top / "train2" / "metrics.jsonl").write_text("")
+    r = run_cli(["verify", top])
+    assert r.returncode == 2 and f"holds no cache but the runs {top}/train, {top}/train2" in r.stderr, r.stderr
+    assert f"dflash-offline status {top}/train" in r.stderr
+    # A folder holding nothing of the kind keeps the plain refusal.
+    r = run_cli(["status", top / "tiny-target"])
+    assert r.returncode == 2 and "neither a cache (manifest.json) nor a training run folder" in r.stderr, r.stderr
+
+
+def test_notebook_finds_the_demo_cache_from_docs(valid_cache, tmp_path, monkeypatch):
+    """Started in docs/ (Jupyter's folder for the notebook), without DFLASH_CACHE, the notebook
+    finds ../runs/demo/cache; with no cache anywhere it says how to make one."""
+    import nbclient
+    import nbformat
+
+    monkeypatch.delenv("DFLASH_CACHE", raising=False)
+    nb = nbformat.read(ROOT / "docs" / "inspect.ipynb", as_version=4)
+    nb.cells = nb.cells[:2]  # the introduction and the cell that opens the cache
+    repo = tmp_path / "repo"
+    (repo / "docs").mkdir(parents=True)
+    (repo / "runs" / "demo").mkdir(parents=True)
+    (repo / "runs" / "demo" / "cache").symlink_to(valid_cache)
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(repo / "docs")}}).execute()
+    shown = nb.cells[1].outputs[0]["data"]["text/plain"]
+    assert shown.startswith("<cache ../runs/demo/cache: complete"), shown
+    for c in nb.cells:
+        c.get("outputs", []).clear()
+    with pytest.raises(nbclient.exceptions.CellExecutionError) as e:
+        nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                                resources={"metadata": {"path": str(tmp_path)}}).execute()
+    assert "no cache at runs/demo/cache or ../runs/demo/cache" in str(e.value)
+    assert "dflash-offline demo --out runs/demo" in str(e.value) and "DFLASH_CACHE" in str(e.value)

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 from dflash_offline.data import scan
 from dflash_offline.extract import bytes_per_token
 from dflash_offline.model_folder import read_target
@@ -44,3 +44,43 @@ def test_decoder_matrix_params_match_the_model(tiny_dense, tiny_hybrid):
 def test_plan_bad_input_is_one_line(tmp_path):
     r = run_cli(["plan", "--target", tmp_path / "nope", "--data", tmp_path])
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no such folder" in r.stderr, r.stderr
+
+
+def test_plan_reads_an_extract_recipe(tiny_dense, tiny_data, tmp_path):
+    """`plan --config` takes extract's recipe: the keys plan uses, extract's others ignored,
+    any other key refused by name; command-line values win."""
+    recipe = tmp_path / "extract.toml"
+    recipe.write_text(f"""
+target = "{tiny_dense}"
+data = "{tiny_data}"
+cache = "{tmp_path / 'cache'}"
+devices = "cpu"
+layers = [1, 3, 6]
+topk = 4
+max_len = 64
+batch_tokens = 512
+shard_tokens = 1024
+compute_dtype = "float32"
+max_bytes = 1000
+extract_gpus = 2
+""")
+    r = run_cli(["plan", "--config", recipe, "--json"])
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    info = read_target(str(tiny_dense))
+    tokens = int(np.minimum(scan([str(tiny_data)], info.vocab_size).lengths, 64).sum())
+    assert p["layer_ids"] == [1, 3, 6] and p["topk"] == 4 and p["tokens"] == tokens
+    assert p["max_bytes"] == 1000 and p["extract"]["gpus"] == 2 and p["free_bytes"] > 0
+    r = run_cli(["plan", "--config", recipe, "--topk", "2", "--max-len", "32", "--layers", "2,4", "--json"])
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    assert p["topk"] == 2 and p["layer_ids"] == [2, 4] and p["tokens"] < tokens
+    recipe.write_text(recipe.read_text() + "lr = 0.001\n")
+    r = run_cli(["plan", "--config", recipe])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown key 'lr'" in r.stderr, r.stderr
+    # The deployment's own recipe, its target and data replaced by the tiny ones.
+    r = run_cli(["plan", "--config", ROOT / "stages" / "qwen3.6-27b" / "extract.toml", "--target", tiny_dense,
+                 "--data", tiny_data, "--layers", "auto", "--json"])
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    assert p["topk"] == 32 and p["layer_ids"] == [1, 2, 3, 4, 5]

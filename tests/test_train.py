@@ -192,3 +192,54 @@ def test_resume_with_other_lr_is_refused_before_any_rank_starts(arith_cache, tin
     r = train(tiny_dense, arith_cache, out, "--epochs", "1", "--max-steps", "4", "--lr", "1e-5", "--devices", "cpu,cpu")
     assert r.returncode == 2 and "lr = 0.003" in r.stderr and r.stderr.count("\n") == 1
     assert not (out / "logs" / "train-rank0.log").exists()  # refused in the launcher
+
+
+def test_rerun_of_a_finished_run_says_already_complete(arith_cache, tiny_dense, tmp_path):
+    out = tmp_path / "run"
+    r = train(tiny_dense, arith_cache, out, "--epochs", "1")
+    assert r.returncode == 0, r.stderr
+    done = metrics(out)[-1]["step"]
+    assert f"trained {done}/{done} steps in " in r.stdout, r.stdout
+    before = (out / "metrics.jsonl").read_text()
+    r = train(tiny_dense, arith_cache, out, "--epochs", "1")
+    assert r.returncode == 0, r.stderr
+    assert f"already complete: {done}/{done} steps; checkpoints in {out}; export in {out / 'export'}" in r.stdout, \
+        r.stdout
+    assert "trained" not in r.stdout
+    assert (out / "metrics.jsonl").read_text() == before  # nothing trained, nothing logged
+    assert [p.name for p in out.glob("step-*")] == [f"step-{done}"]
+
+
+def test_checkpoints_and_export_are_readable_by_others(arith_cache, tiny_dense, tmp_path):
+    """safetensors writes through a 0600 temporary file: the tool gives the files the umask's
+    ordinary mode, so a serving process of another user can read the export."""
+    import re
+    import stat
+
+    def modes(folder):
+        return {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
+
+    out = tmp_path / "run"
+    old = os.umask(0o022)
+    try:
+        r = train(tiny_dense, arith_cache, out, "--epochs", "1", "--max-steps", "2", "--checkpoint-every", "1")
+        assert r.returncode == 0, r.stderr
+        os.umask(0o027)
+        r = run_cli(["export", "--run", str(out), "--step", "1", "--to", str(tmp_path / "export-1")])
+        assert r.returncode == 0, r.stderr
+    finally:
+        os.umask(old)
+    for folder in (out / "step-1", out / "step-2", out / "export"):
+        assert modes(folder) and set(modes(folder).values()) == {0o644}, (folder, modes(folder))
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    assert set(modes(tmp_path / "export-1").values()) == {0o640}  # the umask is honoured, not overridden
+    # The log counts the drafter's parameters in readable units (it used to say 0.00B).
+    log = (out / "logs" / "train-launcher.log").read_text()
+    assert re.search(r"drafter: \d+\.\d\d[KM] trainable parameters", log), log
+
+
+def test_human_count():
+    from dflash_offline.runtime import human_count
+
+    assert [human_count(n) for n in (7, 999, 1234, 999_999, 1_230_000, 2.1e9, 1.84e9)] == \
+        ["7", "999", "1.23K", "1.00M", "1.23M", "2.10B", "1.84B"]
