@@ -203,31 +203,40 @@ def eval_(ctx: click.Context, config_file, **options) -> None:
 
 
 @main.command()
-@click.option("--target", required=True, help="Hugging Face model folder (config.json + *.safetensors).")
-@click.option("--data", multiple=True, required=True, help="Parquet file or folder of *.parquet; repeat for several.")
-@click.option("--cache", default=None, help="Where the cache would go: its free space is the budget.")
-@click.option("--max-bytes", type=ByteSize(), default=None, help="A budget for the cache (e.g. 64GB).")
-@click.option("--layers", default=None, help="Target layer ids to capture.  [default: the DFlash rule]")
-@click.option("--num-layers", type=int, default=None, help="How many layers the DFlash rule picks.  [default: extract's]")
-@click.option("--topk", type=int, default=None, help="Top-k log-probabilities per token.  [default: extract's]")
-@click.option("--max-len", type=int, default=None, help="Truncation length.  [default: extract's]")
-@click.option("--extract-gpus", type=int, default=None, help="GPUs extracting.  [default: 5]")
-@click.option("--train-gpus", type=int, default=None, help="GPUs training.  [default: 3]")
-@click.option("--epochs", type=int, default=None, help="Training epochs.  [default: train's]")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML whose keys are these options; an extract recipe works too (its other keys are ignored; command-line values win).")
+@click.option("--target", help="Hugging Face model folder (config.json + *.safetensors).")
+@click.option("--data", multiple=True, help="Parquet file or folder of *.parquet; repeat for several.")
+@click.option("--cache", help="Where the cache would go: its free space is the budget.")
+@click.option("--max-bytes", type=ByteSize(), help="A budget for the cache (e.g. 64GB).")
+@click.option("--layers", help="Target layer ids to capture.  [default: the DFlash rule]")
+@click.option("--num-layers", type=int, help="How many layers the DFlash rule picks.  [default: extract's]")
+@click.option("--topk", type=int, help="Top-k log-probabilities per token.  [default: extract's]")
+@click.option("--max-len", type=int, help="Truncation length.  [default: extract's]")
+@click.option("--extract-gpus", type=int, help="GPUs extracting.  [default: 5]")
+@click.option("--train-gpus", type=int, help="GPUs training.  [default: 3]")
+@click.option("--epochs", type=int, help="Training epochs.  [default: train's]")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan(target, data, cache, max_bytes, layers, num_layers, topk, max_len, extract_gpus, train_gpus, epochs,
-         as_json) -> None:
+@click.pass_context
+def plan(ctx: click.Context, config_file, as_json: bool, **options) -> None:
     """Size a run before it starts: cache bytes per storage mode (bf16, fp8), whether they fit the
-    budget, and estimated hours per stage. Reads config, headers and input rows; loads no weights."""
+    budget, and estimated hours per stage. Reads config, headers and input rows; loads no weights.
+
+    `--config stages/<deployment>/extract.toml` sizes what that recipe would extract."""
     import json as _json
 
-    from .config import parse_int_list
+    from .config import ExtractConfig, load_recipe, merge, parse_int_list
     from .sizing import PlanConfig, make_plan, report
 
-    given = dict(num_layers=num_layers, topk=topk, max_len=max_len, extract_gpus=extract_gpus,
-                 train_gpus=train_gpus, epochs=epochs)
-    p = make_plan(PlanConfig(target=target, data=list(data), cache=cache, max_bytes=max_bytes,
-                             layers=parse_int_list(layers), **{k: v for k, v in given.items() if v is not None}))
+    given = {k: v for k, v in _given(ctx, **options).items() if v is not None}
+    if "data" in given:
+        given["data"] = list(given["data"])
+        if not given["data"]:
+            del given["data"]
+    if "layers" in given:
+        given["layers"] = parse_int_list(given["layers"])
+    # Extract's recipe names the same target, data, layers and cache; its other keys mean nothing here.
+    recipe = load_recipe(config_file, PlanConfig, ignore=ExtractConfig) if config_file else {}
+    p = make_plan(merge(PlanConfig, recipe, given))
     if as_json:
         click.echo(_json.dumps(p, indent=1))
     else:
@@ -242,7 +251,11 @@ def verify(cache: str) -> None:
     from tqdm import tqdm
 
     from .cache.reader import CacheReader
+    from .status import folder_hint
 
+    hint = folder_hint(cache, "verify")  # a folder that holds caches: name them
+    if hint:
+        raise UserError(hint)
     reader = CacheReader(cache)
     bad = {}
     for name in tqdm(reader.shard_names, unit="shard", desc="verify"):
@@ -268,7 +281,11 @@ def verify(cache: str) -> None:
 def inspect(cache: str, sample_id: int | None, stats: bool, max_tokens: int) -> None:
     """Summary of a cache: manifest, shards, per-layer statistics and outlier channels (no torch)."""
     from .inspect import open_cache
+    from .status import folder_hint
 
+    hint = folder_hint(cache, "inspect")  # a folder that holds caches: name them
+    if hint:
+        raise UserError(hint)
     view = open_cache(cache)
     click.echo(view.summary(stats=stats, max_tokens=max_tokens))
     if sample_id is not None:
@@ -292,6 +309,47 @@ def status(path: str, as_json: bool) -> None:
 
     st = status_mod.status(path)
     click.echo(json.dumps(st, indent=1, default=str) if as_json else status_mod.format_status(st))
+
+
+@main.command()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML recipe whose keys are these options (command-line values win).")
+@click.option("--target", help="Hugging Face model folder: the model that writes the completions.")
+@click.option("--prompts", multiple=True, help="Parquet file or folder with input_ids (and optional id); repeat for several.")
+@click.option("--out", help="Output folder (Parquet parts + manifest.json), or a .parquet file (parts in OUT.parts/, merged at the end).")
+@click.option("--devices", help="GPU indices like 0,1,2,3 (one worker process each), or cpu / cpu,cpu.  [default: cpu]")
+@click.option("--max-new-tokens", type=int, help="New tokens per prompt at most.  [default: 2048]")
+@click.option("--temperature", type=float, help="0 = greedy; above 0, sampling.  [default: 0]")
+@click.option("--top-p", type=float, help="Sampling: nucleus mass kept.  [default: 1.0]")
+@click.option("--seed", type=int, help="Sampling: the noise of each prompt depends only on (seed, prompt id, step).  [default: 0]")
+@click.option("--eos-token-ids", help="End-of-sequence ids, e.g. 0 or 151643,151645.  [default: the target's generation_config.json]")
+@click.option("--ignore-eos", is_flag=True, default=None, help="Always generate --max-new-tokens.")
+@click.option("--batch-tokens", type=int, help="Budget of one decoding batch: rows x (longest prompt + max new tokens).  [default: 262144]")
+@click.option("--chunk-prompts", type=int, help="Prompts per part file, the unit of commit and resume.  [default: 2048]")
+@click.option("--compute-dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), help="Target dtype; auto = bf16 on GPU, fp32 on CPU.")
+@click.option("--compile/--no-compile", default=None, help="CUDA graphs for the one-token step (GPU only; measured slower at large batches).  [default: off]")
+@click.option("--log-dir", help="Folder for process logs.  [default: OUT/logs]")
+@click.option("--progress/--no-progress", default=None, help="Progress bar on the terminal.  [default: on]")
+@click.pass_context
+def generate(ctx: click.Context, config_file, **options) -> None:
+    """The target's own completions of prompts, ready for `extract --data OUT`.
+
+    Rows follow the input contract: id (the prompt's), input_ids = prompt + completion, loss_mask
+    0 on the prompt and 1 on the completion. Parts are committed in OUT/manifest.json; running the
+    same command again resumes, and a different target or setting is refused, naming the field.
+    """
+    from .config import GenerateConfig, load_recipe, merge, parse_int_list
+
+    given = {k: v for k, v in _given(ctx, **options).items() if v is not None}
+    if "prompts" in given:
+        given["prompts"] = list(given["prompts"])
+        if not given["prompts"]:
+            del given["prompts"]
+    if "eos_token_ids" in given:
+        given["eos_token_ids"] = parse_int_list(given["eos_token_ids"], option="--eos-token-ids")
+    recipe = load_recipe(config_file, GenerateConfig) if config_file else {}
+    from . import generate as stage
+
+    stage.run(merge(GenerateConfig, recipe, given))
 
 
 @main.command()

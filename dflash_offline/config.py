@@ -94,7 +94,7 @@ class ExtractConfig:
             raise UserError(f"--layers {self.layers} lists a layer twice")
 
 
-def parse_int_list(text: str | list | None) -> list[int] | None:
+def parse_int_list(text: str | list | None, option: str = "--layers") -> list[int] | None:
     """`"1,9,17"` or `[1, 9, 17]` -> [1, 9, 17]; None or "" or "auto" -> None."""
     if text is None or (isinstance(text, str) and text.strip() in ("", "auto")):
         return None
@@ -105,11 +105,12 @@ def parse_int_list(text: str | list | None) -> list[int] | None:
     try:
         return [int(s) for s in items]
     except (TypeError, ValueError):
-        raise UserError(f"--layers {text!r}: expected comma-separated integers like 1,9,17,25,33") from None
+        raise UserError(f"{option} {text!r}: expected comma-separated integers like 1,9,17,25,33") from None
 
 
-def load_recipe(path: str | Path, cls: type) -> dict[str, Any]:
-    """Read a TOML recipe into {field: value}; unknown keys are an error naming the key and file."""
+def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> dict[str, Any]:
+    """Read a TOML recipe into {field: value}; unknown keys are an error naming the key and file.
+    Keys that are fields of `ignore` (not of `cls`) are dropped: `plan` reads extract's recipe."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -118,19 +119,26 @@ def load_recipe(path: str | Path, cls: type) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"--config {path}: not valid TOML ({e})") from None
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    skip = {f.name for f in dataclasses.fields(ignore)} if ignore is not None else set()
     out: dict[str, Any] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if name in skip and name not in fields:
+            continue
         if name not in fields:
             raise UserError(
                 f"--config {path}: unknown key {key!r}; known keys: {', '.join(sorted(fields))}"
+                + (" (and the other keys of an extract recipe, ignored)" if ignore is ExtractConfig else "")
             )
         out[name] = value
     # Relative paths in a recipe are relative to the directory the command runs in, like CLI paths.
-    if "data" in out and isinstance(out["data"], str):
-        out["data"] = [out["data"]]
+    for name, value in out.items():  # one path where a list of paths is expected
+        if isinstance(value, str) and str(fields[name].type).startswith("list[str]"):
+            out[name] = [value]
     if "layers" in out:
         out["layers"] = parse_int_list(out["layers"])
+    if "eos_token_ids" in out:
+        out["eos_token_ids"] = parse_int_list(out["eos_token_ids"], option="eos_token_ids")
     return out
 
 
@@ -280,3 +288,58 @@ class EvalConfig:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise UserError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
+
+
+@dataclass
+class GenerateConfig:
+    target: str = ""
+    """The target's Hugging Face folder: it writes the completions."""
+    prompts: list[str] = field(default_factory=list)
+    """Parquet files or folders with `input_ids` (the prompt tokens) and an optional `id`."""
+    out: str = ""
+    """Output: a folder of Parquet parts with a manifest, or a .parquet file (parts beside it in
+    OUT.parts/, merged into the file at the end)."""
+    devices: str = "cpu"
+    """`0,1,2,3` for one worker process per GPU, `cpu` or `cpu,cpu` for CPU workers."""
+    max_new_tokens: int = 2048
+    """New tokens per prompt at most (a row also ends after an end-of-sequence token, kept)."""
+    temperature: float = 0.0
+    """0 = greedy (argmax); above 0, sampling at this temperature."""
+    top_p: float = 1.0
+    """Sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    seed: int = 0
+    """Sampling: the noise for prompt id i and new token t depends only on (seed, i, t)."""
+    eos_token_ids: list[int] | None = None
+    """End-of-sequence ids; None = the target folder's generation_config.json / config.json."""
+    ignore_eos: bool = False
+    """Always generate max_new_tokens (no end-of-sequence stop)."""
+    batch_tokens: int = 262144
+    """Budget of one decoding batch: rows x (longest prompt + max_new_tokens) cache positions."""
+    chunk_prompts: int = 2048
+    """Prompts per part file (the unit of commit and of resume)."""
+    compute_dtype: str = "auto"
+    """auto = bfloat16 on GPU, float32 on CPU; float32 reproduces the target's fp32 greedy decode."""
+    compile: bool = False
+    """Compile the one-token decode step with CUDA graphs (static shapes: a fixed cache and filler
+    rows). Off by default: on the H200 the eager step with the grouped attention decoded the pycode
+    target 4x faster at 2048-row batches (docs/benchmarks.md), and compiling a 64-layer hybrid takes
+    minutes."""
+    log_dir: str | None = None
+    """Where process logs go; default OUT/logs (OUT.parts/logs for a .parquet output)."""
+    progress: bool = True
+
+    def validate(self) -> None:
+        for name in ("target", "out"):
+            if not getattr(self, name):
+                raise UserError(f"generate: --{name} is required (or set `{name}` in --config)")
+        if not self.prompts:
+            raise UserError("generate: give --prompts PARQUET (files or folders with an input_ids column)")
+        for name in ("max_new_tokens", "batch_tokens", "chunk_prompts"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise UserError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.compute_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise UserError(f"--compute-dtype {self.compute_dtype!r}: choose auto, bfloat16, float16 or float32")

@@ -22,24 +22,30 @@ from .runtime import UserError
 log = logging.getLogger("dflash.data")
 
 
-def resolve_files(paths: list[str]) -> list[Path]:
-    """Files in the order given; a folder contributes its *.parquet files in name order."""
+def resolve_files(paths: list[str], option: str = "--data") -> list[Path]:
+    """Files in the order given; a folder contributes its *.parquet files in name order, or, for
+    the output folder of `dflash-offline generate`, the parts its manifest lists (only once the
+    generation is complete: a folder still being written is refused)."""
+    from .parts import listed_parts
+
     files: list[Path] = []
     for p in paths:
         path = Path(p)
         if path.is_dir():
-            found = sorted(path.glob("*.parquet"))
+            found = listed_parts(path)
+            if found is None:
+                found = sorted(path.glob("*.parquet"))
             if not found:
-                raise UserError(f"--data {p}: folder holds no *.parquet files")
+                raise UserError(f"{option} {p}: folder holds no *.parquet files")
             files.extend(found)
         elif path.is_file():
             files.append(path)
         else:
-            raise UserError(f"--data {p}: no such file or folder")
+            raise UserError(f"{option} {p}: no such file or folder")
     seen = set()
     for f in files:
         if f.resolve() in seen:
-            raise UserError(f"--data: {f} is given twice (rows would be extracted twice)")
+            raise UserError(f"{option}: {f} is given twice (rows would be read twice)")
         seen.add(f.resolve())
     return files
 
@@ -58,7 +64,7 @@ class SourceFile:
     rows: int
     sha256: str
     row_group_starts: np.ndarray  # first row of each row group, plus the total at the end
-    mask_column: str  # "loss_mask" or "prompt_len"
+    mask_column: str | None  # "loss_mask" or "prompt_len"; None for prompts (scan with need_mask=False)
 
 
 @dataclass
@@ -94,9 +100,10 @@ def _is_int_list(t: pa.DataType) -> bool:
     return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
 
 
-def scan(paths: list[str], vocab_size: int) -> Source:
-    """Validate every input file against the contract; raise UserError naming file, row, problem."""
-    files = resolve_files(paths)
+def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: bool = True) -> Source:
+    """Validate every input file against the contract; raise UserError naming file, row, problem.
+    `need_mask=False` reads prompts (`generate --prompts`): `input_ids` and the optional `id`."""
+    files = resolve_files(paths, option)
     out_files: list[SourceFile] = []
     ids_all, lens_all = [], []
     max_token = -1
@@ -112,7 +119,9 @@ def scan(paths: list[str], vocab_size: int) -> Source:
             raise UserError(f"{path}: missing column 'input_ids' (columns: {', '.join(schema.names)})")
         if not _is_int_list(schema.field("input_ids").type):
             raise UserError(f"{path}: column 'input_ids' must be a list of integers, found {schema.field('input_ids').type}")
-        if "loss_mask" in names:
+        if not need_mask:
+            mask_col = None  # prompts: a mask column, if any, is not read
+        elif "loss_mask" in names:
             mask_col = "loss_mask"
             t = schema.field("loss_mask").type
             if not ((pa.types.is_list(t) or pa.types.is_large_list(t))
@@ -130,7 +139,7 @@ def scan(paths: list[str], vocab_size: int) -> Source:
 
         rg_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
         starts = np.concatenate([[0], np.cumsum(rg_rows)]).astype(np.int64)
-        cols = ["input_ids", mask_col] + (["id"] if has_id else [])
+        cols = ["input_ids"] + ([mask_col] if mask_col else []) + (["id"] if has_id else [])
         for g in range(pf.num_row_groups):
             try:
                 tab = pf.read_row_group(g, columns=cols)
@@ -158,7 +167,7 @@ def scan(paths: list[str], vocab_size: int) -> Source:
                         f"vocabulary [0, {vocab_size}); was the data tokenized for another model?"
                     )
                 max_token = max(max_token, hi)
-            mask = tab.column(mask_col).combine_chunks()
+            mask = tab.column(mask_col).combine_chunks() if mask_col else None
             if mask_col == "loss_mask":
                 if mask.null_count:
                     r = base + int(np.flatnonzero(mask.is_null().to_numpy(zero_copy_only=False))[0])
@@ -177,7 +186,7 @@ def scan(paths: list[str], vocab_size: int) -> Source:
                     if bad.size:
                         row = int(np.searchsorted(np.cumsum(lens), int(bad[0]), side="right"))
                         raise UserError(f"{path}: row {base + row}: loss_mask holds {int(mvals[bad[0]])}; only 0 and 1 are allowed")
-            else:
+            elif mask_col == "prompt_len":
                 if mask.null_count:
                     r = base + int(np.flatnonzero(mask.is_null().to_numpy(zero_copy_only=False))[0])
                     raise UserError(f"{path}: row {r}: prompt_len is null")
@@ -239,9 +248,9 @@ class RowReader:
         if self._key == (fi, g):
             return
         f = self.source.files[fi]
-        tab = pq.ParquetFile(f.path).read_row_group(g, columns=["input_ids", f.mask_column])
+        tab = pq.ParquetFile(f.path).read_row_group(g, columns=["input_ids"] + ([f.mask_column] if f.mask_column else []))
         self._ids = tab.column("input_ids").combine_chunks()
-        self._mask = tab.column(f.mask_column).combine_chunks()
+        self._mask = tab.column(f.mask_column).combine_chunks() if f.mask_column else None
         self._key = (fi, g)
 
     def row(self, global_row: int) -> tuple[np.ndarray, np.ndarray]:
@@ -252,7 +261,9 @@ class RowReader:
         self._load(fi, g)
         i = r - int(f.row_group_starts[g])
         ids = np.asarray(self._ids[i].values.to_numpy(zero_copy_only=False), dtype=np.int32)
-        if f.mask_column == "loss_mask":
+        if f.mask_column is None:
+            mask = np.zeros(ids.shape[0], np.uint8)
+        elif f.mask_column == "loss_mask":
             mask = np.asarray(self._mask[i].values.to_numpy(zero_copy_only=False), dtype=np.uint8)
         else:
             mask = np.zeros(ids.shape[0], np.uint8)

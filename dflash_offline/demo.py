@@ -1,47 +1,84 @@
-"""`dflash-offline demo`: the main job end to end on an embedded default, on the CPU in minutes.
+"""`dflash-offline demo`: the whole job end to end on an embedded default, on the CPU in minutes.
 
-A tiny dense Qwen3 target (random weights) and learnable data (arithmetic progressions) are made
-on the fly; then extract -> verify the cache -> train a 2-layer drafter -> export. The options
-match `stages/tiny/extract.toml` and `stages/tiny/train.toml`.
+1. a tiny dense Qwen3 target (8 layers, hidden 64, vocabulary 512) is built and trained for a
+   few seconds on progression text (arithmetic progressions of stride 1-3 around a cycle of 32
+   tokens), so that what it writes has structure; a random-weight target's output is noise that
+   no drafter can predict, and a demo built on one would report a training tau that decoding
+   never sees;
+2. `generate`: the target completes 512 prompts (greedy, 64 new tokens): its own data;
+3. `extract` -> `verify` -> `train` (a 2-layer drafter, block 8) -> `export`;
+4. `eval --prompts`: real speculative decoding of 32 held-out prompts against the target,
+   checked lossless, with the speed against the target alone.
+Every stage writes where a user's run would, and running the demo again into the same --out
+resumes or says that each stage is complete. The options match the recipes in `stages/tiny/`.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-from .config import ExtractConfig, TrainConfig
+from .config import EvalConfig, ExtractConfig, GenerateConfig, TrainConfig
+from .runtime import UserError
+
+TRAIN_PROMPTS, EVAL_PROMPTS, NEW_TOKENS = 512, 32, 64
+OURS = {"tiny-target", "prompts-train.parquet", "prompts-eval.parquet", "generated", "cache", "train", "eval.json"}
 
 
-def run(out: str, devices: str = "cpu") -> None:
+def run(out: str, devices: str = "cpu") -> dict:
     root = Path(out)
+    if root.is_dir() and any(root.iterdir()) and not OURS & {p.name for p in root.iterdir()}:
+        raise UserError(f"--out {out}: the folder exists, is not empty and holds no demo; choose a new folder "
+                        "(nothing is overwritten)")
+    root.mkdir(parents=True, exist_ok=True)
     target = root / "tiny-target"
-    data = root / "tiny-data.parquet"
     if not (target / "config.json").exists():
-        from .tiny import make_tiny_target
+        from .tiny import make_tiny_target, train_tiny_target
 
-        make_tiny_target(target, kind="qwen3", num_layers=8)
-    if not data.exists():
-        from .tiny import make_tiny_data
+        tmp = root / ".tiny-target.tmp"  # renamed into place once trained: a killed demo leaves no half-trained target
+        shutil.rmtree(tmp, ignore_errors=True)
+        make_tiny_target(tmp, kind="qwen3", num_layers=8)
+        fit = train_tiny_target(tmp)
+        tmp.rename(target)
+        print(f"target:   trained a tiny Qwen3 ({target}) for {fit['steps']} steps on progression text in "
+              f"{fit['seconds']:.0f} s (loss {fit['loss']:.3f})", flush=True)
+    else:
+        print(f"target:   {target} (trained earlier)", flush=True)
+    prompts_train, prompts_eval = root / "prompts-train.parquet", root / "prompts-eval.parquet"
+    if not prompts_eval.exists():
+        from .tiny import make_progression_prompts
 
-        make_tiny_data(data, rows=256, min_len=40, max_len=256, pattern="arith")
-    from . import extract
+        make_progression_prompts(prompts_train, TRAIN_PROMPTS, seed=1)
+        # Held out: prompts longer than any training prompt, so none is a training prompt.
+        make_progression_prompts(prompts_eval, EVAL_PROMPTS, seed=2, min_len=21, max_len=28, id_offset=100_000)
 
-    cache = root / "cache"
-    extract.run(ExtractConfig(target=str(target), data=[str(data)], cache=str(cache), devices=devices,
+    from . import evaluate, extract, generate, train
+
+    generated, cache, run_dir = root / "generated", root / "cache", root / "train"
+    generate.run(GenerateConfig(target=str(target), prompts=[str(prompts_train)], out=str(generated), devices=devices,
+                                max_new_tokens=NEW_TOKENS, chunk_prompts=256, batch_tokens=128 * (20 + NEW_TOKENS)))
+    extract.run(ExtractConfig(target=str(target), data=[str(generated)], cache=str(cache), devices=devices,
                               topk=8, max_len=256, batch_tokens=2048, shard_tokens=8192))
     from .cache.reader import CacheReader
 
     reader = CacheReader(str(cache))
     bad = reader.verify()
     print(f"verified {len(reader.shard_names)} shards against their checksums: "
-          f"{'all match' if not bad else 'MISMATCH in ' + ', '.join(bad)}")
+          f"{'all match' if not bad else 'MISMATCH in ' + ', '.join(bad)}", flush=True)
     if bad:
         raise RuntimeError(f"checksum mismatch in {bad}")
-    from . import train
-
-    run_dir = root / "train"
     train.run(TrainConfig(cache=str(cache), target=str(target), out=str(run_dir), devices=devices.split(",")[0],
                           num_layers=2, block_size=8, num_anchors=16, seq_len=256, global_batch_tokens=512,
                           lr=3e-3, epochs=3, mask_token_id=1, loader_workers=0, checkpoint_every=50))
-    print(f"target:  {target}\ndata:    {data}\ncache:   {cache} (logs in {cache / 'logs'})\n"
-          f"run:     {run_dir} (metrics.jsonl, step-N/ checkpoints, logs/)\nexport:  {run_dir / 'export'}")
+    export = run_dir / "export"
+    report = evaluate.run(EvalConfig(target=str(target), drafters=[str(export)], prompts=str(prompts_eval),
+                                     max_new_tokens=NEW_TOKENS, json_path=str(root / "eval.json")))
+    e = report["drafters"][0]
+    print(f"\ntarget:    {target}\nprompts:   {prompts_train} (training), {prompts_eval} (held out)\n"
+          f"generated: {generated} (the target's own completions; logs in {generated / 'logs'})\n"
+          f"cache:     {cache} (logs in {cache / 'logs'})\nrun:       {run_dir} (metrics.jsonl, step-N/ checkpoints, logs/)\n"
+          f"export:    {export}\neval:      {root / 'eval.json'}\n"
+          f"decoding:  tau {e['tau']:.2f} (pooled over {e['rounds']} rounds of {EVAL_PROMPTS} held-out prompts, block "
+          f"{e['block_size']}), {e['speedup']:.2f}x the target alone on the CPU, "
+          f"{'lossless' if e['lossless'] else 'NOT LOSSLESS'}", flush=True)
+    return report

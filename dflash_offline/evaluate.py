@@ -32,6 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .model_folder import eos_ids
 from .runtime import UserError
 
 log = logging.getLogger("dflash.eval")
@@ -66,20 +67,6 @@ def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None) -> 
             raise UserError(f"--prompts {path}: row {row} holds token id {bad}, outside the target's vocabulary "
                             f"(0..{vocab_size - 1}); tokenize with the target's tokenizer")
     return [int(i) for i in ids], [[int(t) for t in toks] for toks in prompts]
-
-
-def eos_ids(target_dir: str) -> set[int]:
-    """End-of-sequence ids from generation_config.json (else config.json) of the target folder."""
-    root = Path(target_dir)
-    for name in ("generation_config.json", "config.json"):
-        f = root / name
-        if f.is_file():
-            cfg = json.loads(f.read_text(encoding="utf-8"))
-            cfg = cfg if name == "generation_config.json" else (cfg.get("text_config") or cfg)
-            eos = cfg.get("eos_token_id")
-            if eos is not None:
-                return {int(e) for e in (eos if isinstance(eos, list) else [eos])}
-    return set()
 
 
 def load_drafter(path: str, target_dir: str):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import time
 from dataclasses import asdict, dataclass
 
@@ -344,75 +343,34 @@ def _wait_for_other_ranks(store) -> None:
 def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bool, log_dir: str) -> int | None:
     """Run one worker process per device to the end. Returns the signal number if the run was
     stopped on request (the workers finished their shards in progress and exited), else None."""
-    import multiprocessing as mp
-
     from tqdm import tqdm
 
-    from .runtime import STOP_CODES, failed_process, forward_stop, request_stop, spawning, stop_processes
+    from .runtime import run_workers
 
-    ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
-    q = ctx.Queue()
-    procs = []
-    install_stop_handlers(forward=lambda signum: forward_stop(procs))
-    with spawning():  # a request that comes meanwhile is forwarded once all are started
-        for rank, dev in enumerate(devices):
-            p = ctx.Process(target=worker_entry, args=(rank, len(devices), dev, job, q), name=f"extract-rank{rank}")
-            p.start()
-            procs.append(p)
-    log.info("started %d worker processes: %s", len(procs), ", ".join(f"{p.pid} on {d}" for p, d in zip(procs, devices)))
-    heartbeat(phase="extract", workers=[p.pid for p in procs])
     bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
                desc="extract", smoothing=0.05)
     written = done = 0  # counted here: a disabled bar (--no-progress) never advances
-    failed = None
-    errors: dict[int, str] = {}  # rank -> its error line (sent before it exits)
-    try:
-        while True:
-            try:
-                kind, tokens, nbytes = q.get(timeout=0.5)
-                if kind == "error":  # (kind, rank, line)
-                    errors[tokens] = nbytes
-                    continue
-                if kind in ("paused", "resumed"):  # (kind, occupancy, why): a worker waits for budget
-                    bar.set_postfix_str(f"paused: {nbytes}" if kind == "paused" else f"{written / 1e9:.2f} GB written")
-                    continue
-                bar.update(tokens)
-                written += nbytes
-                done += tokens
-                bar.set_postfix_str(f"{written / 1e9:.2f} GB written")
-                heartbeat(phase="extract", tokens_done=done, tokens_todo=todo_tokens, bytes_written=written)
-                continue
-            except queue.Empty:
-                pass
-            failed = failed_process(procs, allow=STOP_CODES)
-            if any(p.exitcode in STOP_CODES for p in procs) and not stop_requested():
-                # A worker was stopped on its own (kill -TERM PID): the others stop with it.
-                request_stop(next(p.exitcode for p in procs if p.exitcode in STOP_CODES) - 128)
-                forward_stop(procs)
-            if failed is not None or all(p.exitcode is not None for p in procs):
-                break
-    except BaseException:  # a second signal (stop now), or an error in this loop
-        bar.close()
-        stop_processes(procs, failed, abandon=True)
-        raise
-    bar.close()
-    stop_processes(procs, failed)
-    if failed is None and stop_requested():
-        return stop_requested()
-    if failed is not None:
-        _drain_errors(q, errors)
-        raise RuntimeError(_worker_failure(job, failed, devices[failed], procs[failed].exitcode, errors.get(failed),
-                                           os.path.join(log_dir, f"extract-rank{failed}.log")))
 
-
-def _drain_errors(q, errors: dict) -> None:
-    while True:
-        try:
-            kind, rank, line = q.get(timeout=0.2)
-        except queue.Empty:
+    def on_message(msg) -> None:
+        nonlocal written, done
+        kind, tokens, nbytes = msg
+        if kind in ("paused", "resumed"):  # (kind, occupancy, why): a worker waits for budget
+            bar.set_postfix_str(f"paused: {nbytes}" if kind == "paused" else f"{written / 1e9:.2f} GB written")
             return
-        if kind == "error":
-            errors[rank] = line
+        bar.update(tokens)
+        written += nbytes
+        done += tokens
+        bar.set_postfix_str(f"{written / 1e9:.2f} GB written")
+        heartbeat(phase="extract", tokens_done=done, tokens_todo=todo_tokens, bytes_written=written)
+
+    try:
+        ended = run_workers(worker_entry, devices, job, "extract", on_message)
+    finally:
+        bar.close()
+    if ended.failed is not None:
+        raise RuntimeError(_worker_failure(job, ended.failed, devices[ended.failed], ended.exitcode, ended.error,
+                                           os.path.join(log_dir, f"extract-rank{ended.failed}.log")))
+    return ended.stopped
 
 
 def _worker_failure(job: Job, rank: int, device: str, code: int, error: str | None, log_path: str) -> str:

@@ -34,6 +34,7 @@ class TargetInfo:
     hybrid: bool
     weight_files: list[Path]
     tie_word_embeddings: bool
+    max_positions: int | None = None  # max_position_embeddings: the longest sequence it was made for
 
     def manifest_entry(self) -> dict:
         return {
@@ -106,4 +107,19 @@ def read_target(path: str) -> TargetInfo:
         config_sha256=hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest(),
         weights_fingerprint="sha256:" + fp.hexdigest(), hybrid=hybrid, weight_files=files,
         tie_word_embeddings=tie,
+        max_positions=int(text["max_position_embeddings"]) if text.get("max_position_embeddings") else None,
     )
+
+
+def eos_ids(target_dir: str) -> set[int]:
+    """End-of-sequence ids from generation_config.json (else config.json) of the target folder."""
+    root = Path(target_dir)
+    for name in ("generation_config.json", "config.json"):
+        f = root / name
+        if f.is_file():
+            cfg = json.loads(f.read_text(encoding="utf-8"))
+            cfg = cfg if name == "generation_config.json" else (cfg.get("text_config") or cfg)
+            eos = cfg.get("eos_token_id")
+            if eos is not None:
+                return {int(e) for e in (eos if isinstance(eos, list) else [eos])}
+    return set()

@@ -475,6 +475,73 @@ def stop_processes(procs, failed: int | None, abandon: bool = False) -> None:
         p.join()
 
 
+@dataclass
+class WorkersEnded:
+    """How a launcher's worker processes ended (run_workers)."""
+
+    failed: int | None  # rank of the first worker that failed, else None
+    error: str | None  # that worker's own one-line error, if it sent one
+    exitcode: int | None  # that worker's exit code
+    stopped: int | None  # the signal number when the run stopped on request, else None
+
+
+def run_workers(entry, devices: list[str], job, stage: str, on_message) -> WorkersEnded:
+    """Start one spawned process per device, `entry(rank, world, device, job, queue)`, and
+    supervise them to the end: each message a worker puts on the queue goes to `on_message`
+    (except ("error", rank, line), kept for the failure report); a stop request is passed on to
+    every worker; a worker stopped on its own (kill -TERM PID) stops the others; after a failure
+    the others are stopped (stop_processes)."""
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
+    q = ctx.Queue()
+    procs = []
+    install_stop_handlers(forward=lambda signum: forward_stop(procs))
+    with spawning():  # a request that comes meanwhile is forwarded once all are started
+        for rank, dev in enumerate(devices):
+            p = ctx.Process(target=entry, args=(rank, len(devices), dev, job, q), name=f"{stage}-rank{rank}")
+            p.start()
+            procs.append(p)
+    log.info("started %d worker processes: %s", len(procs), ", ".join(f"{p.pid} on {d}" for p, d in zip(procs, devices)))
+    heartbeat(phase=stage, workers=[p.pid for p in procs])
+    failed = None
+    errors: dict[int, str] = {}  # rank -> its error line (sent before it exits)
+
+    def drain(timeout: float) -> bool:
+        try:
+            msg = q.get(timeout=timeout)
+        except queue_mod.Empty:
+            return False
+        if msg[0] == "error":
+            errors[msg[1]] = msg[2]
+        else:
+            on_message(msg)
+        return True
+
+    try:
+        while True:
+            if drain(0.5):
+                continue
+            failed = failed_process(procs, allow=STOP_CODES)
+            if any(p.exitcode in STOP_CODES for p in procs) and not stop_requested():
+                # A worker was stopped on its own (kill -TERM PID): the others stop with it.
+                request_stop(next(p.exitcode for p in procs if p.exitcode in STOP_CODES) - 128)
+                forward_stop(procs)
+            if failed is not None or all(p.exitcode is not None for p in procs):
+                break
+    except BaseException:  # a second signal (stop now), or an error in this loop
+        stop_processes(procs, failed, abandon=True)
+        raise
+    stop_processes(procs, failed)
+    if failed is not None:
+        while drain(0.2):  # the failed worker's own error line, sent just before it exited
+            pass
+    return WorkersEnded(failed=failed, error=errors.get(failed) if failed is not None else None,
+                        exitcode=procs[failed].exitcode if failed is not None else None,
+                        stopped=stop_requested() if failed is None else None)
+
+
 def single_thread_compute() -> None:
     """One compute thread per process: several worker processes share the machine's cores."""
     import torch

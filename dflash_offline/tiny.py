@@ -94,3 +94,73 @@ def make_tiny_data(path: str | Path, rows: int = 64, seed: int = 0, min_len: int
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table(cols), path, row_group_size=row_group_size)
     return path
+
+
+# ----------------------------------------------------------------------------------------------
+# The demo's target: a tiny model trained on the CPU for seconds, so that what it writes has
+# structure a drafter can learn (a random-weight target's greedy output is noise to any drafter).
+
+EOS = 0  # end of text / padding in the tiny vocabulary
+CYCLE = 32  # progressions count around a cycle of 32 tokens (ids 2..33)
+STRIDES = (1, 2, 3)
+
+
+def progression(start: int, stride: int, n: int) -> list[int]:
+    return (((start + stride * np.arange(n)) % CYCLE) + 2).tolist()
+
+
+def progression_text(rng: np.random.Generator, length: int) -> list[int]:
+    """Documents of 24..120 tokens, each an arithmetic progression (random start and stride 1-3)
+    followed by the end-of-text token, back to back, cut to `length`."""
+    out: list[int] = []
+    while len(out) < length:
+        n = int(rng.integers(24, 121))
+        out += progression(int(rng.integers(0, CYCLE)), int(rng.choice(STRIDES)), n) + [EOS]
+    return out[:length]
+
+
+def train_tiny_target(folder: str | Path, steps: int = 120, batch: int = 16, seq_len: int = 96, lr: float = 3e-3,
+                      seed: int = 0) -> dict:
+    """Train the tiny target in `folder` in place (next-token loss on progression text, AdamW),
+    mark token 0 as its end of sequence, and save it. Returns {steps, loss, seconds}."""
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    t0 = time.time()
+    loss = None
+    for step in range(steps):
+        x = torch.tensor([progression_text(rng, seq_len) for _ in range(batch)])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    for cfg in (model.config, model.generation_config):
+        cfg.eos_token_id = EOS
+        cfg.pad_token_id = EOS
+    model.save_pretrained(folder)
+    return {"steps": steps, "loss": float(loss.detach()), "seconds": time.time() - t0}
+
+
+def make_progression_prompts(path: str | Path, rows: int, seed: int, min_len: int = 4, max_len: int = 20,
+                             id_offset: int = 0) -> Path:
+    """Prompts (`id`, `input_ids`): the first 4..20 tokens of random progressions."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    prompts = [progression(int(rng.integers(0, CYCLE)), int(rng.choice(STRIDES)), int(rng.integers(min_len, max_len + 1)))
+               for _ in range(rows)]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": pa.array(np.arange(id_offset, id_offset + rows), pa.int64()),
+                             "input_ids": pa.array(prompts, pa.list_(pa.int32()))}), path)
+    return path

@@ -55,13 +55,16 @@ def _describe(v) -> str:
     return s if len(s) < 120 else s[:117] + "..."
 
 
-def check_compatible(existing: dict, wanted: dict, where: str) -> None:
-    """Raise UserError naming the first identity field on which the two manifests differ."""
-    if existing.get("format") != FORMAT:
-        raise UserError(f"{where}: not a dflash-offline cache manifest (format {existing.get('format')!r}); {HOW_TO_FIX}")
-    if existing.get("version") != VERSION:
-        raise UserError(f"{where}: cache format version {existing.get('version')} but this tool writes {VERSION}; see docs/cache-format.md")
-    for section, key in IDENTITY_FIELDS:
+def check_compatible(existing: dict, wanted: dict, where: str, *, fmt: str = FORMAT, version: int = VERSION,
+                     fields=IDENTITY_FIELDS, how_to_fix: str = HOW_TO_FIX, what: str = "cache") -> None:
+    """Raise UserError naming the first identity field on which the two manifests differ (also
+    used for the output folder of `generate`, with its own format and fields)."""
+    if existing.get("format") != fmt:
+        raise UserError(f"{where}: not a dflash-offline {what} manifest (format {existing.get('format')!r}); {how_to_fix}")
+    if existing.get("version") != version:
+        raise UserError(f"{where}: {what} format version {existing.get('version')} but this tool writes {version}; "
+                        f"see docs/{'cache-format' if what == 'cache' else 'generate'}.md")
+    for section, key in fields:
         a = existing.get(section, {}).get(key)
         b = wanted.get(section, {}).get(key)
         if section == "source" and key == "files":
@@ -70,8 +73,8 @@ def check_compatible(existing: dict, wanted: dict, where: str) -> None:
             b = [(f["rows"], f["sha256"]) for f in b or []]
         if a != b:
             raise UserError(
-                f"{where}: the cache was made with {section}.{key} = {_describe(a)} but this run has "
-                f"{_describe(b)}; {HOW_TO_FIX}"
+                f"{where}: the {what} was made with {section}.{key} = {_describe(a)} but this run has "
+                f"{_describe(b)}; {how_to_fix}"
             )
 
 

@@ -1,0 +1,168 @@
+"""The output folder of `dflash-offline generate`: Parquet parts and the manifest that commits them.
+
+```
+OUT/
+  manifest.json        the commit point: a part exists only once listed here
+  part-00000.parquet   chunk 0 of the prompts, in the input contract (id, input_ids, loss_mask, ...)
+  logs/                one log file (and heartbeat) per process
+```
+A part is written under a temporary name, flushed, renamed into place, and only then listed in
+the manifest (read-modify-replace under a lock, like the cache's). A part file the manifest does
+not list is debris of a killed run: resume deletes it and writes the chunk again. `extract --data
+OUT` reads the listed parts, and refuses the folder until the manifest says `complete`.
+
+No torch here: `data.resolve_files` reads this module before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+from .cache.location import Location
+from .cache.manifest import check_compatible
+from .runtime import UserError
+
+FORMAT = "dflash-offline/generated"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+# A run that differs in any of these would write other rows: the first that differs is named.
+IDENTITY_FIELDS = [
+    ("target", "model_type"), ("target", "vocab_size"), ("target", "config_sha256"),
+    ("target", "weights_fingerprint"),
+    ("settings", "max_new_tokens"), ("settings", "temperature"), ("settings", "top_p"), ("settings", "seed"),
+    ("settings", "eos_token_ids"), ("settings", "compute_dtype"),
+    ("source", "rows"), ("source", "files"),
+    ("plan", "chunk_prompts"), ("plan", "num_parts"),
+]
+HOW_TO_FIX = "write into a new --out, or run with the target and settings the output was made with"
+
+
+def part_name(j: int) -> str:
+    return f"part-{j:05d}"
+
+
+def read_manifest(folder: str | Path) -> dict | None:
+    """The output manifest of a generate folder; None when the folder holds no manifest of ours."""
+    path = Path(folder) / MANIFEST
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: unreadable ({e}); restore it from a copy, or generate into a new --out") from None
+    return m if isinstance(m, dict) and m.get("format") == FORMAT else None
+
+
+def listed_parts(folder: str | Path) -> list[Path] | None:
+    """The part files of a complete generate folder, in plan order; None if the folder is not one.
+    Refuses a folder whose generation has not finished (its rows would be missing)."""
+    m = read_manifest(folder)
+    if m is None:
+        return None
+    if m["status"] != "complete":
+        raise UserError(f"{folder}: generation not complete ({len(m['parts'])}/{m['plan']['num_parts']} parts); "
+                        "run the same `dflash-offline generate` command again to finish it")
+    return [Path(folder) / p["file"] for p in m["parts"]]
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def new_manifest(target: dict, settings: dict, source: dict, plan: dict) -> dict:
+    return {"format": FORMAT, "version": VERSION, "status": "generating", "target": target, "settings": settings,
+            "source": source, "plan": plan, "parts": [],
+            "totals": {"rows": 0, "tokens": 0, "new_tokens": 0, "ended_by_eos": 0},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+class OutputStore:
+    """Read-modify-replace of an output folder's manifest under its lock; part files beside it."""
+
+    def __init__(self, folder: str | Path):
+        self.loc = Location(str(folder))
+        self.folder = Path(self.loc.path())
+
+    def read(self) -> dict | None:
+        text = self.loc.read_text(MANIFEST)
+        if text is None:
+            return None
+        try:
+            m = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{self.folder / MANIFEST}: not valid JSON ({e}); restore it from a copy, or generate "
+                            "into a new --out") from None
+        if not isinstance(m, dict) or any(k not in m for k in ("format", "status", "plan", "parts")):
+            raise UserError(f"{self.folder / MANIFEST}: not the manifest of a generate output; {HOW_TO_FIX}")
+        return m
+
+    def init_or_check(self, wanted: dict) -> dict:
+        """Create the manifest if absent, else refuse a run with another target or settings."""
+        with self.loc.lock():
+            existing = self.read()
+            if existing is None:
+                self.loc.write_json_atomic(MANIFEST, wanted)
+                return wanted
+            check_compatible(existing, wanted, str(self.folder / MANIFEST), fmt=FORMAT, version=VERSION,
+                             fields=IDENTITY_FIELDS, how_to_fix=HOW_TO_FIX, what="generate output")
+            for name in self.loc.listdir(""):  # a killed writer's temporary manifests
+                if name.startswith(MANIFEST + ".tmp-"):
+                    os.remove(self.loc.path(name))
+            return existing
+
+    def commit_part(self, entry: dict) -> dict:
+        """List one complete, renamed part; mark the output complete when the plan is fulfilled."""
+        with self.loc.lock():
+            m = self.read()
+            if m is None:
+                raise RuntimeError(f"{self.folder / MANIFEST} vanished during generation")
+            if entry["name"] not in {p["name"] for p in m["parts"]}:
+                m["parts"].append(entry)
+                m["parts"].sort(key=lambda p: p["name"])
+                m["totals"] = {k: sum(p[k] for p in m["parts"]) for k in ("rows", "tokens", "new_tokens", "ended_by_eos")}
+                if len(m["parts"]) == m["plan"]["num_parts"]:
+                    m["status"] = "complete"
+                    m["completed"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                self.loc.write_json_atomic(MANIFEST, m)
+            return m
+
+    def record(self, key: str, value) -> None:
+        """Set one top-level field (e.g. the merged single-file output) under the lock."""
+        with self.loc.lock():
+            m = self.read()
+            m[key] = value
+            self.loc.write_json_atomic(MANIFEST, m)
+
+    def remove_debris(self, mine: set[str]) -> None:
+        """Part files (finished or temporary) of these uncommitted parts: left by a killed run."""
+        for name in self.loc.listdir(""):
+            stem = name.split(".parquet", 1)[0]
+            if stem in mine and name.startswith("part-"):
+                os.remove(self.loc.path(name))
+
+
+def write_part(folder: Path, name: str, table) -> tuple[str, int]:
+    """Write a pyarrow table as `name`.parquet: temporary file, fsync, rename. -> (file, bytes)."""
+    import pyarrow.parquet as pq
+
+    from .cache.location import _fsync_dir
+    from .runtime import fault_point
+
+    final = folder / f"{name}.parquet"
+    tmp = folder / f"{name}.parquet.tmp-{os.getpid()}"
+    pq.write_table(table, tmp, row_group_size=1024)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    fault_point("part-written")
+    os.rename(tmp, final)
+    _fsync_dir(str(folder))
+    return final.name, final.stat().st_size

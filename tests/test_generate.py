@@ -1,0 +1,259 @@
+"""`dflash-offline generate`: the target's own completions, checked against a brute-force greedy
+decode (no cache, one prompt at a time), reproducible sampling, SIGKILL + resume equal to an
+uninterrupted run, refusals of bad input, and the hand-off to `extract`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import run_cli
+
+MAX_NEW = 24
+
+
+def make_prompts(path: Path, rows: int = 14, seed: int = 0, vocab: int = 512, id_offset: int = 100,
+                 min_len: int = 2, max_len: int = 30) -> Path:
+    """Prompts of varied lengths (so batches are left-padded), ids not equal to row numbers."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(2, vocab, size=int(n)).tolist() for n in rng.integers(min_len, max_len + 1, size=rows)]
+    pq.write_table(pa.table({"id": pa.array(np.arange(id_offset, id_offset + rows), pa.int64()),
+                             "input_ids": pa.array(prompts, pa.list_(pa.int32()))}), path)
+    return path
+
+
+def read_output(out: Path) -> dict[int, dict]:
+    """{id: row} of a generate output (a folder of parts, or a merged .parquet file)."""
+    if out.suffix == ".parquet":
+        table = pq.read_table(out)
+    else:
+        m = json.loads((out / "manifest.json").read_text())
+        table = pa.concat_tables([pq.read_table(out / p["file"]) for p in m["parts"]])
+    rows = table.to_pylist()
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)), "duplicate rows"
+    return {r["id"]: r for r in rows}
+
+
+def brute_force_greedy(target: Path, prompts: list[list[int]], max_new: int, eos: set[int]) -> list[list[int]]:
+    """The target's plain greedy decode, one prompt at a time, a full forward per token (no cache)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            seq = list(p)
+            while len(seq) - len(p) < max_new:
+                seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+                if seq[-1] in eos:
+                    break
+            out.append(seq[len(p):])
+    return out
+
+
+GEN = ["--max-new-tokens", MAX_NEW, "--no-progress"]
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_greedy_equals_plain_decode_of_each_prompt(kind, tiny_dense, tiny_hybrid, tmp_path):
+    target = tiny_dense if kind == "dense" else tiny_hybrid
+    prompts_path = make_prompts(tmp_path / "prompts.parquet")
+    prompts = pq.read_table(prompts_path).column("input_ids").to_pylist()
+    free = brute_force_greedy(target, prompts, MAX_NEW, set())
+    # An end-of-sequence id that some completions reach midway: those rows must stop after it.
+    eos = free[0][MAX_NEW // 3]
+    expected = [f[: f.index(eos) + 1] if eos in f else f for f in free]
+    assert any(len(e) < MAX_NEW for e in expected) and any(len(e) == MAX_NEW for e in expected)
+    out = tmp_path / "gen"
+    # Batches of 3 rows of mixed lengths (left padding), 3 parts over two worker processes.
+    r = run_cli(["generate", "--target", target, "--prompts", prompts_path, "--out", out, "--devices", "cpu,cpu",
+                 "--batch-tokens", 3 * (30 + MAX_NEW), "--chunk-prompts", 6, "--eos-token-ids", eos, *GEN])
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = read_output(out)
+    assert sorted(got) == list(range(100, 114))
+    for k, (p, e) in enumerate(zip(prompts, expected)):
+        row = got[100 + k]
+        assert row["input_ids"] == p + e, f"prompt id {100 + k}"
+        assert row["loss_mask"] == [0] * len(p) + [1] * len(e)
+        assert row["finish_reason"] == ("eos" if e[-1] == eos else "length")
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["status"] == "complete" and m["totals"]["rows"] == 14
+    assert m["totals"]["ended_by_eos"] == sum(e[-1] == eos for e in expected)
+
+
+def test_sampling_is_reproducible_per_prompt(tiny_dense, tmp_path):
+    prompts_path = make_prompts(tmp_path / "prompts.parquet", rows=12)
+    sample = ["--temperature", "1.0", "--top-p", "0.9", "--chunk-prompts", 6, "--ignore-eos", *GEN]
+    outs = {}
+    # The same seed in other batches and worker processes; then another seed.
+    for name, extra in (("a", ["--seed", 3, "--batch-tokens", 2 * 54]),
+                        ("b", ["--seed", 3, "--batch-tokens", 5 * 54, "--devices", "cpu,cpu"]),
+                        ("c", ["--seed", 4, "--batch-tokens", 2 * 54])):
+        r = run_cli(["generate", "--target", tiny_dense, "--prompts", prompts_path, "--out", tmp_path / name,
+                     *sample, *extra])
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs[name] = read_output(tmp_path / name)
+    assert outs["a"] == outs["b"]
+    differ = sum(outs["a"][i]["input_ids"] != outs["c"][i]["input_ids"] for i in outs["a"])
+    assert differ >= 10, differ
+    greedy = brute_force_greedy(tiny_dense, pq.read_table(prompts_path).column("input_ids").to_pylist(), MAX_NEW, set())
+    assert sum(outs["a"][100 + k]["input_ids"][-MAX_NEW:] != g for k, g in enumerate(greedy)) >= 10
+
+
+def test_noise_is_splitmix64_and_sampling_follows_the_distribution():
+    import torch
+
+    from dflash_offline.decoding import Sampling, choose_tokens, uniform_noise
+
+    # The noise equals a plain unsigned 64-bit splitmix64 (numpy uint64 arithmetic wraps by definition).
+    def mix(x):
+        x = np.uint64(x)
+        with np.errstate(over="ignore"):
+            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+    g = np.uint64(0x9E3779B97F4A7C15)
+    with np.errstate(over="ignore"):
+        for seed, row, step in ((0, 0, 0), (7, 123456789, 300), (2**40 + 3, 2**50, 9)):
+            key = mix(np.uint64(seed) * g + np.uint64(1))
+            key = mix(key + np.uint64(row) * g)
+            key = mix(key + np.uint64(step + 1) * g)
+            want = [(float(mix(key + np.uint64(v + 1) * g) >> np.uint64(11)) + 0.5) / 2**53 for v in range(5)]
+            got = uniform_noise(seed, torch.tensor([row]), step, 5)[0].tolist()
+            assert got == want
+    # Sampled frequencies follow softmax(logits / T), renormalised over the top-p nucleus.
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    rows = 40000
+    ids = torch.arange(rows)
+    p = torch.softmax(logits / 0.7, -1)
+    tok = choose_tokens(logits.expand(rows, -1), Sampling(0.7, 1.0, 5), ids, 3)
+    freq = torch.bincount(tok, minlength=5).double() / rows
+    assert torch.allclose(freq, p.double(), atol=0.01), (freq, p)
+    tok = choose_tokens(logits.expand(rows, -1), Sampling(0.7, 0.8, 5), ids, 3)
+    keep = int((torch.cumsum(p, 0) - p < 0.8).sum())  # the nucleus: the smallest prefix reaching 0.8
+    freq = torch.bincount(tok, minlength=5).double() / rows
+    assert freq[keep:].sum() == 0
+    assert torch.allclose(freq[:keep], (p[:keep] / p[:keep].sum()).double(), atol=0.01)
+    # The same (seed, id, step) draws the same token in any batch.
+    one = choose_tokens(logits.expand(1, -1), Sampling(0.7, 0.8, 5), ids[1234:1235], 3)
+    assert int(one) == int(tok[1234])
+
+
+# Kill points (with the device list): mid-part (after a batch), a part file written but not
+# renamed, renamed but not committed, a manifest replacement cut short (one process: the third
+# manifest write is its second commit; two workers: each worker's second write).
+KILLS = [("generate-batch:3", "cpu"), ("part-written:2", "cpu,cpu"), ("part-renamed:1", "cpu"),
+         ("manifest-tmp-written:3", "cpu"), ("manifest-tmp-written:2", "cpu,cpu")]
+
+
+def test_sigkill_then_rerun_equals_an_uninterrupted_run(tiny_dense, tmp_path):
+    prompts_path = make_prompts(tmp_path / "prompts.parquet", rows=16)
+    args = ["generate", "--target", tiny_dense, "--prompts", prompts_path, "--chunk-prompts", 4,
+            "--batch-tokens", 2 * 54, *GEN]
+    r = run_cli([*args, "--out", tmp_path / "straight", "--devices", "cpu,cpu"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    straight = read_output(tmp_path / "straight")
+    for k, (point, devices) in enumerate(KILLS):
+        out = tmp_path / f"killed{k}"
+        r = run_cli([*args, "--out", out, "--devices", devices], env={"DFLASH_OFFLINE_KILL_AT": point})
+        assert r.returncode == -9, (point, r.returncode, r.stderr[-2000:])
+        m = json.loads((out / "manifest.json").read_text())
+        assert m["status"] == "generating" and len(m["parts"]) < 4, point
+        r = run_cli([*args, "--out", out, "--devices", "cpu"])
+        assert r.returncode == 0, (point, r.stderr[-3000:])
+        assert read_output(out) == straight, point
+        listed = {p["file"] for p in json.loads((out / "manifest.json").read_text())["parts"]}
+        on_disk = {f for f in os.listdir(out) if f.startswith("part-")}
+        assert on_disk == listed, (point, on_disk - listed)  # no debris left
+
+
+def test_rerun_refuses_other_settings_and_says_complete(tiny_dense, tiny_hybrid, tmp_path):
+    prompts_path = make_prompts(tmp_path / "prompts.parquet", rows=6)
+    out = tmp_path / "gen.parquet"
+    args = ["generate", "--prompts", prompts_path, "--out", out, *GEN]
+    r = run_cli([*args, "--target", tiny_dense])
+    assert r.returncode == 0, r.stderr[-3000:]
+    merged = out.read_bytes()
+    assert len(read_output(out)) == 6
+    r = run_cli([*args, "--target", tiny_dense])
+    assert r.returncode == 0 and "already complete" in r.stdout
+    for extra, field in ((["--target", tiny_hybrid], "target.model_type"),
+                         (["--target", tiny_dense, "--max-new-tokens", 9], "settings.max_new_tokens"),
+                         (["--target", tiny_dense, "--temperature", 0.5], "settings.temperature")):
+        r = run_cli([*args, *extra])
+        assert r.returncode == 2, (extra, r.stderr)
+        line = r.stderr.strip()
+        assert "\n" not in line and field in line and "new --out" in line, line
+    assert out.read_bytes() == merged
+
+
+def _bad_prompts(tmp_path: Path, kind: str) -> Path:
+    p = tmp_path / f"{kind}.parquet"
+    if kind == "no-input-ids":
+        pq.write_table(pa.table({"tokens": pa.array([[3, 4]], pa.list_(pa.int32()))}), p)
+    elif kind == "outside-vocab":
+        pq.write_table(pa.table({"input_ids": pa.array([[3, 4], [5, 512]], pa.list_(pa.int32()))}), p)
+    elif kind == "empty":
+        pq.write_table(pa.table({"input_ids": pa.array([[3, 4], []], pa.list_(pa.int32()))}), p)
+    elif kind == "too-long":  # the tiny targets have 1024 positions
+        pq.write_table(pa.table({"input_ids": pa.array([[3] * 1010], pa.list_(pa.int32()))}), p)
+    return p
+
+
+@pytest.mark.parametrize("kind,words", [("no-input-ids", "missing column 'input_ids'"),
+                                        ("outside-vocab", "row 1: token id 512 is outside"),
+                                        ("empty", "row 1: input_ids is empty"),
+                                        ("too-long", "exceeds the target's context (1024")])
+def test_bad_prompts_are_refused_in_one_line(kind, words, tiny_dense, tmp_path):
+    out = tmp_path / "gen"
+    r = run_cli(["generate", "--target", tiny_dense, "--prompts", _bad_prompts(tmp_path, kind), "--out", out, *GEN])
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and words in line, line
+    assert not (out / "manifest.json").exists()
+
+
+def test_outputs_it_did_not_create_are_refused(tiny_dense, tmp_path):
+    prompts_path = make_prompts(tmp_path / "prompts.parquet", rows=4)
+    args = ["generate", "--target", tiny_dense, "--prompts", prompts_path, *GEN]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    existing = tmp_path / "existing.parquet"
+    existing.write_bytes(b"not ours")
+    for out, words in ((blocker / "gen", "cannot write there"), (theirs, "not empty"),
+                       (existing, "was not written by `generate`")):
+        r = run_cli([*args, "--out", out])
+        assert r.returncode == 2, (out, r.stderr)
+        assert "\n" not in r.stderr.strip() and words in r.stderr, r.stderr
+    assert (theirs / "notes.txt").read_text() == "mine" and sorted(os.listdir(theirs)) == ["notes.txt"]
+    assert existing.read_bytes() == b"not ours"
+
+
+def test_extract_reads_a_complete_output_and_refuses_an_incomplete_one(tiny_dense, tmp_path):
+    prompts_path = make_prompts(tmp_path / "prompts.parquet", rows=8)
+    args = ["generate", "--target", tiny_dense, "--prompts", prompts_path, "--chunk-prompts", 4, *GEN]
+    r = run_cli([*args, "--out", tmp_path / "partial"], env={"DFLASH_OFFLINE_KILL_AT": "part-committed:1"})
+    assert r.returncode == -9
+    ext = ["extract", "--target", tiny_dense, "--devices", "cpu", "--topk", "4", "--no-progress"]
+    r = run_cli([*ext, "--data", tmp_path / "partial", "--cache", tmp_path / "c1"])
+    assert r.returncode == 2 and "generation not complete (1/2 parts)" in r.stderr, r.stderr
+    r = run_cli([*args, "--out", tmp_path / "partial"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli([*ext, "--data", tmp_path / "partial", "--cache", tmp_path / "c2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((tmp_path / "c2" / "manifest.json").read_text())
+    rows = read_output(tmp_path / "partial")
+    assert m["totals"]["samples"] == 8
+    assert m["totals"]["tokens"] == sum(len(r["input_ids"]) for r in rows.values())
