@@ -72,6 +72,9 @@ def output_folder(out: str) -> tuple[Path, Path | None]:
     return p, None
 
 
+OWN_ENTRIES = {"logs", ".run.lock", ".manifest.lock"}
+
+
 def _check_output(folder: Path, merged: Path | None) -> None:
     """Nothing the tool did not create is overwritten: an existing output must be ours."""
     from . import parts
@@ -82,7 +85,9 @@ def _check_output(folder: Path, merged: Path | None) -> None:
                         "choose another --out (nothing is overwritten)")
     if folder.is_file():
         raise UserError(f"--out {folder}: is a file; give a folder, or a path ending in .parquet")
-    if folder.is_dir() and not ours and any(folder.iterdir()):
+    # Its own log folder and locks do not count: a refused first run (or another torchrun rank)
+    # may have made them before any manifest existed.
+    if folder.is_dir() and not ours and any(p.name not in OWN_ENTRIES for p in folder.iterdir()):
         raise UserError(f"--out {folder}: the folder exists, is not empty and holds no generate manifest; choose a new "
                         "or empty folder (nothing is overwritten)")
     if ours and parts.read_manifest(folder) is None:

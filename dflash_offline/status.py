@@ -110,24 +110,58 @@ def cache_status(path: str) -> dict:
     running = [p for p in procs if p["state"] == "running"]
     if m["status"] == "not created" and not running:
         verdict = "no manifest yet: the extraction ended before it created one (see the last error)"
-    elif m["status"] == "complete":
-        verdict = "complete"
-    elif running:
-        verdict = "extracting"
-    elif any(p["state"] == "stale" for p in procs):
-        verdict = HUNG
-    elif any(p["state"] == "failed" for p in procs):
-        verdict = "failed (see the last error): run the same extract command again to resume once it is fixed"
-    elif any(p["state"] == "stopped" for p in procs):
-        verdict = "stopped on request (SIGTERM/SIGINT): run the same extract command again to resume"
     else:
-        verdict = "interrupted: run the same extract command again to resume"
+        verdict = _verdict(m["status"], procs, "extracting", "extract")
     return {"kind": "cache", "path": str(path), "status": m["status"], "verdict": verdict,
             "shards_committed": len(committed), "shards_planned": m["plan"]["num_shards"], "totals": m["totals"],
             "shards_released": len(m.get("released", [])), "occupancy_bytes": occupancy(m),
             "budget_bytes": m.get("budget_bytes"), "in_flight": sorted(m.get("reserved") or {}),
             "consumers": {k: len(v["finished"]) for k, v in (m.get("consumers") or {}).items()},
             "debris": debris, "processes": procs, "last_error": last_error(logs) if logs.is_dir() else None}
+
+
+def _verdict(status: str, procs: list[dict], busy: str, command: str) -> str:
+    """What a committed-by-manifest output (a cache, a generate folder) is doing, from its
+    manifest's status and its processes' heartbeats."""
+    if status == "complete":
+        return "complete"
+    if any(p["state"] == "running" for p in procs):
+        return busy
+    if any(p["state"] == "stale" for p in procs):
+        return HUNG
+    if any(p["state"] == "failed" for p in procs):
+        return f"failed (see the last error): run the same {command} command again to resume once it is fixed"
+    if any(p["state"] == "stopped" for p in procs):
+        return f"stopped on request (SIGTERM/SIGINT): run the same {command} command again to resume"
+    return f"interrupted: run the same {command} command again to resume"
+
+
+def generate_status(path: str) -> dict:
+    """A `generate` output folder: parts committed of those planned, its processes, the last error."""
+    from .parts import read_manifest
+
+    folder = Path(path)
+    if folder.suffix == ".parquet":  # the merged file: its parts and logs are beside it
+        folder = folder.with_name(folder.name + ".parts")
+    m = read_manifest(folder)
+    logs = folder / "logs"
+    procs = processes(logs) if logs.is_dir() else []
+    on_disk = {f.name for f in folder.glob("part-*.parquet")}
+    debris = sorted(on_disk - {p["file"] for p in m["parts"]})
+    return {"kind": "generate", "path": str(path), "status": m["status"],
+            "verdict": _verdict(m["status"], procs, "generating", "generate"),
+            "parts_committed": len(m["parts"]), "parts_planned": m["plan"]["num_parts"], "totals": m["totals"],
+            "merged": m.get("merged"), "debris": debris, "processes": procs,
+            "last_error": last_error(logs) if logs.is_dir() else None}
+
+
+def _is_generated(p: Path) -> bool:
+    from .parts import read_manifest
+
+    try:
+        return p.is_dir() and read_manifest(p) is not None
+    except UserError:
+        return False
 
 
 def run_status(path: str) -> dict:
@@ -191,18 +225,23 @@ def folder_hint(path: str, command: str) -> str | None:
     p = Path(path)
     if "://" in str(path) or not p.is_dir() or (p / "manifest.json").exists():
         return None
-    caches, runs = [], []
+    caches, runs, generated = [], [], []
     for sub in sorted(p.iterdir()):
         if sub.is_dir() and not sub.name.startswith("."):  # .tmp-* folders are half-written exports
             if _is_cache(sub):
                 caches.append(os.path.join(path, sub.name))
             elif _is_run(sub):
                 runs.append(os.path.join(path, sub.name))
-    if not caches and not runs:
+            elif _is_generated(sub):
+                generated.append(os.path.join(path, sub.name))
+    if not caches and not runs and not (generated and command == "status"):
         return None
-    held = " and ".join(_named(kind, found) for kind, found in (("cache", caches), ("run", runs)) if found)
+    named = [_named(kind, found) for kind, found in (("cache", caches), ("run", runs),
+                                                     ("generate output", generated)) if found]
+    held = " and ".join(named) if len(named) < 3 else f"{named[0]}, {named[1]} and {named[2]}"
     if command == "status":
-        return f"{path}: not a cache or a run folder; it holds {held}: dflash-offline status {(caches or runs)[0]}"
+        return (f"{path}: not a cache, a run or a generate output; it holds {held}: dflash-offline status "
+                f"{(caches or runs or generated)[0]}")
     if caches:
         return f"{path}: no manifest.json, not a cache; it holds {held}: dflash-offline {command} {caches[0]}"
     return (f"{path}: no manifest.json, not a cache; it holds no cache but {held} (training runs): "
@@ -211,6 +250,8 @@ def folder_hint(path: str, command: str) -> str | None:
 
 def status(path: str) -> dict:
     p = Path(path)
+    if _is_generated(p) or (p.suffix == ".parquet" and _is_generated(p.with_name(p.name + ".parts"))):
+        return generate_status(path)
     if "://" in str(path) or (p / "manifest.json").is_file() or any((p / "logs").glob("extract-*")):
         return cache_status(path)
     if _is_run(p):
@@ -225,7 +266,15 @@ def _age(s: float) -> str:
 
 def format_status(st: dict) -> str:
     lines = []
-    if st["kind"] == "cache":
+    if st["kind"] == "generate":
+        t = st["totals"]
+        lines.append(f"generated {st['path']}: {st['verdict']}")
+        lines.append(f"  {st['parts_committed']}/{st['parts_planned']} parts committed: {t['rows']} rows, "
+                     f"{t['new_tokens']} new tokens ({t['ended_by_eos']} ended by end-of-sequence)")
+        if st["debris"]:
+            lines.append(f"  {len(st['debris'])} uncommitted part file(s) (removed when generation resumes): "
+                         + ", ".join(st["debris"][:4]))
+    elif st["kind"] == "cache":
         t = st["totals"]
         lines.append(f"cache {st['path']}: {st['verdict']}")
         lines.append(f"  {st['shards_committed']}/{st['shards_planned']} shards committed: {t['samples']} samples, "
@@ -243,7 +292,8 @@ def format_status(st: dict) -> str:
         lines.append(f"  checkpoints: {', '.join(f'step-{s}' for s in st['checkpoints']) or 'none'}; "
                      f"export: {'yes' if st['export'] else 'no'}")
     for p in st["processes"]:
-        prog = ", ".join(f"{k} {p[k]}" for k in ("shard", "tokens_done", "step", "total_steps") if k in p)
+        prog = ", ".join(f"{k} {p[k]}" for k in ("shard", "part", "prompts_done", "tokens_done", "step", "total_steps")
+                         if k in p)
         state = p["state"]
         note = {"died": " (process gone without a word: killed?)", "stale": " (no heartbeat: hung?)"}.get(state, "")
         err = f": {p['error']}" if p.get("error") and state in ("failed", "interrupted", "stopped") else ""

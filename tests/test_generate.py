@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -93,12 +95,19 @@ def test_sampling_is_reproducible_per_prompt(tiny_dense, tmp_path):
     prompts_path = make_prompts(tmp_path / "prompts.parquet", rows=12)
     sample = ["--temperature", "1.0", "--top-p", "0.9", "--chunk-prompts", 6, "--ignore-eos", *GEN]
     outs = {}
-    # The same seed in other batches and worker processes; then another seed.
+    # The same seed in other batches and processes (two torchrun ranks); then another seed.
     for name, extra in (("a", ["--seed", 3, "--batch-tokens", 2 * 54]),
-                        ("b", ["--seed", 3, "--batch-tokens", 5 * 54, "--devices", "cpu,cpu"]),
+                        ("b", ["--seed", 3, "--batch-tokens", 5 * 54]),
                         ("c", ["--seed", 4, "--batch-tokens", 2 * 54])):
-        r = run_cli(["generate", "--target", tiny_dense, "--prompts", prompts_path, "--out", tmp_path / name,
-                     *sample, *extra])
+        args = ["generate", "--target", tiny_dense, "--prompts", prompts_path, "--out", tmp_path / name, *sample, *extra]
+        if name == "b":
+            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+            r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                                "-m", "dflash_offline", *map(str, args)], capture_output=True, text=True, env=env,
+                               timeout=300, start_new_session=True)
+            assert {"generate-rank0.log", "generate-rank1.log"} <= set(os.listdir(tmp_path / name / "logs"))
+        else:
+            r = run_cli(args)
         assert r.returncode == 0, r.stderr[-3000:]
         outs[name] = read_output(tmp_path / name)
     assert outs["a"] == outs["b"]
@@ -220,6 +229,11 @@ def test_bad_prompts_are_refused_in_one_line(kind, words, tiny_dense, tmp_path):
     line = r.stderr.strip()
     assert "\n" not in line and words in line, line
     assert not (out / "manifest.json").exists()
+    if kind == "empty":
+        # The refused run's log folder does not make the folder someone else's: a corrected run goes on.
+        good = make_prompts(tmp_path / "good.parquet", rows=2)
+        r = run_cli(["generate", "--target", tiny_dense, "--prompts", good, "--out", out, *GEN])
+        assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_outputs_it_did_not_create_are_refused(tiny_dense, tmp_path):
@@ -257,3 +271,34 @@ def test_extract_reads_a_complete_output_and_refuses_an_incomplete_one(tiny_dens
     rows = read_output(tmp_path / "partial")
     assert m["totals"]["samples"] == 8
     assert m["totals"]["tokens"] == sum(len(r["input_ids"]) for r in rows.values())
+
+
+def test_sigterm_commits_the_part_in_progress_and_status_tells(tiny_dense, tmp_path):
+    """SIGTERM while both workers hold mid-part: each finishes and commits that part, the run
+    exits with 128 + SIGTERM saying how to resume, `status` says stopped; the same command then
+    completes the output, equal to an uninterrupted run."""
+    import signal
+
+    from test_graceful_stop import held, start, wait_until
+
+    prompts_path = make_prompts(tmp_path / "prompts.parquet", rows=16)
+    args = ["generate", "--target", tiny_dense, "--prompts", prompts_path, "--chunk-prompts", 4,
+            "--batch-tokens", 2 * 54, "--devices", "cpu,cpu", *GEN]
+    out = tmp_path / "stopped"
+    proc = start([*args, "--out", out], {"DFLASH_OFFLINE_HOLD_AT": "generate-batch:1"})
+    wait_until(lambda: held(out / "logs", ["generate-rank0", "generate-rank1"]), proc)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "2/4 parts committed, none half-written; run the same command again to resume" in err, err
+    st = run_cli(["status", out, "--json"])
+    report = json.loads(st.stdout)
+    assert report["kind"] == "generate" and report["parts_committed"] == 2, report
+    assert report["verdict"].startswith("stopped on request"), report["verdict"]
+    r = run_cli([*args, "--out", out])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli([*args, "--out", tmp_path / "straight"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert read_output(out) == read_output(tmp_path / "straight")
+    st = run_cli(["status", out])
+    assert st.returncode == 0 and f"generated {out}: complete" in st.stdout and "4/4 parts" in st.stdout, st.stdout

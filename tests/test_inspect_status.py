@@ -234,10 +234,11 @@ def test_top_folder_points_at_its_caches_and_runs(valid_cache, tmp_path):
     (top / "tiny-target").mkdir()
     (top / "tiny-target" / "config.json").write_text("{}")
     (top / "generated").mkdir()
+    (top / "generated" / "manifest.json").write_text(json.dumps({"format": "dflash-offline/generated"}))
     r = run_cli(["status", top])
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert (f"{top}: not a cache or a run folder; it holds the cache {top}/cache and the run {top}/train: "
-            f"dflash-offline status {top}/cache") in r.stderr, r.stderr
+    assert (f"{top}: not a cache, a run or a generate output; it holds the cache {top}/cache, the run {top}/train "
+            f"and the generate output {top}/generated: dflash-offline status {top}/cache") in r.stderr, r.stderr
     for command in ("verify", "inspect"):
         r = run_cli([command, top])
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr

@@ -91,6 +91,10 @@ class ManifestStore:
             m = json.loads(text)
         except json.JSONDecodeError as e:
             raise UserError(f"{self.loc.url(MANIFEST)}: not valid JSON ({e}); the cache is damaged: {fix}") from None
+        if isinstance(m, dict) and m.get("format") == "dflash-offline/generated":
+            raise UserError(f"{self.loc.path()}: a generate output (the target's completions as Parquet parts), not a "
+                            f"cache: extract it with `dflash-offline extract --data {self.loc.path()}`, or see "
+                            f"`dflash-offline status {self.loc.path()}`")
         missing = [k for k in ("format", "status", "plan", "shards", "totals") if k not in m] if isinstance(m, dict) \
             else ["(not an object)"]
         if missing:
