@@ -11,11 +11,16 @@ from .runtime import UserError
 
 
 def _given(ctx: click.Context, **values) -> dict:
-    """Only the options the user typed (so a --config recipe is not overridden by defaults)."""
+    """Only the options the user typed (so a --config recipe is not overridden by defaults);
+    repeatable options as lists, left out when empty."""
     out = {}
     for name, value in values.items():
         src = ctx.get_parameter_source(name)
-        if src is not None and src.name not in ("DEFAULT", "DEFAULT_MAP"):
+        if src is not None and src.name not in ("DEFAULT", "DEFAULT_MAP") and value is not None:
+            if isinstance(value, tuple):
+                if not value:
+                    continue
+                value = list(value)
             out[name] = value
     return out
 
@@ -91,11 +96,6 @@ def extract(ctx: click.Context, config_file, **options) -> None:
     from .config import ExtractConfig, load_recipe, merge, parse_int_list
 
     given = _given(ctx, **options)
-    given = {k: v for k, v in given.items() if v is not None}
-    if "data" in given:
-        given["data"] = list(given["data"])
-        if not given["data"]:
-            del given["data"]
     if "layers" in given:
         given["layers"] = parse_int_list(given["layers"])
     recipe = load_recipe(config_file, ExtractConfig) if config_file else {}
@@ -144,7 +144,7 @@ def train(ctx: click.Context, config_file, **options) -> None:
     """Stage two: train a DFlash drafter from a committed cache (resumes from OUT's last checkpoint)."""
     from .config import TrainConfig, load_recipe, merge
 
-    given = {k: v for k, v in _given(ctx, **options).items() if v is not None}
+    given = _given(ctx, **options)
     recipe = load_recipe(config_file, TrainConfig) if config_file else {}
     cfg = merge(TrainConfig, recipe, given)
     from . import train as stage
@@ -191,11 +191,7 @@ def eval_(ctx: click.Context, config_file, **options) -> None:
     estimate from a held-out cache."""
     from .config import EvalConfig, load_recipe, merge
 
-    given = {k: v for k, v in _given(ctx, **options).items() if v is not None}
-    if "drafters" in given:
-        given["drafters"] = list(given["drafters"])
-        if not given["drafters"]:
-            del given["drafters"]
+    given = _given(ctx, **options)
     recipe = load_recipe(config_file, EvalConfig) if config_file else {}
     from . import evaluate
 
@@ -227,11 +223,7 @@ def plan(ctx: click.Context, config_file, as_json: bool, **options) -> None:
     from .config import ExtractConfig, load_recipe, merge, parse_int_list
     from .sizing import PlanConfig, make_plan, report
 
-    given = {k: v for k, v in _given(ctx, **options).items() if v is not None}
-    if "data" in given:
-        given["data"] = list(given["data"])
-        if not given["data"]:
-            del given["data"]
+    given = _given(ctx, **options)
     if "layers" in given:
         given["layers"] = parse_int_list(given["layers"])
     # Extract's recipe names the same target, data, layers and cache; its other keys mean nothing here.
@@ -339,11 +331,7 @@ def generate(ctx: click.Context, config_file, **options) -> None:
     """
     from .config import GenerateConfig, load_recipe, merge, parse_int_list
 
-    given = {k: v for k, v in _given(ctx, **options).items() if v is not None}
-    if "prompts" in given:
-        given["prompts"] = list(given["prompts"])
-        if not given["prompts"]:
-            del given["prompts"]
+    given = _given(ctx, **options)
     if "eos_token_ids" in given:
         given["eos_token_ids"] = parse_int_list(given["eos_token_ids"], option="--eos-token-ids")
     recipe = load_recipe(config_file, GenerateConfig) if config_file else {}

@@ -25,7 +25,7 @@ import numpy as np
 from .cache.manifest import shard_name
 from .config import ExtractConfig
 from .runtime import (Launch, Stopped, UserError, fault_point, heartbeat, install_stop_handlers, open_process_log,
-                      signal_name, stop_requested, torchrun_launch)
+                      signal_name, stop_requested, torchrun_launch, wait_for_other_ranks)
 
 log = logging.getLogger("dflash.extract")
 
@@ -297,7 +297,8 @@ def run(cfg: ExtractConfig) -> dict:
         worker_run(launch.rank, launch.world_size, device, job, progress=None,
                    show_bar=cfg.progress and launch.rank == 0, todo_tokens=todo_tokens)
         if launch.rank == 0 and not stop_requested():
-            _wait_for_other_ranks(store)
+            wait_for_other_ranks(store.read,
+                                 lambda m: f"{len(committed_names(m))}/{m['plan']['num_shards']} shards committed")
         stopped = stop_requested()
     else:
         stopped = _launch_workers(job, devices, todo_tokens, cfg.progress, _log_dir(cfg, loc))
@@ -319,25 +320,6 @@ def _finish_releases(store, loc) -> None:
     if left:
         store.deleted(left)
         log.info("deleted %d released shards a consumer had left on storage", len(left))
-
-
-def _wait_for_other_ranks(store) -> None:
-    """Rank 0 reports the whole cache, so it waits until every rank's shards are committed.
-
-    No process group is needed for that: the manifest is the shared state. If another rank
-    dies, torchrun tears this one down too.
-    """
-    t0 = time.time()
-    last = 0.0
-    while True:
-        m = store.read()
-        if m["status"] == "complete" or stop_requested():
-            return
-        if time.time() - last > 30:
-            log.info("waiting for other ranks: %d/%d shards committed (%.0fs)", len(m["shards"]),
-                     m["plan"]["num_shards"], time.time() - t0)
-            last = time.time()
-        time.sleep(0.5)
 
 
 def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bool, log_dir: str) -> int | None:

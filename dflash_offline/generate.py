@@ -27,7 +27,7 @@ import numpy as np
 
 from .config import GenerateConfig
 from .runtime import (Launch, Stopped, UserError, fault_point, heartbeat, install_stop_handlers, open_process_log,
-                      signal_name, stop_requested, torchrun_launch)
+                      signal_name, stop_requested, torchrun_launch, wait_for_other_ranks)
 
 log = logging.getLogger("dflash.generate")
 
@@ -221,7 +221,7 @@ def run(cfg: GenerateConfig) -> dict:
         device = "cpu" if all(d == "cpu" for d in devices) else f"cuda:{launch.local_rank}"
         worker_run(launch.rank, launch.world_size, device, job, None, cfg.progress and launch.rank == 0, todo_prompts)
         if launch.rank == 0 and not stop_requested():
-            _wait_for_other_ranks(store)
+            wait_for_other_ranks(store.read, lambda m: f"{len(m['parts'])}/{m['plan']['num_parts']} parts committed")
         stopped = stop_requested()
     elif len(devices) == 1:
         # One device: decode in this process (no second start-up of torch and the model code).
@@ -267,19 +267,6 @@ def _finish(store, merged: Path | None, launch: Launch | None) -> None:
     os.replace(tmp, merged)
     store.record("merged", {"path": str(merged.absolute()), "rows": table.num_rows, "sha256": file_sha256(merged)})
     log.info("merged %d parts into %s", len(m["parts"]), merged)
-
-
-def _wait_for_other_ranks(store) -> None:
-    """torchrun: rank 0 reports the whole output, so it waits until every rank's parts are in."""
-    last = 0.0
-    while True:
-        m = store.read()
-        if m["status"] == "complete" or stop_requested():
-            return
-        if time.time() - last > 30:
-            log.info("waiting for other ranks: %d/%d parts committed", len(m["parts"]), m["plan"]["num_parts"])
-            last = time.time()
-        time.sleep(0.5)
 
 
 def _launch_workers(job: Job, devices: list[str], todo_prompts: int, progress: bool, log_dir: str) -> int | None:

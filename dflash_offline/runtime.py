@@ -542,6 +542,22 @@ def run_workers(entry, devices: list[str], job, stage: str, on_message) -> Worke
                         stopped=stop_requested() if failed is None else None)
 
 
+def wait_for_other_ranks(read_manifest, progress) -> None:
+    """torchrun: rank 0 reports the whole output, so it waits until the manifest says complete
+    (every rank's units committed) or a stop is requested. No process group is needed: the
+    manifest is the shared state, and if another rank dies torchrun tears this one down too.
+    `progress(manifest)` says how far it is, logged every 30 s."""
+    t0, last = time.time(), 0.0
+    while True:
+        m = read_manifest()
+        if m["status"] == "complete" or stop_requested():
+            return
+        if time.time() - last > 30:
+            log.info("waiting for other ranks: %s (%.0fs)", progress(m), time.time() - t0)
+            last = time.time()
+        time.sleep(0.5)
+
+
 def single_thread_compute() -> None:
     """One compute thread per process: several worker processes share the machine's cores."""
     import torch
