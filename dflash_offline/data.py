@@ -89,6 +89,17 @@ class Source:
         fi = int(np.searchsorted(self._file_starts, row, side="right") - 1)
         return fi, row - int(self._file_starts[fi])
 
+    def state(self) -> dict:
+        """Plain fields, to cross a process spawn (`from_state` rebuilds it in the worker)."""
+        return {"files": [{"path": str(f.path), "rows": f.rows, "sha256": f.sha256,
+                           "row_group_starts": f.row_group_starts, "mask_column": f.mask_column} for f in self.files],
+                "ids": self.ids, "lengths": self.lengths, "max_token": self.max_token}
+
+    @classmethod
+    def from_state(cls, st: dict) -> "Source":
+        return cls(files=[SourceFile(**f) for f in st["files"]], ids=st["ids"], lengths=st["lengths"],
+                   max_token=st["max_token"])
+
     def manifest_entry(self) -> dict:
         return {
             "files": [{"path": str(f.path), "rows": f.rows, "sha256": f.sha256} for f in self.files],

@@ -234,17 +234,9 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
              len(shards), total_tokens, todo_tokens, whole / 1e9, bpt, layer_ids, cfg.topk)
     job = Job(
         cfg=asdict(cfg), target_path=str(info.path), layer_ids=layer_ids, hidden_size=info.hidden_size,
-        source=_source_state(source), shards=shards, compute_dtype=compute_dtype, shard_bytes=shard_bytes,
+        source=source.state(), shards=shards, compute_dtype=compute_dtype, shard_bytes=shard_bytes,
     )
     return job, wanted, devices, todo_tokens
-
-
-def _source_state(source) -> dict:
-    return {
-        "files": [{"path": str(f.path), "rows": f.rows, "sha256": f.sha256,
-                   "row_group_starts": f.row_group_starts, "mask_column": f.mask_column} for f in source.files],
-        "ids": source.ids, "lengths": source.lengths, "max_token": source.max_token,
-    }
 
 
 def run(cfg: ExtractConfig) -> dict:
@@ -416,7 +408,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     heartbeat(phase="import")  # torch and the model code: a broken install fails here
     from .cache.location import Location
     from .cache.manifest import ManifestStore, committed_names
-    from .data import RowReader, Source, SourceFile
+    from .data import RowReader, Source
     from .runtime import single_thread_compute
     from .target import LayerCapture, load_target, read_target
 
@@ -441,11 +433,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
         return len(mine)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    src = Source(
-        files=[SourceFile(path=f["path"], rows=f["rows"], sha256=f["sha256"], row_group_starts=f["row_group_starts"],
-                          mask_column=f["mask_column"]) for f in job.source["files"]],
-        ids=job.source["ids"], lengths=job.source["lengths"], max_token=job.source["max_token"],
-    )
+    src = Source.from_state(job.source)
     reader = RowReader(src)
     info = read_target(job.target_path)
     need_head = cfg.topk > 0

@@ -166,9 +166,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
              compute_dtype, ",".join(devices), "greedy" if cfg.temperature <= 0 else
              f"sampling (temperature {cfg.temperature}, top-p {cfg.top_p}, seed {cfg.seed})", eos, compile)
     job = Job(cfg=asdict(cfg), folder=str(folder), target_path=str(info.path),
-              source={"files": [{"path": str(f.path), "rows": f.rows, "sha256": f.sha256,
-                                 "row_group_starts": f.row_group_starts, "mask_column": None} for f in source.files],
-                      "ids": source.ids, "lengths": source.lengths, "max_token": source.max_token},
+              source=source.state(),
               chunks=chunks, compute_dtype=compute_dtype, eos=eos, rows_per_batch=rows, max_prompt_len=max_prompt,
               compile=compile)
     return job, wanted, devices, todo_prompts
@@ -327,7 +325,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
     heartbeat(phase="import")
     from . import parts
     from .cache.manifest import id_ranges
-    from .data import RowReader, Source, SourceFile
+    from .data import RowReader, Source
     from .runtime import single_thread_compute
 
     import torch
@@ -351,10 +349,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
         # fp32 means fp32: TF32 matmuls would part from the target's fp32 greedy decode.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    src = Source(files=[SourceFile(path=f["path"], rows=f["rows"], sha256=f["sha256"],
-                                   row_group_starts=f["row_group_starts"], mask_column=None)
-                        for f in job.source["files"]],
-                 ids=job.source["ids"], lengths=job.source["lengths"], max_token=job.source["max_token"])
+    src = Source.from_state(job.source)
     reader = RowReader(src)
     info = read_target(job.target_path)
     heartbeat(phase="load target")
