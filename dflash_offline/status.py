@@ -236,8 +236,8 @@ def folder_hint(path: str, command: str) -> str | None:
                 generated.append(os.path.join(path, sub.name))
     if not caches and not runs and not (generated and command == "status"):
         return None
-    named = [_named(kind, found) for kind, found in (("cache", caches), ("run", runs),
-                                                     ("generate output", generated)) if found]
+    shown = (("cache", caches), ("run", runs)) + ((("generate output", generated),) if command == "status" else ())
+    named = [_named(kind, found) for kind, found in shown if found]
     held = " and ".join(named) if len(named) < 3 else f"{named[0]}, {named[1]} and {named[2]}"
     if command == "status":
         return (f"{path}: not a cache, a run or a generate output; it holds {held}: dflash-offline status "

@@ -1,5 +1,6 @@
 """The README's first command: the whole job end to end on the embedded default (CPU), whose
-drafter must really speed up decoding, and which says so honestly when run again."""
+drafter must really speed up decoding. (A second run into the same folder says each stage is
+complete: the stages' own tests check that, in test_generate.py and test_train.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from conftest import run_cli
 
 
-def test_demo_drafter_speeds_up_real_decoding_and_rerun_is_complete(tmp_path):
+def test_demo_drafter_speeds_up_real_decoding(tmp_path):
     out = tmp_path / "demo"
     r = run_cli(["demo", "--out", str(out)], timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -30,9 +31,3 @@ def test_demo_drafter_speeds_up_real_decoding_and_rerun_is_complete(tmp_path):
     st = run_cli(["status", out / "cache", "--json"])
     states = {p["name"]: p["state"] for p in json.loads(st.stdout)["processes"]}
     assert set(states.values()) == {"done"} and "extract-launcher" in states, states
-    # Again into the same folder: each stage says it is complete; nothing is trained again.
-    r = run_cli(["demo", "--out", str(out)], timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "trained earlier" in r.stdout and r.stdout.count("already complete") == 2, r.stdout
-    assert "cache: complete" in r.stdout
-    assert len((out / "train" / "metrics.jsonl").read_text().splitlines()) == len(metrics)

@@ -67,7 +67,9 @@ GEN = ["--max-new-tokens", MAX_NEW, "--no-progress"]
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_greedy_equals_plain_decode_of_each_prompt(kind, tiny_dense, tiny_hybrid, tmp_path):
     target = tiny_dense if kind == "dense" else tiny_hybrid
-    prompts_path = make_prompts(tmp_path / "prompts.parquet")
+    # Fewer prompts for the hybrid: its reference decode runs the PyTorch Gated DeltaNet kernels.
+    rows = 14 if kind == "dense" else 9
+    prompts_path = make_prompts(tmp_path / "prompts.parquet", rows=rows)
     prompts = pq.read_table(prompts_path).column("input_ids").to_pylist()
     free = brute_force_greedy(target, prompts, MAX_NEW, set())
     # An end-of-sequence id that some completions reach midway: those rows must stop after it.
@@ -80,14 +82,14 @@ def test_greedy_equals_plain_decode_of_each_prompt(kind, tiny_dense, tiny_hybrid
                  "--batch-tokens", 3 * (30 + MAX_NEW), "--chunk-prompts", 6, "--eos-token-ids", eos, *GEN])
     assert r.returncode == 0, r.stderr[-3000:]
     got = read_output(out)
-    assert sorted(got) == list(range(100, 114))
+    assert sorted(got) == list(range(100, 100 + rows))
     for k, (p, e) in enumerate(zip(prompts, expected)):
         row = got[100 + k]
         assert row["input_ids"] == p + e, f"prompt id {100 + k}"
         assert row["loss_mask"] == [0] * len(p) + [1] * len(e)
         assert row["finish_reason"] == ("eos" if e[-1] == eos else "length")
     m = json.loads((out / "manifest.json").read_text())
-    assert m["status"] == "complete" and m["totals"]["rows"] == 14
+    assert m["status"] == "complete" and m["totals"]["rows"] == rows
     assert m["totals"]["ended_by_eos"] == sum(e[-1] == eos for e in expected)
 
 
@@ -159,16 +161,16 @@ def test_noise_is_splitmix64_and_sampling_follows_the_distribution():
 
 # Kill points (with the device list): mid-part (after a batch), a part file written but not
 # renamed, renamed but not committed, a manifest replacement cut short (one process: the third
-# manifest write is its second commit; two workers: each worker's second write).
+# manifest write is its second commit).
 KILLS = [("generate-batch:3", "cpu"), ("part-written:2", "cpu,cpu"), ("part-renamed:1", "cpu"),
-         ("manifest-tmp-written:3", "cpu"), ("manifest-tmp-written:2", "cpu,cpu")]
+         ("manifest-tmp-written:3", "cpu")]
 
 
 def test_sigkill_then_rerun_equals_an_uninterrupted_run(tiny_dense, tmp_path):
     prompts_path = make_prompts(tmp_path / "prompts.parquet", rows=16)
     args = ["generate", "--target", tiny_dense, "--prompts", prompts_path, "--chunk-prompts", 4,
             "--batch-tokens", 2 * 54, *GEN]
-    r = run_cli([*args, "--out", tmp_path / "straight", "--devices", "cpu,cpu"])
+    r = run_cli([*args, "--out", tmp_path / "straight", "--devices", "cpu"])
     assert r.returncode == 0, r.stderr[-3000:]
     straight = read_output(tmp_path / "straight")
     for k, (point, devices) in enumerate(KILLS):
@@ -295,9 +297,10 @@ def test_sigterm_commits_the_part_in_progress_and_status_tells(tiny_dense, tmp_p
     report = json.loads(st.stdout)
     assert report["kind"] == "generate" and report["parts_committed"] == 2, report
     assert report["verdict"].startswith("stopped on request"), report["verdict"]
-    r = run_cli([*args, "--out", out])
+    one = [a if a != "cpu,cpu" else "cpu" for a in args]  # the rest in one process: the same rows
+    r = run_cli([*one, "--out", out])
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli([*args, "--out", tmp_path / "straight"])
+    r = run_cli([*one, "--out", tmp_path / "straight"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert read_output(out) == read_output(tmp_path / "straight")
     st = run_cli(["status", out])
