@@ -168,10 +168,12 @@ class BatchDecoder:
         self.rows = rows
         self.max_new = max_new_tokens
         self.length = max_prompt_len + max_new_tokens
+        self.eos_ids = set(eos)
         self.eos = torch.tensor(sorted(eos) or [-1], device=self.device)
         self.sampling = sampling
         self.cache_arg = cache_argument(model)
-        self.cache = StaticCache(config=model.config, max_cache_len=self.length)
+        # The compiled step keeps one cache for the run; eager batches get one of their own size.
+        self.cache = StaticCache(config=model.config, max_cache_len=self.length) if compile else None
         self.compiled = compile
         self._step = self._forward_step
         if compile:
@@ -240,9 +242,8 @@ class BatchDecoder:
             steps += 1
         produced = out[:n, : t + 1].cpu().tolist()
         tokens, ended = [], []
-        eos = set(self.eos.tolist())
         for row in produced:
-            k = next((i for i, x in enumerate(row) if x in eos), None)
+            k = next((i for i, x in enumerate(row) if x in self.eos_ids), None)
             tokens.append(row if k is None else row[: k + 1])
             ended.append(k is not None)
         return BatchResult(tokens, ended, steps, prefill_s, time.perf_counter() - t0)

@@ -20,7 +20,6 @@ tau = tokens committed per verify round = 1 + accepted drafts (dflash-method.md)
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import time
@@ -112,9 +111,9 @@ class TargetSession:
         self.model = model
         self.layer_ids = list(layer_ids)
         self.device = next(model.parameters()).device
-        params = inspect.signature(model.forward).parameters
-        # transformers >= 5.18 names the argument `cache` (`past_key_values` is deprecated there).
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        from .decoding import cache_argument
+
+        self._cache_arg = cache_argument(model)
         # Any layer that is not softmax attention (Gated DeltaNet's "linear_attention", say) keeps
         # a state that cannot be cropped.
         layer_types = getattr(model.config, "layer_types", None) or []

@@ -249,7 +249,8 @@ def _finish(store, merged: Path | None, launch: Launch | None) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .parts import file_sha256
+    from .data import file_sha256
+    from .parts import write_parquet_atomic
 
     m = store.read()
     done = m.get("merged")
@@ -258,11 +259,7 @@ def _finish(store, merged: Path | None, launch: Launch | None) -> None:
     if merged.exists() and done is None and not merged.is_file():
         raise UserError(f"--out {merged}: exists and is not a file; choose another --out")
     table = pa.concat_tables([pq.read_table(store.folder / p["file"]) for p in m["parts"]])
-    tmp = merged.with_name(merged.name + f".tmp-{os.getpid()}")
-    pq.write_table(table, tmp, row_group_size=1024)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, merged)
+    write_parquet_atomic(table, merged)
     store.record("merged", {"path": str(merged.absolute()), "rows": table.num_rows, "sha256": file_sha256(merged)})
     log.info("merged %d parts into %s", len(m["parts"]), merged)
 
@@ -413,7 +410,8 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
 def _write_part(folder: Path, name: str, ids, prompts, new, eos_end) -> dict:
     import pyarrow as pa
 
-    from .parts import file_sha256, write_part
+    from .data import file_sha256
+    from .parts import write_part
 
     seqs = [p + t for p, t in zip(prompts, new)]
     masks = [[0] * len(p) + [1] * len(t) for p, t in zip(prompts, new)]

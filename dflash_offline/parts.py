@@ -16,14 +16,13 @@ No torch here: `data.resolve_files` reads this module before any model is loaded
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
 from pathlib import Path
 
 from .cache.location import Location
-from .cache.manifest import check_compatible
+from .cache.manifest import check_compatible, create_or_check
 from .runtime import UserError
 
 FORMAT = "dflash-offline/generated"
@@ -70,14 +69,6 @@ def listed_parts(folder: str | Path) -> list[Path] | None:
     return [Path(folder) / p["file"] for p in m["parts"]]
 
 
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def new_manifest(target: dict, settings: dict, source: dict, plan: dict) -> dict:
     return {"format": FORMAT, "version": VERSION, "status": "generating", "target": target, "settings": settings,
             "source": source, "plan": plan, "parts": [],
@@ -107,17 +98,9 @@ class OutputStore:
 
     def init_or_check(self, wanted: dict) -> dict:
         """Create the manifest if absent, else refuse a run with another target or settings."""
-        with self.loc.lock():
-            existing = self.read()
-            if existing is None:
-                self.loc.write_json_atomic(MANIFEST, wanted)
-                return wanted
-            check_compatible(existing, wanted, str(self.folder / MANIFEST), fmt=FORMAT, version=VERSION,
-                             fields=IDENTITY_FIELDS, how_to_fix=HOW_TO_FIX, what="generate output")
-            for name in self.loc.listdir(""):  # a killed writer's temporary manifests
-                if name.startswith(MANIFEST + ".tmp-"):
-                    os.remove(self.loc.path(name))
-            return existing
+        return create_or_check(self.loc, wanted, self.read, lambda existing: check_compatible(
+            existing, wanted, str(self.folder / MANIFEST), fmt=FORMAT, version=VERSION, fields=IDENTITY_FIELDS,
+            how_to_fix=HOW_TO_FIX, what="generate output"))
 
     def commit_part(self, entry: dict) -> dict:
         """List one complete, renamed part; mark the output complete when the plan is fulfilled."""
@@ -150,19 +133,28 @@ class OutputStore:
                 os.remove(self.loc.path(name))
 
 
-def write_part(folder: Path, name: str, table) -> tuple[str, int]:
-    """Write a pyarrow table as `name`.parquet: temporary file, fsync, rename. -> (file, bytes)."""
+def write_parquet_atomic(table, final: Path, on_written=None) -> int:
+    """Write a pyarrow table to `final` so that it appears whole or not at all: a temporary file
+    beside it, fsync, rename, fsync of the folder. `on_written()` runs between the fsync and the
+    rename (a fault point). Returns the file's bytes."""
     import pyarrow.parquet as pq
 
     from .cache.location import _fsync_dir
-    from .runtime import fault_point
 
-    final = folder / f"{name}.parquet"
-    tmp = folder / f"{name}.parquet.tmp-{os.getpid()}"
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp, row_group_size=1024)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
-    fault_point("part-written")
-    os.rename(tmp, final)
-    _fsync_dir(str(folder))
-    return final.name, final.stat().st_size
+    if on_written is not None:
+        on_written()
+    os.replace(tmp, final)
+    _fsync_dir(str(final.parent))
+    return final.stat().st_size
+
+
+def write_part(folder: Path, name: str, table) -> tuple[str, int]:
+    """Write one part as `name`.parquet. -> (file name, bytes)."""
+    from .runtime import fault_point
+
+    final = folder / f"{name}.parquet"
+    return final.name, write_parquet_atomic(table, final, on_written=lambda: fault_point("part-written"))

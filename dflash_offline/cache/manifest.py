@@ -78,6 +78,24 @@ def check_compatible(existing: dict, wanted: dict, where: str, *, fmt: str = FOR
             )
 
 
+def create_or_check(loc: Location, wanted: dict, read, check) -> dict:
+    """Under the location's lock: write `wanted` as manifest.json if there is none, else pass the
+    existing one to `check` (which raises to refuse the run) and return it. Shared by the cache and
+    the output of `generate`."""
+    with loc.lock():
+        existing = read()
+        if existing is None:
+            loc.write_json_atomic(MANIFEST, wanted)
+            return wanted
+        check(existing)
+        # Temporary manifests are only written while the lock is held: any left now is debris
+        # of a process killed between writing one and replacing manifest.json with it.
+        for name in loc.listdir(""):
+            if name.startswith(MANIFEST + ".tmp-"):
+                loc.rmtree(name) if loc.remote else os.remove(loc.path(name))
+        return existing
+
+
 class ManifestStore:
     def __init__(self, loc: Location):
         self.loc = loc
@@ -104,18 +122,8 @@ class ManifestStore:
 
     def init_or_check(self, wanted: dict) -> dict:
         """Create the manifest if absent, else refuse an incompatible run. Returns the manifest."""
-        with self.loc.lock():
-            existing = self.read()
-            if existing is None:
-                self.loc.write_json_atomic(MANIFEST, wanted)
-                return wanted
-            check_compatible(existing, wanted, self.loc.url(MANIFEST))
-            # Temporary manifests are only written while the lock is held: any left now is debris
-            # of a process killed between writing one and replacing manifest.json with it.
-            for name in self.loc.listdir(""):
-                if name.startswith(MANIFEST + ".tmp-"):
-                    self.loc.rmtree(name) if self.loc.remote else os.remove(self.loc.path(name))
-            return existing
+        return create_or_check(self.loc, wanted, self.read,
+                               lambda existing: check_compatible(existing, wanted, self.loc.url(MANIFEST)))
 
     def commit_shard(self, entry: dict) -> dict:
         """Add one complete, renamed shard; mark the cache complete when the plan is fulfilled."""
