@@ -1,22 +1,26 @@
-"""Quality run on the pycode fixture: a real trained target, its own greedy completions.
+"""The drafter-quality scoreboard on the pycode fixture: generate, extract, train, decode.
 
-Runs the project's commands as a user would, each in its own process:
-  1. `extract` the fixture's training completions (4000 rows) and held-out completions (200 rows);
-  2. `train` one drafter per variant, all variants at once (separate processes on one GPU), with
-     the same budget (epochs, batch, lr schedule) and seed;
-  3. `eval --cache` on the held-out cache (estimate) and `eval --prompts` on the held-out prompts
-     (speculative decoding against the target, checked token for token against its greedy decode).
-Results go to --results (JSON per step, a summary table in summary.txt).
+Runs the project's commands as a user would, each in its own process, and times every phase:
+  1. `generate`: the fixture target's own greedy completions of --fresh training prompts
+     (`prompts-train-40k.parquet`, fp32 like the fixture's completions);
+  2. `extract`: one training cache of those completions plus the fixture's 4000 training
+     completions (a superset of layers: `train --layers` picks from it), and a held-out cache of
+     the fixture's 200 eval completions (the walk estimate during and after training);
+  3. `train`: each variant (the recipe's defaults unless a variant says otherwise), with the
+     held-out walk estimate every --eval-every steps (the curve of tau against time);
+  4. `eval --prompts`: lossless speculative decoding of the 200 held-out prompts, checked token for
+     token against the fixture's greedy completions (`--reference`), in --eval-jobs processes.
+Optionally (--peer-budget) a drafter trained on the peer trainer's budget: 372 steps of 16,384
+tokens on the fixture's 4000 completions alone, decoded the same way.
 
     python benchmarks/pycode_quality.py --fixture ../shared/fixtures/pycode --work /dev/shm/pycode \
         --device 0 --results results/
 
-Variants (the ablation of dflash-method.md): block 16 with decayed weights (gamma 7, the recipe),
-block 16 with flat weights (--gamma inf), block 8 with decayed weights (gamma 4).
-`--hidden-dtypes bfloat16,fp8` also extracts an 8-bit training cache and trains every variant on
-each cache with the same seed and steps (runs named VARIANT and VARIANT-fp8); the held-out cache
-stays bf16, the features a drafter meets when serving. `--eval-prompts 0` skips decoding.
-`--smoke` runs the same pipeline on the CPU on a few rows with small rows, to check the script.
+The end-to-end figure is the wall time of generate + extract + train of the first variant when it
+runs alone on the device (--sequential, the default); variants run after it do not change it.
+Decoding tau is pooled over all rounds of all prompts (total committed tokens / rounds) and also
+given as the mean over prompts of each prompt's own tau (the reference benchmark's average).
+`--smoke` runs the same pipeline on the CPU with a few rows and tiny budgets, to check the script.
 """
 
 from __future__ import annotations
@@ -24,15 +28,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-VARIANTS = {
-    "b16-decay": ["--block-size", "16"],
-    "b16-flat": ["--block-size", "16", "--gamma", "inf"],
-    "b8-decay": ["--block-size", "8"],
+# name -> extra train options. The first variant is the one whose end-to-end time is reported.
+PRESETS = {
+    "default": [],
+    "row512": ["--anchors-per-sample", "0"],
+    "lr6e-4": ["--lr", "6e-4"],
+    "layers1-5": ["--layers", "1,2,3,4,5"],
+    "kd": ["--kd-weight", "0.5"],
 }
 
 
@@ -41,10 +49,6 @@ def cli(*args, log: Path) -> subprocess.Popen:
     f = open(log, "w")
     return subprocess.Popen([sys.executable, "-m", "dflash_offline", *map(str, args)], stdout=f, stderr=subprocess.STDOUT,
                             env=env)
-
-
-def run(args: list, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([str(a) for a in args], **kw)
 
 
 def wait(procs: dict[str, subprocess.Popen], logs: dict[str, Path]) -> dict[str, float]:
@@ -57,128 +61,22 @@ def wait(procs: dict[str, subprocess.Popen], logs: dict[str, Path]) -> dict[str,
                     tail = "".join(logs[name].read_text().splitlines(keepends=True)[-20:])
                     raise SystemExit(f"{name} failed with exit code {p.returncode}:\n{tail}")
                 print(f"  {name} done in {took[name]:.0f}s", flush=True)
-        time.sleep(1)
+        time.sleep(0.5)
     return took
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fixture", default="../shared/fixtures/pycode")
-    ap.add_argument("--work", default="/dev/shm/pycode")
-    ap.add_argument("--results", default="results")
-    ap.add_argument("--device", default="0")
-    ap.add_argument("--epochs", type=int, default=6, help="the published recipe's 6; the first run used 2")
-    ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--num-anchors", type=int, default=512)
-    ap.add_argument("--global-batch-tokens", type=int, default=16384)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--hidden-dtypes", default="bfloat16",
-                    help="training caches to make: bfloat16 and/or fp8 (comma-separated)")
-    ap.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts decoded on the device")
-    ap.add_argument("--max-new-tokens", type=int, default=384)
-    ap.add_argument("--eval-jobs", type=int, default=4, help="decoding processes per variant (prompt slices)")
-    ap.add_argument("--smoke", action="store_true", help="CPU, a few rows: checks the script, not the drafter")
-    args = ap.parse_args()
-    fx, work, res = Path(args.fixture).absolute(), Path(args.work), Path(args.results)
-    work.mkdir(parents=True, exist_ok=True)
-    res.mkdir(parents=True, exist_ok=True)
-    target = fx / "target"
-    train_data, eval_data = fx / "completions-train.parquet", fx / "completions-eval.parquet"
-    prompts = fx / "prompts-eval.parquet"
-    if args.smoke:
-        import pyarrow.parquet as pq
-
-        for name, n in (("train", 48), ("eval", 8)):
-            src = fx / f"completions-{name}.parquet"
-            pq.write_table(pq.read_table(src).slice(0, n), work / f"completions-{name}.parquet")
-        train_data, eval_data = work / "completions-train.parquet", work / "completions-eval.parquet"
-        args.device, args.seq_len, args.num_anchors, args.global_batch_tokens = "cpu", 512, 32, 1024
-        args.eval_prompts, args.max_new_tokens, args.eval_jobs = min(args.eval_prompts, 4), 24, 2
-    summary: dict = {"args": vars(args), "steps": {}}
-
-    def save() -> None:
-        (res / "pycode.json").write_text(json.dumps(summary, indent=1) + "\n")
-
-    t0 = time.time()
-    # float32 compute: the fixture's completions are the target's fp32 greedy decode.
-    ext = ["--devices", args.device, "--topk", "0", "--max-len", "512", "--compute-dtype", "float32", "--no-progress"]
-    dtypes = [d for d in args.hidden_dtypes.split(",") if d]
-    bad = [d for d in dtypes if d not in ("bfloat16", "fp8")]
-    if bad or not dtypes:
-        raise SystemExit(f"--hidden-dtypes {args.hidden_dtypes!r}: choose from bfloat16, fp8")
-    train_caches = {d: work / ("cache-train" if d == "bfloat16" else f"cache-train-{d}") for d in dtypes}
-    logs = {f"extract-train-{d}": res / f"extract-train-{d}.log" for d in dtypes}
-    logs["extract-eval"] = res / "extract-eval.log"
-    procs = {f"extract-train-{d}": cli("extract", "--target", target, "--data", train_data, "--cache", c, *ext,
-                                       "--hidden-dtype", d, log=logs[f"extract-train-{d}"])
-             for d, c in train_caches.items()}
-    procs["extract-eval"] = cli("extract", "--target", target, "--data", eval_data, "--cache", work / "cache-eval", *ext,
-                                log=logs["extract-eval"])
-    summary["steps"]["extract_s"] = wait(procs, logs)
-    summary["train_caches"] = {}
-    for d, c in train_caches.items():
-        m = json.loads((c / "manifest.json").read_text())
-        summary["train_caches"][d] = {**m["totals"], "bytes_on_storage": sum(f.stat().st_size for f in c.rglob("*") if f.is_file())}
-    manifest = json.loads((train_caches[dtypes[0]] / "manifest.json").read_text())
-    summary["train_cache"] = {**manifest["totals"], "layer_ids": manifest["capture"]["layer_ids"]}
-    save()
-    print(f"caches in {time.time() - t0:.0f}s: {summary['train_cache']}", flush=True)
-
-    # One run per (variant, training cache): VARIANT on bf16, VARIANT-fp8 on the 8-bit cache.
-    jobs = {(v if d == "bfloat16" else f"{v}-{d}"): (v, train_caches[d]) for d in dtypes
-            for v in args.variants.split(",") if v}
-    variants = list(jobs)
-    common = ["--devices", args.device, "--seq-len", args.seq_len, "--num-anchors", args.num_anchors,
-              "--global-batch-tokens", args.global_batch_tokens, "--epochs", args.epochs, "--lr", "6e-4",
-              "--checkpoint-every", "40", "--keep-checkpoints", "1", "--loader-workers", "2", "--log-every", "20",
-              "--no-progress"]
-    logs = {v: res / f"train-{v}.log" for v in variants}
-    procs = {v: cli("train", "--target", target, "--cache", jobs[v][1], "--out", work / f"run-{v}", *common,
-                    *VARIANTS[jobs[v][0]], log=logs[v]) for v in variants}
-    summary["steps"]["train_s"] = wait(procs, logs)
-    for v in variants:
-        m = [json.loads(line) for line in (work / f"run-{v}" / "metrics.jsonl").read_text().splitlines()]
-        steady = m[3:] or m
-        summary.setdefault("train", {})[v] = {
-            "steps": len(m), "loss_first": m[0]["loss"], "loss_last": m[-1]["loss"], "tau_train_last": m[-1]["tau"],
-            "acc_slot1_last": m[-1]["acc_slot1"], "step_time_s": sum(r["step_time"] for r in steady) / len(steady),
-            "data_wait": sum(r["data_wait"] for r in steady) / len(steady), "recompiles": m[-1]["recompiles"],
-            "tokens": m[-1]["tokens"], "first_steps_s": [round(r["step_time"], 2) for r in m[:3]],  # compile
-            "acc_per_slot_last": m[-1]["acc"], "loss_curve": [round(r["loss"], 4) for r in m[:: max(1, len(m) // 40)]],
-        }
-    save()
-
-    drafters = [a for v in variants for a in ("--drafter", work / f"run-{v}" / "export")]
-    r = run([sys.executable, "-m", "dflash_offline", "eval", "--target", target, *drafters, "--cache",
-             work / "cache-eval", "--seq-len", args.seq_len, "--num-anchors", args.num_anchors, "--device",
-             args.device, "--json", res / "eval-cache.json", "--no-progress"], capture_output=True, text=True)
-    print(r.stdout, r.stderr[-2000:] if r.returncode else "", flush=True)
-    if r.returncode:
-        return 1
-    if args.eval_prompts <= 0:
-        summary["steps"]["total_s"] = time.time() - t0
-        save()
-        return 0
-    # Decoding is batch 1 and mostly waits on Python and kernel launches, so the prompts are split
-    # into --eval-jobs slices and every (variant, slice) pair decodes in its own process at once.
-    t_dec = time.time()
-    slices = prompt_slices(prompts, args.eval_prompts, args.eval_jobs, work)
-    logs = {f"eval-{v}-{j}": res / f"eval-{v}-{j}.log" for v in variants for j in range(len(slices))}
-    procs = {f"eval-{v}-{j}": cli("eval", "--target", target, "--drafter", work / f"run-{v}" / "export", "--prompts", sl,
-                                  "--max-new-tokens", args.max_new_tokens, "--device", args.device, "--dtype", "float32",
-                                  "--json", work / f"eval-{v}-{j}.json", "--no-progress", log=logs[f"eval-{v}-{j}"])
-             for v in variants for j, sl in enumerate(slices)}
-    wait(procs, logs)
-    summary["steps"]["decode_s"] = time.time() - t_dec
-    summary["decode"] = {v: merge_decode([json.loads((work / f"eval-{v}-{j}.json").read_text())
-                                          for j in range(len(slices))]) for v in variants}
-    summary["decode_processes"] = len(procs)
-    summary["steps"]["total_s"] = time.time() - t0
-    save()
-    table = decode_table(summary["decode"], len(procs))
-    print(table, flush=True)
-    (res / "summary.txt").write_text(table + "\n")
-    return 0 if all(d["lossless"] for d in summary["decode"].values()) else 1
+def parse_variants(text: str) -> dict[str, list[str]]:
+    """'default,kd' (presets) or 'name=--opt v --opt2 w;name2=...' (explicit options)."""
+    out = {}
+    for item in [t for t in text.split(";" if "=" in text else ",") if t.strip()]:
+        if "=" in item:
+            name, opts = item.split("=", 1)
+            out[name.strip()] = shlex.split(opts)
+        elif item.strip() in PRESETS:
+            out[item.strip()] = PRESETS[item.strip()]
+        else:
+            raise SystemExit(f"--variants: unknown preset {item!r}; presets: {', '.join(PRESETS)}, or NAME=OPTIONS")
+    return out
 
 
 def prompt_slices(prompts: Path, n: int, jobs: int, work: Path) -> list[Path]:
@@ -197,32 +95,186 @@ def prompt_slices(prompts: Path, n: int, jobs: int, work: Path) -> list[Path]:
 
 
 def merge_decode(reports: list[dict]) -> dict:
-    """One variant's decode figures over its slices: rounds-weighted tau and per-slot acceptance,
-    summed tokens and seconds, lossless only if every slice is."""
+    """One drafter's decode figures over its prompt slices: pooled tau (all rounds), the per-prompt
+    mean, per-slot acceptance, lossless only if every slice is."""
     ds = [r["drafters"][0] for r in reports]
     rounds = sum(d["rounds"] for d in ds)
-    tokens, seconds = sum(d["tokens"] for d in ds), sum(d["seconds"] for d in ds)
-    base_tokens = sum(r["baseline"]["tokens"] for r in reports)
-    base_seconds = sum(r["baseline"]["seconds"] for r in reports)
     slots = len(ds[0]["accept_rate"])
-    return {"prompts": sum(r["num_prompts"] for r in reports), "rounds": rounds, "tokens": tokens,
-            "tau": sum(d["tau"] * d["rounds"] for d in ds) / rounds,
+    per_prompt = [t for d in ds for t in d.get("tau_per_prompt", [])]
+    return {"prompts": sum(r["num_prompts"] for r in reports), "rounds": rounds,
+            "tokens": sum(d["tokens"] for d in ds), "tau_pooled": sum(d["tau"] * d["rounds"] for d in ds) / rounds,
+            "tau_per_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None,
             "accept_rate": [sum(d["accept_rate"][j] * d["rounds"] for d in ds) / rounds for j in range(slots)],
-            "tokens_per_s": tokens / seconds, "baseline_tokens_per_s": base_tokens / base_seconds,
-            "speedup": (tokens / seconds) / (base_tokens / base_seconds),
-            "lossless": all(d["lossless"] for d in ds),
-            "mismatched_prompt_ids": [i for d in ds for i in d["mismatched_prompt_ids"]],
+            "lossless": all(d.get("lossless") is True for d in ds),
+            "mismatched_prompt_ids": [i for d in ds for i in d.get("mismatched_prompt_ids", [])],
             "device": reports[0]["device"], "torch": reports[0]["torch"]}
 
 
-def decode_table(decode: dict, processes: int) -> str:
-    lines = [f"speculative decoding ({processes} decoding processes sharing the device)",
-             "variant      prompts  tau     accepted at slot 1/2/3   lossless  tok/s   target alone tok/s  speedup"]
-    for v, d in decode.items():
-        a = d["accept_rate"]
-        lines.append(f"{v:<12} {d['prompts']:>7}  {d['tau']:.3f}   {a[0]:.2f} / {a[1]:.2f} / {a[2]:.2f}"
-                     f"{'':>10}{'yes' if d['lossless'] else 'NO':<9} {d['tokens_per_s']:>6.1f}  "
-                     f"{d['baseline_tokens_per_s']:>18.1f}  {d['speedup']:.2f}")
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fixture", default="../shared/fixtures/pycode")
+    ap.add_argument("--work", default="/dev/shm/pycode")
+    ap.add_argument("--results", default="results")
+    ap.add_argument("--device", default="0")
+    ap.add_argument("--fresh", type=int, default=16000, help="training prompts to complete with the target (0: none)")
+    ap.add_argument("--gen-dtype", default="bfloat16", help="generate's compute dtype (bf16: twice the speed; the fixture's completions are fp32)")
+    ap.add_argument("--capture", default="1,2,3,4,5,6", help="layers extracted (train --layers picks among them)")
+    ap.add_argument("--hidden-dtype", default="fp8", help="training cache: fp8 (half the bytes) or bfloat16")
+    ap.add_argument("--topk", type=int, default=32, help="top-k log-probabilities in the training cache (for --kd-weight)")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--train-args", default="--global-batch-tokens 16384 --num-anchors 2048 --kd-weight 0.5", help="options given to every variant's train")
+    ap.add_argument("--variants", default="default")
+    ap.add_argument("--concurrent", action="store_true",
+                    help="train all variants at once (a quality comparison; their wall times are then shared)")
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--peer-budget", action="store_true", help="also the peer's budget: 372 steps x 16K tokens on 4000 rows")
+    ap.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts decoded (0: walk estimate only)")
+    ap.add_argument("--max-new-tokens", type=int, default=384)
+    ap.add_argument("--eval-jobs", type=int, default=8, help="decoding processes per drafter (prompt slices)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, a few rows: checks the script, not the drafter")
+    args = ap.parse_args()
+    fx, work, res = Path(args.fixture).absolute(), Path(args.work).absolute(), Path(args.results).absolute()
+    work.mkdir(parents=True, exist_ok=True)
+    res.mkdir(parents=True, exist_ok=True)
+    variants = parse_variants(args.variants)
+    target = fx / "target"
+    train_rows, eval_rows = fx / "completions-train.parquet", fx / "completions-eval.parquet"
+    fresh_prompts, eval_prompts = fx / "prompts-train-40k.parquet", fx / "prompts-eval.parquet"
+    train_args = shlex.split(args.train_args)
+    peer_epochs = 3  # 3 epochs of the 4000 rows in rows of 4096, 4 per step: 372 steps (the peer: 375)
+    if args.smoke:
+        import pyarrow.parquet as pq
+
+        for src, n in ((train_rows, 24), (eval_rows, 6), (fresh_prompts, 8)):
+            pq.write_table(pq.read_table(src).slice(0, n), work / f"smoke-{src.name}")
+        train_rows, eval_rows = work / f"smoke-{train_rows.name}", work / f"smoke-{eval_rows.name}"
+        fresh_prompts = work / f"smoke-{fresh_prompts.name}"
+        args.device, args.fresh, args.max_new_tokens, args.eval_jobs = "cpu", min(args.fresh, 8), 24, 2
+        args.eval_prompts, args.eval_every, peer_epochs = min(args.eval_prompts, 4), 2, 1
+        train_args += ["--seq-len", "512", "--num-anchors", "64", "--global-batch-tokens", "1024", "--num-layers", "1",
+                       "--loader-workers", "0"]
+    summary: dict = {"args": vars(args), "phases_s": {}, "variants": {}}
+
+    def save() -> None:
+        (res / "pycode.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+    t_start = time.time()
+    data = [train_rows]
+    if args.fresh > 0:
+        import pyarrow.parquet as pq
+
+        sel = work / "fresh-prompts.parquet"
+        pq.write_table(pq.read_table(fresh_prompts).slice(0, args.fresh), sel)
+        t0 = time.time()
+        gen = cli("generate", "--target", target, "--prompts", sel, "--out", work / "fresh.parquet", "--devices",
+                  args.device, "--max-new-tokens", 384 if not args.smoke else 32, "--compute-dtype", args.gen_dtype,
+                  "--no-progress", log=res / "generate.log")
+        wait({"generate": gen}, {"generate": res / "generate.log"})
+        summary["phases_s"]["generate"] = time.time() - t0
+        data.append(work / "fresh.parquet")
+    ext = ["--devices", args.device, "--layers", args.capture, "--max-len", "512", "--compute-dtype", "float32",
+           "--no-progress", "--writers", "2" if not args.smoke else "1"]
+    t0 = time.time()
+    logs = {"extract-train": res / "extract-train.log", "extract-eval": res / "extract-eval.log"}
+    procs = {"extract-train": cli("extract", "--target", target, *[a for d in data for a in ("--data", d)], "--cache",
+                                  work / "cache-train", "--hidden-dtype", args.hidden_dtype, "--topk", args.topk, *ext,
+                                  log=logs["extract-train"]),
+             "extract-eval": cli("extract", "--target", target, "--data", eval_rows, "--cache", work / "cache-eval",
+                                 "--topk", "0", *ext, log=logs["extract-eval"])}
+    if args.peer_budget:
+        logs["extract-peer"] = res / "extract-peer.log"
+        procs["extract-peer"] = cli("extract", "--target", target, "--data", train_rows, "--cache", work / "cache-peer",
+                                    "--hidden-dtype", args.hidden_dtype, "--topk", args.topk, *ext,
+                                    log=logs["extract-peer"])
+    took = wait(procs, logs)
+    summary["phases_s"]["extract"] = time.time() - t0
+    summary["phases_s"]["extract_each"] = took
+    m = json.loads((work / "cache-train" / "manifest.json").read_text())
+    summary["train_cache"] = {**m["totals"], "layer_ids": m["capture"]["layer_ids"], "hidden_dtype": args.hidden_dtype,
+                              "bytes": sum(f.stat().st_size for f in (work / "cache-train").rglob("*") if f.is_file())}
+    save()
+    print(f"data ready after {time.time() - t_start:.0f}s: {summary['train_cache']}", flush=True)
+
+    common = ["--target", target, "--devices", args.device, "--eval-cache", work / "cache-eval", "--eval-every",
+              args.eval_every, "--checkpoint-every", "100000", "--keep-checkpoints", "1", "--log-every", "20",
+              "--no-progress", *train_args]
+    jobs = {v: ["--cache", work / "cache-train", "--out", work / f"run-{v}", "--epochs", args.epochs, *common, *opts]
+            for v, opts in variants.items()}
+    if args.peer_budget:
+        jobs["peer-budget"] = ["--cache", work / "cache-peer", "--out", work / "run-peer-budget", "--epochs", peer_epochs,
+                               *common, "--global-batch-tokens", "16384" if not args.smoke else "1024",
+                               *variants[next(iter(variants))]]
+    order = list(jobs)
+    logs = {v: res / f"train-{v}.log" for v in order}
+    t_train = time.time()
+    if args.concurrent:
+        took = wait({v: cli("train", *jobs[v], log=logs[v]) for v in order}, logs)
+    else:
+        took = {}
+        for v in order:
+            took.update(wait({v: cli("train", *jobs[v], log=logs[v])}, logs))
+            if v == order[0]:
+                summary["phases_s"]["train_first"] = took[v]
+                summary["end_to_end_s"] = time.time() - t_start
+                print(f"end to end (generate + extract + train {v}): {summary['end_to_end_s']:.0f}s", flush=True)
+    summary["phases_s"]["train_each"] = took
+    summary["phases_s"]["train_all"] = time.time() - t_train
+    for v in order:
+        run = work / f"run-{v}"
+        mt = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        held = [json.loads(x) for x in (run / "heldout.jsonl").read_text().splitlines()]
+        steady = mt[3:] or mt
+        summary["variants"][v] = {
+            "options": train_args + (variants.get(v) or variants[next(iter(variants))]), "steps": len(mt), "train_s": took[v],
+            "step_time_s": sum(r["step_time"] for r in steady) / len(steady), "loss_last": mt[-1]["loss"],
+            "tau_train_last": mt[-1]["tau"], "tokens": mt[-1]["tokens"],
+            "walk": [{k: h[k] for k in ("step", "tau_pooled", "tau_per_prompt_mean", "tau_all_anchors", "train_s")
+                      if k in h} for h in held],
+            "best": json.loads((run / "best.json").read_text()),
+        }
+    save()
+    if args.eval_prompts > 0:
+        slices = prompt_slices(eval_prompts, args.eval_prompts, args.eval_jobs, work)
+        summary["decode_processes"] = len(slices)
+        for v in order:  # one drafter at a time: its slices share the device
+            t0 = time.time()
+            names = [f"eval-{v}-{j}" for j in range(len(slices))]
+            logs = {n: res / f"{n}.log" for n in names}
+            procs = {n: cli("eval", "--target", target, "--drafter", work / f"run-{v}" / "best", "--prompts", sl,
+                            "--reference", eval_rows, "--max-new-tokens", args.max_new_tokens, "--device", args.device,
+                            "--dtype", "float32", "--json", work / f"{n}.json", "--no-progress", log=logs[n])
+                     for n, sl in zip(names, slices)}
+            wait(procs, logs)
+            d = merge_decode([json.loads((work / f"{n}.json").read_text()) for n in names])
+            d["seconds"] = time.time() - t0
+            summary["variants"][v]["decode"] = d
+            save()
+            print(f"{v}: decoding tau {d['tau_pooled']:.3f} pooled, {d['tau_per_prompt_mean'] or float('nan'):.3f} "
+                  f"per-prompt mean, lossless {d['lossless']} ({d['seconds']:.0f}s)", flush=True)
+    summary["total_s"] = time.time() - t_start
+    save()
+    table = report(summary)
+    print(table, flush=True)
+    (res / "summary.txt").write_text(table + "\n")
+    return 0 if all(v.get("decode", {}).get("lossless", True) for v in summary["variants"].values()) else 1
+
+
+def report(summary: dict) -> str:
+    ph = summary["phases_s"]
+    lines = [f"phases: generate {ph.get('generate', 0):.0f}s, extract {ph['extract']:.0f}s, "
+             f"train {' / '.join(f'{k} {v:.0f}s' for k, v in ph['train_each'].items())}"]
+    if "end_to_end_s" in summary:
+        lines.append(f"end to end (generate + extract + train of the first variant): {summary['end_to_end_s']:.0f}s "
+                     f"= {summary['end_to_end_s'] / 60:.2f} device-minutes")
+    lines.append(f"{'variant':<14} {'steps':>5} {'s/step':>7} {'walk pooled':>11} {'walk/prompt':>11} "
+                 f"{'rand.anch.':>10} {'decode pooled':>13} {'decode/prompt':>13} {'lossless':>8}")
+    for v, r in summary["variants"].items():
+        b, d = r["best"], r.get("decode", {})
+        dp = d.get("tau_per_prompt_mean")
+        lines.append(f"{v:<14} {r['steps']:>5} {r['step_time_s']:>7.3f} {b['tau_pooled']:>11.3f} "
+                     f"{b['tau_per_prompt_mean']:>11.3f} {b['tau_all_anchors']:>10.3f} "
+                     f"{d.get('tau_pooled', float('nan')):>13.3f} {dp if dp is not None else float('nan'):>13.3f} "
+                     f"{str(d.get('lossless', '-')):>8}")
     return "\n".join(lines)
 
 

@@ -114,10 +114,16 @@ def extract(ctx: click.Context, config_file, **options) -> None:
 @click.option("--num-layers", type=int, help="Drafter layers.  [default: 5]")
 @click.option("--block-size", type=int, help="Draft block size.  [default: 16]")
 @click.option("--gamma", type=float, help="Loss decay over slots.  [default: 7 for block 16, 5 for 10, 4 for 8]")
-@click.option("--num-anchors", type=int, help="Blocks per row.  [default: 512]")
+@click.option("--num-anchors", type=int, help="Blocks per row: the row's static capacity.  [default: 512]")
+@click.option("--anchors-per-sample", type=int, help="Anchors each packed sample draws (the method's per-sequence budget), capped by --num-anchors per row; 0 = one draw per row.  [default: 512]")
+@click.option("--layers", help="Target layer ids the drafter reads, a subset of the cache's, e.g. 1,3,5,6.  [default: all the cache holds]")
+@click.option("--kd-weight", type=float, help="Share of the target's top-k distribution (from the cache) in each slot's target, 0..1.  [default: 0 = data tokens]")
 @click.option("--seq-len", type=int, help="Context tokens per packed row.  [default: 4096]")
 @click.option("--global-batch-tokens", type=int, help="Context tokens per optimizer step, all ranks.  [default: 131072]")
-@click.option("--lr", type=float, help="Peak learning rate.  [default: 6e-4]")
+@click.option("--lr", type=float, help="Peak learning rate.  [default: 6e-4 x (4096 / hidden size)^0.8]")
+@click.option("--eval-cache", help="Held-out cache: the walk estimate of decoding tau every --eval-every steps; the best drafter goes to OUT/best/.")
+@click.option("--eval-every", type=int, help="Steps between held-out evaluations.  [default: --checkpoint-every]")
+@click.option("--eval-samples", type=int, help="Held-out samples per evaluation.  [default: 200]")
 @click.option("--warmup-ratio", type=float, help="Warm-up share of all steps.  [default: 0.04]")
 @click.option("--weight-decay", type=float, help="AdamW weight decay.  [default: 0]")
 @click.option("--epochs", type=int, help="Epochs.  [default: 6]")
@@ -142,9 +148,11 @@ def extract(ctx: click.Context, config_file, **options) -> None:
 @click.pass_context
 def train(ctx: click.Context, config_file, **options) -> None:
     """Stage two: train a DFlash drafter from a committed cache (resumes from OUT's last checkpoint)."""
-    from .config import TrainConfig, load_recipe, merge
+    from .config import TrainConfig, load_recipe, merge, parse_int_list
 
     given = _given(ctx, **options)
+    if "layers" in given:
+        given["layers"] = parse_int_list(given["layers"])
     recipe = load_recipe(config_file, TrainConfig) if config_file else {}
     cfg = merge(TrainConfig, recipe, given)
     from . import train as stage
@@ -178,10 +186,14 @@ def export(run_dir: str, step: int | None, dest: str | None) -> None:
 @click.option("--max-prompts", type=int, help="Use only the first N prompts.")
 @click.option("--ignore-eos", is_flag=True, default=None, help="Always generate --max-new-tokens (do not stop at end-of-sequence).")
 @click.option("--baseline/--no-baseline", default=None,
-              help="Also decode with the target alone: the lossless reference and the speed baseline.  [default: on]")
-@click.option("--seq-len", type=int, help="Cache estimate: tokens per packed row.  [default: 2048]")
-@click.option("--num-anchors", type=int, help="Cache estimate: blocks per row.  [default: 256]")
-@click.option("--max-rows", type=int, help="Cache estimate: use at most this many rows.")
+              help="Also decode with the target alone: the lossless reference and the speed baseline.  [default: on, off with --reference]")
+@click.option("--reference", help="Parquet of the target's greedy completions of --prompts (id, input_ids, loss_mask; "
+              "e.g. `generate --out X.parquet`): check the outputs against it instead of decoding with the target alone.")
+@click.option("--seq-len", type=int, help="Cache estimate, random anchors: tokens per packed row.  [default: 2048]")
+@click.option("--num-anchors", type=int, help="Cache estimate, random anchors: blocks per row.  [default: 256]")
+@click.option("--max-rows", type=int, help="Cache estimate, random anchors: use at most this many rows.")
+@click.option("--max-samples", type=int, help="Cache walk (decoding's blocks): use only the first N samples.  [default: all]")
+@click.option("--walk-batch-rows", type=int, help="Cache walk: rows of up to 512 anchors per drafter forward.  [default: 4]")
 @click.option("--json", "json_path", help="Write the full report here as JSON.")
 @click.option("--progress/--no-progress", default=None, help="Progress bars.  [default: on]")
 @click.pass_context

@@ -8,6 +8,7 @@ values win over the recipe, the recipe over the defaults.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,12 +165,24 @@ class TrainConfig:
     gamma: float | None = None
     """Loss decay over block slots; None = the method's value for the block size (16: 7, 10: 5, 8: 4)."""
     num_anchors: int = 512
-    """Draft blocks per row (invalid ones are masked)."""
+    """Draft blocks per row: the row's static capacity (unused ones are masked)."""
+    anchors_per_sample: int = 512
+    """Anchors each sample (sequence) of a row draws, as the method defines the budget; a row's
+    draws beyond `num_anchors` are subsampled uniformly. 0: one uniform draw of `num_anchors` over
+    the whole row, however many samples it packs."""
+    layers: list[int] | None = None
+    """Target layer ids the drafter reads, a subset of those the cache holds (in the cache's order);
+    None = all of them. One extraction of a superset serves a whole layer ablation."""
+    kd_weight: float = 0.0
+    """Share of the target's top-k distribution in each slot's training target (the cache's
+    top-k log-probabilities, renormalised); 0 = the data token alone (hard labels)."""
     seq_len: int = 4096
     """Context tokens per row; samples are packed into rows of exactly this length."""
     global_batch_tokens: int = 131072
     """Context tokens per optimizer step over all ranks (accumulation fills it)."""
-    lr: float = 6e-4
+    lr: float | None = None
+    """Peak learning rate; None = `auto_lr(hidden size)`: 6e-4 (the published recipe, tuned on
+    4096-wide drafters) x (4096 / hidden size) ** 0.8, e.g. 4.0e-3 for a 384-wide drafter."""
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
     epochs: int = 6
@@ -210,6 +223,13 @@ class TrainConfig:
     follow_window: int = 4
     """Shards per window with follow: samples are shuffled and packed within a window (the budget
     must hold a window's shards)."""
+    eval_cache: str | None = None
+    """A held-out cache (the target's own completions): every `eval_every` steps rank 0 measures the
+    walk estimate of decoding tau on it and keeps the best drafter in OUT/best/."""
+    eval_every: int | None = None
+    """Steps between held-out evaluations; default: at every checkpoint."""
+    eval_samples: int = 200
+    """Held-out samples the walk estimate reads (the first ones of the cache)."""
     progress: bool = True
 
     def validate(self) -> None:
@@ -237,12 +257,37 @@ class TrainConfig:
             raise UserError(f"--loss-impl {self.loss_impl!r}: choose fused or recompute")
         if self.attention not in ("auto", "sdpa"):
             raise UserError(f"--attention {self.attention!r}: choose auto (flex on GPU) or sdpa (dense mask)")
+        if self.anchors_per_sample < 0:
+            raise UserError(f"--anchors-per-sample must be >= 0 (0 = one draw per row), got {self.anchors_per_sample}")
+        if not 0.0 <= self.kd_weight <= 1.0:
+            raise UserError(f"--kd-weight must be in [0, 1] (the top-k distribution's share of the target), "
+                            f"got {self.kd_weight}")
+        if self.lr is not None and not self.lr > 0:
+            raise UserError(f"--lr must be positive, got {self.lr}")
+        if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
+            raise UserError(f"--layers {self.layers}: give distinct layer ids the cache holds")
+        for name in ("eval_every", "eval_samples"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {v}")
+
+    def resolved_lr(self, hidden_size: int) -> float:
+        return self.lr if self.lr is not None else auto_lr(hidden_size)
 
     @property
     def resolved_gamma(self) -> float:
         if self.gamma is not None:
             return float(self.gamma)
         return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, 7.0 * self.block_size / 16)
+
+
+def auto_lr(hidden_size: int) -> float:
+    """The published lr (6e-4, tuned on 4096-wide drafters) scaled by (4096 / width) ** 0.8: Adam
+    moves every weight by about lr per step, and a narrower layer needs larger moves to change its
+    output as much (muP's 1/width is the exponent 1). Measured on the 384-wide pycode drafter, the
+    held-out tau rose with lr through 6e-4, 2e-3 and 4e-3 (docs/benchmarks.md, "Drafter quality");
+    the exponent puts 384 at 4.0e-3, the best rate measured, and 5120 at 5.0e-4."""
+    return 6e-4 * (4096 / hidden_size) ** 0.8
 
 
 @dataclass
@@ -264,14 +309,22 @@ class EvalConfig:
     """Use only the first N prompts."""
     ignore_eos: bool = False
     """Always generate max_new_tokens."""
-    baseline: bool = True
-    """Also decode with the target alone: the lossless reference and the speed baseline."""
+    baseline: bool | None = None
+    """Also decode with the target alone: the lossless reference and the speed baseline.
+    None: on, unless `reference` is given."""
+    reference: str | None = None
+    """Parquet of the target's greedy completions of the prompts (id, input_ids, loss_mask): the
+    lossless reference instead of a target-alone decode."""
     seq_len: int = 2048
-    """Cache estimate: tokens per packed row."""
+    """Cache estimate, random anchors: tokens per packed row."""
     num_anchors: int = 256
-    """Cache estimate: blocks per row."""
+    """Cache estimate, random anchors: blocks per row."""
     max_rows: int | None = None
-    """Cache estimate: at most this many rows."""
+    """Cache estimate, random anchors: at most this many rows."""
+    max_samples: int | None = None
+    """Cache walk: only the first N samples of the cache."""
+    walk_batch_rows: int = 4
+    """Cache walk: rows (of up to 512 anchors each) per drafter forward."""
     json_path: str | None = None
     """Write the full report here as JSON."""
     progress: bool = True
@@ -283,11 +336,16 @@ class EvalConfig:
             raise UserError("eval: give at least one --drafter (an export folder or a step-N checkpoint)")
         if not self.prompts and not self.cache:
             raise UserError("eval: give --prompts PARQUET (speculative decoding) and/or --cache CACHE (estimate)")
-        for name in ("max_new_tokens", "seq_len", "num_anchors"):
+        if self.reference and not self.prompts:
+            raise UserError("eval: --reference checks the outputs of --prompts; give the prompts it completes too")
+        for name in ("max_new_tokens", "seq_len", "num_anchors", "walk_batch_rows"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise UserError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
+        for name in ("max_prompts", "max_rows", "max_samples"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
 
 
 @dataclass

@@ -8,12 +8,19 @@
    taken before the verify forward and advanced over the committed tokens by one more forward.
    Every output is checked against the target's own greedy decode of the same prompt (lossless),
    and decode speed is measured against that plain decode, prompt by prompt, in one run.
-2. **Acceptance from the cache** (`--cache`): the same leading-correct-slots rule as the training
-   metrics, on held-out cache samples, without running the target: quick comparison of
-   checkpoints. With self-generated completions the data tokens are the target's greedy tokens.
-   It runs above the decoding tau (pycode: 2.27 against 1.69): random anchors weigh every position
-   alike, while decoding starts each block where the last one ended, so it spends few blocks on
-   easy stretches and many on hard ones. Use it to rank checkpoints, not as the decoding figure.
+   With `--reference` the outputs are checked against given greedy completions instead (the
+   target-alone decode costs as much as the speculative one), and no speed-up is measured.
+2. **Acceptance from the cache** (`--cache`), without running the target, two ways. Both score a
+   block by the leading run of draft slots whose argmax equals the data token (the training
+   metrics' rule); with the target's own greedy completions the data tokens are its greedy tokens.
+   - The *walk* (`walk_acceptance`): every candidate anchor of every sample is scored, then the
+     blocks decoding would draft are picked out: the first at the first completion token, each
+     next one where the last one's committed tokens end. This is the decoding tau without the
+     target (exactly, for greedy self-generated completions; `walk_acceptance` says where not).
+   - *Random anchors* (`cache_acceptance`): rows packed as in training, random blocks per row.
+     It runs above the decoding tau (pycode: 2.27 against 1.69): random anchors weigh every
+     position alike, while decoding starts each block where the last one ended, so it spends few
+     blocks on easy stretches and many on hard ones. It ranks checkpoints like the walk.
 
 tau = tokens committed per verify round = 1 + accepted drafts (dflash-method.md).
 """
@@ -41,19 +48,25 @@ log = logging.getLogger("dflash.eval")
 # Inputs
 
 
-def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None) -> tuple[list[int], list[list[int]]]:
-    """(ids, prompts) from a Parquet file with `input_ids` (and optional `id`); one line per problem."""
+def _read_table(option: str, path: str, columns: tuple[str, ...], fix: str):
+    """A Parquet table with `columns`, or one line naming the option, the file and the fix."""
     import pyarrow.parquet as pq
 
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--prompts {path}: no such file (expected a Parquet file with an input_ids column)")
+    if not Path(path).is_file():
+        raise UserError(f"{option} {path}: no such file; {fix}")
     try:
-        table = pq.read_table(p)
+        table = pq.read_table(path)
     except Exception as e:  # pyarrow raises several types for a file that is not Parquet
-        raise UserError(f"--prompts {path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-    if "input_ids" not in table.column_names:
-        raise UserError(f"--prompts {path}: no input_ids column (columns: {', '.join(table.column_names)})")
+        raise UserError(f"{option} {path}: not a readable Parquet file ({type(e).__name__}: {e}); {fix}") from None
+    need = [c for c in columns if c not in table.column_names]
+    if need:
+        raise UserError(f"{option} {path}: no {', '.join(need)} column (columns: {', '.join(table.column_names)}); {fix}")
+    return table
+
+
+def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None) -> tuple[list[int], list[list[int]]]:
+    """(ids, prompts) from a Parquet file with `input_ids` (and optional `id`); one line per problem."""
+    table = _read_table("--prompts", path, ("input_ids",), "expected a Parquet file with an input_ids column")
     prompts = table.column("input_ids").to_pylist()
     ids = table.column("id").to_pylist() if "id" in table.column_names else list(range(len(prompts)))
     if max_prompts is not None:
@@ -66,6 +79,46 @@ def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None) -> 
             raise UserError(f"--prompts {path}: row {row} holds token id {bad}, outside the target's vocabulary "
                             f"(0..{vocab_size - 1}); tokenize with the target's tokenizer")
     return [int(i) for i in ids], [[int(t) for t in toks] for toks in prompts]
+
+
+def read_reference(path: str, ids: list[int], prompts: list[list[int]], max_new: int, eos: set[int]) -> list[list[int]]:
+    """The output the target's greedy decode would give for each prompt, from a Parquet file of
+    its greedy completions (input contract: `id`, `input_ids` = prompt + completion, `loss_mask`
+    0 on the prompt and 1 on the completion; `dflash-offline generate` writes it): the completion
+    cut where `greedy_decode` stops, after max_new tokens or at its first end-of-sequence token.
+    Refused in one line, before anything decodes: a prompt id without a row, a row whose prompt
+    part is not that prompt, a completion that ends before max_new tokens without an
+    end-of-sequence token (the decode would go on where the reference has nothing to compare)."""
+    fix = "give the target's greedy completions of these --prompts (dflash-offline generate)"
+    table = _read_table("--reference", path, ("id", "input_ids", "loss_mask"), fix)
+    rows: dict[int, tuple[list[int], list[int]]] = {}
+    for rid, toks, mask in zip(table.column("id").to_pylist(), table.column("input_ids").to_pylist(),
+                               table.column("loss_mask").to_pylist()):
+        if rid in rows:
+            raise UserError(f"--reference {path}: id {rid} occurs twice; ids must be unique")
+        rows[rid] = (toks or [], mask or [])
+    missing = [i for i in ids if i not in rows]
+    if missing:
+        raise UserError(f"--reference {path}: no row for prompt id(s) {missing[:10]} ({len(missing)} of {len(ids)}); {fix}")
+    want = []
+    for i, prompt in zip(ids, prompts):
+        toks, mask = rows[i]
+        n = next((k for k, v in enumerate(mask) if v), len(mask))
+        if len(mask) != len(toks) or any(not v for v in mask[n:]):
+            raise UserError(f"--reference {path}: id {i}: loss_mask is not 0 on a prompt then 1 on the completion "
+                            f"({len(toks)} tokens, {len(mask)} mask entries); {fix}")
+        if toks[:n] != prompt:
+            k = next((k for k, (a, b) in enumerate(zip(toks[:n], prompt)) if a != b), min(n, len(prompt)))
+            raise UserError(f"--reference {path}: id {i}: its prompt ({n} tokens) differs from the --prompts row "
+                            f"({len(prompt)} tokens) from token {k} on; {fix}")
+        completion = toks[n:]
+        stop = next((k + 1 for k, t in enumerate(completion[:max_new]) if t in eos), max_new)
+        if len(completion) < stop:
+            raise UserError(f"--reference {path}: id {i}: its completion ends after {len(completion)} tokens without an "
+                            f"end-of-sequence token, before --max-new-tokens {max_new}; lower --max-new-tokens or "
+                            "generate the reference with at least as many new tokens")
+        want.append([int(t) for t in completion[:stop]])
+    return want
 
 
 def load_drafter(path: str, target_dir: str):
@@ -337,9 +390,14 @@ def summarize(runs: list[Decoded], block_size: int) -> dict:
     rounds = int(acc.shape[0])
     tokens = sum(len(r.tokens) for r in runs)
     seconds = sum(r.seconds for r in runs)
+    # Each prompt's own tau (prompts decoded without a round, a first token that ends the output,
+    # have none): the reference DFlash benchmark averages these, where `tau` pools all rounds.
+    per_prompt = [float(np.mean(np.asarray(r.accepted) + 1)) for r in runs if r.accepted]
     return {
         "rounds": rounds, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
         "tau": float((acc + 1).mean()) if rounds else float("nan"),
+        "tau_per_prompt_mean": float(np.mean(per_prompt)) if per_prompt else float("nan"),
+        "tau_per_prompt": per_prompt,
         # Share of rounds in which draft slot j (1..B-1) was accepted.
         "accept_rate": [float((acc >= j).mean()) if rounds else 0.0 for j in range(1, block_size)],
         "target_forwards": sum(r.target_forwards for r in runs),
@@ -348,6 +406,32 @@ def summarize(runs: list[Decoded], block_size: int) -> dict:
 
 # ----------------------------------------------------------------------------------------------
 # Acceptance from the cache
+
+
+def cache_layer_columns(manifest: dict, drafter_cfg, cache: str) -> list[int] | None:
+    """Where the drafter's layers sit on the cache's layer axis (hidden is [tokens, n, H]), in the
+    drafter's order (its fc reads them concatenated in that order); None when the drafter reads
+    every captured layer in the cache's order. A drafter trained on a subset of the captured
+    layers (`train --layers`) is scored on those columns; a layer the cache lacks is refused."""
+    have = [int(i) for i in manifest["capture"]["layer_ids"]]
+    want = [int(i) for i in drafter_cfg.target_layer_ids]
+    missing = [i for i in want if i not in have]
+    if missing:
+        raise UserError(f"--cache {cache} holds layers {have} but the drafter reads {want} (no {missing}); "
+                        "extract the held-out cache with the drafter's layers")
+    t = manifest["target"]
+    if (t["hidden_size"], t["vocab_size"]) != (drafter_cfg.hidden_size, drafter_cfg.vocab_size):
+        raise UserError(f"--cache {cache} was made from a target of hidden {t['hidden_size']} and vocabulary "
+                        f"{t['vocab_size']}; the drafter has {drafter_cfg.hidden_size} and {drafter_cfg.vocab_size}")
+    return None if want == have else [have.index(i) for i in want]
+
+
+def _select_layers(target_hidden, columns: list[int] | None, num_layers: int):
+    """[R, S, n*H] with all captured layers -> [R, S, len(columns)*H] with the drafter's."""
+    if columns is None:
+        return target_hidden
+    R, S, width = target_hidden.shape
+    return target_hidden.view(R, S, num_layers, width // num_layers)[:, :, columns].reshape(R, S, -1)
 
 
 def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors: int,
@@ -365,12 +449,8 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     reader = CacheReader(cache)
     m = reader.manifest
     cfg = drafter.cfg
-    if m["capture"]["layer_ids"] != cfg.target_layer_ids:
-        raise UserError(f"--cache {cache} holds layers {m['capture']['layer_ids']} but the drafter reads "
-                        f"{cfg.target_layer_ids}; extract the held-out cache with the drafter's layers")
-    if (m["target"]["hidden_size"], m["target"]["vocab_size"]) != (cfg.hidden_size, cfg.vocab_size):
-        raise UserError(f"--cache {cache} was made from a target of hidden {m['target']['hidden_size']} and vocabulary "
-                        f"{m['target']['vocab_size']}; the drafter has {cfg.hidden_size} and {cfg.vocab_size}")
+    columns = cache_layer_columns(m, cfg, cache)
+    n_cached = len(m["capture"]["layer_ids"])
     refs, lengths = [], []
     for name in reader.shard_names:
         sh = reader.shard(name)
@@ -380,29 +460,278 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     rows = len(pack_rows(lengths, epoch_order(len(refs), seed, 0), seq_len))
     steps = rows if max_rows is None else min(rows, max_rows)
     B = cfg.block_size
+    # The stream reads every captured layer (its rows are [S, n*H] of the cache's n); the
+    # drafter's columns are picked on the device.
     spec = {"seed": seed, "seq_len": seq_len, "num_anchors": num_anchors, "block_size": B,
             "mask_token_id": cfg.mask_token_id, "gamma": 1.0, "hidden_size": cfg.hidden_size,
-            "num_layers": len(cfg.target_layer_ids), "hidden_dtype": m["capture"]["hidden_dtype"]}
+            "num_layers": n_cached, "hidden_dtype": m["capture"]["hidden_dtype"]}
     stream = RowStream(cache, refs, lengths, spec, 0, 0, 1, 1, 0, steps)
     drafter = drafter.to(device)
-    cuda = device.startswith("cuda")
+    cuda = str(device).startswith("cuda")
     total: dict | None = None
-    with torch.no_grad():
-        build = masks.flex_block_mask if cuda else masks.dense_mask
-        for mb in make_loader(stream, 0, 1, pin=False):
-            mb = device_hidden({k: v.to(device) for k, v in mb.items()})
-            mask = build(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-                h = drafter(mb["target_hidden"], mb["block_ids"], mb["ctx_positions"], mb["block_positions"], mask)
-                _, correct = block_loss(h, drafter.lm_head.weight, mb["labels"], mb["weights"], loss_chunk_tokens)
-            got = block_metrics(correct, mb["weights"], mb["anchor_valid"], B)
-            total = got if total is None else {k: total[k] + got[k] for k in got}
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        with torch.no_grad():
+            build = masks.flex_block_mask if cuda else masks.dense_mask
+            for mb in make_loader(stream, 0, 1, pin=False):
+                mb = device_hidden({k: v.to(device) for k, v in mb.items()})
+                hidden = _select_layers(mb["target_hidden"], columns, n_cached)
+                mask = build(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                    h = drafter(hidden, mb["block_ids"], mb["ctx_positions"], mb["block_positions"], mask)
+                    _, correct = block_loss(h, drafter.lm_head.weight, mb["labels"], mb["weights"], loss_chunk_tokens)
+                got = block_metrics(correct, mb["weights"], mb["anchor_valid"], B)
+                total = got if total is None else {k: total[k] + got[k] for k in got}
+    finally:
+        drafter.train(was_training)
     if total is None or float(total["blocks"]) == 0:
         raise UserError(f"--cache {cache}: no valid draft block (no two consecutive loss-mask tokens)")
     cnt = total["slot_count"].cpu().numpy()
     acc = np.where(cnt > 0, total["slot_correct"].cpu().numpy() / np.maximum(cnt, 1), 0.0)
     return {"rows": steps, "blocks": int(total["blocks"]), "tau": float(total["tau_sum"] / total["blocks"]),
             "slot_accuracy": [float(a) for a in acc[1:]]}
+
+
+# ----------------------------------------------------------------------------------------------
+# The walk: decoding's blocks, picked out of every anchor's score
+
+
+def walk_rounds(accepted, length: int) -> list[int]:
+    """The accepted drafts of each round greedy speculative decoding makes over one completion.
+
+    accepted[i]: how many drafts the block anchored at completion token i gets accepted (i = 0 is
+    the first completion token, which the prompt's forward produces and the first block drafts
+    from); needed for i < length - 1. length: the output length at which decoding stops
+    (max_new_tokens, or 1 + the index of the first end-of-sequence token if that is smaller).
+    Mirrors `speculative_decode` and `_done`: the output starts with one token; each round drafts
+    from the last committed token, records its a and commits a + 1 tokens, and decoding stops as
+    soon as the output holds `length` tokens, mid-round if need be (the round still records its
+    whole a, as the decoder's `accepted` list does)."""
+    if length > 1 and len(accepted) < length - 1:
+        raise ValueError(f"walk_rounds: {len(accepted)} anchors for an output of {length} tokens "
+                         f"(need {length - 1})")
+    rounds, n = [], 1
+    while n < length:
+        a = int(accepted[n - 1])
+        rounds.append(a)
+        n += a + 1
+    return rounds
+
+
+@dataclass
+class _ContextRow:
+    """One packed row of whole samples and the acceptance of every candidate anchor in it."""
+
+    spans: list[tuple[int, int, int]]  # (sample index, first row position, kept length)
+    loss_mask: np.ndarray  # uint8 [S]
+    accepted: np.ndarray  # int64 [S]: accepted drafts of the block anchored there (candidates only)
+
+
+def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None, max_new: int | None = None,
+                    seq_len: int | None = None, anchors_per_row: int = 512, batch_rows: int = 4,
+                    per_sample: bool = False, loss_chunk_tokens: int = 4096) -> dict:
+    """Acceptance of `drafter` on a cache's samples as greedy speculative decoding would see it.
+
+    For each sample (the first `max_samples` in manifest order): every candidate anchor p
+    (loss_mask[p] and loss_mask[p + 1] set) is scored, accepted(p) = the leading run of slots
+    j = 1..B-1 whose argmax equals the data token at p + j (a slot past the sample's end or on an
+    unscored token is a miss). Then the walk (`walk_rounds`) from the first completion token p0:
+    a = accepted(p), one round, p += a + 1, until the output reaches the completion length (the
+    loss_mask-1 tokens from p0 on; capped at `max_new`).
+
+    For the target's own greedy completions (fp32) this is the decoding tau of the same prompts
+    with max_new_tokens = the completion length, without running the target, except in each
+    sample's last round: decoding verifies all B-1 drafts even past max_new_tokens, where the data
+    has no tokens, so a last round that would accept beyond the data's end scores lower here. With
+    `max_new` at least B - 1 below the completion lengths that difference is gone. The drafter sees
+    the cache's stored (bf16 or fp8) features where decoding gives it the target's own.
+
+    -> {tau_pooled: sum of (a + 1) over all rounds / rounds (summarize's tau), tau_per_prompt_mean:
+    the mean over samples of each one's own tau, rounds, samples (walked: at least one round),
+    samples_skipped (completion of at most one token: no round), accept_rate[j-1] (share of
+    rounds accepting slot j), anchors and tau_all_anchors (mean of 1 + accepted over every
+    candidate anchor: the random-anchor estimate without sampling noise), slot_accuracy[j-1] over
+    every anchor, seq_len, truncated_samples, seconds; with per_sample, per_sample: [{id,
+    accepted}] in cache order}.
+
+    Samples are packed into rows of `seq_len` (default: the longest sample; a longer one is cut,
+    and counted in truncated_samples); a row's anchors go `anchors_per_row` at a time, `batch_rows`
+    such blocks of anchors (each with its row's context) per forward. Shapes are the same for every
+    forward of a call (flex compiles once). Runs in-process without grad; a drafter in train mode
+    is switched to eval and back (the trainer can call this on a held-out cache)."""
+    import torch
+
+    from . import masks
+    from .cache.fp8 import DTYPE_NAME as FP8
+    from .cache.reader import CacheReader
+    from .loss import block_loss
+    from .packing import build_row, loss_weights, pack_rows
+    from .stream import device_hidden
+
+    t0 = time.time()
+    device = str(device)
+    cuda = device.startswith("cuda")
+    if anchors_per_row < 1 or batch_rows < 1:
+        raise ValueError(f"walk_acceptance: anchors_per_row {anchors_per_row} and batch_rows {batch_rows} must be positive")
+    reader = CacheReader(cache)
+    m = reader.manifest
+    cfg = drafter.cfg
+    B = cfg.block_size
+    columns = cache_layer_columns(m, cfg, cache)
+    fp8 = m["capture"]["hidden_dtype"] == FP8
+    refs: list[tuple[str, int, int, int]] = []  # (shard, first token, length, sample id)
+    for name in reader.shard_names:
+        sh = reader.shard(name)
+        for k in range(len(sh)):
+            refs.append((name, int(sh.offsets[k]), int(sh.offsets[k + 1] - sh.offsets[k]), int(sh.ids[k])))
+    if max_samples is not None:
+        refs = refs[:max_samples]
+    if not refs:
+        raise UserError(f"--cache {cache}: no samples to walk")
+    lengths = np.asarray([r[2] for r in refs], np.int64)
+    S = int(seq_len) if seq_len else int(lengths.max())
+    A = max(1, min(anchors_per_row, S - 1))  # a row has at most S - 1 candidates
+    # Every candidate of a row: build_row takes all of them, sorted, when asked for at least as
+    # many blocks as the row has positions.
+    weights = loss_weights(B, 1.0)
+    rng = np.random.default_rng(0)
+
+    def read(ref, keep):
+        shard, a, _, sid = ref
+        try:
+            g = reader.shard(shard).group
+            ids, lm, bits = g["input_ids"][a:a + keep], g["loss_mask"][a:a + keep], g["hidden"][a:a + keep]
+            scale = g["hidden_scale"][a:a + keep] if fp8 else None
+        except Exception as e:  # never score (or skip) unreadable data silently
+            raise RuntimeError(f"cache {cache}: shard {shard}, sample id {sid} is unreadable "
+                               f"({type(e).__name__}: {e}); check the cache with `dflash-offline verify`") from None
+        if columns is not None:
+            bits = bits[:, columns]
+            scale = scale[:, columns] if fp8 else None
+        return ids.astype(np.int64), lm, bits, scale
+
+    ctx_rows: list[_ContextRow] = []
+    pending: list[tuple[int, dict]] = []  # (context row, arrays of one block of anchors)
+    slot_hit = np.zeros(B - 1, np.float64)
+    slot_count = np.zeros(B - 1, np.float64)
+    anchor_acc: list[np.ndarray] = []
+    was_training = drafter.training
+    drafter = drafter.to(device)
+    drafter.eval()
+    build = masks.flex_block_mask if cuda else masks.dense_mask
+
+    def forward(batch: list[tuple[int, dict]]) -> None:
+        # On CUDA the batch is padded with anchorless rows: one shape for every forward.
+        R = batch_rows if cuda else len(batch)
+        arr = {k: np.stack([b[k] for _, b in batch] + [np.zeros_like(batch[0][1][k])] * (R - len(batch)))
+               for k in batch[0][1]}
+        t = {k: torch.from_numpy(v) for k, v in arr.items()}
+        if fp8:  # dequantised on the device, as in training
+            t["target_hidden_bits"], t["target_hidden_scale"] = t.pop("bits"), t.pop("scale")
+        else:
+            t["target_hidden"] = t.pop("bits").view(torch.bfloat16)
+        t = device_hidden({k: v.to(device) for k, v in t.items()})
+        mask = build(t["doc_ids"], t["anchors"], t["anchor_valid"], B)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            h = drafter(t["target_hidden"], t["block_ids"], t["positions"], t["block_positions"], mask)
+            _, correct = block_loss(h, drafter.lm_head.weight, t["labels"], t["weights"], loss_chunk_tokens)
+        # block_metrics' rule: a slot counts when its argmax is the label and it is scored
+        # (inside the sample, on a loss-mask token); an unscored slot ends the run.
+        scored = (t["weights"] > 0).view(R, A, B)[:, :, 1:]
+        hit = correct.view(R, A, B)[:, :, 1:] & scored
+        acc = torch.cumprod(hit.to(torch.int32), dim=2).sum(dim=2).cpu().numpy()
+        valid = t["anchor_valid"]
+        slot_hit[:] += hit[valid].sum(0).double().cpu().numpy()
+        slot_count[:] += scored[valid].sum(0).double().cpu().numpy()
+        for i, (r, b) in enumerate(batch):
+            v = b["anchor_valid"]
+            ctx_rows[r].accepted[b["anchors"][v]] = acc[i][v]
+            anchor_acc.append(acc[i][v])
+
+    try:
+        with torch.no_grad():
+            n_layers = len(cfg.target_layer_ids)
+            for packed in pack_rows(lengths, np.arange(len(refs)), S):
+                bits = np.zeros((S, n_layers, cfg.hidden_size), np.uint8 if fp8 else np.uint16)
+                scale = np.zeros((S, n_layers), np.float32) if fp8 else None
+                ids, lms, spans, at = [], [], [], 0
+                for s, keep in packed:
+                    i, lm, hb, sc = read(refs[s], keep)
+                    bits[at:at + keep] = hb
+                    if fp8:
+                        scale[at:at + keep] = sc
+                    ids.append(i)
+                    lms.append(lm)
+                    spans.append((s, at, keep))
+                    at += keep
+                row = build_row(ids, lms, S, S, B, cfg.mask_token_id, weights, rng)
+                r = len(ctx_rows)
+                ctx_rows.append(_ContextRow(spans, row.loss_mask, np.zeros(S, np.int64)))
+                n_cand = int(row.anchor_valid.sum())
+                per_block = {k: getattr(row, k).reshape(S, B) for k in ("block_ids", "block_positions", "labels", "weights")}
+                for lo in range(0, n_cand, A):
+                    hi = min(lo + A, n_cand)
+                    part = {"bits": bits.reshape(S, -1), "doc_ids": row.doc_ids, "positions": row.positions,
+                            "anchors": _pad(row.anchors[lo:hi], A, 0), "anchor_valid": _pad(row.anchor_valid[lo:hi], A, False)}
+                    if fp8:
+                        part["scale"] = scale
+                    for k, v in per_block.items():
+                        part[k] = _pad(v[lo:hi], A, cfg.mask_token_id if k == "block_ids" else 0).reshape(-1)
+                    pending.append((r, part))
+                    if len(pending) == batch_rows:
+                        forward(pending)
+                        pending = []
+            if pending:
+                forward(pending)
+    finally:
+        drafter.train(was_training)
+
+    rounds_of: list[tuple[int, list[int]]] = []
+    skipped = 0
+    for row in ctx_rows:
+        for s, at, keep in row.spans:
+            lm = row.loss_mask[at:at + keep]
+            ones = np.flatnonzero(lm)
+            if not ones.size:
+                skipped += 1
+                continue
+            p0 = at + int(ones[0])
+            length = int(lm[ones[0]:].sum())
+            if max_new is not None:
+                length = min(length, max_new)
+            got = walk_rounds(row.accepted[p0:at + keep], length)
+            if got:
+                rounds_of.append((s, got))
+            else:
+                skipped += 1
+    if not rounds_of:
+        raise UserError(f"--cache {cache}: no sample with a completion of two tokens or more to walk")
+    rounds_of.sort()
+    flat = np.asarray([a for _, r in rounds_of for a in r], np.int64)
+    every = np.concatenate(anchor_acc) if anchor_acc else np.zeros(0, np.int64)
+    out = {
+        "samples": len(rounds_of), "samples_skipped": skipped, "rounds": int(flat.size),
+        "tau_pooled": float((flat + 1).mean()),
+        "tau_per_prompt_mean": float(np.mean([np.mean(np.asarray(r) + 1) for _, r in rounds_of])),
+        "accept_rate": [float((flat >= j).mean()) for j in range(1, B)],
+        "anchors": int(every.size),
+        "tau_all_anchors": float((every + 1).mean()) if every.size else float("nan"),
+        "slot_accuracy": [float(h / c) if c else 0.0 for h, c in zip(slot_hit, slot_count)],
+        "seq_len": S, "truncated_samples": int((lengths > S).sum()), "max_new": max_new,
+        "seconds": time.time() - t0,
+    }
+    if per_sample:
+        out["per_sample"] = [{"id": refs[s][3], "accepted": r} for s, r in rounds_of]
+    return out
+
+
+def _pad(x: np.ndarray, n: int, value) -> np.ndarray:
+    """x padded along its first axis to n entries of `value`."""
+    if x.shape[0] == n:
+        return x
+    pad = np.full((n - x.shape[0],) + x.shape[1:], value, x.dtype)
+    return np.concatenate([x, pad])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,9 +763,15 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.cache:
         report["cache"] = str(cfg.cache)
         for i, (path, d) in enumerate(drafters):
+            walk = walk_acceptance(cfg.cache, d, device, cfg.max_samples, batch_rows=cfg.walk_batch_rows)
+            log.info("cache walk for %s: tau %.3f pooled, %.3f per-prompt mean, over %d rounds of %d samples (%.1fs)",
+                     path, walk["tau_pooled"], walk["tau_per_prompt_mean"], walk["rounds"], walk["samples"],
+                     walk["seconds"])
+            report["drafters"][i]["cache_walk"] = walk
             t0 = time.time()
             est = cache_acceptance(cfg.cache, d, device, cfg.seq_len, cfg.num_anchors, cfg.max_rows)
-            log.info("cache estimate for %s: tau %.3f over %d blocks (%.1fs)", path, est["tau"], est["blocks"], time.time() - t0)
+            log.info("cache estimate for %s: tau %.3f over %d random blocks (%.1fs)", path, est["tau"], est["blocks"],
+                     time.time() - t0)
             report["drafters"][i]["cache_estimate"] = est
     print(format_report(report), flush=True)
     if cfg.json_path:
@@ -448,29 +783,42 @@ def run(cfg: EvalConfig) -> dict:
 def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     from tqdm import tqdm
 
-    model, info = load_target_for_decoding(cfg.target, device, cfg.dtype)
-    ids, prompts = read_prompts(cfg.prompts, info.vocab_size, cfg.max_prompts)
+    from .model_folder import read_target
+
+    # Inputs are checked before the target loads: a bad prompt or reference file costs nothing.
+    ids, prompts = read_prompts(cfg.prompts, read_target(cfg.target).vocab_size, cfg.max_prompts)
     eos = set() if cfg.ignore_eos else eos_ids(cfg.target)
+    reference = read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos) if cfg.reference else None
+    # With a reference the target-alone decode (as long as the speculative one) is needed only for
+    # the speed-up figure, so it runs only when asked for.
+    baseline = cfg.baseline if cfg.baseline is not None else not cfg.reference
+    model, info = load_target_for_decoding(cfg.target, device, cfg.dtype)
     log.info("decoding %d prompts, up to %d new tokens, eos %s, %s on %s", len(prompts), cfg.max_new_tokens,
              sorted(eos), cfg.dtype, device)
     report.update({"prompts": str(cfg.prompts), "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
-                   "eos": sorted(eos), "hybrid_target": info.hybrid})
+                   "eos": sorted(eos), "hybrid_target": info.hybrid,
+                   "lossless_against": str(cfg.reference) if cfg.reference else ("baseline" if baseline else None)})
     layer_sets = {tuple(d.cfg.target_layer_ids) for _, d in drafters}
     sessions = {ls: TargetSession(model, list(ls)) for ls in layer_sets}
     any_session = next(iter(sessions.values()))
-    reference = None
     # Also in the log, every tenth of the prompts: a long decode without a progress bar
     # (--no-progress, a batch job) still shows how far it got.
     every = max(1, len(prompts) // 10)
-    if cfg.baseline:
+    if baseline:
         runs = []
         for k, p in enumerate(tqdm(prompts, desc="target alone", unit="prompt", disable=not cfg.progress), 1):
             runs.append(greedy_decode(any_session, p, cfg.max_new_tokens, eos))
             if k % every == 0 or k == len(prompts):
                 log.info("target alone: %d/%d prompts, %.1f tokens/s", k, len(prompts),
                          sum(len(r.tokens) for r in runs) / max(sum(r.seconds for r in runs), 1e-9))
-        reference = [r.tokens for r in runs]
         report["baseline"] = {k: v for k, v in summarize(runs, 2).items() if k in ("tokens", "seconds", "tokens_per_s", "target_forwards")}
+        if reference is None:
+            reference = [r.tokens for r in runs]
+        else:
+            # Both given: a baseline that differs from the reference says the reference is not this
+            # target's greedy decode in this dtype, rather than the drafter path being wrong.
+            report["baseline"]["mismatched_reference_ids"] = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference))
+                                                              if r.tokens != ref]
     for i, (path, drafter) in enumerate(drafters):
         proposer = DFlashProposer(drafter, device, cfg.dtype)
         session = sessions[tuple(drafter.cfg.target_layer_ids)]
@@ -489,37 +837,48 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
             bad = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference)) if r.tokens != ref]
             e["lossless"] = not bad
             e["mismatched_prompt_ids"] = bad
-            e["speedup"] = e["tokens_per_s"] / report["baseline"]["tokens_per_s"]
+            if "baseline" in report:
+                e["speedup"] = e["tokens_per_s"] / report["baseline"]["tokens_per_s"]
             if bad:
-                log.error("%s: %d of %d outputs differ from the target's greedy decode (ids %s)", path, len(bad),
-                          len(runs), bad[:10])
+                log.error("%s: %d of %d outputs differ from the target's greedy decode%s (ids %s)", path, len(bad),
+                          len(runs), f" in {cfg.reference}" if cfg.reference else "", bad[:10])
         log.info("%s: tau %.3f over %d rounds, %.1f tokens/s", path, e["tau"], e["rounds"], e["tokens_per_s"])
 
 
 def format_report(report: dict) -> str:
     lines = []
     if "num_prompts" in report:
-        base = report.get("baseline")
+        base, against = report.get("baseline"), report.get("lossless_against")
+        checked = ("; no baseline (not checked)" if not against else "" if against == "baseline"
+                   else f"; lossless (against {against})" + ("" if base else ", no baseline decode (no speed-up)"))
         lines.append(f"speculative decoding: {report['num_prompts']} prompts, up to {report['max_new_tokens']} new tokens, "
                      f"{report['dtype']} on {report['device']}"
-                     + (f"; target alone {base['tokens_per_s']:.1f} tokens/s" if base else "; no baseline (not checked)"))
-        lines.append(f"{'drafter':<40} {'block':>5} {'tau':>6} {'rounds':>7} {'tok/s':>8} {'speedup':>7} {'lossless':>8}")
+                     + (f"; target alone {base['tokens_per_s']:.1f} tokens/s" if base else "") + checked)
+        lines.append(f"{'drafter':<40} {'block':>5} {'tau':>6} {'/prompt':>7} {'rounds':>7} {'tok/s':>8} {'speedup':>7} "
+                     f"{'lossless':>8}")
         for e in report["drafters"]:
             if "tau" not in e:
                 continue
             lossless = "-" if "lossless" not in e else ("yes" if e["lossless"] else f"NO ({len(e['mismatched_prompt_ids'])})")
             speed = f"{e['speedup']:.2f}x" if "speedup" in e else "-"
-            lines.append(f"{_short(e['path']):<40} {e['block_size']:>5} {e['tau']:>6.3f} {e['rounds']:>7} "
+            lines.append(f"{_short(e['path']):<40} {e['block_size']:>5} {e['tau']:>6.3f} "
+                         f"{e.get('tau_per_prompt_mean', float('nan')):>7.3f} {e['rounds']:>7} "
                          f"{e['tokens_per_s']:>8.1f} {speed:>7} {lossless:>8}")
             lines.append("  accepted per slot: " + " ".join(f"{a:.2f}" for a in e["accept_rate"]))
-    if any("cache_estimate" in e for e in report["drafters"]):
+    if any("cache_walk" in e or "cache_estimate" in e for e in report["drafters"]):
         lines.append(f"estimate from the cache {report.get('cache')}:")
-        lines.append(f"{'drafter':<40} {'block':>5} {'tau':>6} {'blocks':>8}  slot accuracy")
+        lines.append("  walk: tau over the blocks decoding would draft, pooled over rounds (/sample: mean of the "
+                     "samples' taus); every: over all anchors; random: over random anchors of packed rows")
+        lines.append(f"{'drafter':<40} {'block':>5} {'walk':>6} {'/sample':>7} {'rounds':>7} {'every':>6} "
+                     f"{'random':>6} {'blocks':>7}  slot accuracy")
         for e in report["drafters"]:
-            est = e.get("cache_estimate")
-            if est:
-                lines.append(f"{_short(e['path']):<40} {e['block_size']:>5} {est['tau']:>6.3f} {est['blocks']:>8}  "
-                             + " ".join(f"{a:.2f}" for a in est["slot_accuracy"][:8]))
+            walk, est = e.get("cache_walk") or {}, e.get("cache_estimate") or {}
+            num = lambda d, k, f: format(d[k], f) if k in d else "-"  # noqa: E731
+            lines.append(f"{_short(e['path']):<40} {e['block_size']:>5} {num(walk, 'tau_pooled', '6.3f'):>6} "
+                         f"{num(walk, 'tau_per_prompt_mean', '7.3f'):>7} {num(walk, 'rounds', 'd'):>7} "
+                         f"{num(walk, 'tau_all_anchors', '6.3f'):>6} {num(est, 'tau', '6.3f'):>6} "
+                         f"{num(est, 'blocks', 'd'):>7}  "
+                         + " ".join(f"{a:.2f}" for a in (walk or est).get("slot_accuracy", [])[:8]))
     return "\n".join(lines)
 
 

@@ -11,6 +11,12 @@ largest matmul of the step. Two ways to keep at most one [chunk, vocab] block of
 - `recompute`: each chunk runs inside `torch.utils.checkpoint`; the backward recomputes the
   chunk's logits (three head matmuls). Needed when the head itself trains, and kept as the
   reference the fused path is tested against.
+
+Optional distillation: with the target's top-k next-token ids and log-probabilities the per-token
+target is t = (1 - alpha) x onehot(label) + alpha x p, p the softmax of the k log-probabilities
+(the top-k renormalised), and the loss is weight x (logsumexp(logits) - sum_i t_i x logits_i),
+cross-entropy with a soft target (KL(t || softmax(logits)) plus the target's entropy). alpha = 0,
+or no soft arrays, runs the hard-label code unchanged, so its results are bit for bit today's.
 """
 
 from __future__ import annotations
@@ -39,11 +45,46 @@ def _chunk_loss(h: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor
     return (ce * weights).sum(), correct
 
 
+def _soft_probs(logprobs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    """[n, k] top-k log-probabilities and ids -> (int64 ids, renormalised probabilities), safe to use.
+
+    Unscored tokens (weight 0) may carry anything in the cache (zeros, -inf, padding ids): their
+    probabilities are zeroed and their ids set to 0 so that neither a NaN (0 x NaN is NaN) nor an
+    out-of-range index can reach the sum or the gather. A row of all -inf gets p = 0, not NaN.
+    """
+    lp = logprobs.float()
+    m = lp.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf: exp(-inf - 0) = 0, not NaN
+    e = (lp - m).exp()
+    p = e / e.sum(-1, keepdim=True).clamp_min(torch.finfo(e.dtype).tiny)
+    scored = (weights != 0)[:, None]
+    return torch.where(scored, ids.long(), 0), torch.where(scored, p, 0.0)
+
+
+def _chunk_soft_loss(h: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor, p: torch.Tensor, alpha: float):
+    # The reference for the soft target: F.cross_entropy for the hard share, the top-k dot product
+    # for the soft share; autograd makes (1 - alpha)(softmax - onehot) + alpha(softmax - p).
+    if h.dtype != head_weight.dtype and not torch.is_autocast_enabled(h.device.type):
+        head_weight = head_weight.to(h.dtype)
+    logits = F.linear(h, head_weight).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    soft = torch.logsumexp(logits, dim=-1) - (p * logits.gather(1, ids)).sum(-1)
+    correct = logits.argmax(-1) == labels
+    return (((1 - alpha) * ce + alpha * soft) * weights).sum(), correct
+
+
 class _FusedHeadCE(torch.autograd.Function):
-    """sum(weights x CE(h @ W.T, labels)) for a frozen W; the input gradient is made in the forward."""
+    """sum(weights x CE(h @ W.T, t)) for a frozen W; the input gradient is made in the forward.
+
+    t is onehot(labels), or with `soft_ids`/`soft_logprobs` [N, k] and alpha > 0 the mixture
+    (1 - alpha) x onehot(labels) + alpha x softmax(soft_logprobs) scattered onto `soft_ids`.
+    """
 
     @staticmethod
-    def forward(ctx, h, head_weight, labels, weights, chunk_tokens: int, need_grad: bool):
+    def forward(ctx, h, head_weight, labels, weights, chunk_tokens: int, need_grad: bool,
+                soft_ids=None, soft_logprobs=None, alpha: float = 0.0):
+        soft = soft_ids is not None and alpha > 0
         dt = _matmul_dtype(h, head_weight)
         w_mm = head_weight.to(dt)  # no copy when the head already has the matmul dtype (bf16 on GPU)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -55,12 +96,24 @@ class _FusedHeadCE(torch.autograd.Function):
                 y, w = labels[sl], weights[sl]
                 logits = (h[sl].to(dt) @ w_mm.T).float()
                 lse = torch.logsumexp(logits, dim=-1)
-                total += ((lse - logits.gather(1, y[:, None]).squeeze(1)) * w).sum()
+                if soft:
+                    # Both target terms are read before the logits are overwritten by the gradient.
+                    ids, ps = _soft_probs(soft_logprobs[sl], soft_ids[sl], w)
+                    hard_t = logits.gather(1, y[:, None]).squeeze(1)
+                    soft_t = (ps * logits.gather(1, ids)).sum(-1)
+                    total += ((lse - (1 - alpha) * hard_t - alpha * soft_t) * w).sum()
+                else:
+                    total += ((lse - logits.gather(1, y[:, None]).squeeze(1)) * w).sum()
                 correct[sl] = logits.argmax(-1) == y
                 if need_grad:
                     # d(w x CE)/dlogits = w x (softmax - onehot), built in place of the logits.
                     p = logits.sub_(lse[:, None]).exp_()
-                    p[torch.arange(p.shape[0], device=p.device), y] -= 1
+                    if soft:
+                        # ... and with the soft target w x (softmax - t): t's two shares subtracted.
+                        p[torch.arange(p.shape[0], device=p.device), y] -= 1 - alpha
+                        p.scatter_add_(1, ids, ps.mul_(-alpha))
+                    else:
+                        p[torch.arange(p.shape[0], device=p.device), y] -= 1
                     p.mul_(w[:, None])
                     grad_h[sl] = p.to(dt) @ w_mm
                 del logits
@@ -71,31 +124,81 @@ class _FusedHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_total, g_correct):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * g_total.to(grad_h.dtype), None, None, None, None, None
+        return grad_h * g_total.to(grad_h.dtype), None, None, None, None, None, None, None, None
+
+
+def _check_soft(labels: torch.Tensor, soft_ids, soft_logprobs, soft_weight) -> float:
+    """Validates the soft-target arguments; returns alpha as a float. One ValueError names every
+    problem, so a bad cache or config is fixed in one go."""
+    problems = []
+    if (soft_ids is None) != (soft_logprobs is None):
+        problems.append("soft_ids and soft_logprobs must be given together (or neither)")
+    for name, arr in (("soft_ids", soft_ids), ("soft_logprobs", soft_logprobs)):
+        if arr is not None and (arr.dim() != 3 or tuple(arr.shape[:2]) != tuple(labels.shape) or arr.shape[2] < 1):
+            problems.append(f"{name} {tuple(arr.shape)} is not [R, Q, k] with [R, Q] = {tuple(labels.shape)}, k >= 1")
+    if soft_ids is not None and soft_logprobs is not None and soft_ids.shape != soft_logprobs.shape:
+        problems.append(f"soft_ids {tuple(soft_ids.shape)} and soft_logprobs {tuple(soft_logprobs.shape)} differ")
+    if soft_ids is not None and (soft_ids.dtype.is_floating_point or soft_ids.dtype.is_complex
+                                 or soft_ids.dtype == torch.bool):
+        problems.append(f"soft_ids has dtype {soft_ids.dtype}, want an integer dtype (int32 or int64)")
+    if soft_logprobs is not None and not soft_logprobs.dtype.is_floating_point:
+        problems.append(f"soft_logprobs has dtype {soft_logprobs.dtype}, want a floating dtype")
+    try:
+        alpha = float(soft_weight)
+    except (TypeError, ValueError):
+        alpha = float("nan")
+    if not 0.0 <= alpha <= 1.0:  # NaN fails too
+        problems.append(f"soft_weight {soft_weight!r} is not in [0, 1]")
+    if problems:
+        raise ValueError("block_loss: " + "; ".join(problems))
+    return alpha
 
 
 def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-               chunk_tokens: int = 4096, impl: str = "fused") -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [R, Q, H], labels/weights [R, Q] -> (sum of weight x CE, correct [R, Q] bool, detached)."""
+               chunk_tokens: int = 4096, impl: str = "fused", soft_ids: torch.Tensor | None = None,
+               soft_logprobs: torch.Tensor | None = None,
+               soft_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [R, Q, H], labels/weights [R, Q] -> (sum of weight x CE, correct [R, Q] bool, detached).
+
+    With `soft_ids` (int [R, Q, k]) and `soft_logprobs` (float [R, Q, k]), the target's top-k for
+    each block token, and `soft_weight` alpha in (0, 1], the CE is against the soft target
+    (1 - alpha) x onehot(label) + alpha x softmax(soft_logprobs) (see the module docstring).
+    `correct` stays argmax == label. alpha = 0, or no soft arrays, is the hard-label loss exactly.
+    """
     if hidden.shape[:2] != labels.shape or labels.shape != weights.shape:
         raise ValueError(f"block_loss: hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)}, "
                          f"weights {tuple(weights.shape)} do not line up")
     if impl not in LOSS_IMPLS:
         raise ValueError(f"block_loss: impl {impl!r}: choose one of {', '.join(LOSS_IMPLS)}")
+    alpha = _check_soft(labels, soft_ids, soft_logprobs, soft_weight)
     h = hidden.reshape(-1, hidden.shape[-1])
     y, w = labels.reshape(-1), weights.reshape(-1)
+    soft = soft_ids is not None and alpha > 0  # otherwise the hard path below, untouched
+    if soft:
+        k = soft_ids.shape[-1]
+        sid, slp = soft_ids.reshape(-1, k), soft_logprobs.reshape(-1, k)
     grad = torch.is_grad_enabled() and h.requires_grad
     if impl == "fused" and not head_weight.requires_grad:
-        total, correct = _FusedHeadCE.apply(h, head_weight, y, w, chunk_tokens, grad)
+        if soft:
+            total, correct = _FusedHeadCE.apply(h, head_weight, y, w, chunk_tokens, grad, sid, slp, alpha)
+        else:
+            total, correct = _FusedHeadCE.apply(h, head_weight, y, w, chunk_tokens, grad)
         return total, correct.view_as(labels)
     total = hidden.new_zeros((), dtype=torch.float32)
     correct = []
     for a in range(0, h.shape[0], chunk_tokens):
         sl = slice(a, a + chunk_tokens)
-        if grad:
-            s, c = checkpoint(_chunk_loss, h[sl], head_weight, y[sl], w[sl], use_reentrant=False)
+        if soft:
+            # The target is data, not a parameter: its probabilities are made outside the checkpoint.
+            ids, ps = _soft_probs(slp[sl], sid[sl], w[sl])
+            args = (h[sl], head_weight, y[sl], w[sl], ids, ps, alpha)
+            fn = _chunk_soft_loss
         else:
-            s, c = _chunk_loss(h[sl], head_weight, y[sl], w[sl])
+            args, fn = (h[sl], head_weight, y[sl], w[sl]), _chunk_loss
+        if grad:
+            s, c = checkpoint(fn, *args, use_reentrant=False)
+        else:
+            s, c = fn(*args)
         total = total + s
         correct.append(c.detach())
     return total, torch.cat(correct).view_as(labels)

@@ -70,8 +70,33 @@ def anchor_rng(seed: int, epoch: int, row: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, row, 0xA4C4])
 
 
+def choose_anchors(cand: np.ndarray, cand_doc: np.ndarray, num_anchors: int, anchors_per_sample: int | None,
+                   rng: np.random.Generator) -> np.ndarray:
+    """Sorted anchor positions drawn from the candidates `cand` (row positions; `cand_doc` their
+    documents), at most `num_anchors` (the row's static capacity).
+
+    anchors_per_sample None: a uniform draw of the row's capacity over all candidates (a row that
+    packs 8 short samples then trains as many blocks as a row holding one long one).
+    anchors_per_sample K: the method's budget, per sequence: every sample draws min(K, its
+    candidates); when the row's draws exceed its capacity, a uniform draw of the capacity from their
+    union keeps each sample's share proportional to its budget."""
+    if anchors_per_sample is None:
+        take = min(num_anchors, cand.shape[0])
+        return np.sort(rng.choice(cand, size=take, replace=False)) if take else cand[:0]
+    picked = []
+    for d in np.unique(cand_doc):
+        c = cand[cand_doc == d]
+        k = min(anchors_per_sample, c.shape[0])
+        picked.append(c if k == c.shape[0] else rng.choice(c, size=k, replace=False))
+    union = np.concatenate(picked) if picked else cand[:0]
+    if union.shape[0] > num_anchors:
+        union = rng.choice(union, size=num_anchors, replace=False)
+    return np.sort(union)
+
+
 def build_row(input_ids: list[np.ndarray], loss_masks: list[np.ndarray], seq_len: int, num_anchors: int,
-              block_size: int, mask_token_id: int, slot_weights: np.ndarray, rng: np.random.Generator) -> Row:
+              block_size: int, mask_token_id: int, slot_weights: np.ndarray, rng: np.random.Generator,
+              anchors_per_sample: int | None = None) -> Row:
     S, N, B = seq_len, num_anchors, block_size
     ids = np.zeros(S, np.int64)
     doc = np.full(S, -1, np.int32)
@@ -85,12 +110,12 @@ def build_row(input_ids: list[np.ndarray], loss_masks: list[np.ndarray], seq_len
     # Anchors: p with loss_mask[p] and loss_mask[p + 1] inside one document (dflash-method.md).
     ok = (lm[:-1] == 1) & (lm[1:] == 1) & (doc[:-1] == doc[1:]) & (doc[:-1] >= 0)
     cand = np.flatnonzero(ok)
-    take = min(N, cand.shape[0])
+    chosen = choose_anchors(cand, doc[cand], N, anchors_per_sample, rng)
+    take = chosen.shape[0]
     anchors = np.zeros(N, np.int64)
     valid = np.zeros(N, bool)
-    if take:
-        anchors[:take] = np.sort(rng.choice(cand, size=take, replace=False))
-        valid[:take] = True
+    anchors[:take] = chosen
+    valid[:take] = True
     j = np.arange(B)
     at = anchors[:, None] + j[None, :]  # [N, B] row positions the block slots predict
     inside = (at < S)

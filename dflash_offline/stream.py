@@ -45,10 +45,11 @@ class RowStream(torch.utils.data.IterableDataset):
     def __len__(self) -> int:
         return (self.steps - self.start_step) * self.accum
 
-    def _read(self, ref: tuple, keep: int, out: np.ndarray, out_scale: np.ndarray | None):
-        """(input_ids, loss_mask, hidden bits or None, hidden scale or None) of the first `keep`
-        tokens of sample ref = (shard, k, first token); the hidden bits (and fp8 scales) go into
-        `out` [keep, n, H] (`out_scale` [keep, n]) when None is returned.
+    def _read(self, ref: tuple, keep: int, out: np.ndarray, out_scale: np.ndarray | None, topk: int = 0):
+        """(input_ids, loss_mask, hidden bits or None, hidden scale or None, top-k or None) of the
+        first `keep` tokens of sample ref = (shard, k, first token); the hidden bits (and fp8
+        scales) go into `out` [keep, n, H] (`out_scale` [keep, n]) when None is returned; with
+        `topk`, the last item is (ids [keep, k], logprobs [keep, k]).
         Local caches are read from the chunk files (cache.reader.ChunkFiles): no Zarr group is
         opened, so a loader's cost per sample does not grow with the number of shards; URL caches
         through Zarr."""
@@ -69,14 +70,16 @@ class RowStream(torch.utils.data.IterableDataset):
                 f.read(ref[0], "hidden", a, b, out=out)
                 if out_scale is not None:
                     f.read(ref[0], "hidden_scale", a, b, out=out_scale)
+                top = (f.read(ref[0], "topk_ids", a, b), f.read(ref[0], "topk_logprobs", a, b)) if topk else None
                 return (f.read(ref[0], "input_ids", a, b).astype(np.int64), f.read(ref[0], "loss_mask", a, b),
-                        None, None)
+                        None, None, top)
             shard = self._zarr.shard(ref[0])
             a = int(shard.offsets[ref[1]])
             g = shard.group
             b = a + keep
+            top = (g["topk_ids"][a:b], g["topk_logprobs"][a:b]) if topk else None
             return (g["input_ids"][a:b].astype(np.int64), g["loss_mask"][a:b], g["hidden"][a:b],
-                    g["hidden_scale"][a:b] if out_scale is not None else None)
+                    g["hidden_scale"][a:b] if out_scale is not None else None, top)
         except Exception as e:
             # Never train on (or skip) unreadable data silently: name the shard and stop.
             raise RuntimeError(f"cache {self.cache}: shard {ref[0]}, sample {ref[1]} is unreadable "
@@ -85,25 +88,52 @@ class RowStream(torch.utils.data.IterableDataset):
     def make(self, global_row: int, packed: list[tuple[int, int]]) -> dict:
         sp = self.spec
         S, n, H = sp["seq_len"], sp["num_layers"], sp["hidden_size"]
+        # A subset of the captured layers (train --layers): the cache's [tokens, n_cache, H] rows are
+        # read whole, then the chosen columns are kept, in the drafter's order.
+        cols = sp.get("layer_columns")
+        n_cache = sp.get("cache_layers", n)
+        subset = cols is not None and list(cols) != list(range(n_cache))
+        k = int(sp.get("topk", 0))
         fp8 = sp.get("hidden_dtype") == FP8
         # The row's hidden states, zero past its samples; local caches read straight into it.
         bits = np.zeros((S, n * H), np.uint8 if fp8 else np.uint16)
         scale = np.zeros((S, n), np.float32) if fp8 else None
+        top_ids = np.zeros((S, k), np.int32) if k else None
+        top_lp = np.full((S, k), -np.inf, np.float16) if k else None
         ids, masks = [], []
         t = 0
         for s, keep in packed:
-            i, m, h, sc = self._read(self.refs[s], keep, bits[t:t + keep].reshape(keep, n, H),
-                                     scale[t:t + keep] if fp8 else None)
+            if subset:
+                full = np.empty((keep, n_cache, H), bits.dtype)
+                full_scale = np.empty((keep, n_cache), np.float32) if fp8 else None
+            else:
+                full = bits[t:t + keep].reshape(keep, n, H)
+                full_scale = scale[t:t + keep] if fp8 else None
+            i, m, h, sc, top = self._read(self.refs[s], keep, full, full_scale, k)
+            if h is not None:
+                full[...] = h.reshape(keep, n_cache, H)
+                if fp8:
+                    full_scale[...] = sc
+            if subset:
+                bits[t:t + keep] = full[:, cols].reshape(keep, -1)
+                if fp8:
+                    scale[t:t + keep] = full_scale[:, cols]
+            if k:
+                top_ids[t:t + keep], top_lp[t:t + keep] = top[0][:, :k], top[1][:, :k]
             ids.append(i)
             masks.append(m)
-            if h is not None:
-                bits[t:t + keep] = h.reshape(keep, -1)
-                if fp8:
-                    scale[t:t + keep] = sc
             t += keep
-        row = build_row(ids, masks, sp["seq_len"], sp["num_anchors"], sp["block_size"], sp["mask_token_id"],
-                        loss_weights(sp["block_size"], sp["gamma"]), anchor_rng(sp["seed"], self.epoch, global_row))
+        B = sp["block_size"]
+        row = build_row(ids, masks, sp["seq_len"], sp["num_anchors"], B, sp["mask_token_id"],
+                        loss_weights(B, sp["gamma"]), anchor_rng(sp["seed"], self.epoch, global_row),
+                        anchors_per_sample=sp.get("anchors_per_sample"))
         as_t = lambda x: torch.from_numpy(np.ascontiguousarray(x))[None]  # noqa: E731 - [1, ...]
+        soft = {}
+        if k:
+            # Slot j of the block at anchor p predicts token p + j: the target's distribution for it
+            # is the top-k stored at position p + j - 1. Unscored slots keep whatever they gather.
+            at = np.minimum(row.anchors[:, None] + np.arange(B)[None, :] - 1, S - 1).clip(0).reshape(-1)
+            soft = {"soft_ids": as_t(top_ids[at]), "soft_logprobs": as_t(top_lp[at])}
         return {
             "row": torch.tensor([global_row]),
             # bf16 rows carry the hidden states; fp8 rows their bits and scales, which the consumer
@@ -113,7 +143,7 @@ class RowStream(torch.utils.data.IterableDataset):
             "doc_ids": as_t(row.doc_ids), "ctx_positions": as_t(row.positions),
             "anchors": as_t(row.anchors), "anchor_valid": as_t(row.anchor_valid),
             "block_ids": as_t(row.block_ids), "block_positions": as_t(row.block_positions),
-            "labels": as_t(row.labels), "weights": as_t(row.weights),
+            "labels": as_t(row.labels), "weights": as_t(row.weights), **soft,
         }
 
     def __iter__(self):

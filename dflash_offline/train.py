@@ -85,7 +85,9 @@ def preflight(cfg: TrainConfig) -> dict:
     import numpy as np
 
     lengths = np.asarray(lengths, np.int64)
-    dcfg = DrafterConfig.from_target(cfg.target, m["capture"]["layer_ids"], block_size=cfg.block_size,
+    layer_ids, columns = layer_choice(cfg, m)
+    topk = _check_soft_targets(cfg, m)
+    dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
                                      num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
     world = _world(devices)
     accum = accumulation(cfg.global_batch_tokens, cfg.seq_len, world)
@@ -100,10 +102,17 @@ def preflight(cfg: TrainConfig) -> dict:
         "devices": devices, "world": world, "accum": accum, "rows_per_epoch": rows, "steps_per_epoch": spe,
         "total_steps": spe * cfg.epochs, "refs": refs, "lengths": lengths, "drafter": asdict(dcfg),
         "cache_fingerprint": manifest_fingerprint(m), "hidden_size": m["target"]["hidden_size"],
-        "num_layers_captured": len(m["capture"]["layer_ids"]), "hidden_dtype": m["capture"]["hidden_dtype"],
+        "num_layers_captured": len(layer_ids), "cache_layers": len(m["capture"]["layer_ids"]),
+        "layer_columns": columns, "topk": topk, "hidden_dtype": m["capture"]["hidden_dtype"],
+        "lr": cfg.resolved_lr(m["target"]["hidden_size"]),
     }
     log.info("plan: %d rows/epoch, %d ranks x %d micro-batches of %d tokens per step, %d steps/epoch, %d steps total",
              rows, world, accum, cfg.seq_len, spe, plan["total_steps"])
+    log.info("recipe: layers %s of the cache's %s, lr %.3g%s, %d anchors per row, %s per sample, kd weight %g",
+             layer_ids, m["capture"]["layer_ids"], plan["lr"], " (auto)" if cfg.lr is None else "", cfg.num_anchors,
+             cfg.anchors_per_sample or "one draw", cfg.kd_weight)
+    if cfg.eval_cache:
+        _check_eval_cache(cfg, layer_ids, m)
     check_resume(cfg, plan)
     return plan
 
@@ -131,6 +140,32 @@ def _check_cache_target(cfg: TrainConfig, m: dict) -> None:
     if m["capture"]["hidden_dtype"] not in ("bfloat16", "float8_e4m3fn"):
         raise UserError(f"--cache {cfg.cache} stores hidden states as {m['capture']['hidden_dtype']!r}, which this "
                         "version cannot read (bfloat16, float8_e4m3fn); re-extract with --hidden-dtype bfloat16 or fp8")
+
+
+def layer_choice(cfg: TrainConfig, m: dict) -> tuple[list[int], list[int] | None]:
+    """(layer ids the drafter reads, their columns in the cache's rows, or None for all of them).
+    `--layers` picks a subset of the captured layers by id; the drafter reads them in the cache's
+    order, as a cache holding only those layers would store them."""
+    captured = list(m["capture"]["layer_ids"])
+    if cfg.layers is None:
+        return captured, None
+    missing = [i for i in cfg.layers if i not in captured]
+    if missing:
+        raise UserError(f"--layers {','.join(map(str, cfg.layers))}: the cache {cfg.cache} holds layers {captured}, not "
+                        f"{missing}; choose among those, or extract a cache with --layers that include them")
+    cols = [k for k, i in enumerate(captured) if i in cfg.layers]
+    return [captured[k] for k in cols], cols
+
+
+def _check_soft_targets(cfg: TrainConfig, m: dict) -> int:
+    """Top-k entries the loss reads: 0 without --kd-weight; the cache must hold them with it."""
+    if cfg.kd_weight == 0:
+        return 0
+    k = int(m["capture"].get("topk") or 0)
+    if k == 0:
+        raise UserError(f"--kd-weight {cfg.kd_weight}: the cache {cfg.cache} holds no top-k log-probabilities "
+                        "(extracted with --topk 0); extract with --topk 32, or train with --kd-weight 0")
+    return k
 
 
 def _world(devices: list[str]) -> int:
@@ -174,8 +209,12 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> dict:
         raise UserError(f"--cache {cfg.cache} has a budget ({budget / 1e6:.1f} MB) that holds about "
                         f"{budget // biggest} of its {m['plan']['num_shards']} shards; without --stream nothing is "
                         "released and both stages would wait forever: add --stream")
-    dcfg = DrafterConfig.from_target(cfg.target, m["capture"]["layer_ids"], block_size=cfg.block_size,
+    layer_ids, columns = layer_choice(cfg, m)
+    topk = _check_soft_targets(cfg, m)
+    dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
                                      num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
+    if cfg.eval_cache:
+        _check_eval_cache(cfg, layer_ids, m)
     world = _world(devices)
     accum = accumulation(cfg.global_batch_tokens, cfg.seq_len, world)
     # An estimate for the progress bar and the log: windows pack separately and fill their last
@@ -185,8 +224,10 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> dict:
     plan = {
         "devices": devices, "world": world, "accum": accum, "total_steps": total, "follow": True,
         "num_shards": m["plan"]["num_shards"], "drafter": asdict(dcfg), "cache_fingerprint": follow_fingerprint(m),
-        "hidden_size": m["target"]["hidden_size"], "num_layers_captured": len(m["capture"]["layer_ids"]),
+        "hidden_size": m["target"]["hidden_size"], "num_layers_captured": len(layer_ids),
+        "cache_layers": len(m["capture"]["layer_ids"]), "layer_columns": columns, "topk": topk,
         "hidden_dtype": m["capture"]["hidden_dtype"], "consumer": mine, "plan_tokens": int(tokens),
+        "lr": cfg.resolved_lr(m["target"]["hidden_size"]),
     }
     log.info("plan (follow%s): %d shards planned, %d committed so far, %d tokens; windows of %d shards; %d ranks x %d "
              "micro-batches of %d tokens per step; about %d steps", ", stream" if cfg.stream else "",
@@ -198,8 +239,30 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> dict:
     return plan
 
 
+def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], m: dict) -> None:
+    """--eval-cache, before any process starts: complete, from the same target, with the layers."""
+    from .cache.manifest import ManifestStore
+    from .cache.location import Location
+
+    try:
+        held = ManifestStore(Location(cfg.eval_cache)).read()
+    except Exception as e:
+        raise UserError(f"--eval-cache {cfg.eval_cache}: unreadable manifest ({type(e).__name__}: {e})") from None
+    if held is None:
+        raise UserError(f"--eval-cache {cfg.eval_cache}: no cache there (no manifest.json); extract the held-out "
+                        "completions into it first")
+    if held["status"] != "complete":
+        raise UserError(f"--eval-cache {cfg.eval_cache}: extraction is not complete; finish it first")
+    if held["target"].get("weights_fingerprint") != m["target"].get("weights_fingerprint"):
+        raise UserError(f"--eval-cache {cfg.eval_cache} was extracted from another target than --cache {cfg.cache}")
+    missing = [i for i in layer_ids if i not in held["capture"]["layer_ids"]]
+    if missing:
+        raise UserError(f"--eval-cache {cfg.eval_cache} holds layers {held['capture']['layer_ids']}, not {missing} "
+                        "that the drafter reads; extract it with the training cache's layers")
+
+
 # Settings a resumed run must share with its checkpoint: they decide the numbers of every step.
-RESUME_KEYS = ("seq_len", "num_anchors", "block_size", "gamma", "seed", "global_batch_tokens", "epochs", "num_layers",
+RESUME_KEYS = ("seq_len", "num_anchors", "anchors_per_sample", "layers", "kd_weight", "block_size", "gamma", "seed", "global_batch_tokens", "epochs", "num_layers",
                "lr", "warmup_ratio", "weight_decay", "clip", "mask_token_id", "precision", "loss_chunk_tokens",
                "follow", "follow_window")
 
@@ -614,7 +677,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
 
         model = DDP(drafter, device_ids=[device] if cuda else None, broadcast_buffers=False)
     params = drafter.trainable_parameters()
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cuda)
+    opt = torch.optim.AdamW(params, lr=plan["lr"], weight_decay=cfg.weight_decay, fused=cuda)
     total = plan["total_steps"]
     warmup = max(1, math.ceil(cfg.warmup_ratio * total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, warmup))
@@ -625,6 +688,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     if rank == 0:
         # Steps after the last checkpoint run again: their metrics go, as do half-written checkpoints.
         _truncate_metrics(out / "metrics.jsonl", found[-1] if found else 0)
+        _truncate_metrics(out / HELD_OUT_LOG, found[-1] if found else 0)
         for debris in out.glob(f".tmp-{CHECKPOINT_PREFIX}*"):
             shutil.rmtree(debris, ignore_errors=True)
     if found:
@@ -652,7 +716,9 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     spe = plan.get("steps_per_epoch")
     spec = {"seed": cfg.seed, "seq_len": cfg.seq_len, "num_anchors": cfg.num_anchors, "block_size": cfg.block_size,
             "mask_token_id": dcfg.mask_token_id, "gamma": cfg.resolved_gamma, "hidden_size": plan["hidden_size"],
-            "num_layers": plan["num_layers_captured"], "hidden_dtype": plan["hidden_dtype"]}
+            "num_layers": plan["num_layers_captured"], "hidden_dtype": plan["hidden_dtype"],
+            "cache_layers": plan["cache_layers"], "layer_columns": plan["layer_columns"], "topk": plan["topk"],
+            "anchors_per_sample": cfg.anchors_per_sample or None}
     accum = plan["accum"]
     B = cfg.block_size
     metrics_file = open(out / "metrics.jsonl", "a") if rank == 0 else None
@@ -692,6 +758,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
         if world > 1:
             dist.barrier()
 
+    held_out = HeldOut(cfg, out, drafter, device, rank, world) if cfg.eval_cache else None
     if follow:
         fstate = resumed_state.get("follow", {"window": 0, "window_start": 0})
         if rank == 0:  # windows from the resumed one on run again, and are recorded again
@@ -746,7 +813,8 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                         h = model(mb["target_hidden"], mb["block_ids"], mb["ctx_positions"], mb["block_positions"], mask)
                         _mark(phases, "forward")
                         ls, correct = block_loss(h, drafter.lm_head.weight, mb["labels"], mb["weights"],
-                                                 cfg.loss_chunk_tokens, cfg.loss_impl)
+                                                 cfg.loss_chunk_tokens, cfg.loss_impl, soft_ids=mb.get("soft_ids"),
+                                                 soft_logprobs=mb.get("soft_logprobs"), soft_weight=cfg.kd_weight)
                         _mark(phases, "loss")
                     (ls.double() * scale).float().backward()
                     _mark(phases, "backward")
@@ -759,7 +827,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
             if follow:
                 # The schedule runs over the plan's tokens, not over a step count known in advance:
                 # this step's place is the middle of its share of the window's tokens.
-                lr_now = cfg.lr * _lr_at(min(1.0, (seg.tokens_before + seg.tokens * (s + 0.5) / seg.steps)
+                lr_now = plan["lr"] * _lr_at(min(1.0, (seg.tokens_before + seg.tokens * (s + 0.5) / seg.steps)
                                              / plan["plan_tokens"]), cfg.warmup_ratio)
                 for group in opt.param_groups:
                     group["lr"] = lr_now
@@ -806,6 +874,8 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                 _record_window(out, seg)
             if step % cfg.checkpoint_every == 0 or (step == stop and cfg.final_checkpoint):
                 checkpoint(seg, s + 1)
+            if cfg.eval_cache and (step % (cfg.eval_every or cfg.checkpoint_every) == 0 or step == stop):
+                held_out.measure(step)
             finished = stop is not None and step >= stop  # the same on every rank
             if not finished and agreed_stop():  # a stop request on any rank: all stop after this step
                 if last_ckpt[0] != step:
@@ -836,6 +906,10 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
         if cfg.final_checkpoint:
             path = export_drafter(drafter, str(out / "export"))
             log.info("exported drafter to %s", path)
+            if held_out is not None and held_out.best is not None:
+                b = held_out.best
+                print(f"best held-out drafter: step {b['step']}, walk tau {b['tau_pooled']:.3f} pooled / "
+                      f"{b['tau_per_prompt_mean']:.3f} per-prompt mean, in {out / BEST}", flush=True)
             done = f"{step} steps (about {total} estimated)" if follow else f"{step}/{total} steps"
             if not follow and stop < total:
                 done += f" (--max-steps {stop})"
@@ -854,6 +928,58 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     if world > 1:
         dist.barrier()  # no rank tears the group down while another still talks to it
         dist.destroy_process_group()
+
+
+HELD_OUT_LOG = "heldout.jsonl"
+BEST = "best"
+
+
+class HeldOut:
+    """The walk estimate of decoding tau on a held-out cache (evaluate.walk_acceptance), measured
+    by rank 0 while the other ranks wait; the best drafter so far is exported to OUT/best/ and
+    described in OUT/best.json (written after the export: a best.json always names a complete
+    best/). Every measurement is a line of OUT/heldout.jsonl."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, drafter, device: str, rank: int, world: int):
+        self.cfg, self.out, self.drafter, self.device, self.rank, self.world = cfg, out, drafter, device, rank, world
+        self.best = None
+        self.t0 = time.perf_counter()  # the curve of tau against training time
+        f = out / "best.json"
+        if rank == 0 and f.is_file() and (out / BEST).is_dir():
+            try:
+                self.best = json.loads(f.read_text())
+            except json.JSONDecodeError:  # cut by a kill: the next measurement rewrites it
+                self.best = None
+
+    def measure(self, step: int) -> None:
+        import torch.distributed as dist
+
+        if self.world > 1:
+            dist.barrier()
+        if self.rank == 0:
+            from .drafter import export_drafter
+            from .evaluate import walk_acceptance
+
+            heartbeat(phase="held-out evaluation", step=step)
+            t0 = time.perf_counter()
+            est = walk_acceptance(self.cfg.eval_cache, self.drafter, self.device, max_samples=self.cfg.eval_samples)
+            rec = {"step": step, "tau_pooled": est["tau_pooled"], "tau_per_prompt_mean": est["tau_per_prompt_mean"],
+                   "tau_all_anchors": est["tau_all_anchors"], "rounds": est["rounds"], "samples": est["samples"],
+                   "seconds": time.perf_counter() - t0, "train_s": t0 - self.t0}
+            better = self.best is None or rec["tau_pooled"] > self.best["tau_pooled"]
+            if better:
+                export_drafter(self.drafter, str(self.out / BEST))
+                tmp = self.out / "best.json.tmp"
+                tmp.write_text(json.dumps(rec, indent=1) + "\n")
+                os.replace(tmp, self.out / "best.json")
+                self.best = rec
+            with open(self.out / HELD_OUT_LOG, "a") as f:
+                f.write(json.dumps({**rec, "best": better}) + "\n")
+            log.info("held-out walk estimate at step %d: tau %.3f pooled, %.3f per-prompt mean (random anchors %.3f), "
+                     "%d samples in %.1fs%s", step, rec["tau_pooled"], rec["tau_per_prompt_mean"],
+                     rec["tau_all_anchors"], rec["samples"], rec["seconds"], "; best so far -> best/" if better else "")
+        if self.world > 1:
+            dist.barrier()
 
 
 class _PhaseTimer:

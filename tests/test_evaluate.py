@@ -1,7 +1,8 @@
 """Acceptance length: speculative decoding against tiny dense and hybrid targets is lossless (its
 output is the target's own greedy decode, token for token), the decoding loop's tau is exact for an
-oracle drafter and near 1 for a random one, and the `eval` command (decoding + cache estimate) works
-end to end on a drafter trained for a few steps."""
+oracle drafter and near 1 for a random one, the cache walk gives decoding's rounds exactly on the
+target's own greedy completions, `--reference` checks outputs against given completions, and the
+`eval` command (decoding + cache estimates) works end to end on a drafter trained for a few steps."""
 
 from __future__ import annotations
 
@@ -152,6 +153,218 @@ def test_eos_stops_like_greedy(target):
     assert got.tokens == want
 
 
+# ----------------------------------------------------------------------------------------------
+# The walk estimate: decoding's rounds from per-anchor acceptance
+
+
+PLANTED = np.random.default_rng(5).integers(0, 10, size=256)
+
+
+def planted_accept(anchor: int, block_size: int) -> int:
+    """The draft slot (0-based) planted wrong at an anchor = the drafts it accepts; B-1: none wrong."""
+    return min(int(PLANTED[anchor]), block_size - 1)
+
+
+class PlantedOracle(Oracle):
+    """The target's greedy continuation with one wrong draft at a slot fixed by the anchor's
+    position, so the acceptance of every anchor is known without running anything."""
+
+    def propose(self, tokens):
+        draft = super().propose(tokens)
+        j = planted_accept(len(tokens) - 1, self.block_size)
+        if j < len(draft):
+            draft[j] = (draft[j] + 1) % 500 + 2
+        return draft
+
+
+@pytest.mark.parametrize("eos_at", [None, 9])
+def test_walk_rounds_equal_decoding_rounds(target, eos_at):
+    """walk_rounds over the known per-anchor acceptance = speculative_decode's rounds, round for
+    round, for every way a decode ends: at max_new mid-round, or at an end-of-sequence token."""
+    kind, folder, model, prompts, reference = target
+    B, max_new = 8, MAX_NEW - 8  # the continuation covers every slot the last round verifies
+    session = ev.TargetSession(model, LAYERS)
+    seen = set()
+    for p, ref in zip(prompts, reference):
+        eos = {ref[eos_at]} if eos_at is not None else set()
+        out = ev.speculative_decode(session, PlantedOracle(p, ref, B), p, max_new, eos)
+        stop = next((k + 1 for k, t in enumerate(ref[:max_new]) if t in eos), max_new)
+        assert out.tokens == ref[:stop]
+        accepted = [planted_accept(len(p) + i, B) for i in range(max_new)]
+        assert ev.walk_rounds(accepted, stop) == out.accepted
+        seen.update(out.accepted)
+    assert len(seen) >= 4, seen
+
+
+WALK_NEW = 20  # decode length of the walk tests; the cache holds WALK_NEW + B completion tokens
+WALK_B = 8
+
+
+@pytest.fixture(scope="module")
+def own_cache(tiny_dense, tmp_path_factory):
+    """(cache, data parquet, {id: prompt}) of the tiny dense target's own greedy completions
+    (WALK_NEW + WALK_B tokens each, no end-of-sequence stop), extracted by the real `extract`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("own")
+    model, _ = ev.load_target_for_decoding(str(tiny_dense), "cpu", "float32")
+    session = ev.TargetSession(model, LAYERS)
+    rng = np.random.default_rng(11)
+    prompts = {100 + k: rng.integers(2, 512, size=int(n)).tolist() for k, n in enumerate((3, 9, 17, 30, 5, 12))}
+    done = {i: ev.greedy_decode(session, p, WALK_NEW + WALK_B, set()).tokens for i, p in prompts.items()}
+    data = root / "own.parquet"
+    pq.write_table(pa.table({"id": pa.array(list(prompts), pa.int64()),
+                             "input_ids": pa.array([prompts[i] + done[i] for i in prompts], pa.list_(pa.int32())),
+                             "loss_mask": pa.array([[0] * len(prompts[i]) + [1] * len(done[i]) for i in prompts],
+                                                   pa.list_(pa.int8()))}), data)
+    cache = root / "cache"
+    r = run_cli(["extract", "--target", tiny_dense, "--data", data, "--cache", cache, "--topk", "0", "--max-len", "128",
+                 "--batch-tokens", "512", "--shard-tokens", "1024", "--no-progress"])
+    assert r.returncode == 0, r.stderr
+    return cache, data, prompts
+
+
+def fit_drafter(d: DFlashDrafter, cache, steps: int = 15, seed: int = 0) -> DFlashDrafter:
+    """A few optimiser steps on the cache itself: a drafter that accepts some blocks and not
+    others (a random one accepts nothing, which would make the walk tests trivial)."""
+    from dflash_offline import masks
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.loss import block_loss
+    from dflash_offline.packing import build_row, loss_weights
+
+    reader = CacheReader(str(cache))
+    cols = ev.cache_layer_columns(reader.manifest, d.cfg, str(cache)) or list(range(len(LAYERS)))
+    samples = list(reader.samples())
+    S, B = max(len(s.input_ids) for s in samples), d.cfg.block_size
+    feats = torch.zeros(len(samples), S, len(cols) * d.cfg.hidden_size)
+    for i, s in enumerate(samples):
+        feats[i, :len(s.input_ids)] = torch.from_numpy(s.hidden[:, cols].reshape(len(s.input_ids), -1))
+    rng = np.random.default_rng(seed)
+    opt = torch.optim.AdamW(d.trainable_parameters(), lr=3e-3)
+    d.train()
+    for _ in range(steps):
+        rows = [build_row([s.input_ids.astype(np.int64)], [s.loss_mask], S, 16, B, 1, loss_weights(B, 4.0), rng)
+                for s in samples]
+        st = lambda k: torch.from_numpy(np.stack([getattr(r, k) for r in rows]))  # noqa: E731
+        mask = masks.dense_mask(st("doc_ids"), st("anchors"), st("anchor_valid"), B)
+        h = d(feats, st("block_ids"), st("positions"), st("block_positions"), mask)
+        loss, _ = block_loss(h, d.lm_head.weight, st("labels"), st("weights"))
+        opt.zero_grad()
+        (loss / st("weights").sum()).backward()
+        opt.step()
+    return d.eval()
+
+
+class CacheFeatures:
+    """The real DFlashProposer, fed the features the cache stores (bf16) instead of the target's
+    fp32 ones, so that decoding and the walk give the drafter the same inputs and must agree
+    exactly; the target still verifies every block."""
+
+    def __init__(self, inner, stored):
+        self.inner, self.stored, self.block_size = inner, stored, inner.block_size
+
+    def start(self, prompt, features):
+        self.n = len(prompt)
+        self.inner.start(prompt, self.stored[:self.n])
+
+    def observe(self, features):
+        T = features.shape[0]
+        self.inner.observe(self.stored[self.n:self.n + T])
+        self.n += T
+
+    def propose(self, tokens):
+        return self.inner.propose(tokens)
+
+
+def decode_cache_prompts(session, drafter, cache, ids, max_new):
+    from dflash_offline.cache.reader import CacheReader
+
+    reader = CacheReader(str(cache))
+    cols = ev.cache_layer_columns(reader.manifest, drafter.cfg, str(cache)) or list(range(len(LAYERS)))
+    runs = []
+    for i in ids:
+        s = reader.sample(i)
+        p0 = int(np.flatnonzero(s.loss_mask)[0])
+        stored = torch.from_numpy(np.ascontiguousarray(s.hidden[:, cols]).reshape(len(s.input_ids), -1))
+        out = ev.speculative_decode(session, CacheFeatures(ev.DFlashProposer(drafter, "cpu"), stored),
+                                    s.input_ids[:p0].tolist(), max_new, set())
+        assert out.tokens == s.input_ids[p0:p0 + max_new].tolist()  # the cache holds the greedy decode
+        runs.append(out)
+    return runs
+
+
+@pytest.mark.parametrize("layers", [LAYERS, [4, 2]], ids=["all-layers", "layer-subset"])
+def test_walk_equals_decoding_tau_on_own_greedy_completions(own_cache, tiny_dense, layers):
+    """walk_acceptance on a cache of the target's own greedy completions = speculative decoding of
+    the same prompts: the rounds of every prompt, tau pooled and the per-prompt mean, exactly;
+    for a random drafter and for one fitted to accept some blocks; for a drafter that reads all
+    captured layers and one that reads a subset, in another order."""
+    cache, _, prompts = own_cache
+    model, _ = ev.load_target_for_decoding(str(tiny_dense), "cpu", "float32")
+    session = ev.TargetSession(model, layers)
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target(str(tiny_dense), layers, block_size=WALK_B, num_layers=2, mask_token_id=1)
+    drafter = DFlashDrafter(cfg)
+    drafter.load_frozen_from_target(str(tiny_dense))
+    for fitted in (False, True):
+        d = fit_drafter(drafter, cache) if fitted else drafter.eval()
+        walk = ev.walk_acceptance(str(cache), d, "cpu", max_new=WALK_NEW, per_sample=True)
+        ids = [x["id"] for x in walk["per_sample"]]
+        assert sorted(ids) == sorted(prompts) and walk["samples"] == len(prompts)
+        runs = decode_cache_prompts(session, d, cache, ids, WALK_NEW)
+        assert [x["accepted"] for x in walk["per_sample"]] == [r.accepted for r in runs]
+        s = ev.summarize(runs, WALK_B)
+        assert walk["tau_pooled"] == s["tau"] and walk["rounds"] == s["rounds"]
+        assert walk["accept_rate"] == s["accept_rate"]
+        assert walk["tau_per_prompt_mean"] == s["tau_per_prompt_mean"]
+        assert s["tau_per_prompt"] == [float(np.mean(np.asarray(r.accepted) + 1)) for r in runs]
+        # Every candidate anchor: all completion tokens but the last of each sample.
+        assert walk["anchors"] == len(prompts) * (WALK_NEW + WALK_B - 1)
+        assert 1.0 <= walk["tau_all_anchors"] <= WALK_B and len(walk["slot_accuracy"]) == WALK_B - 1
+    # The fitted drafter: rounds that accept nothing and rounds that accept every draft.
+    assert {0, WALK_B - 1} <= {a for x in walk["per_sample"] for a in x["accepted"]}, walk
+
+    # The anchors in smaller pieces and batches, from a drafter left in train mode: same numbers.
+    d.train()
+    again = ev.walk_acceptance(str(cache), d, "cpu", max_new=WALK_NEW, per_sample=True, anchors_per_row=5, batch_rows=3)
+    assert d.training
+    assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in walk.items() if k != "seconds"}
+    d.eval()
+
+    # Without max_new the walk stops where the data ends; decoding to that length verifies drafts
+    # past it, so only each prompt's last round may accept more there (the docstring's caveat).
+    full = ev.walk_acceptance(str(cache), d, "cpu", per_sample=True)
+    runs = decode_cache_prompts(session, d, cache, ids, WALK_NEW + WALK_B)
+    for x, r in zip(full["per_sample"], runs):
+        assert x["accepted"][:-1] == r.accepted[:-1] and x["accepted"][-1] <= r.accepted[-1]
+
+
+def test_random_anchor_estimate_reads_a_layer_subset(own_cache, tiny_dense):
+    """cache_acceptance with a drafter on a subset of the cache's layers: with room for every
+    anchor it scores exactly the walk's anchors (the same columns, the same numbers); a drafter
+    layer the cache lacks is refused by both."""
+    from dflash_offline.runtime import UserError
+
+    cache, _, _ = own_cache
+    cfg = DrafterConfig.from_target(str(tiny_dense), [4, 2], block_size=WALK_B, num_layers=2, mask_token_id=1)
+    torch.manual_seed(1)
+    d = DFlashDrafter(cfg)
+    d.load_frozen_from_target(str(tiny_dense))
+    d = fit_drafter(d, cache, steps=8)
+    est = ev.cache_acceptance(str(cache), d, "cpu", seq_len=128, num_anchors=128)
+    walk = ev.walk_acceptance(str(cache), d, "cpu")
+    assert est["blocks"] == walk["anchors"]
+    assert est["tau"] == pytest.approx(walk["tau_all_anchors"], rel=1e-12)
+    assert est["slot_accuracy"] == pytest.approx(walk["slot_accuracy"], rel=1e-12)
+    bad = DFlashDrafter(DrafterConfig.from_target(str(tiny_dense), [2, 6], block_size=WALK_B, num_layers=1,
+                                                  mask_token_id=1))
+    for fn in (lambda: ev.walk_acceptance(str(cache), bad, "cpu"),
+               lambda: ev.cache_acceptance(str(cache), bad, "cpu", 128, 16)):
+        with pytest.raises(UserError, match=r"holds layers \[1, 2, 3, 4, 5\] but the drafter reads \[2, 6\] \(no \[6\]\)"):
+            fn()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
 def test_eval_command_with_a_trained_drafter(kind, tiny_dense, tiny_hybrid, tmp_path):
@@ -190,6 +403,7 @@ def test_eval_command_with_a_trained_drafter(kind, tiny_dense, tiny_hybrid, tmp_
         assert e["tokens"] == 3 * 24 and 1.0 <= e["tau"] <= 8 and len(e["accept_rate"]) == 7
         assert e["speedup"] > 0 and e["cache_estimate"]["blocks"] > 0
         assert 1.0 <= e["cache_estimate"]["tau"] <= 8
+        assert e["cache_walk"]["rounds"] > 0 and 1.0 <= e["cache_walk"]["tau_pooled"] <= 8
     # The export (bf16 weights) and its checkpoint (fp32) are the same drafter up to rounding.
     assert abs(rep["drafters"][0]["cache_estimate"]["tau"] - rep["drafters"][1]["cache_estimate"]["tau"]) < 0.2
     assert "speculative decoding: 3 prompts" in r.stdout and "lossless" in r.stdout
@@ -213,3 +427,101 @@ def test_eval_refusals(tiny_dense, tiny_hybrid, tmp_path):
     assert r.returncode == 2 and "neither a drafter export" in r.stderr, r.stderr
     r = run_cli(["eval", "--target", tiny_dense, "--drafter", export])
     assert r.returncode == 2 and "--prompts" in r.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# --reference: the lossless check against given greedy completions
+
+
+def write_rows(path, ids, rows, masks=None):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cols = {"id": pa.array(ids, pa.int64()), "input_ids": pa.array(rows, pa.list_(pa.int32()))}
+    if masks is not None:
+        cols["loss_mask"] = pa.array(masks, pa.list_(pa.int8()))
+    pq.write_table(pa.table(cols), path)
+    return path
+
+
+def test_read_reference(tmp_path):
+    """The expected outputs are the completions cut where greedy decoding stops; every way a
+    reference cannot serve is refused in one line that names the file."""
+    from dflash_offline.runtime import UserError
+
+    ids, prompts = [1, 2], [[5, 6], [7]]
+    good = write_rows(tmp_path / "good.parquet", [2, 1, 9], [[7, 10, 11, 12, 13], [5, 6, 20, 21, 22, 23], [4, 4]],
+                      [[0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1], [0, 1]])
+    assert ev.read_reference(str(good), ids, prompts, 3, set()) == [[20, 21, 22], [10, 11, 12]]
+    assert ev.read_reference(str(good), ids, prompts, 9, {11, 21}) == [[20, 21], [10, 11]]  # stops at eos
+    cases = {
+        "short": ((ids, prompts, 5, set()), r"id 1: its completion ends after 4 tokens without an end-of-sequence token, "
+                                            r"before --max-new-tokens 5"),
+        "missing": (([1, 3], [[5, 6], [8]], 3, set()), r"no row for prompt id\(s\) \[3\] \(1 of 2\)"),
+        "prompt": ((ids, [[5, 6], [8]], 3, set()), r"id 2: its prompt \(1 tokens\) differs from the --prompts row \(1 tokens\) "
+                                                   r"from token 0 on"),
+    }
+    for name, (args, msg) in cases.items():
+        with pytest.raises(UserError, match=msg) as e:
+            ev.read_reference(str(good), *args)
+        assert str(good) in str(e.value) and "\n" not in str(e.value), name
+    holey = write_rows(tmp_path / "holey.parquet", [1, 2], [[5, 6, 1, 2], [7, 1]], [[0, 0, 1, 0], [0, 1]])
+    with pytest.raises(UserError, match="id 1: loss_mask is not 0 on a prompt then 1 on the completion"):
+        ev.read_reference(str(holey), ids, prompts, 1, set())
+    no_mask = write_rows(tmp_path / "prompts.parquet", ids, prompts)
+    with pytest.raises(UserError, match="no loss_mask column"):
+        ev.read_reference(str(no_mask), ids, prompts, 1, set())
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    with pytest.raises(UserError, match="not a readable Parquet file"):
+        ev.read_reference(str(tmp_path / "junk.parquet"), ids, prompts, 1, set())
+
+
+def test_eval_with_reference_and_cache_walk(own_cache, tiny_dense, tmp_path):
+    """`eval --reference` checks the outputs against the target's greedy completions without a
+    target-alone decode (lossless, or not for the id whose reference was changed); a reference
+    that does not complete the prompts is refused before decoding (exit 2, one line). The same
+    run's `--cache` prints and records the walk beside the random-anchor estimate."""
+    import pyarrow.parquet as pq
+
+    from dflash_offline.config import EvalConfig
+    from dflash_offline.drafter import export_drafter
+
+    cache, data, prompts = own_cache
+    export = export_drafter(random_drafter(tiny_dense, block_size=WALK_B), str(tmp_path / "export"))
+    ids = list(prompts)
+    prompt_file = write_rows(tmp_path / "prompts.parquet", ids, [prompts[i] for i in ids])
+    common = ["eval", "--target", tiny_dense, "--drafter", export, "--prompts", prompt_file, "--max-new-tokens",
+              WALK_NEW, "--ignore-eos", "--no-progress"]
+    report = tmp_path / "eval.json"
+    r = run_cli(common + ["--reference", data, "--cache", cache, "--seq-len", "128", "--num-anchors", "16",
+                          "--json", report])
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(report.read_text())
+    e = rep["drafters"][0]
+    assert "baseline" not in rep and rep["lossless_against"] == str(data) and "speedup" not in e
+    assert e["lossless"] is True and e["mismatched_prompt_ids"] == [] and e["tokens"] == len(ids) * WALK_NEW
+    assert f"lossless (against {data}), no baseline decode (no speed-up)" in r.stdout
+    walk = e["cache_walk"]
+    assert walk["samples"] == len(ids) and walk["rounds"] > 0 and 1.0 <= walk["tau_pooled"] <= WALK_B
+    assert e["cache_estimate"]["blocks"] > 0 and "walk" in r.stdout and "random" in r.stdout
+
+    rows = pq.read_table(data).to_pylist()
+    changed = next(x for x in rows if x["id"] == 102)
+    changed["input_ids"][len(prompts[102]) + 5] = (changed["input_ids"][len(prompts[102]) + 5] + 1) % 500 + 2
+    bad_token = write_rows(tmp_path / "changed.parquet", [x["id"] for x in rows], [x["input_ids"] for x in rows],
+                           [x["loss_mask"] for x in rows])
+    # In-process (the command's decoding step, without a second process start-up).
+    cfg = EvalConfig(target=str(tiny_dense), drafters=[str(export)], prompts=str(prompt_file), reference=str(bad_token),
+                     max_new_tokens=WALK_NEW, ignore_eos=True, progress=False)
+    rep = {"device": "cpu", "dtype": "float32", "drafters": [{"path": str(export), "block_size": WALK_B}]}
+    ev._decode_all(cfg, [(str(export), ev.load_drafter(str(export), str(tiny_dense)))], "cpu", rep)
+    e = rep["drafters"][0]
+    assert e["lossless"] is False and e["mismatched_prompt_ids"] == [102]
+    assert "NO (1)" in ev.format_report(rep)
+
+    other = {**prompts, 103: prompts[103][:-1] + [prompts[103][-1] % 500 + 2]}
+    bad_prompt = write_rows(tmp_path / "other.parquet", ids, [other[i] for i in ids])
+    r = run_cli(["eval", "--target", tiny_dense, "--drafter", export, "--prompts", bad_prompt, "--reference", data,
+                 "--max-new-tokens", WALK_NEW])
+    assert r.returncode == 2 and f"--reference {data}: id 103: its prompt" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
