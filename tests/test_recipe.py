@@ -87,22 +87,16 @@ def test_one_draw_per_row_is_the_previous_rule_bit_for_bit():
 # Layer subset, distillation targets
 
 
-def _extract(target, data, cache, layers, topk="0"):
-    r = run_cli(["extract", "--target", str(target), "--data", str(data), "--cache", str(cache), "--layers", layers,
-                 "--topk", topk, "--max-len", "128", "--batch-tokens", "1024", "--shard-tokens", "2048",
-                 "--no-progress"])
-    assert r.returncode == 0, r.stderr
-    return cache
-
-
 @pytest.fixture(scope="module")
-def layer_caches(tiny_dense, tmp_path_factory):
-    from dflash_offline.tiny import make_tiny_data
+def layer_caches(valid_cache, tiny_dense, tiny_data, tmp_path_factory):
+    """(the session's valid cache: layers 1-5, top-4; a cache of the same data with layers 2 and 4
+    only, no top-k), made with the same small options."""
+    from conftest import extract_args
 
-    root = tmp_path_factory.mktemp("layers")
-    data = make_tiny_data(root / "arith.parquet", rows=40, min_len=40, max_len=120, pattern="arith", seed=4)
-    return (_extract(tiny_dense, data, root / "superset", "1,2,3,4,6", topk="4"),
-            _extract(tiny_dense, data, root / "subset", "2,4,6"))
+    subset = tmp_path_factory.mktemp("layers") / "subset"
+    r = run_cli(extract_args(tiny_dense, tiny_data, subset, "--layers", "2,4", "--topk", "0"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    return valid_cache, subset
 
 
 def _train(target, cache, out, *extra):
@@ -116,7 +110,7 @@ def _losses(out):
 
 def test_a_layer_subset_trains_exactly_as_a_cache_of_only_those_layers(layer_caches, tiny_dense, tmp_path):
     superset, subset = layer_caches
-    a = _train(tiny_dense, superset, tmp_path / "a", "--layers", "6,2,4")  # any order: the cache's is used
+    a = _train(tiny_dense, superset, tmp_path / "a", "--layers", "4,2")  # any order: the cache's is used
     assert a.returncode == 0, a.stderr
     b = _train(tiny_dense, subset, tmp_path / "b")
     assert b.returncode == 0, b.stderr
@@ -125,10 +119,10 @@ def test_a_layer_subset_trains_exactly_as_a_cache_of_only_those_layers(layer_cac
         load_file(str(tmp_path / "b" / "step-4" / "drafter.safetensors"))
     assert wa.keys() == wb.keys() and all(np.array_equal(wa[k], wb[k]) for k in wa)
     cfg = json.loads((tmp_path / "a" / "export" / "config.json").read_text())
-    assert cfg["dflash_config"]["target_layer_ids"] == [2, 4, 6]
+    assert cfg["dflash_config"]["target_layer_ids"] == [2, 4]
     # A layer the cache does not hold: one line, before any work.
-    r = _train(tiny_dense, superset, tmp_path / "c", "--layers", "2,5")
-    assert r.returncode == 2 and "holds layers [1, 2, 3, 4, 6], not [5]" in r.stderr
+    r = _train(tiny_dense, superset, tmp_path / "c", "--layers", "2,6")
+    assert r.returncode == 2 and "holds layers [1, 2, 3, 4, 5], not [6]" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "c" / "metrics.jsonl").exists()
 
 
@@ -194,9 +188,9 @@ def test_held_out_walk_keeps_the_best_drafter(layer_caches, tiny_dense, tmp_path
     assert [x["best"] for x in lines][0] is True
     from dflash_offline.drafter import load_exported
 
-    assert load_exported(str(out / "best"), str(tiny_dense)).cfg.target_layer_ids == [2, 4, 6]
+    assert load_exported(str(out / "best"), str(tiny_dense)).cfg.target_layer_ids == [2, 4]
     assert "best held-out drafter: step" in r.stdout
     # A held-out cache without the drafter's layers: refused before training, in one line.
     r = _train(tiny_dense, superset, tmp_path / "bad", "--eval-cache", subset)
-    assert r.returncode == 2 and "--eval-cache" in r.stderr and "not [1, 3]" in r.stderr
+    assert r.returncode == 2 and "--eval-cache" in r.stderr and "not [1, 3, 5]" in r.stderr
     assert "Traceback" not in r.stderr
