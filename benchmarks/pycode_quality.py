@@ -9,7 +9,8 @@ Runs the project's commands as a user would, each in its own process, and times 
   3. `train`: each variant (the recipe's defaults unless a variant says otherwise), with the
      held-out walk estimate every --eval-every steps (the curve of tau against time);
   4. `eval --prompts`: lossless speculative decoding of the 200 held-out prompts, checked token for
-     token against the fixture's greedy completions (`--reference`), in --eval-jobs processes.
+     token against the fixture's greedy completions (`--reference`), batched (--eval-batch-size
+     prompts per target forward, fp32) in --eval-jobs processes.
 Optionally (--peer-budget) a drafter trained on the peer trainer's budget: 372 steps of 16,384
 tokens on the fixture's 4000 completions alone, decoded the same way.
 
@@ -130,7 +131,13 @@ def main() -> int:
     ap.add_argument("--peer-budget", action="store_true", help="also the peer's budget: 372 steps x 16K tokens on 4000 rows")
     ap.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts decoded (0: walk estimate only)")
     ap.add_argument("--max-new-tokens", type=int, default=384)
-    ap.add_argument("--eval-jobs", type=int, default=8, help="decoding processes per drafter (prompt slices)")
+    ap.add_argument("--eval-jobs", type=int, default=1, help="decoding processes per drafter (prompt slices)")
+    ap.add_argument("--eval-batch-size", type=int, default=256,
+                    help="prompts per target forward in each decoding process (eval --batch-size; 1 = one prompt at "
+                         "a time with a KV cache, launch-bound on a GPU)")
+    ap.add_argument("--eval-device", default=None,
+                    help="where decoding runs (default: --device); cpu = --eval-jobs single-thread CPU processes, "
+                         "fp32 like the reference completions (one launch-bound GPU process per prompt is slower)")
     ap.add_argument("--smoke", action="store_true", help="CPU, a few rows: checks the script, not the drafter")
     args = ap.parse_args()
     fx, work, res = Path(args.fixture).absolute(), Path(args.work).absolute(), Path(args.results).absolute()
@@ -241,8 +248,9 @@ def main() -> int:
             names = [f"eval-{v}-{j}" for j in range(len(slices))]
             logs = {n: res / f"{n}.log" for n in names}
             procs = {n: cli("eval", "--target", target, "--drafter", work / f"run-{v}" / "best", "--prompts", sl,
-                            "--reference", eval_rows, "--max-new-tokens", args.max_new_tokens, "--device", args.device,
-                            "--dtype", "float32", "--json", work / f"{n}.json", "--no-progress", log=logs[n])
+                            "--reference", eval_rows, "--max-new-tokens", args.max_new_tokens, "--device", args.eval_device or args.device,
+                            "--dtype", "float32", "--batch-size", args.eval_batch_size, "--json", work / f"{n}.json",
+                            "--no-progress", log=logs[n])
                      for n, sl in zip(names, slices)}
             wait(procs, logs)
             d = merge_decode([json.loads((work / f"{n}.json").read_text()) for n in names])

@@ -124,6 +124,7 @@ def extract(ctx: click.Context, config_file, **options) -> None:
 @click.option("--eval-cache", help="Held-out cache: the walk estimate of decoding tau every --eval-every steps; the best drafter goes to OUT/best/.")
 @click.option("--eval-every", type=int, help="Steps between held-out evaluations.  [default: --checkpoint-every]")
 @click.option("--eval-samples", type=int, help="Held-out samples per evaluation.  [default: 200]")
+@click.option("--profile-steps", type=int, help="Profile N optimizer steps (torch.profiler) after the first five: where a step's time goes, in OUT/profile/.  [default: 0, off]")
 @click.option("--warmup-ratio", type=float, help="Warm-up share of all steps.  [default: 0.04]")
 @click.option("--weight-decay", type=float, help="AdamW weight decay.  [default: 0]")
 @click.option("--epochs", type=int, help="Epochs.  [default: 6]")
@@ -194,6 +195,7 @@ def export(run_dir: str, step: int | None, dest: str | None) -> None:
 @click.option("--max-rows", type=int, help="Cache estimate, random anchors: use at most this many rows.")
 @click.option("--max-samples", type=int, help="Cache walk (decoding's blocks): use only the first N samples.  [default: all]")
 @click.option("--walk-batch-rows", type=int, help="Cache walk: rows of up to 512 anchors per drafter forward.  [default: 4]")
+@click.option("--batch-size", type=int, help="Prompts decoded together: 1 = one at a time with a KV cache; N > 1 = N per target forward, whole sequences re-run each round (exact; fast for small targets on a GPU).  [default: 1]")
 @click.option("--json", "json_path", help="Write the full report here as JSON.")
 @click.option("--progress/--no-progress", default=None, help="Progress bars.  [default: on]")
 @click.pass_context

@@ -230,6 +230,9 @@ class TrainConfig:
     """Steps between held-out evaluations; default: at every checkpoint."""
     eval_samples: int = 200
     """Held-out samples the walk estimate reads (the first ones of the cache)."""
+    profile_steps: int = 0
+    """Profile this many optimizer steps (torch.profiler), five steps after the run's first: a trace
+    and a table of where a step's time goes in OUT/profile/. 0 = off."""
     progress: bool = True
 
     def validate(self) -> None:
@@ -266,6 +269,8 @@ class TrainConfig:
             raise UserError(f"--lr must be positive, got {self.lr}")
         if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
             raise UserError(f"--layers {self.layers}: give distinct layer ids the cache holds")
+        if self.profile_steps < 0:
+            raise UserError(f"--profile-steps must be >= 0 (0 = off), got {self.profile_steps}")
         for name in ("eval_every", "eval_samples"):
             v = getattr(self, name)
             if v is not None and v <= 0:
@@ -325,6 +330,10 @@ class EvalConfig:
     """Cache walk: only the first N samples of the cache."""
     walk_batch_rows: int = 4
     """Cache walk: rows (of up to 512 anchors each) per drafter forward."""
+    batch_size: int = 1
+    """Prompts decoded together. 1: one prompt at a time with a KV cache (any target); N > 1: N
+    prompts per target forward, each round re-running the whole sequences without a cache
+    (batched_eval.py): exact, and much faster on a GPU for small targets."""
     json_path: str | None = None
     """Write the full report here as JSON."""
     progress: bool = True
@@ -338,7 +347,7 @@ class EvalConfig:
             raise UserError("eval: give --prompts PARQUET (speculative decoding) and/or --cache CACHE (estimate)")
         if self.reference and not self.prompts:
             raise UserError("eval: --reference checks the outputs of --prompts; give the prompts it completes too")
-        for name in ("max_new_tokens", "seq_len", "num_anchors", "walk_batch_rows"):
+        for name in ("max_new_tokens", "seq_len", "num_anchors", "walk_batch_rows", "batch_size"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

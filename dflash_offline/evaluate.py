@@ -819,25 +819,41 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
             # target's greedy decode in this dtype, rather than the drafter path being wrong.
             report["baseline"]["mismatched_reference_ids"] = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference))
                                                               if r.tokens != ref]
+    report["batch_size"] = cfg.batch_size
     for i, (path, drafter) in enumerate(drafters):
-        proposer = DFlashProposer(drafter, device, cfg.dtype)
-        session = sessions[tuple(drafter.cfg.target_layer_ids)]
-        runs = []
-        bar = tqdm(prompts, desc=f"speculative {Path(path).name}", unit="prompt", disable=not cfg.progress)
-        for k, p in enumerate(bar, 1):
-            runs.append(speculative_decode(session, proposer, p, cfg.max_new_tokens, eos))
-            acc = [a for r in runs for a in r.accepted]
+        bar = tqdm(total=len(prompts), desc=f"speculative {Path(path).name}", unit="prompt", disable=not cfg.progress)
+        done: list[Decoded] = []
+
+        def progress(new: list[Decoded]) -> None:
+            done.extend(new)
+            acc = [a for r in done for a in r.accepted]
+            bar.update(len(new))
             bar.set_postfix_str(f"tau {1 + np.mean(acc):.2f}" if acc else "")
-            if k % every == 0 or k == len(prompts):
-                log.info("speculative %s: %d/%d prompts, tau so far %.3f", path, k, len(prompts),
+            if len(done) % every < len(new) or len(done) == len(prompts):
+                log.info("speculative %s: %d/%d prompts, tau so far %.3f", path, len(done), len(prompts),
                          1 + np.mean(acc) if acc else float("nan"))
+
+        if cfg.batch_size > 1:
+            from .batched_eval import BatchDFlashProposer, batched_speculative_decode
+
+            runs = batched_speculative_decode(model, BatchDFlashProposer(drafter, device, cfg.dtype),
+                                              drafter.cfg.target_layer_ids, prompts, cfg.max_new_tokens, eos,
+                                              cfg.batch_size, on_batch=progress)
+        else:
+            proposer = DFlashProposer(drafter, device, cfg.dtype)
+            session = sessions[tuple(drafter.cfg.target_layer_ids)]
+            runs = []
+            for p in prompts:
+                runs.append(speculative_decode(session, proposer, p, cfg.max_new_tokens, eos))
+                progress(runs[-1:])
+        bar.close()
         e = report["drafters"][i]
         e.update(summarize(runs, drafter.cfg.block_size))
         if reference is not None:
             bad = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference)) if r.tokens != ref]
             e["lossless"] = not bad
             e["mismatched_prompt_ids"] = bad
-            if "baseline" in report:
+            if "baseline" in report and cfg.batch_size == 1:  # batched tokens/s against one-prompt: no like for like
                 e["speedup"] = e["tokens_per_s"] / report["baseline"]["tokens_per_s"]
             if bad:
                 log.error("%s: %d of %d outputs differ from the target's greedy decode%s (ids %s)", path, len(bad),
@@ -853,6 +869,7 @@ def format_report(report: dict) -> str:
                    else f"; lossless (against {against})" + ("" if base else ", no baseline decode (no speed-up)"))
         lines.append(f"speculative decoding: {report['num_prompts']} prompts, up to {report['max_new_tokens']} new tokens, "
                      f"{report['dtype']} on {report['device']}"
+                     + (f", {report['batch_size']} prompts per forward" if report.get("batch_size", 1) > 1 else "")
                      + (f"; target alone {base['tokens_per_s']:.1f} tokens/s" if base else "") + checked)
         lines.append(f"{'drafter':<40} {'block':>5} {'tau':>6} {'/prompt':>7} {'rounds':>7} {'tok/s':>8} {'speedup':>7} "
                      f"{'lossless':>8}")

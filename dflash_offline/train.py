@@ -637,6 +637,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     from . import masks
     from .drafter import DFlashDrafter, DrafterConfig, export_drafter
     from .loss import block_loss, block_metrics
+    from .profiling import StepProfiler, phase
     from .runtime import single_thread_compute
     from .stream import RowStream, device_hidden, make_loader
 
@@ -736,6 +737,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     acc = None
     first_micro = True
     last_ckpt = [found[-1] if found else 0]  # the same on every rank: they all call checkpoint() together
+    prof = StepProfiler(out, rank, cuda, cfg.profile_steps, step) if cfg.profile_steps else None
 
     def checkpoint(seg: Segment, in_seg: int) -> None:
         """All ranks call this at the same step (it has barriers); rank 0 writes."""
@@ -782,11 +784,15 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
         with spawning():  # loader processes start with the stop signals blocked, then ignore them
             it = iter(make_loader(stream, cfg.loader_workers, cfg.prefetch, pin=cuda))
         for s in range(in_seg0, end):
+            if prof is not None:
+                prof.before(step + 1)
             t0 = time.perf_counter()
-            micro = [next(it) for _ in range(accum)]  # all micro-batches first: the step's weight sum
+            with phase("data"):
+                micro = [next(it) for _ in range(accum)]  # all micro-batches first: the step's weight sum
             t_data = time.perf_counter() - t0
-            micro = [device_hidden({k: v.to(device, non_blocking=True) for k, v in mb.items()}) for mb in micro]
-            wsum = torch.stack([mb["weights"].sum() for mb in micro]).sum().double()
+            with phase("to-device"):
+                micro = [device_hidden({k: v.to(device, non_blocking=True) for k, v in mb.items()}) for mb in micro]
+                wsum = torch.stack([mb["weights"].sum() for mb in micro]).sum().double()
             if world > 1:
                 dist.all_reduce(wsum)
             # Each rank's loss is scaled so DDP's gradient average equals the global weighted mean.
@@ -804,25 +810,33 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                     fault_point("compile")  # the first micro-batch compiles the flex kernels (GPU)
                 first_micro = False
                 with ctx:
-                    if cuda and cfg.attention != "sdpa":
-                        mask = masks.flex_block_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
-                    else:
-                        mask = masks.dense_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
+                    with phase("mask"):
+                        if cuda and cfg.attention != "sdpa":
+                            mask = masks.flex_block_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
+                        else:
+                            mask = masks.dense_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
                     _mark(phases, "mask")
                     with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=bf16):
-                        h = model(mb["target_hidden"], mb["block_ids"], mb["ctx_positions"], mb["block_positions"], mask)
+                        with phase("forward"):
+                            h = model(mb["target_hidden"], mb["block_ids"], mb["ctx_positions"], mb["block_positions"],
+                                      mask)
                         _mark(phases, "forward")
-                        ls, correct = block_loss(h, drafter.lm_head.weight, mb["labels"], mb["weights"],
-                                                 cfg.loss_chunk_tokens, cfg.loss_impl, soft_ids=mb.get("soft_ids"),
-                                                 soft_logprobs=mb.get("soft_logprobs"), soft_weight=cfg.kd_weight)
+                        with phase("loss"):
+                            ls, correct = block_loss(h, drafter.lm_head.weight, mb["labels"], mb["weights"],
+                                                     cfg.loss_chunk_tokens, cfg.loss_impl, soft_ids=mb.get("soft_ids"),
+                                                     soft_logprobs=mb.get("soft_logprobs"), soft_weight=cfg.kd_weight)
                         _mark(phases, "loss")
-                    (ls.double() * scale).float().backward()
+                    with phase("backward"):
+                        (ls.double() * scale).float().backward()
                     _mark(phases, "backward")
                 if phases is not None:
                     phases.report()
-                loss_sum += ls.detach().double()
-                mm = block_metrics(correct, mb["weights"], mb["anchor_valid"], B)
-                step_m = mm if step_m is None else {k: step_m[k] + mm[k] for k in mm}
+                with phase("metrics"):
+                    loss_sum += ls.detach().double()
+                    mm = block_metrics(correct, mb["weights"], mb["anchor_valid"], B)
+                    step_m = mm if step_m is None else {k: step_m[k] + mm[k] for k in mm}
+            opt_range = phase("optimizer")
+            opt_range.__enter__()
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
             if follow:
                 # The schedule runs over the plan's tokens, not over a step count known in advance:
@@ -834,6 +848,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
+            opt_range.__exit__(None, None, None)
             step += 1
             fault_point("train-step")
             heartbeat(phase="train", step=step, total_steps=total)
@@ -870,12 +885,16 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                 if step == 1 or step % cfg.log_every == 0 or step == stop:
                     log.info("step %d/%d loss %.4f acc1 %.3f tau %.2f lr %.2e step %.3fs data-wait %.1f%% recompiles %d",
                              step, total, loss, acc[1], tau, rec["lr"], t_step, 100 * rec["data_wait"], rec["recompiles"])
+            if prof is not None:
+                prof.after(step)
             if follow and rank == 0 and s + 1 == seg.steps:
                 _record_window(out, seg)
             if step % cfg.checkpoint_every == 0 or (step == stop and cfg.final_checkpoint):
-                checkpoint(seg, s + 1)
+                with phase("checkpoint"):
+                    checkpoint(seg, s + 1)
             if cfg.eval_cache and (step % (cfg.eval_every or cfg.checkpoint_every) == 0 or step == stop):
-                held_out.measure(step)
+                with phase("held-out"):
+                    held_out.measure(step)
             finished = stop is not None and step >= stop  # the same on every rank
             if not finished and agreed_stop():  # a stop request on any rank: all stop after this step
                 if last_ckpt[0] != step:

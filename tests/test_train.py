@@ -29,9 +29,14 @@ def weights(out, step) -> dict:
 
 def test_training_learns_and_exports(arith_cache, tiny_dense, tmp_path):
     out = tmp_path / "run"
-    r = train(tiny_dense, arith_cache, out, "--epochs", "4", "--checkpoint-every", "1000")
+    r = train(tiny_dense, arith_cache, out, "--epochs", "4", "--checkpoint-every", "1000", "--profile-steps", "2")
     assert r.returncode == 0, r.stderr
     m = metrics(out)
+    # --profile-steps: steps 6-7 profiled (five after the first), a trace and a table naming the phases.
+    table = (out / "profile" / "rank0-steps6-7.txt").read_text()
+    for name in ("forward", "loss", "backward", "optimizer"):
+        assert f"\n{name} " in table, table[:2000]
+    assert json.loads((out / "profile" / "rank0-steps6-7.json").read_text())["traceEvents"]
     first, last = np.mean([x["loss"] for x in m[:3]]), np.mean([x["loss"] for x in m[-3:]])
     assert last < 0.5 * first, (first, last)
     assert np.mean([x["acc_slot1"] for x in m[-3:]]) > np.mean([x["acc_slot1"] for x in m[:3]]) + 0.3

@@ -1,0 +1,154 @@
+"""Batched lossless speculative decoding for `eval --batch-size N`: many prompts per target forward.
+
+The one-prompt decoder (evaluate.speculative_decode) keeps a KV cache and runs one small forward
+per round: on a GPU it is launch-bound (about 13 ms a round for the 17M pycode target, whatever
+the block size), so 200 prompts take many minutes. Here up to N prompts decode together and every
+round re-runs the target over each active prompt's whole sequence, without a cache:
+
+  round: the drafter drafts a block for every active row (its context: the target features of
+         the row's committed positions before the anchor, from the last forward), then one target
+         forward over [committed | draft] of every row (right-padded) verifies all blocks.
+
+Why this is exact: right padding comes after a row's real tokens, so causal attention (and a
+Gated DeltaNet's left-to-right recurrence) never lets it reach a real position; the features of
+a position depend only on the tokens up to it, all committed, so the recomputed context is the one
+a cached decoder holds. Output, rounds and accepted lengths equal the one-prompt decoder's
+(tests/test_batched_eval.py, dense and hybrid targets, in fp32); only floating-point summation
+order differs, which can flip a near-tie of two logits (the check against the target's greedy
+decode reports it).
+
+Cost: each round costs a forward over the whole sequences (quadratic in length over a decode):
+right for small targets and evaluation sets, where the launch overhead of one-prompt decoding
+dominates; not a serving decoder. Rows are grouped by prompt length so that padding stays small.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+import torch
+
+from .evaluate import Decoded, _done
+
+log = logging.getLogger("dflash.eval")
+
+
+class BatchProposer(Protocol):
+    block_size: int
+
+    def propose(self, feats: torch.Tensor, ctx_len: torch.Tensor, anchors: torch.Tensor,
+                seqs: list[list[int]]) -> torch.Tensor:
+        """[A, B-1] draft tokens for A rows: feats [A, S, n*H] holds each row's target features by
+        position (valid below ctx_len [A], the anchor's position), anchors [A] the last committed
+        tokens, seqs the committed tokens of each row."""
+
+
+class BatchDFlashProposer:
+    """The drafter's training forward over each row's context with a mask per row: block queries
+    see the row's first ctx_len positions and the whole block (the inference rule)."""
+
+    def __init__(self, drafter, device: str, dtype: str = "float32"):
+        self.drafter = drafter.to(device=device, dtype=getattr(torch, dtype)).eval()
+        self.device = device
+        self.block_size = drafter.cfg.block_size
+        self.mask_id = drafter.cfg.mask_token_id
+
+    @torch.no_grad()
+    def propose(self, feats, ctx_len, anchors, seqs):
+        A, S, _ = feats.shape
+        B, dev = self.block_size, feats.device
+        block = torch.full((A, B), self.mask_id, dtype=torch.long, device=dev)
+        block[:, 0] = anchors
+        ctx_pos = torch.arange(S, device=dev).expand(A, S)
+        block_pos = ctx_len[:, None] + torch.arange(B, device=dev)
+        mask = torch.ones((A, 1, B, S + B), dtype=torch.bool, device=dev)
+        mask[:, 0, :, :S] = (torch.arange(S, device=dev)[None, :] < ctx_len[:, None])[:, None, :]
+        h = self.drafter(feats.to(self.drafter.fc.weight.dtype), block, ctx_pos, block_pos, mask)
+        logits = torch.nn.functional.linear(h[:, 1:], self.drafter.lm_head.weight.to(h.dtype))
+        return logits.argmax(-1)
+
+
+def _target_forward(model, ids: torch.Tensor, layer_ids: list[int], starts: torch.Tensor, width: int):
+    """One forward of right-padded rows: (features [R, T, n*H] by position, logits [R, width, V]
+    of the `width` positions from each row's start)."""
+    out = model.model(input_ids=ids, use_cache=False, output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    idx = starts[:, None] + torch.arange(width, device=ids.device)
+    last = out.last_hidden_state.gather(1, idx[:, :, None].expand(-1, -1, out.last_hidden_state.shape[-1]))
+    return feats, model.lm_head(last).float()
+
+
+@torch.inference_mode()
+def decode_batch(model, proposer: BatchProposer, layer_ids: list[int], prompts: list[list[int]], max_new: int,
+                 eos: set[int], pad_id: int = 0) -> list[Decoded]:
+    """Greedy speculative decoding of `prompts` together; per prompt as evaluate.speculative_decode."""
+    t0 = time.perf_counter()
+    dev = next(model.parameters()).device
+    B = proposer.block_size
+    n = len(prompts)
+    P = max(len(p) for p in prompts)
+    ids = torch.full((n, P), pad_id, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, :len(p)] = torch.tensor(p)
+    lens = torch.tensor([len(p) for p in prompts], device=dev)
+    feats, logits = _target_forward(model, ids.to(dev), layer_ids, lens - 1, 1)
+    first = logits[:, 0].argmax(-1).tolist()
+    seqs = [list(p) + [t] for p, t in zip(prompts, first)]
+    outs = [[t] for t in first]
+    accepted: list[list[int]] = [[] for _ in prompts]
+    forwards = [1] * n
+    active = [r for r in range(n) if not _done(outs[r], max_new, eos)]
+    rows = torch.arange(n, device=dev)  # row of `feats` for each prompt still in it
+    while active:
+        sel = rows[torch.tensor(active, device=dev)]
+        ctx_len = torch.tensor([len(seqs[r]) - 1 for r in active], device=dev)
+        S = int(ctx_len.max())
+        anchors = torch.tensor([seqs[r][-1] for r in active], device=dev)
+        draft = proposer.propose(feats[sel, :S], ctx_len, anchors, [seqs[r] for r in active])
+        T = S + B  # the longest row: its committed tokens (S + 1) and B - 1 drafts
+        ids = torch.full((len(active), T), pad_id, dtype=torch.long, device=dev)
+        pos = torch.arange(T, device=dev)[None, :]
+        committed = pos < (ctx_len + 1)[:, None]
+        hist = torch.tensor([s + [pad_id] * (T - len(s)) for s in (seqs[r] for r in active)], device=dev)
+        ids = torch.where(committed, hist, ids)
+        # The drafts follow each row's anchor (position ctx_len): scatter them there.
+        dpos = ctx_len[:, None] + 1 + torch.arange(B - 1, device=dev)
+        ids.scatter_(1, dpos, draft)
+        feats, logits = _target_forward(model, ids, layer_ids, ctx_len, B)
+        best = logits.argmax(-1)  # best[:, j]: the target's token after block position j
+        match = (draft == best[:, :B - 1]).long()
+        acc = match.cumprod(-1).sum(-1)  # leading matches
+        d_host, b_host, a_host = draft.tolist(), best.tolist(), acc.tolist()
+        still = []
+        for i, r in enumerate(active):
+            a = a_host[i]
+            accepted[r].append(a)
+            forwards[r] += 1
+            for tok in d_host[i][:a] + [b_host[i][a]]:
+                seqs[r].append(tok)
+                outs[r].append(tok)
+                if _done(outs[r], max_new, eos):
+                    break
+            if not _done(outs[r], max_new, eos):
+                still.append(r)
+        rows = torch.full((n,), -1, dtype=torch.long, device=dev)
+        rows[torch.tensor(active, device=dev)] = torch.arange(len(active), device=dev)
+        active = still
+    seconds = (time.perf_counter() - t0) / n  # the batch's wall time, shared by its prompts
+    return [Decoded(outs[r], accepted[r], seconds, forwards[r]) for r in range(n)]
+
+
+def batched_speculative_decode(model, proposer: BatchProposer, layer_ids: list[int], prompts: list[list[int]],
+                               max_new: int, eos: set[int], batch_size: int, on_batch=None) -> list[Decoded]:
+    """All prompts in batches of `batch_size`, grouped by length (less padding); results in input order."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: list[Decoded | None] = [None] * len(prompts)
+    for k in range(0, len(order), batch_size):
+        part = order[k:k + batch_size]
+        for i, d in zip(part, decode_batch(model, proposer, layer_ids, [prompts[i] for i in part], max_new, eos)):
+            results[i] = d
+        if on_batch is not None:
+            on_batch([results[i] for i in part])
+    return results  # type: ignore[return-value]

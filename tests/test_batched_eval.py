@@ -1,0 +1,105 @@
+"""`eval --batch-size N`: batched speculative decoding (whole sequences re-run each round, rows
+right-padded) gives what the one-prompt KV-cache decoder gives, prompt for prompt: the same
+tokens (the target's greedy decode), the same rounds and accepted lengths, on dense and hybrid
+tiny targets, with the trained-drafter proposer and with oracle drafts (tau = block size) that
+are corrupted so that rounds accept every length."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_offline import evaluate as ev
+from dflash_offline.batched_eval import BatchDFlashProposer, batched_speculative_decode
+from dflash_offline.drafter import DFlashDrafter, DrafterConfig
+
+LAYERS = [1, 3, 7]  # 7 = the last layer of the tiny targets: its features are read the same way
+MAX_NEW = 29
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def target(request, tiny_dense, tiny_hybrid):
+    folder = tiny_dense if request.param == "qwen3" else tiny_hybrid
+    model, _ = ev.load_target_for_decoding(str(folder), "cpu", "float32")
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in (2, 9, 31, 17, 5)]
+    session = ev.TargetSession(model, LAYERS)
+    reference = [ev.greedy_decode(session, p, MAX_NEW, set()).tokens for p in prompts]
+    return folder, model, prompts, reference
+
+
+def drafts_for(full: list[int], n: int, width: int, corrupt: bool) -> list[int]:
+    """The true continuation after n committed tokens, one slot made wrong for most n (a pure
+    function of n, so both decoders receive the same drafts)."""
+    draft = (full + [3] * (width + 1))[n:n + width]
+    r = np.random.default_rng(n)
+    if corrupt and r.random() < 0.8:
+        j = int(r.integers(0, width))
+        draft[j] = (draft[j] + 1) % 500 + 2
+    return draft
+
+
+class Oracle:  # the one-prompt decoder's proposer
+    def __init__(self, full, block_size, corrupt):
+        self.full, self.block_size, self.corrupt = full, block_size, corrupt
+
+    def start(self, prompt, features):
+        pass
+
+    def observe(self, features):
+        pass
+
+    def propose(self, tokens):
+        assert tokens == self.full[:len(tokens)]
+        return drafts_for(self.full, len(tokens), self.block_size - 1, self.corrupt)
+
+
+class BatchOracle:
+    def __init__(self, fulls: dict, block_size, corrupt):
+        self.fulls, self.block_size, self.corrupt = fulls, block_size, corrupt
+
+    def propose(self, feats, ctx_len, anchors, seqs):
+        assert ctx_len.tolist() == [len(s) - 1 for s in seqs] and anchors.tolist() == [s[-1] for s in seqs]
+        out = []
+        for s in seqs:
+            full = next(f for f in self.fulls.values() if f[:len(s)] == s)
+            out.append(drafts_for(full, len(s), self.block_size - 1, self.corrupt))
+        return torch.tensor(out)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_batched_equals_one_prompt_decoding_with_oracle_drafts(target, corrupt):
+    folder, model, prompts, reference = target
+    B = 8
+    fulls = {i: list(p) + list(ref) for i, (p, ref) in enumerate(zip(prompts, reference))}
+    session = ev.TargetSession(model, LAYERS)
+    one = [ev.speculative_decode(session, Oracle(fulls[i], B, corrupt), p, MAX_NEW, set()) for i, p in enumerate(prompts)]
+    batched = batched_speculative_decode(model, BatchOracle(fulls, B, corrupt), LAYERS, prompts, MAX_NEW, set(),
+                                         batch_size=3)
+    assert [r.tokens for r in batched] == reference == [r.tokens for r in one]
+    assert [r.accepted for r in batched] == [r.accepted for r in one]
+    tau = ev.summarize(batched, B)["tau"]
+    if corrupt:
+        assert set(range(B)) <= {a for r in batched for a in r.accepted}  # every accepted length occurs
+    else:
+        assert [a for r in batched for a in r.accepted[:-1]] == [B - 1] * sum(len(r.accepted) - 1 for r in batched)
+        assert tau > 0.9 * B
+
+
+def test_batched_equals_one_prompt_decoding_with_a_drafter(target):
+    folder, model, prompts, reference = target
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target(str(folder), LAYERS, block_size=4, num_layers=2, mask_token_id=1)
+    d = DFlashDrafter(cfg)
+    d.load_frozen_from_target(str(folder))
+    d.eval()
+    session = ev.TargetSession(model, LAYERS)
+    eos = {reference[2][6]}  # a token the target emits: that prompt ends early, the others go on
+    want = [ev.greedy_decode(session, p, MAX_NEW, eos).tokens for p in prompts]
+    assert len(want[2]) <= 7 and want[2][-1] in eos
+    one = [ev.speculative_decode(session, ev.DFlashProposer(d, "cpu"), p, MAX_NEW, eos) for p in prompts]
+    batched = batched_speculative_decode(model, BatchDFlashProposer(d, "cpu"), LAYERS, prompts, MAX_NEW, eos,
+                                         batch_size=4)
+    assert [r.tokens for r in batched] == want == [r.tokens for r in one]
+    assert [r.accepted for r in batched] == [r.accepted for r in one]
