@@ -73,8 +73,11 @@ class BatchDFlashProposer:
 def _target_forward(model, ids: torch.Tensor, layer_ids: list[int], starts: torch.Tensor, width: int):
     """One forward of right-padded rows: (features [R, T, n*H] by position, logits [R, width, V]
     of the `width` positions from each row's start)."""
-    out = model.model(input_ids=ids, use_cache=False, output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    from .target import RawLayerOutputs
+
+    with RawLayerOutputs(model, layer_ids) as raw:  # raw layer outputs, as extraction stores them
+        out = model.model(input_ids=ids, use_cache=False)
+    feats = raw.features()
     idx = starts[:, None] + torch.arange(width, device=ids.device)
     last = out.last_hidden_state.gather(1, idx[:, :, None].expand(-1, -1, out.last_hidden_state.shape[-1]))
     return feats, model.lm_head(last).float()

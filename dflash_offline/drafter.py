@@ -52,6 +52,25 @@ def _rope_theta(text: dict) -> float:
 
 def _mask_token_from_tokenizer(root: Path) -> int | None:
     """The mask token's id from the tokenizer files, or None when the tokenizer declares none."""
+    found = _tokenizer_mask(root)
+    return None if found is None else found[1]
+
+
+def _tokenizer_token(root: Path, token_id: int) -> str | None:
+    """The text of token `token_id` in the tokenizer files (None when they do not list it)."""
+    return _tokenizer_vocab(root)[2].get(token_id)
+
+
+def _tokenizer_mask(root: Path) -> tuple[str, int] | None:
+    declared_names, vocab, _ = _tokenizer_vocab(root)
+    for declared in declared_names:
+        if declared and declared in vocab:
+            return declared, vocab[declared]
+    return ("<|MASK|>", vocab["<|MASK|>"]) if "<|MASK|>" in vocab else None
+
+
+def _tokenizer_vocab(root: Path) -> tuple[list, dict[str, int], dict[int, str]]:
+    """(declared mask token names, content -> id, id -> content of the added/special tokens)."""
 
     def load(name: str) -> dict:
         p = root / name
@@ -69,12 +88,8 @@ def _mask_token_from_tokenizer(root: Path) -> int | None:
         vocab[str(t.get("content"))] = int(t["id"])
     for i, t in (tok_cfg.get("added_tokens_decoder") or {}).items():
         vocab[str(t.get("content") if isinstance(t, dict) else t)] = int(i)
-    for declared in (tok_cfg.get("mask_token"), special.get("mask_token")):
-        if isinstance(declared, dict):
-            declared = declared.get("content")
-        if declared and declared in vocab:
-            return vocab[declared]
-    return vocab.get("<|MASK|>")
+    declared = [d.get("content") if isinstance(d, dict) else d for d in (tok_cfg.get("mask_token"), special.get("mask_token"))]
+    return declared, vocab, {v: k for k, v in vocab.items()}
 
 
 @dataclass
@@ -93,6 +108,12 @@ class DrafterConfig:
     target_layer_ids: list[int]
     mask_token_id: int
     num_target_layers: int
+    mask_token: str | None = None
+    """The mask token's text (SGLang resolves `dflash_config.mask_token`); None when the tokenizer
+    does not list the id."""
+    target: dict | None = None
+    """The target it was trained for: folder name, model type, config and weights fingerprints
+    (model_folder.TargetInfo); `eval` warns when it decodes against another."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -133,7 +154,8 @@ class DrafterConfig:
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(text),
             vocab_size=info.vocab_size, max_position_embeddings=int(text.get("max_position_embeddings", 40960)),
             block_size=block_size, target_layer_ids=list(target_layer_ids), mask_token_id=int(mask_token_id),
-            num_target_layers=info.num_layers,
+            num_target_layers=info.num_layers, mask_token=_tokenizer_token(info.path, int(mask_token_id)),
+            target=target_identity(info),
         )
 
     def to_export_dict(self) -> dict:
@@ -152,18 +174,32 @@ class DrafterConfig:
             "use_sliding_window": False, "max_window_layers": self.num_hidden_layers,
             "tie_word_embeddings": False, "initializer_range": 0.02, "use_cache": True,
             "block_size": self.block_size, "num_target_layers": self.num_target_layers,
-            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
+            # block_size twice: SGLang reads it from dflash_config, the reference from either place.
+            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
+                              "block_size": self.block_size,
+                              **({"mask_token": self.mask_token} if self.mask_token is not None else {})},
+            **({"dflash_offline": {"target": self.target}} if self.target else {}),
         }
 
     @classmethod
     def from_export_dict(cls, d: dict) -> "DrafterConfig":
         dc = d.get("dflash_config") or {}
-        names = [f for f in cls.__dataclass_fields__ if f not in ("target_layer_ids", "mask_token_id", "rope_theta")]
+        names = [f for f in cls.__dataclass_fields__
+                 if f not in ("target_layer_ids", "mask_token_id", "rope_theta", "mask_token", "target")]
         missing = [n for n in names if n not in d] + [n for n in ("target_layer_ids", "mask_token_id") if dc.get(n) is None]
         if missing:
             raise UserError(f"drafter config.json: missing {missing}")
         return cls(**{n: d[n] for n in names}, rope_theta=_rope_theta(d),
-                   target_layer_ids=list(dc["target_layer_ids"]), mask_token_id=int(dc["mask_token_id"]))
+                   target_layer_ids=list(dc["target_layer_ids"]), mask_token_id=int(dc["mask_token_id"]),
+                   mask_token=dc.get("mask_token"), target=(d.get("dflash_offline") or {}).get("target"))
+
+
+def target_identity(info) -> dict:
+    """What names a target: its folder's last two path parts, model type, and the fingerprints of its config and
+    weights (the same ones a cache's manifest records)."""
+    name = "/".join(info.path.absolute().parts[-2:])  # e.g. "pycode/target", "Qwen/Qwen3.6-27B"
+    return {"name": name, "model_type": info.model_type, "config_sha256": info.config_sha256,
+            "weights_fingerprint": info.weights_fingerprint}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -141,6 +141,12 @@ def load_drafter(path: str, target_dir: str):
         raise UserError(f"--drafter {path} was made for a target with hidden {cfg.hidden_size}, vocabulary "
                         f"{cfg.vocab_size} and layers {cfg.target_layer_ids}; --target {target_dir} has hidden "
                         f"{info.hidden_size}, vocabulary {info.vocab_size}, {info.num_layers} layers")
+    trained_for = cfg.target or {}
+    differs = [k for k in ("weights_fingerprint", "config_sha256") if trained_for.get(k) not in (None, getattr(info, k))]
+    if differs:
+        log.warning("--drafter %s was trained for target %r (%s differs from --target %s): its acceptance here "
+                    "says little about the target it was made for", path, trained_for.get("name"), " and ".join(differs),
+                    target_dir)
     drafter.load_frozen_from_target(target_dir)
     return drafter.eval().requires_grad_(False)
 
@@ -205,16 +211,16 @@ class TargetSession:
 
     def _forward(self, tokens: list[int], features: bool):
         torch = self.torch
+        from .target import RawLayerOutputs
+
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            out = self.model(input_ids=ids, use_cache=True, output_hidden_states=features, **{self._cache_arg: self.cache})
+        # The layers' raw outputs, as extraction stores them (not `hidden_states`, whose last entry
+        # is after the final norm).
+        with torch.inference_mode(), RawLayerOutputs(self.model, self.layer_ids if features else []) as raw:
+            out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: self.cache})
         self.forwards += 1
         logits = out.logits[0].float()
-        feats = None
-        if features:
-            # Output of decoder layer i is hidden_states[i + 1] (index 0 is the embedding).
-            feats = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
-        return logits, feats
+        return logits, (raw.features()[0] if features else None)
 
 
 _STATE_ATTRS = ("conv_states", "recurrent_states")

@@ -1,8 +1,10 @@
 """The frozen target: what it is (read from its folder without torch), loading only what is needed,
 and one batched forward that captures decoder-layer outputs and chunked top-k log-probabilities.
 
-Capture points are forward hooks on the chosen decoder layers: their *raw outputs* (before the
-final norm; HF's `hidden_states[i + 1]`). When no logits are wanted, the model is built with only
+Capture points are forward hooks on the chosen decoder layers: their *raw outputs*, as serving
+engines capture them. HF's `hidden_states[i + 1]` is the same tensor for every layer but the last,
+where transformers returns the output after the final norm; evaluation therefore uses the same
+hooks (RawLayerOutputs), never `output_hidden_states`. When no logits are wanted, the model is built with only
 `max(layer_ids) + 1` layers, so the rest of the stack and the LM head are never loaded or run.
 """
 
@@ -233,6 +235,41 @@ class LayerCapture:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+class RawLayerOutputs:
+    """`with RawLayerOutputs(model, ids) as raw: model(...)`, then `raw.features()`: the chosen
+    decoder layers' raw outputs of that forward, concatenated [B, T, n*H] in `ids` order (the
+    features extraction stores and serving engines capture)."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        self.decoder = model.get_decoder()
+        self.layer_ids = list(layer_ids)
+        self.outs: dict[int, object] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> "RawLayerOutputs":
+        self.outs = {}
+
+        def hook(j):
+            def f(module, args, output):
+                self.outs[j] = output[0] if isinstance(output, tuple) else output
+            return f
+
+        self._handles = [self.decoder.layers[lid].register_forward_hook(hook(j)) for j, lid in enumerate(self.layer_ids)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def features(self):
+        import torch
+
+        if len(self.outs) != len(self.layer_ids):
+            raise RuntimeError(f"captured {len(self.outs)} of layers {self.layer_ids}: no forward ran inside the block")
+        return torch.cat([self.outs[j] for j in range(len(self.layer_ids))], dim=-1)
 
 
 def forward_batch(model, capture: LayerCapture, input_ids, attention_mask, flat_index, topk: int,

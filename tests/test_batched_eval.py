@@ -103,3 +103,30 @@ def test_batched_equals_one_prompt_decoding_with_a_drafter(target):
                                          batch_size=4)
     assert [r.tokens for r in batched] == want == [r.tokens for r in one]
     assert [r.accepted for r in batched] == [r.accepted for r in one]
+
+
+def test_eval_features_are_the_raw_layer_outputs_extraction_stores(tiny_dense, tmp_path):
+    """For a layer set with the last layer (7 of 8), both decoders give the drafter what `extract`
+    stored for training: the layers' raw outputs. transformers' hidden_states[8] is the output
+    after the final norm (what eval used to read): far from the stored features."""
+    from conftest import extract_args, run_cli
+    from dflash_offline.batched_eval import _target_forward
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.tiny import make_tiny_data
+
+    data = make_tiny_data(tmp_path / "d.parquet", rows=3, min_len=20, max_len=40, seed=5)
+    cache = tmp_path / "cache"
+    r = run_cli(extract_args(tiny_dense, data, cache, "--layers", "1,7", "--topk", "0"))
+    assert r.returncode == 0, r.stderr
+    model, _ = ev.load_target_for_decoding(str(tiny_dense), "cpu", "float32")
+    session = ev.TargetSession(model, [1, 7])
+    for s in CacheReader(str(cache)).samples():
+        stored = torch.from_numpy(np.asarray(s.hidden, np.float32)).reshape(len(s.input_ids), -1)
+        one = session.start(s.input_ids.tolist())[1]
+        ids = torch.tensor([s.input_ids.tolist()])
+        batched, _ = _target_forward(model, ids, [1, 7], torch.tensor([0]), 1)
+        for got in (one, batched[0]):
+            torch.testing.assert_close(got, stored, rtol=2e-2, atol=2e-2)  # stored in bf16
+        with torch.no_grad():
+            normed = model(input_ids=ids, output_hidden_states=True).hidden_states[8][0]
+        assert (normed - stored[:, 64:]).abs().max() > 0.5  # the post-norm tensor is another feature

@@ -4,6 +4,7 @@ against a loop-by-loop reference, and the export round trip."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import sys
@@ -112,6 +113,15 @@ def test_mask_token_from_tokenizer_or_refusal(tiny_dense, tmp_path):
         {"mask_token": "<mask>", "added_tokens_decoder": {"501": {"content": "<mask>", "special": True}}}))
     assert DrafterConfig.from_target(str(t), LAYER_IDS).mask_token_id == 501
     assert DrafterConfig.from_target(str(t), LAYER_IDS, mask_token_id=9).mask_token_id == 9  # explicit wins
+    # The export names the mask token by text too (some SGLang versions resolve the string) and
+    # records the target it was made for; both survive a round trip through config.json.
+    cfg = DrafterConfig.from_target(str(t), LAYER_IDS)
+    d = cfg.to_export_dict()
+    assert d["dflash_config"]["mask_token"] == "<mask>" and d["dflash_config"]["mask_token_id"] == 501
+    ident = d["dflash_offline"]["target"]
+    assert ident["name"] == f"{tmp_path.name}/t" and ident["weights_fingerprint"].startswith("sha256:") and ident["config_sha256"]
+    assert DrafterConfig.from_export_dict(json.loads(json.dumps(d))) == cfg
+    assert "mask_token" not in DrafterConfig.from_target(str(t), LAYER_IDS, mask_token_id=9).to_export_dict()["dflash_config"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,7 +275,7 @@ def test_export_round_trip(tiny_dense, tmp_path):
     c = json.loads((out / "config.json").read_text())
     assert c["architectures"] == ["DFlashDraftModel"] and c["model_type"] == "qwen3"
     assert c["block_size"] == 4 and c["num_target_layers"] == 8
-    assert c["dflash_config"] == {"target_layer_ids": LAYER_IDS, "mask_token_id": MASK_ID}
+    assert c["dflash_config"] == {"target_layer_ids": LAYER_IDS, "mask_token_id": MASK_ID, "block_size": 4}
     assert c["attention_bias"] is False
     for k, v in {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                  "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -300,3 +310,18 @@ def test_export_round_trip(tiny_dense, tmp_path):
     with pytest.raises(UserError):
         export_drafter(d, str(tmp_path / "other"))
     assert (tmp_path / "other" / "notes.txt").read_text() == "keep"
+
+
+def test_eval_warns_when_the_target_is_not_the_one_trained_for(tiny_dense, tmp_path, caplog):
+    from dflash_offline.drafter import export_drafter
+    from dflash_offline.evaluate import load_drafter
+    from dflash_offline.tiny import make_tiny_target
+
+    folder = export_drafter(tiny_drafter(tiny_dense), str(tmp_path / "export"))
+    with caplog.at_level(logging.WARNING, logger="dflash.eval"):
+        load_drafter(str(folder), str(tiny_dense))
+        assert not caplog.records
+        other = make_tiny_target(tmp_path / "other", seed=1)  # the same shape, other weights
+        load_drafter(str(folder), str(other))
+    (rec,) = caplog.records
+    assert f"was trained for target '{tiny_dense.parent.name}/tiny-qwen3'" in rec.getMessage() and "weights_fingerprint" in rec.getMessage()
