@@ -195,6 +195,7 @@ def export(run_dir: str, step: int | None, dest: str | None) -> None:
 @click.option("--max-rows", type=int, help="Cache estimate, random anchors: use at most this many rows.")
 @click.option("--max-samples", type=int, help="Cache walk (decoding's blocks): use only the first N samples.  [default: all]")
 @click.option("--walk-batch-rows", type=int, help="Cache walk: rows of up to 512 anchors per drafter forward.  [default: 4]")
+@click.option("--parity", type=int, help="With --cache: on its first N samples compare the every-anchor estimate, the walk and real decoding; name the likely cause of a disagreement (exit 1).")
 @click.option("--batch-size", type=int, help="Prompts decoded together: 1 = one at a time with a KV cache; N > 1 = N per target forward, whole sequences re-run each round (exact; fast for small targets on a GPU).  [default: 1]")
 @click.option("--json", "json_path", help="Write the full report here as JSON.")
 @click.option("--progress/--no-progress", default=None, help="Progress bars.  [default: on]")
@@ -209,7 +210,9 @@ def eval_(ctx: click.Context, config_file, **options) -> None:
     recipe = load_recipe(config_file, EvalConfig) if config_file else {}
     from . import evaluate
 
-    evaluate.run(merge(EvalConfig, recipe, given))
+    report = evaluate.run(merge(EvalConfig, recipe, given))
+    if any(not d["parity"]["agree"] for d in report["drafters"] if "parity" in d):
+        ctx.exit(1)
 
 
 @main.command()

@@ -331,6 +331,10 @@ class EvalConfig:
     walk_batch_rows: int = 4
     """Cache walk: rows (of up to 512 anchors each) per drafter forward."""
     batch_size: int = 1
+    parity: int | None = None
+    """With `cache` (held-out, the target's own greedy completions): on its first N samples,
+    compare the every-anchor estimate, the walk and real decoding, and name the likely cause when
+    walk and decoding disagree (parity.py); exit code 1 then."""
     """Prompts decoded together. 1: one prompt at a time with a KV cache (any target); N > 1: N
     prompts per target forward, each round re-running the whole sequences without a cache
     (batched_eval.py): exact, and much faster on a GPU for small targets."""
@@ -345,6 +349,9 @@ class EvalConfig:
             raise UserError("eval: give at least one --drafter (an export folder or a step-N checkpoint)")
         if not self.prompts and not self.cache:
             raise UserError("eval: give --prompts PARQUET (speculative decoding) and/or --cache CACHE (estimate)")
+        if self.parity is not None and (self.parity <= 0 or not self.cache):
+            raise UserError("eval: --parity N needs N > 0 and --cache (a held-out cache of the target's own greedy "
+                            "completions: their prompts are decoded and compared with the walk)")
         if self.reference and not self.prompts:
             raise UserError("eval: --reference checks the outputs of --prompts; give the prompts it completes too")
         for name in ("max_new_tokens", "seq_len", "num_anchors", "walk_batch_rows", "batch_size"):

@@ -779,6 +779,10 @@ def run(cfg: EvalConfig) -> dict:
             log.info("cache estimate for %s: tau %.3f over %d random blocks (%.1fs)", path, est["tau"], est["blocks"],
                      time.time() - t0)
             report["drafters"][i]["cache_estimate"] = est
+            if cfg.parity:
+                from .parity import check_parity
+
+                report["drafters"][i]["parity"] = check_parity(cfg.target, d, cfg.cache, cfg.parity, device, cfg.dtype)
     print(format_report(report), flush=True)
     if cfg.json_path:
         Path(cfg.json_path).write_text(json.dumps(report, indent=1) + "\n")
@@ -902,6 +906,11 @@ def format_report(report: dict) -> str:
                          f"{num(walk, 'tau_all_anchors', '6.3f'):>6} {num(est, 'tau', '6.3f'):>6} "
                          f"{num(est, 'blocks', 'd'):>7}  "
                          + " ".join(f"{a:.2f}" for a in (walk or est).get("slot_accuracy", [])[:8]))
+    for e in report["drafters"]:
+        if "parity" in e:
+            from .parity import format_parity
+
+            lines += format_parity(_short(e["path"]), e["parity"])
     return "\n".join(lines)
 
 

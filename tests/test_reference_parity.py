@@ -9,6 +9,7 @@ here without its dependencies (`pip install --no-deps --target`), so the project
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -140,3 +141,45 @@ def test_reference_decoding_is_lossless_and_accepts_what_ours_accepts(reference,
         assert stats.acceptance_lengths == committed, (stats.acceptance_lengths, mine.accepted)
         seen.update(mine.accepted)
     assert max(seen) >= 3 and 0 in seen, f"accepted lengths {seen}: the comparison needs long and short rounds"
+
+
+@pytest.fixture(scope="module")
+def own_cache(tiny_dense, tmp_path_factory):
+    """A held-out-style cache of the target's own greedy completions of the test's prompts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from conftest import extract_args, run_cli
+
+    _, _, prompts, completions = prompts_and_completions(tiny_dense)
+    root = tmp_path_factory.mktemp("parity-cache")
+    pq.write_table(pa.table({"id": pa.array(range(len(prompts)), pa.int64()),
+                             "input_ids": pa.array([p + c for p, c in zip(prompts, completions)], pa.list_(pa.int32())),
+                             "loss_mask": pa.array([[0] * len(p) + [1] * len(c) for p, c in zip(prompts, completions)],
+                                                   pa.list_(pa.int8()))}), root / "own.parquet")
+    r = run_cli(extract_args(tiny_dense, root / "own.parquet", root / "cache", "--layers", ",".join(map(str, LAYERS)),
+                             "--topk", "0"))
+    assert r.returncode == 0, r.stderr
+    return root / "cache"
+
+
+def test_parity_check_agrees_on_the_trained_target_and_names_another(exported, own_cache, tiny_dense, tmp_path):
+    """eval --parity: on the target the cache was made with, walk and decoding agree (the drafter
+    is served as trained); against another target of the same shape the report says that the
+    target's features are not the cache's and that decoding does not reproduce its completions."""
+    from conftest import run_cli
+    from dflash_offline.parity import check_parity
+    from dflash_offline.tiny import make_tiny_target
+
+    folder, ours = exported
+    r = run_cli(["eval", "--target", tiny_dense, "--drafter", folder, "--cache", own_cache, "--parity", "3",
+                 "--no-progress", "--json", tmp_path / "p.json"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    p = json.loads((tmp_path / "p.json").read_text())["drafters"][0]["parity"]
+    assert p["agree"] and p["lossless"] and not p["causes"], p
+    assert p["decoding_tau"] > 1.5 and abs(p["relative_gap"]) <= 0.05
+    assert max(p["feature_relative_error"]) < 0.01  # bf16 storage only
+    assert "consistent: decoding is within 5% of the walk" in r.stdout
+    other = make_tiny_target(tmp_path / "other", seed=2)
+    q = check_parity(str(other), ours, str(own_cache), 3, "cpu", "float32")
+    assert not q["lossless"] and any("features differ from the cache's at layers [1, 3, 6]" in c for c in q["causes"])

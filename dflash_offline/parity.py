@@ -1,0 +1,114 @@
+"""`eval --cache HELD-OUT --parity N`: does the drafter decode as its training said it would?
+
+On the first N samples of a held-out cache of the target's own greedy completions, three figures
+that must agree for a drafter that is trained and served on the same computation:
+
+  every anchor   1 + accepted drafts, averaged over every anchor of the completions: what the
+                 training metric `tau` (teacher-forced blocks at random anchors) estimates;
+  walk           decoding's rounds picked out of those anchors (evaluate.walk_acceptance);
+  decoding       real greedy speculative decoding of the same prompts against the target, with
+                 as many new tokens as the completions hold, checked token for token against them.
+
+Walk and decoding should agree to rounding (the cache stores bf16 or fp8 features where decoding
+gives the drafter the target's own); every-anchor is higher, since decoding spends more of its
+rounds on hard stretches. When walk and decoding disagree by more than `tolerance`, the report
+names what it can check: the mask token against the target's tokenizer, RoPE theta against the
+target's config, the features the target gives now against those the cache stores (another
+target, dtype or layer definition), the block size, and whether decoding was lossless at all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("dflash.eval")
+
+TOLERANCE = 0.05  # relative difference of walk and decoding tau that counts as a disagreement
+
+
+def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str, dtype: str,
+                 tolerance: float = TOLERANCE) -> dict:
+    import torch
+
+    from .cache.reader import CacheReader
+    from .drafter import _mask_token_from_tokenizer, _rope_theta
+    from .evaluate import (DFlashProposer, TargetSession, cache_layer_columns, load_target_for_decoding,
+                           speculative_decode, summarize, walk_acceptance)
+
+    t0 = time.time()
+    cfg = drafter.cfg
+    walk = walk_acceptance(cache, drafter, device, max_samples=samples, per_sample=True)
+    reader = CacheReader(cache)
+    columns = cache_layer_columns(reader.manifest, cfg, cache) or list(range(len(cfg.target_layer_ids)))
+    model, _ = load_target_for_decoding(target_dir, device, dtype)
+    session = TargetSession(model, cfg.target_layer_ids)
+    proposer = DFlashProposer(drafter, device, dtype)
+    runs, mismatched, same_rounds, feat_err = [], [], 0, []
+    for entry in walk["per_sample"]:
+        s = reader.sample(entry["id"])
+        ids = s.input_ids.astype(np.int64).tolist()
+        p0 = int(np.flatnonzero(s.loss_mask)[0])
+        completion = ids[p0:]
+        out = speculative_decode(session, proposer, ids[:p0], len(completion), set())
+        runs.append(out)
+        if out.tokens != completion:
+            mismatched.append(entry["id"])
+        same_rounds += out.accepted == entry["accepted"]
+        # The features the target gives now against those the cache stores, per layer.
+        live = session.start(ids)[1].float().cpu().numpy().reshape(len(ids), len(cfg.target_layer_ids), -1)
+        stored = s.hidden[:, columns]
+        feat_err.append(np.linalg.norm(live - stored, axis=(0, 2)) / np.maximum(np.linalg.norm(stored, axis=(0, 2)), 1e-12))
+    dec = summarize(runs, cfg.block_size)
+    err = np.max(np.stack(feat_err), axis=0)
+    walk_tau, dec_tau = walk["tau_pooled"], dec["tau"]
+    gap = (dec_tau - walk_tau) / walk_tau
+    causes = []
+    want_mask = _mask_token_from_tokenizer(Path(target_dir))
+    if want_mask is not None and want_mask != cfg.mask_token_id:
+        causes.append(f"mask token id {cfg.mask_token_id}, but the target's tokenizer names {want_mask} as its "
+                      "mask token: train with that id (--mask-token-id) or serve with the one trained")
+    text = json.loads((Path(target_dir) / "config.json").read_text(encoding="utf-8"))
+    theta = _rope_theta(text.get("text_config") or text)
+    if abs(theta - cfg.rope_theta) > 1e-6 * max(theta, 1.0):
+        causes.append(f"RoPE theta {cfg.rope_theta:g} in the drafter, {theta:g} in the target's config")
+    bad_layers = [lid for lid, e in zip(cfg.target_layer_ids, err) if e > 0.05]
+    if bad_layers:
+        causes.append(f"the target's features differ from the cache's at layers {bad_layers} (relative error "
+                      f"{', '.join(f'{e:.3f}' for e in err)}): another target, dtype or layer definition than at "
+                      "extraction (features are the layers' raw outputs)")
+    if mismatched:
+        causes.append(f"{len(mismatched)} of {len(runs)} decodes differ from the cache's completions (ids "
+                      f"{mismatched[:5]}): the cache is not this target's greedy decode in {dtype}; compare like "
+                      "with like (--dtype float32, a cache of `generate` output)")
+    agree = abs(gap) <= tolerance
+    if not agree and not causes:
+        causes.append(f"nothing checkable differs (block size {cfg.block_size}, layers {cfg.target_layer_ids}, mask "
+                      f"{cfg.mask_token_id}); with few samples the figures are noisy: try a larger --parity")
+    report = {
+        "samples": len(runs), "every_anchor_tau": walk["tau_all_anchors"], "walk_tau": walk_tau,
+        "walk_tau_per_prompt_mean": walk["tau_per_prompt_mean"], "decoding_tau": dec_tau,
+        "decoding_tau_per_prompt_mean": dec["tau_per_prompt_mean"], "relative_gap": gap, "agree": agree,
+        "tolerance": tolerance, "same_rounds_samples": same_rounds, "lossless": not mismatched,
+        "feature_relative_error": [float(e) for e in err], "causes": causes, "seconds": time.time() - t0,
+    }
+    log.info("parity on %d samples: every anchor %.3f, walk %.3f, decoding %.3f (%+.1f%%)%s", len(runs),
+             report["every_anchor_tau"], walk_tau, dec_tau, 100 * gap, "" if agree else "; " + "; ".join(causes))
+    return report
+
+
+def format_parity(path: str, p: dict) -> list[str]:
+    lines = [f"parity of {path} on {p['samples']} held-out samples (tau pooled over rounds):",
+             f"  every anchor {p['every_anchor_tau']:.3f}   walk {p['walk_tau']:.3f}   decoding {p['decoding_tau']:.3f}"
+             f"   ({100 * p['relative_gap']:+.1f}% decoding vs walk; {p['same_rounds_samples']}/{p['samples']} samples "
+             f"with identical rounds; lossless {'yes' if p['lossless'] else 'NO'})"]
+    if p["agree"]:
+        lines.append(f"  consistent: decoding is within {100 * p['tolerance']:.0f}% of the walk")
+    else:
+        lines.append(f"  DISAGREE (more than {100 * p['tolerance']:.0f}%): likely cause(s):")
+        lines += [f"    - {c}" for c in p["causes"]]
+    return lines
