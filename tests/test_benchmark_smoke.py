@@ -43,3 +43,12 @@ def test_train_throughput_smoke(tmp_path):
           "--seq-len", "256", "--num-anchors", "16", "--loader-workers", "1", "--out", str(out)], tmp_path)
     res = json.loads(out.read_text())
     assert res["steps"] == 5 and res["attention_pairs_per_row"] > 0
+
+
+def test_decode_speed_smoke(tmp_path):
+    out = tmp_path / "d.json"
+    _run(["benchmarks/decode_speed.py", "--tiny", "--ceiling", "--out", str(out)], tmp_path)
+    res = json.loads(out.read_text())
+    (d,) = res["pycode"]["drafters"]
+    assert d["batched"]["equal_to_alone"] == res["pycode"]["prompts"]  # fp32: batched spec == the target alone
+    assert [b["tau"] for b in res["ceiling"]["blocks"]] and all(b["equal_to_alone"] == 2 for b in res["ceiling"]["blocks"])

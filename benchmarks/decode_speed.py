@@ -1,0 +1,210 @@
+"""Decoding speed: speculative decoding against the target alone, at batch 1 and batched.
+
+Part 1, a real target and trained drafters (the pycode fixture by default), greedy, on one device:
+  batch 1   the target alone (one prompt at a time, KV cache: `evaluate.greedy_decode`) against
+            speculative decoding with each drafter (`evaluate.speculative_decode`, KV cache);
+  batch N   the target alone batched (`decoding.BatchDecoder`, the KV-cache decoder of
+            `generate`) against batched speculative decoding (`eval --batch-size N`:
+            `batched_eval`, whole sequences re-run per round, no KV cache).
+  Reported: new tokens/s, the speed-up over the target alone at the same batch, tau (pooled),
+  and how many outputs equal the target-alone decode (in bf16 a near-tie can flip).
+Part 2 (--ceiling), a Qwen3.5-27B-shaped target with random weights and an oracle drafter that
+  proposes the target's own greedy continuation (tau = block size): the speed-up ceiling of
+  speculative decoding at batch 1 for each block size, without any drafter cost; no cache, no
+  training needed.
+
+    python benchmarks/decode_speed.py --target ../shared/fixtures/pycode/target --drafter runs/pq/best \\
+        --prompts ../shared/fixtures/pycode/prompts-eval.parquet --device 0 --out results/decode.json
+    python benchmarks/decode_speed.py --ceiling --device 0 --out results/ceiling.json
+    python benchmarks/decode_speed.py --tiny --out /tmp/decode.json      # CPU smoke run of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QWEN35_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                  num_attention_heads=24, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                  max_position_embeddings=262144, rope_theta=10_000_000.0, linear_num_key_heads=16,
+                  linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                  linear_conv_kernel_dim=4, tie_word_embeddings=False)
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(device: str, fn):
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+class Oracle:
+    """Proposes the target's own greedy continuation of each prompt (known from a first decode)."""
+
+    def __init__(self, full: list[int], block_size: int):
+        self.full, self.block_size = full, block_size
+
+    def start(self, prompt, features):
+        pass
+
+    def observe(self, features):
+        pass
+
+    def propose(self, tokens):
+        return (self.full + [0] * self.block_size)[len(tokens):len(tokens) + self.block_size - 1]
+
+
+def part1(args, device: str) -> dict:
+    import torch
+
+    from dflash_offline import evaluate as ev
+    from dflash_offline.batched_eval import BatchDFlashProposer, batched_speculative_decode
+    from dflash_offline.decoding import BatchDecoder, Sampling
+    from dflash_offline.model_folder import read_target
+
+    ids, prompts = ev.read_prompts(args.prompts, read_target(args.target).vocab_size, args.max_prompts)
+    model, _ = ev.load_target_for_decoding(args.target, device, args.dtype)
+    eos = set() if args.ignore_eos else ev.eos_ids(args.target)
+    new = args.max_new_tokens
+    res: dict = {"prompts": len(prompts), "max_new_tokens": new, "dtype": args.dtype, "batch": args.batch_size}
+    one = prompts[: args.batch1_prompts]
+    session = ev.TargetSession(model, [0])
+    alone1, t_alone1 = timed(device, lambda: [ev.greedy_decode(session, p, new, eos) for p in one])
+    tok1 = sum(len(r.tokens) for r in alone1)
+    res["batch1_alone"] = {"prompts": len(one), "tokens": tok1, "seconds": t_alone1, "tokens_per_s": tok1 / t_alone1}
+    dec = BatchDecoder(model, args.batch_size, max(len(p) for p in prompts), new, eos, Sampling())
+    alone_n, t_alone_n = timed(device, lambda: [r for k in range(0, len(prompts), args.batch_size)
+                                                 for r in dec.decode(prompts[k:k + args.batch_size],
+                                                                     ids[k:k + args.batch_size]).tokens])
+    tok_n = sum(len(t) for t in alone_n)
+    res["batched_alone"] = {"tokens": tok_n, "seconds": t_alone_n, "tokens_per_s": tok_n / t_alone_n}
+    res["drafters"] = []
+    for path in args.drafter:
+        d = ev.load_drafter(path, args.target)
+        sess = ev.TargetSession(model, d.cfg.target_layer_ids)
+        prop = ev.DFlashProposer(d, device, args.dtype)
+        spec1, t1 = timed(device, lambda: [ev.speculative_decode(sess, prop, p, new, eos) for p in one])
+        specn, tn = timed(device, lambda: batched_speculative_decode(
+            model, BatchDFlashProposer(d, device, args.dtype), d.cfg.target_layer_ids, prompts, new, eos, args.batch_size))
+        s1, sn = ev.summarize(spec1, d.cfg.block_size), ev.summarize(specn, d.cfg.block_size)
+        k1, kn = sum(len(r.tokens) for r in spec1), sum(len(r.tokens) for r in specn)
+        res["drafters"].append({
+            "path": str(path), "block_size": d.cfg.block_size,
+            "batch1": {"tau": s1["tau"], "tokens_per_s": k1 / t1, "speedup": (k1 / t1) / res["batch1_alone"]["tokens_per_s"],
+                       "equal_to_alone": sum(a.tokens == b.tokens for a, b in zip(spec1, alone1))},
+            "batched": {"tau": sn["tau"], "tokens_per_s": kn / tn, "speedup": (kn / tn) / res["batched_alone"]["tokens_per_s"],
+                        "equal_to_alone": sum(a.tokens == b for a, b in zip(specn, alone_n)), "seconds": tn},
+        })
+        print(json.dumps(res["drafters"][-1]), flush=True)
+        del d, prop
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return res
+
+
+def part2(args, device: str) -> dict:
+    """The 27B-shaped random target at batch 1 with an oracle drafter: speed-up per block size."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash_offline import evaluate as ev
+
+    shape = dict(QWEN35_27B)
+    if args.tiny:
+        shape.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=16, linear_value_head_dim=16)
+    L = shape["num_hidden_layers"]
+    cfg = AutoConfig.for_model("qwen3_5_text", **shape,
+                               layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(L)])
+    torch.manual_seed(0)
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, shape["vocab_size"], (args.ceiling_prompt_len,), generator=g).tolist()
+               for _ in range(args.ceiling_prompts)]
+    new = args.ceiling_new_tokens
+    session = ev.TargetSession(model, [0])
+    ev.greedy_decode(session, prompts[0], 8, set())  # warm-up (kernels, allocator)
+    alone, t_alone = timed(device, lambda: [ev.greedy_decode(session, p, new, set()) for p in prompts])
+    tok = sum(len(r.tokens) for r in alone)
+    res = {"shape": "tiny" if args.tiny else "qwen3.5-27b (random weights)", "dtype": str(dtype), "prompts": len(prompts),
+           "prompt_len": args.ceiling_prompt_len, "new_tokens": new, "alone_tokens_per_s": tok / t_alone, "blocks": []}
+    for B in args.block_sizes:
+        spec, t = timed(device, lambda: [ev.speculative_decode(session, Oracle(p + r.tokens, B), p, new, set())
+                                         for p, r in zip(prompts, alone)])
+        s = ev.summarize(spec, B)
+        k = sum(len(r.tokens) for r in spec)
+        res["blocks"].append({"block_size": B, "tau": s["tau"], "tokens_per_s": k / t, "speedup": (k / t) / (tok / t_alone),
+                              "equal_to_alone": sum(a.tokens == b.tokens for a, b in zip(spec, alone))})
+        print(json.dumps(res["blocks"][-1]), flush=True)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="../shared/fixtures/pycode/target")
+    ap.add_argument("--drafter", action="append", default=[], help="drafter export or step-N (repeat)")
+    ap.add_argument("--prompts", default="../shared/fixtures/pycode/prompts-eval.parquet")
+    ap.add_argument("--device", default="0")
+    ap.add_argument("--dtype", default="bfloat16", help="decode dtype (bfloat16 for speed; float32 for an exact check)")
+    ap.add_argument("--max-new-tokens", type=int, default=384)
+    ap.add_argument("--max-prompts", type=int, default=200)
+    ap.add_argument("--batch1-prompts", type=int, default=20, help="prompts decoded one at a time (batch 1)")
+    ap.add_argument("--batch-size", type=int, default=200)
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--ceiling", action="store_true", help="also part 2: the 27B-shaped oracle ceiling")
+    ap.add_argument("--ceiling-prompts", type=int, default=4)
+    ap.add_argument("--ceiling-prompt-len", type=int, default=512)
+    ap.add_argument("--ceiling-new-tokens", type=int, default=256)
+    ap.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16])
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny random targets and drafters")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = "cpu" if args.tiny or args.device == "cpu" else f"cuda:{args.device}"
+    out: dict = {"device": device, "argv": sys.argv[1:]}
+    import torch
+
+    out["torch"] = torch.__version__
+    if device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name(device)
+    if args.tiny:
+        import tempfile
+
+        from dflash_offline.drafter import DFlashDrafter, DrafterConfig, export_drafter
+        from dflash_offline.tiny import make_tiny_data, make_tiny_target
+
+        tmp = Path(tempfile.mkdtemp(prefix="decode-speed-"))
+        args.target = str(make_tiny_target(tmp / "target"))
+        args.prompts = str(make_tiny_data(tmp / "prompts.parquet", rows=6, min_len=4, max_len=20))
+        d = DFlashDrafter(DrafterConfig.from_target(args.target, [1, 3], block_size=4, num_layers=1, mask_token_id=1))
+        args.drafter = [str(export_drafter(d, str(tmp / "drafter")))]
+        args.dtype, args.max_new_tokens, args.batch1_prompts, args.batch_size = "float32", 12, 2, 4
+        args.ignore_eos, args.ceiling_prompts, args.ceiling_prompt_len, args.ceiling_new_tokens = True, 2, 8, 12
+    if args.drafter:
+        out["pycode"] = part1(args, device)
+    if args.ceiling:
+        out["ceiling"] = part2(args, device)
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
