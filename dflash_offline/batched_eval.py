@@ -28,6 +28,7 @@ import logging
 import time
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from .evaluate import Decoded, _done
@@ -99,6 +100,10 @@ def decode_batch(model, proposer: BatchProposer, layer_ids: list[int], prompts: 
     feats, logits = _target_forward(model, ids.to(dev), layer_ids, lens - 1, 1)
     first = logits[:, 0].argmax(-1).tolist()
     seqs = [list(p) + [t] for p, t in zip(prompts, first)]
+    # Committed tokens by position (pad beyond each row's length), copied to the device per round.
+    tok = np.full((n, P + 1 + max_new + B), pad_id, np.int64)
+    for r, s in enumerate(seqs):
+        tok[r, :len(s)] = s
     outs = [[t] for t in first]
     accepted: list[list[int]] = [[] for _ in prompts]
     forwards = [1] * n
@@ -111,11 +116,7 @@ def decode_batch(model, proposer: BatchProposer, layer_ids: list[int], prompts: 
         anchors = torch.tensor([seqs[r][-1] for r in active], device=dev)
         draft = proposer.propose(feats[sel, :S], ctx_len, anchors, [seqs[r] for r in active])
         T = S + B  # the longest row: its committed tokens (S + 1) and B - 1 drafts
-        ids = torch.full((len(active), T), pad_id, dtype=torch.long, device=dev)
-        pos = torch.arange(T, device=dev)[None, :]
-        committed = pos < (ctx_len + 1)[:, None]
-        hist = torch.tensor([s + [pad_id] * (T - len(s)) for s in (seqs[r] for r in active)], device=dev)
-        ids = torch.where(committed, hist, ids)
+        ids = torch.from_numpy(tok[active, :T]).to(dev)
         # The drafts follow each row's anchor (position ctx_len): scatter them there.
         dpos = ctx_len[:, None] + 1 + torch.arange(B - 1, device=dev)
         ids.scatter_(1, dpos, draft)
@@ -129,9 +130,10 @@ def decode_batch(model, proposer: BatchProposer, layer_ids: list[int], prompts: 
             a = a_host[i]
             accepted[r].append(a)
             forwards[r] += 1
-            for tok in d_host[i][:a] + [b_host[i][a]]:
-                seqs[r].append(tok)
-                outs[r].append(tok)
+            for t in d_host[i][:a] + [b_host[i][a]]:
+                tok[r, len(seqs[r])] = t
+                seqs[r].append(t)
+                outs[r].append(t)
                 if _done(outs[r], max_new, eos):
                     break
             if not _done(outs[r], max_new, eos):
