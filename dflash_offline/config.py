@@ -20,6 +20,45 @@ HIDDEN_DTYPES = ("bfloat16", "float8_e4m3fn")
 HIDDEN_DTYPE_ALIASES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _integer(cfg, name: str) -> int | None:
+    """The option's value, refused in one line unless it is an integer (or None)."""
+    v = getattr(cfg, name)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+        raise UserError(f"{_flag(name)} must be an integer, got {v!r}")
+    return v
+
+
+def check_positive(cfg, *names: str) -> None:
+    """Each named integer option is > 0 (None, where an option allows it, means unset)."""
+    for name in names:
+        v = _integer(cfg, name)
+        if v is not None and v <= 0:
+            raise UserError(f"{_flag(name)} must be positive, got {v}")
+
+
+def check_at_least(cfg, name: str, low: int, why: str) -> None:
+    """An integer option >= low (None = unset); `why` says what the low end means."""
+    v = _integer(cfg, name)
+    if v is not None and v < low:
+        raise UserError(f"{_flag(name)} must be >= {low} ({why}), got {v}")
+
+
+def check_number(cfg, name: str, low: float, high: float = math.inf, *, open_low: bool = False,
+                 open_high: bool = False, must: str, why: str = "") -> None:
+    """A float option within [low, high] (ends open as asked; None = unset); NaN and non-numbers are
+    refused. `must` names the range in words ("positive", "in [0, 1)"), `why` what goes wrong outside."""
+    v = getattr(cfg, name)
+    if v is None:
+        return
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+    if not (ok and (v > low if open_low else v >= low) and (v < high if open_high else v <= high)):
+        raise UserError(f"{_flag(name)} must be {must}, got {v!r}" + (f" ({why})" if why else ""))
+
+
 @dataclass
 class ExtractConfig:
     target: str = ""
@@ -75,12 +114,9 @@ class ExtractConfig:
             raise UserError("no input: pass --data PATH (Parquet files or folders) or set `data` in --config")
         if not self.cache:
             raise UserError("no cache location: pass --cache PATH|URL or set `cache` in --config")
-        for name in ("max_len", "batch_tokens", "shard_tokens", "sort_window", "chunk_tokens",
-                     "logits_chunk_tokens", "num_layers", "writers", "passes"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.topk < 0:
-            raise UserError(f"--topk must be >= 0, got {self.topk}")
+        check_positive(self, "max_len", "batch_tokens", "shard_tokens", "sort_window", "chunk_tokens",
+                       "logits_chunk_tokens", "num_layers", "writers", "passes", "max_bytes")
+        check_at_least(self, "topk", 0, "0 = store no top-k and skip the LM head")
         if self.batch_tokens < self.max_len:
             raise UserError(
                 f"--batch-tokens {self.batch_tokens} is smaller than --max-len {self.max_len}: "
@@ -239,12 +275,29 @@ class TrainConfig:
         for name in ("cache", "target", "out"):
             if not getattr(self, name):
                 raise UserError(f"train: --{name} is required (or set `{name}` in --config)")
-        for name in ("num_layers", "block_size", "num_anchors", "seq_len", "global_batch_tokens", "epochs",
-                     "checkpoint_every", "keep_checkpoints", "log_every", "loss_chunk_tokens"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        check_positive(self, "num_layers", "block_size", "num_anchors", "seq_len", "global_batch_tokens", "epochs",
+                       "checkpoint_every", "keep_checkpoints", "log_every", "loss_chunk_tokens", "follow_window",
+                       "prefetch", "max_steps", "eval_every", "eval_samples")
         if self.block_size < 2:
             raise UserError("--block-size must be at least 2 (slot 0 is the anchor, slots 1.. are drafted)")
+        if self.seq_len <= self.block_size:
+            raise UserError(f"--seq-len must exceed --block-size ({self.block_size}), got {self.seq_len}: a row must "
+                            "hold an anchor and its drafted tokens; raise --seq-len or lower --block-size")
+        check_at_least(self, "anchors_per_sample", 0, "0 = one draw per row")
+        check_at_least(self, "profile_steps", 0, "0 = off")
+        check_at_least(self, "loader_workers", 0, "0 = read in the training process")
+        check_at_least(self, "seed", 0, "it seeds numpy's generators, which take no negative seed")
+        check_at_least(self, "mask_token_id", 0, "a token id of the target's vocabulary")
+        check_number(self, "gamma", 0, open_low=True, must="positive",
+                     why="slot k weighs exp(-(k-1)/gamma): 0 divides by zero, a negative value weighs the far slots most")
+        check_number(self, "lr", 0, open_low=True, open_high=True, must="positive and finite")
+        check_number(self, "clip", 0, open_low=True, must="positive (inf = no clipping)",
+                     why="the largest gradient norm a step applies: 0 makes no update, a negative one reverses it")
+        check_number(self, "warmup_ratio", 0, 1, open_high=True, must="in [0, 1)",
+                     why="the share of all steps the learning rate warms up over")
+        check_number(self, "weight_decay", 0, open_high=True, must=">= 0 and finite",
+                     why="AdamW shrinks each weight by lr x weight decay per step; a negative one grows them")
+        check_number(self, "kd_weight", 0, 1, must="in [0, 1]", why="the top-k distribution's share of the target")
         if self.verify not in ("quick", "full"):
             raise UserError(f"--verify {self.verify!r}: choose quick or full")
         if self.precision not in ("auto", "bf16", "fp32"):
@@ -254,27 +307,12 @@ class TrainConfig:
         if self.follow and self.epochs != 1:
             raise UserError(f"--follow consumes every committed shard once, so --epochs must be 1 (got {self.epochs}); "
                             "for several epochs extract with --passes N")
-        if self.follow_window <= 0:
-            raise UserError(f"--follow-window must be positive, got {self.follow_window}")
         if self.loss_impl not in ("fused", "recompute"):
             raise UserError(f"--loss-impl {self.loss_impl!r}: choose fused or recompute")
         if self.attention not in ("auto", "sdpa"):
             raise UserError(f"--attention {self.attention!r}: choose auto (flex on GPU) or sdpa (dense mask)")
-        if self.anchors_per_sample < 0:
-            raise UserError(f"--anchors-per-sample must be >= 0 (0 = one draw per row), got {self.anchors_per_sample}")
-        if not 0.0 <= self.kd_weight <= 1.0:
-            raise UserError(f"--kd-weight must be in [0, 1] (the top-k distribution's share of the target), "
-                            f"got {self.kd_weight}")
-        if self.lr is not None and not self.lr > 0:
-            raise UserError(f"--lr must be positive, got {self.lr}")
         if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
             raise UserError(f"--layers {self.layers}: give distinct layer ids the cache holds")
-        if self.profile_steps < 0:
-            raise UserError(f"--profile-steps must be >= 0 (0 = off), got {self.profile_steps}")
-        for name in ("eval_every", "eval_samples"):
-            v = getattr(self, name)
-            if v is not None and v <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {v}")
 
     def resolved_lr(self, hidden_size: int) -> float:
         return self.lr if self.lr is not None else auto_lr(hidden_size)
@@ -293,6 +331,39 @@ def auto_lr(hidden_size: int) -> float:
     held-out tau rose with lr through 6e-4, 2e-3 and 4e-3 (docs/benchmarks.md, "Drafter quality");
     the exponent puts 384 at 4.0e-3, the best rate measured, and 5120 at 5.0e-4."""
     return 6e-4 * (4096 / hidden_size) ** 0.8
+
+
+_E, _T = ExtractConfig(), TrainConfig()  # the stages' defaults: one source of truth for plan's
+
+
+@dataclass
+class PlanConfig:
+    """`plan`: what extract would write (its target, data, layers, top-k, max length) and what
+    training would read; the GPU counts only divide the estimated hours."""
+    target: str = ""
+    data: list[str] | None = None
+    cache: str | None = None
+    max_bytes: int | None = None
+    layers: list[int] | None = None
+    num_layers: int = _E.num_layers
+    topk: int = _E.topk
+    max_len: int = _E.max_len
+    extract_gpus: int = 5
+    train_gpus: int = 3
+    epochs: int = _T.epochs
+    drafter_layers: int = _T.num_layers
+    seq_len: int = _T.seq_len
+    num_anchors: int = _T.num_anchors
+    block_size: int = _T.block_size
+
+    def validate(self) -> None:
+        if not self.target or not self.data:
+            raise UserError("plan: --target and --data are required")
+        check_positive(self, "max_bytes", "num_layers", "max_len", "extract_gpus", "train_gpus", "epochs",
+                       "drafter_layers", "seq_len", "num_anchors", "block_size")
+        check_at_least(self, "topk", 0, "0 = store no top-k")
+        if self.layers is not None and len(set(self.layers)) != len(self.layers):
+            raise UserError(f"--layers {self.layers} lists a layer twice")
 
 
 @dataclass
@@ -354,14 +425,10 @@ class EvalConfig:
                             "completions: their prompts are decoded and compared with the walk)")
         if self.reference and not self.prompts:
             raise UserError("eval: --reference checks the outputs of --prompts; give the prompts it completes too")
-        for name in ("max_new_tokens", "seq_len", "num_anchors", "walk_batch_rows", "batch_size"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        check_positive(self, "max_new_tokens", "seq_len", "num_anchors", "walk_batch_rows", "batch_size",
+                       "max_prompts", "max_rows", "max_samples")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise UserError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
-        for name in ("max_prompts", "max_rows", "max_samples"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
 
 
 @dataclass
@@ -408,12 +475,11 @@ class GenerateConfig:
                 raise UserError(f"generate: --{name} is required (or set `{name}` in --config)")
         if not self.prompts:
             raise UserError("generate: give --prompts PARQUET (files or folders with an input_ids column)")
-        for name in ("max_new_tokens", "batch_tokens", "chunk_prompts"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.temperature < 0:
-            raise UserError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+        check_positive(self, "max_new_tokens", "batch_tokens", "chunk_prompts")
+        check_number(self, "temperature", 0, open_high=True, must=">= 0 and finite", why="0 = greedy")
+        check_number(self, "top_p", 0, 1, open_low=True, must="in (0, 1]",
+                     why="the probability mass of the tokens sampling keeps")
+        if self.eos_token_ids is not None and any(i < 0 for i in self.eos_token_ids):
+            raise UserError(f"--eos-token-ids {self.eos_token_ids}: token ids are >= 0")
         if self.compute_dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise UserError(f"--compute-dtype {self.compute_dtype!r}: choose auto, bfloat16, float16 or float32")

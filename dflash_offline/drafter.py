@@ -449,15 +449,37 @@ class DFlashDrafter(nn.Module):
 # Export
 
 
+def check_export_dest(out: Path) -> None:
+    """An export replaces only an earlier export (config.json of a DFlashDraftModel and its weights,
+    nothing else) or an empty folder: anything else, e.g. a Hugging Face model folder, is refused."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: exists and is a file, not a drafter export; refusing to replace it (choose another "
+                        "export folder)")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    try:
+        arch = json.loads((out / EXPORT_CONFIG).read_text(encoding="utf-8")).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        arch = None
+    others = sorted(p.name for p in out.iterdir() if p.name not in (EXPORT_CONFIG, EXPORT_WEIGHTS))
+    if arch != ["DFlashDraftModel"] or others:
+        why = (f"it also holds {', '.join(others[:3])}" if arch == ["DFlashDraftModel"]
+               else f"its config.json names architectures {arch}" if arch is not None else "it has no drafter config.json")
+        raise UserError(f"{out}: exists and is not a drafter export ({why}); refusing to replace it: choose a new or "
+                        "empty export folder (nothing was changed)")
+
+
 def export_drafter(drafter: DFlashDrafter, out_dir: str) -> Path:
     """config.json + model.safetensors (bf16, trainable weights only). Written to a sibling temp
     folder and renamed into place, so out_dir is either the previous export or the new one."""
     from safetensors.torch import save_file
 
     out = Path(out_dir).absolute()
-    if out.exists() and any(out.iterdir()) and not (out / EXPORT_CONFIG).is_file():
-        raise UserError(f"{out}: exists and is not a drafter export; refusing to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_export_dest(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{out}: cannot write there ({e.strerror or e}); choose another export folder") from None
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

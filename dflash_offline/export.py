@@ -8,10 +8,12 @@ from .runtime import UserError
 
 
 def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = None) -> Path:
-    from .drafter import export_drafter, load_checkpoint
+    from .drafter import check_export_dest, export_drafter, load_checkpoint
     from .train import CHECKPOINT_PREFIX, list_checkpoints
 
     run = Path(run_dir)
+    dest = dest or str(run / "export")
+    check_export_dest(Path(dest).absolute())  # before the checkpoint is read
     steps = list_checkpoints(run)
     if not steps:
         raise UserError(f"--run {run_dir}: no complete checkpoint (step-N/) in the folder")
@@ -19,4 +21,4 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
     if step not in steps:
         raise UserError(f"--step {step}: no such checkpoint in {run_dir}; available: {', '.join(map(str, steps))}")
     drafter = load_checkpoint(str(run / f"{CHECKPOINT_PREFIX}{step}"))
-    return export_drafter(drafter, dest or str(run / "export"))
+    return export_drafter(drafter, dest)

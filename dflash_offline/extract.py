@@ -25,9 +25,12 @@ import numpy as np
 from .cache.manifest import shard_name
 from .config import ExtractConfig
 from .runtime import (Launch, Stopped, UserError, fault_point, heartbeat, install_stop_handlers, open_process_log,
-                      signal_name, stop_requested, torchrun_launch, wait_for_other_ranks)
+                      refuse_foreign_folder, signal_name, stop_requested, torchrun_launch, wait_for_other_ranks)
 
 log = logging.getLogger("dflash.extract")
+# What a cache location holds before its first manifest (a refused or killed first run): anything
+# else there was not made by extract, and is never written into.
+CACHE_OWN_ENTRIES = {"logs", "shards", ".run.lock", ".manifest.lock"}
 
 
 def tmp_shard_rel(j: int) -> str:
@@ -168,6 +171,7 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     devices = parse_devices(cfg.devices)
     info = target.read_target(cfg.target)
     layer_ids = target.resolve_layers(info, cfg.layers, cfg.num_layers)
+    target.check_topk(info, cfg.topk)
     target.check_weights(info, info.num_layers if cfg.topk > 0 else max(layer_ids) + 1, cfg.topk > 0)
     if launch is None:
         check_devices_exist(devices)
@@ -250,6 +254,9 @@ def run(cfg: ExtractConfig) -> dict:
     why = loc.unwritable()
     if why:
         raise UserError(f"--cache {cfg.cache}: cannot write there ({why}); choose a writable location")
+    if not loc.remote and not os.path.exists(loc.path("manifest.json")):  # before its log folder is made
+        refuse_foreign_folder(loc.path(), "--cache", "a cache", "manifest.json", CACHE_OWN_ENTRIES,
+                              ("manifest.json.tmp-",))
     try:
         log_path = open_process_log(_log_dir(cfg, loc), name)
     except OSError as e:  # before anything else: no log, no cache, one line

@@ -27,6 +27,22 @@ class UserError(Exception):
     """Bad input or configuration: the CLI prints the message as one line and exits with 2."""
 
 
+def refuse_foreign_folder(folder: str | os.PathLike, option: str, kind: str, marker: str, own: set[str],
+                          own_prefixes: tuple[str, ...] = ()) -> None:
+    """Nothing the tool did not create is written into: an existing, non-empty folder whose entries
+    are not all names this stage makes (`own`, `own_prefixes`) is refused in one line, untouched; the
+    caller checks first that the folder lacks `marker`, what only a folder of this kind holds."""
+    try:
+        names = [p.name for p in Path(folder).iterdir()]
+    except OSError:  # missing, a file, unreadable: the caller's own checks say so
+        return
+    foreign = sorted(n for n in names if n not in own and not n.startswith(own_prefixes))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise UserError(f"{option} {os.fspath(folder)}: the folder exists, is not empty and is not {kind} (no {marker}; "
+                        f"it holds {shown}); choose a new or empty folder (nothing is overwritten)")
+
+
 # --------------------------------------------------------------------------------------------
 # Logs
 

@@ -12,42 +12,18 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ExtractConfig, TrainConfig
+from .config import PlanConfig
 from .extract import bytes_per_token
 from .model_folder import _safetensors_header, read_target
 from .target import _checkpoint_name
-from .runtime import UserError
 
 H200_BF16_PEAK = 774e12  # measured dense bf16 matmul FLOP/s
 EXTRACT_SHARE = 0.58  # of peak: the lower of the two measured shapes (docs/benchmarks.md)
 TRAIN_SHARE = 0.44  # of peak, matmuls + attention: the 27B drafter (docs/benchmarks.md)
 MODES = ("bfloat16", "float8_e4m3fn")
-
-
-_E, _T = ExtractConfig(), TrainConfig()  # the stages' defaults: one source of truth
-
-
-@dataclass
-class PlanConfig:
-    target: str = ""
-    data: list[str] | None = None
-    cache: str | None = None
-    max_bytes: int | None = None
-    layers: list[int] | None = None
-    num_layers: int = _E.num_layers
-    topk: int = _E.topk
-    max_len: int = _E.max_len
-    extract_gpus: int = 5
-    train_gpus: int = 3
-    epochs: int = _T.epochs
-    drafter_layers: int = _T.num_layers
-    seq_len: int = _T.seq_len
-    num_anchors: int = _T.num_anchors
-    block_size: int = _T.block_size
 
 
 def decoder_matrix_params(info) -> int:
@@ -90,10 +66,10 @@ def drafter_flops_per_context_token(text: dict, n_captured: int, p: PlanConfig) 
 def make_plan(p: PlanConfig) -> dict:
     from . import data, target
 
-    if not p.target or not p.data:
-        raise UserError("plan: --target and --data are required")
+    p.validate()
     info = read_target(p.target)
     layer_ids = target.resolve_layers(info, p.layers, p.num_layers)
+    target.check_topk(info, p.topk)
     source = data.scan(p.data, info.vocab_size)
     tokens = int(np.minimum(source.lengths, p.max_len).sum())
     free = None

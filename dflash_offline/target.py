@@ -41,6 +41,12 @@ def resolve_layers(info: TargetInfo, layers: list[int] | None, n: int) -> list[i
     return ids
 
 
+def check_topk(info: TargetInfo, topk: int) -> None:
+    if topk > info.vocab_size:
+        raise UserError(f"--topk must be at most the target's vocabulary ({info.vocab_size} tokens), got {topk}; "
+                        "the default is 32")
+
+
 def check_kernels(info: TargetInfo, devices: list[str]) -> str | None:
     """For a hybrid target on CUDA, the loud warning when the fast Gated DeltaNet kernels are missing."""
     import importlib.util

@@ -26,11 +26,16 @@ from pathlib import Path
 
 from .config import TrainConfig
 from .runtime import (Stopped, UserError, fault_point, heartbeat, human_count, install_stop_handlers, open_process_log,
-                      ordinary_mode, spawning, signal_name, stop_requested, torchrun_launch)
+                      ordinary_mode, refuse_foreign_folder, spawning, signal_name, stop_requested, torchrun_launch)
 
 log = logging.getLogger("dflash.train")
 
 CHECKPOINT_PREFIX = "step-"
+EXPORT = "export"
+# What a run folder holds before its first checkpoint (a refused, failed or killed first run): anything
+# else there was not made by train, and is never written into.
+RUN_OWN_ENTRIES = {"logs", ".run.lock", "metrics.jsonl", "heldout.jsonl", "consumed.jsonl", "tensorboard", "profile",
+                   EXPORT, "best", "best.json", "best.json.tmp"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -39,11 +44,13 @@ CHECKPOINT_PREFIX = "step-"
 
 def preflight(cfg: TrainConfig) -> dict:
     from .cache.reader import CacheReader
-    from .drafter import DrafterConfig
+    from .drafter import DrafterConfig, check_export_dest
     from .packing import accumulation, manifest_fingerprint, pack_rows, epoch_order, steps_per_epoch
     from .runtime import check_devices_exist, parse_devices
 
     cfg.validate()
+    for dest in (EXPORT, BEST):  # the run ends writing them: refused now, not after the training
+        check_export_dest(Path(cfg.out).absolute() / dest)
     devices = parse_devices(cfg.devices)
     if torchrun_launch() is None:
         check_devices_exist(devices)
@@ -292,8 +299,10 @@ def check_resume(cfg: TrainConfig, plan: dict) -> None:
 
 def run(cfg: TrainConfig) -> None:
     launch = torchrun_launch()
+    cfg.validate()  # options first: a run that names no --out has no folder to check
     out = Path(cfg.out)
     name = f"train-rank{launch.rank}" if launch else "train-launcher"
+    refuse_foreign_run(out)  # before its log folder is made
     try:
         open_process_log(out / "logs", name)
     except OSError as e:  # before anything else: no log, no run folder, one line
@@ -364,8 +373,18 @@ def run(cfg: TrainConfig) -> None:
         # The first rank to fail is the cause; the others' errors (a broken collective) follow from it.
         first = min(errors, key=lambda r: errors[r][0]) if errors else bad[0]
         what = errors[first][1] if errors else f"exited with code {procs[first].exitcode}"
+        diverged = f"{TrainingDiverged.__name__}: "
+        if what.startswith(diverged):  # every rank stopped at the same step: the line says what to do
+            raise TrainingDiverged(what[len(diverged):])
         raise RuntimeError(f"training rank {first} failed: {what}; see {out / 'logs' / f'train-rank{first}.log'}. "
                            "Run the same command again to resume.")
+
+
+def refuse_foreign_run(out: Path) -> None:
+    """--out is a run folder (it holds a checkpoint), or holds nothing but what a first run makes."""
+    if not list_checkpoints(out):
+        refuse_foreign_folder(out, "--out", "a training run", "step-N/ checkpoint", RUN_OWN_ENTRIES,
+                              (".tmp-", f".{EXPORT}.", f".{BEST}."))
 
 
 def _spawned(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict, port: int, errq) -> None:
@@ -380,6 +399,24 @@ def _spawned(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict, p
 
     with worker_outcome(on_error=lambda line: errq.put((rank, (time.time(), line)))):
         train_worker(rank, world, device, cfg, plan)
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient norm: the run stops before that step's update, exports nothing."""
+
+
+def diverged_message(loss_flags, gnorm: float, step: int, out: Path, last_ckpt: int) -> str:
+    """One line: what was not finite, at which step and on which rank(s), and where to go on from."""
+    ranks = [r for r, f in enumerate(loss_flags) if f]
+    if ranks:
+        what = f"the loss is not finite on rank {', '.join(map(str, ranks))}"
+    else:  # DDP averages the gradients: every rank holds the same norm
+        what = f"the gradient norm is {gnorm} on every rank ({len(loss_flags)} rank(s)), with a finite loss"
+    last = (f"the last good checkpoint is {out / f'{CHECKPOINT_PREFIX}{last_ckpt}'}" if last_ckpt
+            else "there is no checkpoint yet")
+    return (f"training stopped at step {step}: {what}; the step was not applied and no export was written; {last}; "
+            "train into a new --out with a lower --lr or --clip (a resume must keep them), or check the cache with "
+            "dflash-offline verify")
 
 
 def stopped_message(signum: int, out: Path) -> str:
@@ -676,7 +713,11 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = DDP(drafter, device_ids=[device] if cuda else None, broadcast_buffers=False)
+        import warnings
+
+        with warnings.catch_warnings():  # torch's advice applies to rank-local buffers; the drafter has none
+            warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+            model = DDP(drafter, device_ids=[device] if cuda else None, broadcast_buffers=False)
     params = drafter.trainable_parameters()
     opt = torch.optim.AdamW(params, lr=plan["lr"], weight_decay=cfg.weight_decay, fused=cuda)
     total = plan["total_steps"]
@@ -838,6 +879,19 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
             opt_range = phase("optimizer")
             opt_range.__enter__()
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+            # Metrics and the finiteness check: one all-reduce of a small vector, one sync with the GPU a
+            # step on every rank, before the optimizer step: a non-finite loss or gradient is never applied.
+            flags = torch.zeros(world + 1, dtype=torch.float64, device=device)
+            flags[rank] = (~torch.isfinite(loss_sum)).double()  # whose loss (summed: every rank sees all)
+            flags[world] = (~torch.isfinite(gnorm)).double()  # the gradient, averaged over ranks
+            vec = torch.cat([loss_sum.view(1), step_m["slot_correct"], step_m["slot_count"],
+                             step_m["tau_sum"].view(1), step_m["blocks"].view(1), flags])
+            if world > 1:
+                dist.all_reduce(vec)
+            v = vec.cpu().numpy()
+            if v[-(world + 1):].any():  # the same on every rank: all stop here, none waits for another
+                opt_range.__exit__(None, None, None)
+                raise TrainingDiverged(diverged_message(v[-(world + 1):-1], float(gnorm), step + 1, out, last_ckpt[0]))
             if follow:
                 # The schedule runs over the plan's tokens, not over a step count known in advance:
                 # this step's place is the middle of its share of the window's tokens.
@@ -852,14 +906,8 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
             step += 1
             fault_point("train-step")
             heartbeat(phase="train", step=step, total_steps=total)
-            # Metrics: one all-reduce of a small vector; `.item()` below syncs with the GPU once a step.
-            vec = torch.cat([loss_sum.view(1), step_m["slot_correct"], step_m["slot_count"],
-                             step_m["tau_sum"].view(1), step_m["blocks"].view(1)])
-            if world > 1:
-                dist.all_reduce(vec)
             wait_total += t_data
             if rank == 0:
-                v = vec.cpu().numpy()
                 loss = float(v[0] / max(wsum.item(), 1e-12))  # a step without scored tokens logs 0, not nan
                 sc, cnt = v[1:1 + B], v[1 + B:1 + 2 * B]
                 acc = np.where(cnt > 0, sc / np.maximum(cnt, 1), 0.0)
@@ -923,7 +971,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
         if bar is not None:
             bar.close()
         if cfg.final_checkpoint:
-            path = export_drafter(drafter, str(out / "export"))
+            path = export_drafter(drafter, str(out / EXPORT))
             log.info("exported drafter to %s", path)
             if held_out is not None and held_out.best is not None:
                 b = held_out.best
