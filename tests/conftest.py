@@ -13,6 +13,16 @@ from pathlib import Path
 
 import pytest
 
+# One compute thread per process, here and in every CLI process the tests start (they inherit the
+# environment): two test processes (xdist -n 2) share the 2 cores, and a tiny model's forward in a
+# second thread only waits on the other process. With torch's default (a thread per core), an
+# in-process decode or the demo's target training runs 10-15x slower while the other test process
+# computes (OpenMP threads spinning against each other). Results do not depend on it; set
+# OMP_NUM_THREADS to choose otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this file (a plugin): apply the same to it
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = ROOT / "manifests" / "cache-manifest.schema.json"
 

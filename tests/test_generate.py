@@ -166,13 +166,25 @@ KILLS = [("generate-batch:3", "cpu"), ("part-written:2", "cpu,cpu"), ("part-rena
          ("manifest-tmp-written:3", "cpu")]
 
 
-def test_sigkill_then_rerun_equals_an_uninterrupted_run(tiny_dense, tmp_path):
-    prompts_path = make_prompts(tmp_path / "prompts.parquet", rows=16)
-    args = ["generate", "--target", tiny_dense, "--prompts", prompts_path, "--chunk-prompts", 4,
-            "--batch-tokens", 2 * 54, *GEN]
-    r = run_cli([*args, "--out", tmp_path / "straight", "--devices", "cpu"])
+# The settings of the kill and stop tests: 16 prompts in 4 parts of 4, batches of 2 rows.
+PARTS = ["--chunk-prompts", 4, "--batch-tokens", 2 * 54, *GEN]
+
+
+@pytest.fixture(scope="module")
+def straight_generate(tiny_dense, tmp_path_factory):
+    """(prompts, {id: row}) of an uninterrupted one-process `generate` of 16 prompts with PARTS:
+    what the killed and the stopped runs must equal after they resume (made once per module)."""
+    root = tmp_path_factory.mktemp("straight-generate")
+    prompts_path = make_prompts(root / "prompts.parquet", rows=16)
+    r = run_cli(["generate", "--target", tiny_dense, "--prompts", prompts_path, *PARTS, "--out", root / "straight",
+                 "--devices", "cpu"])
     assert r.returncode == 0, r.stderr[-3000:]
-    straight = read_output(tmp_path / "straight")
+    return prompts_path, read_output(root / "straight")
+
+
+def test_sigkill_then_rerun_equals_an_uninterrupted_run(tiny_dense, straight_generate, tmp_path):
+    prompts_path, straight = straight_generate
+    args = ["generate", "--target", tiny_dense, "--prompts", prompts_path, *PARTS]
     for k, (point, devices) in enumerate(KILLS):
         out = tmp_path / f"killed{k}"
         r = run_cli([*args, "--out", out, "--devices", devices], env={"DFLASH_OFFLINE_KILL_AT": point})
@@ -275,7 +287,7 @@ def test_extract_reads_a_complete_output_and_refuses_an_incomplete_one(tiny_dens
     assert m["totals"]["tokens"] == sum(len(r["input_ids"]) for r in rows.values())
 
 
-def test_sigterm_commits_the_part_in_progress_and_status_tells(tiny_dense, tmp_path):
+def test_sigterm_commits_the_part_in_progress_and_status_tells(tiny_dense, straight_generate, tmp_path):
     """SIGTERM while both workers hold mid-part: each finishes and commits that part, the run
     exits with 128 + SIGTERM saying how to resume, `status` says stopped; the same command then
     completes the output, equal to an uninterrupted run."""
@@ -283,9 +295,8 @@ def test_sigterm_commits_the_part_in_progress_and_status_tells(tiny_dense, tmp_p
 
     from test_graceful_stop import held, start, wait_until
 
-    prompts_path = make_prompts(tmp_path / "prompts.parquet", rows=16)
-    args = ["generate", "--target", tiny_dense, "--prompts", prompts_path, "--chunk-prompts", 4,
-            "--batch-tokens", 2 * 54, "--devices", "cpu,cpu", *GEN]
+    prompts_path, straight = straight_generate
+    args = ["generate", "--target", tiny_dense, "--prompts", prompts_path, *PARTS, "--devices", "cpu,cpu"]
     out = tmp_path / "stopped"
     proc = start([*args, "--out", out], {"DFLASH_OFFLINE_HOLD_AT": "generate-batch:1"})
     wait_until(lambda: held(out / "logs", ["generate-rank0", "generate-rank1"]), proc)
@@ -300,8 +311,6 @@ def test_sigterm_commits_the_part_in_progress_and_status_tells(tiny_dense, tmp_p
     one = [a if a != "cpu,cpu" else "cpu" for a in args]  # the rest in one process: the same rows
     r = run_cli([*one, "--out", out])
     assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli([*one, "--out", tmp_path / "straight"])
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert read_output(out) == read_output(tmp_path / "straight")
+    assert read_output(out) == straight
     st = run_cli(["status", out])
     assert st.returncode == 0 and f"generated {out}: complete" in st.stdout and "4/4 parts" in st.stdout, st.stdout
