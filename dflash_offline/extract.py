@@ -25,7 +25,8 @@ import numpy as np
 from .cache.manifest import shard_name
 from .config import ExtractConfig
 from .runtime import (Launch, Stopped, UserError, fault_point, heartbeat, install_stop_handlers, open_process_log,
-                      refuse_foreign_folder, signal_name, stop_requested, torchrun_launch, wait_for_other_ranks)
+                      refuse_foreign_folder, signal_name, stop_requested, torchrun_launch,
+                      wait_for_other_ranks, join_ranks)
 
 log = logging.getLogger("dflash.extract")
 # What a cache location holds before its first manifest (a refused or killed first run): anything
@@ -263,6 +264,7 @@ def run(cfg: ExtractConfig) -> dict:
         raise UserError(f"--cache {cfg.cache}: cannot write its log folder {_log_dir(cfg, loc)} "
                         f"({e.strerror or e}); choose a writable location (or --log-dir)") from None
     install_stop_handlers()  # SIGTERM/SIGINT: finish the shards being written, commit them, exit
+    join_ranks(launch)  # a launch other than torchrun: every rank is there before any work
     t0 = time.time()
     heartbeat(phase="preflight")
     job, wanted, devices, todo_tokens = preflight(cfg, loc, launch)

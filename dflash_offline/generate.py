@@ -27,7 +27,8 @@ import numpy as np
 
 from .config import GenerateConfig
 from .runtime import (Launch, Stopped, UserError, fault_point, heartbeat, install_stop_handlers, open_process_log,
-                      signal_name, stop_requested, torchrun_launch, wait_for_other_ranks)
+                      signal_name, stop_requested, torchrun_launch,
+                      wait_for_other_ranks, join_ranks)
 
 log = logging.getLogger("dflash.generate")
 
@@ -196,6 +197,7 @@ def run(cfg: GenerateConfig) -> dict:
         raise UserError(f"--out {cfg.out}: cannot write its log folder {log_dir} ({e.strerror or e}); choose a "
                         "writable location (or --log-dir)") from None
     install_stop_handlers()
+    join_ranks(launch)  # a launch other than torchrun: every rank is there before any work
     t0 = time.time()
     heartbeat(phase="preflight")
     job, wanted, devices, todo_prompts = preflight(cfg, folder, merged, launch)

@@ -393,14 +393,84 @@ class Launch:
     under_torchrun: bool
 
 
+# What a torch.distributed launch puts in each rank's environment. torchrun (the elastic agent)
+# also sets TORCHELASTIC_RUN_ID and GROUP_RANK: a shell never has them, so they tell a real launch
+# from variables left over from an earlier one (`export RANK=0 WORLD_SIZE=2`), which would have a
+# plain command do its share of the work and wait forever for ranks that never come.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "GROUP_RANK")
+RENDEZVOUS_S = 120.0  # how long a rank of a launch other than torchrun waits for the others to join
+RANK_WAIT_S = 1800.0  # how long rank 0 waits for the other ranks' commits without any progress
+_UNSET = "unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT"
+
+
+def _launch_env() -> str:
+    return " ".join(f"{k}={os.environ[k]}" for k in LAUNCH_VARS if k in os.environ)
+
+
 def torchrun_launch() -> Launch | None:
-    """The rank layout torchrun (or any torch.distributed launcher) put in the environment."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        rank = int(os.environ["RANK"])
-        world = int(os.environ["WORLD_SIZE"])
+    """The rank layout torchrun (or another torch.distributed launcher) put in the environment, or
+    None for a plain command. The variables count only when the launch really is distributed:
+    torchrun's own markers are set, or WORLD_SIZE > 1 comes with all of RANK, LOCAL_RANK,
+    MASTER_ADDR and MASTER_PORT (such a launch meets its ranks first, `join_ranks`); anything else
+    (a stale RANK/WORLD_SIZE in the shell, values that do not fit) is refused in one line."""
+    if not any(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return None  # MASTER_ADDR/MASTER_PORT alone change nothing
+    env = _launch_env()
+    torchrun = all(k in os.environ for k in TORCHRUN_VARS)
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_RANK", rank))
-        return Launch(rank=rank, world_size=world, local_rank=local, under_torchrun=True)
-    return None
+        ok = 0 <= rank < world and 0 <= local <= rank
+    except (KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise UserError(f"the environment has {env}, which is not a consistent distributed launch; to run alone: "
+                        f"{_UNSET} (left from an earlier torchrun?); to run distributed, start the command with "
+                        "torchrun")
+    if not torchrun and not (world > 1 and all(k in os.environ for k in LAUNCH_VARS)):
+        raise UserError(f"the environment has {env} but this is not a torchrun launch (no {' or '.join(TORCHRUN_VARS)}"
+                        f"); to run alone: {_UNSET} (left from an earlier torchrun?); to run distributed, start the "
+                        "command with torchrun")
+    return Launch(rank=rank, world_size=world, local_rank=local, under_torchrun=torchrun)
+
+
+_rendezvous_store = None  # join_ranks' store: the training process group is built on it
+
+
+def join_ranks(launch: Launch | None) -> None:
+    """A launch other than torchrun (which meets its ranks before it starts them): every rank
+    meets the others at MASTER_ADDR:MASTER_PORT before any work, at most
+    DFLASH_OFFLINE_RENDEZVOUS_S seconds (default RENDEZVOUS_S), and says so in its log; ranks
+    that do not come end the command in one line."""
+    global _rendezvous_store
+    if launch is None or launch.under_torchrun or launch.world_size == 1 or _rendezvous_store is not None:
+        return
+    timeout = float(os.environ.get("DFLASH_OFFLINE_RENDEZVOUS_S", RENDEZVOUS_S))
+    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    log.info("distributed launch without torchrun (%s): rank %d waits up to %.0fs for the other %d rank(s) at %s:%s",
+             _launch_env(), launch.rank, timeout, launch.world_size - 1, addr, port)
+    heartbeat(phase="waiting for the other ranks")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # a client's retries print C++ stacks otherwise
+    import datetime
+
+    import torch.distributed as dist
+
+    t0 = time.time()
+    try:
+        _rendezvous_store = dist.TCPStore(addr, int(port), launch.world_size, launch.rank == 0,
+                                          timeout=datetime.timedelta(seconds=timeout), wait_for_workers=True)
+    except Exception as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"the environment has {_launch_env()}, but the other ranks did not join at {addr}:{port} "
+                        f"within {time.time() - t0:.0f}s ({why}); to run alone: {_UNSET} (left from an earlier "
+                        "torchrun?); to run distributed, start every rank (torchrun does)") from None
+    log.info("all %d ranks joined in %.1fs", launch.world_size, time.time() - t0)
+
+
+def rendezvous_store():
+    """The store join_ranks met the other ranks on (None under torchrun, our launcher, or alone)."""
+    return _rendezvous_store
 
 
 def parse_devices(spec: str) -> list[str]:
@@ -559,17 +629,33 @@ def run_workers(entry, devices: list[str], job, stage: str, on_message) -> Worke
 
 
 def wait_for_other_ranks(read_manifest, progress) -> None:
-    """torchrun: rank 0 reports the whole output, so it waits until the manifest says complete
-    (every rank's units committed) or a stop is requested. No process group is needed: the
-    manifest is the shared state, and if another rank dies torchrun tears this one down too.
-    `progress(manifest)` says how far it is, logged every 30 s."""
-    t0, last = time.time(), 0.0
+    """A distributed launch: rank 0 reports the whole output, so it waits until the manifest says
+    complete (every rank's units committed) or a stop is requested. No process group is needed:
+    the manifest is the shared state. It says why it waits at once, how far it is every 30 s
+    (`progress(manifest)`), and gives up when nothing was committed for DFLASH_OFFLINE_RANK_WAIT_S
+    seconds (default RANK_WAIT_S): ranks that never started, or died without torchrun to tear
+    this one down."""
+    limit = float(os.environ.get("DFLASH_OFFLINE_RANK_WAIT_S", RANK_WAIT_S))
+    t0 = last = moved = time.time()
+    seen = None
+    heartbeat(phase="waiting for the other ranks")
     while True:
         m = read_manifest()
         if m["status"] == "complete" or stop_requested():
             return
+        now_at = progress(m)
+        if now_at != seen:
+            if seen is None:
+                log.info("this rank's work is committed; waiting for the other ranks (%s): %s; giving up after %.0fs "
+                         "without a commit", _launch_env(), now_at, limit)
+            seen, moved = now_at, time.time()
+        if time.time() - moved > limit:
+            raise RuntimeError(f"waited {time.time() - t0:.0f}s for the other ranks ({_launch_env()}), "
+                               f"{time.time() - moved:.0f}s without a commit: {now_at}; if no other rank is "
+                               f"running: {_UNSET} and run the same command again (it resumes)")
+        heartbeat()
         if time.time() - last > 30:
-            log.info("waiting for other ranks: %s (%.0fs)", progress(m), time.time() - t0)
+            log.info("waiting for other ranks: %s (%.0fs)", now_at, time.time() - t0)
             last = time.time()
         time.sleep(0.5)
 

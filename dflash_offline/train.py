@@ -26,7 +26,8 @@ from pathlib import Path
 
 from .config import TrainConfig
 from .runtime import (Stopped, UserError, fault_point, heartbeat, human_count, install_stop_handlers, open_process_log,
-                      ordinary_mode, refuse_foreign_folder, spawning, signal_name, stop_requested, torchrun_launch)
+                      join_ranks, ordinary_mode, refuse_foreign_folder, spawning, signal_name, stop_requested,
+                      torchrun_launch)
 
 log = logging.getLogger("dflash.train")
 
@@ -309,6 +310,7 @@ def run(cfg: TrainConfig) -> None:
         raise UserError(f"--out {cfg.out}: cannot write its log folder {out / 'logs'} ({e.strerror or e}); "
                         "choose a writable run folder") from None
     install_stop_handlers()  # SIGTERM/SIGINT: finish the step, checkpoint, exit
+    join_ranks(launch)  # a launch other than torchrun: every rank is there before any work
     heartbeat(phase="preflight")
     plan = preflight(cfg)
     if stop_requested():
@@ -684,7 +686,13 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
         torch.cuda.set_device(device)
     ctrl = None  # the group that agrees on stopping: gloo, so the check never syncs with the GPU
     if world > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+        from .runtime import rendezvous_store
+
+        # A launch other than torchrun met its ranks on a store (join_ranks); torchrun's and our
+        # launcher's ranks meet through MASTER_ADDR/MASTER_PORT.
+        store = rendezvous_store()
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                                **({"store": store} if store is not None else {}))
         ctrl = dist.new_group(backend="gloo") if cuda else None
     stopping: list[int | None] = [None]
 
