@@ -24,9 +24,9 @@ import numpy as np
 
 from .cache.manifest import shard_name
 from .config import ExtractConfig
-from .runtime import (Launch, Stopped, UserError, fault_point, heartbeat, install_stop_handlers, open_process_log,
-                      refuse_foreign_folder, signal_name, stop_requested, torchrun_launch,
-                      wait_for_other_ranks, join_ranks)
+from .runtime import (Launch, Stopped, UserError, claim_heartbeat, fault_point, heartbeat, install_stop_handlers,
+                      join_ranks, open_process_log, refuse_foreign_folder, signal_name, stop_requested,
+                      torchrun_launch, wait_for_other_ranks)
 
 log = logging.getLogger("dflash.extract")
 # What a cache location holds before its first manifest (a refused or killed first run): anything
@@ -283,6 +283,7 @@ def run(cfg: ExtractConfig) -> dict:
         if run_lock is None:
             raise UserError(f"--cache {cfg.cache}: another extract is running on this cache (it holds "
                             f"{loc.path('.run.lock')}); wait for it or stop it, then run again")
+    claim_heartbeat()  # this process holds the cache now: a refused rerun never wrote its heartbeat
     store = ManifestStore(loc)
     store.init_or_check(wanted)
     if launch is None or launch.rank == 0:
@@ -401,7 +402,7 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
 
     die_with_parent()
     loc = Location(job.cfg["cache"])
-    open_process_log(_log_dir(ExtractConfig(**job.cfg), loc), f"extract-rank{rank}", console=True)
+    open_process_log(_log_dir(ExtractConfig(**job.cfg), loc), f"extract-rank{rank}", console=True, claim=True)
     install_stop_handlers(launched=True)
     from .runtime import worker_outcome
 

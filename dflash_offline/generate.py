@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from .config import GenerateConfig
-from .runtime import (Launch, Stopped, UserError, fault_point, heartbeat, install_stop_handlers, open_process_log,
-                      signal_name, stop_requested, torchrun_launch,
-                      wait_for_other_ranks, join_ranks)
+from .runtime import (Launch, Stopped, UserError, claim_heartbeat, fault_point, heartbeat, install_stop_handlers,
+                      join_ranks, open_process_log, signal_name, stop_requested, torchrun_launch,
+                      wait_for_other_ranks)
 
 log = logging.getLogger("dflash.generate")
 
@@ -209,6 +209,7 @@ def run(cfg: GenerateConfig) -> dict:
         if run_lock is None:
             raise UserError(f"--out {cfg.out}: another generate is writing this output (it holds "
                             f"{folder / '.run.lock'}); wait for it or stop it, then run again")
+    claim_heartbeat()  # this process holds the output now: a refused rerun never wrote its heartbeat
     store = parts.OutputStore(folder)
     manifest = store.init_or_check(wanted)
     if manifest["status"] == "complete":
@@ -310,7 +311,8 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     from .runtime import die_with_parent, worker_outcome
 
     die_with_parent()
-    open_process_log(job.cfg["log_dir"] or os.path.join(job.folder, "logs"), f"generate-rank{rank}")
+    open_process_log(job.cfg["log_dir"] or os.path.join(job.folder, "logs"), f"generate-rank{rank}",
+                     claim=True)
     install_stop_handlers(launched=True)
     with worker_outcome(on_error=lambda line: q.put(("error", rank, line))):
         left = worker_run(rank, world, device, job, q, False, 0)

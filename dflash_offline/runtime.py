@@ -47,11 +47,17 @@ def refuse_foreign_folder(folder: str | os.PathLike, option: str, kind: str, mar
 # Logs
 
 
-def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = True) -> Path:
+def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = True, claim: bool = False) -> Path:
     """Create `log_dir/name.log`, point the `dflash` logger at it and arm faulthandler on it.
 
     Call this before importing torch or touching model weights. The file is opened in append mode
     so a resumed run keeps the history of the interrupted one.
+
+    The heartbeat `log_dir/name.heartbeat.json` is written at once when there is none yet, or with
+    `claim` (a worker, started by a launcher that holds the run). Otherwise it is another run's
+    (one running, or the finished run this command would resume): it stays as it is until this
+    process calls `claim_heartbeat()`, once it holds the run (its lock taken, its preflight passed).
+    A rerun that is refused, or a side process (eval beside an export), leaves it untouched.
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -87,7 +93,8 @@ def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = T
         # An earlier stage of this process (the demo: extract, then train) returned normally: a
         # failure or a stop would have been recorded. Left `running`, `status` would call it died.
         _heartbeat.finish("done")
-    _heartbeat = Heartbeat(log_dir / f"{name}{HEARTBEAT_SUFFIX}", name, path)
+    hb_path = log_dir / f"{name}{HEARTBEAT_SUFFIX}"
+    _heartbeat = Heartbeat(hb_path, name, path, claimed=claim or not hb_path.exists())
     return path
 
 
@@ -120,8 +127,9 @@ class Heartbeat:
     SIGKILL leaves `running` behind, and `status` sees that its pid is gone.
     """
 
-    def __init__(self, path: Path, name: str, log_path: Path):
+    def __init__(self, path: Path, name: str, log_path: Path, claimed: bool = True):
         self.path = path
+        self.claimed = claimed  # False: the file is another run's until claim()
         self.data = {"name": name, "pid": os.getpid(), "host": socket.gethostname(), "log": str(log_path),
                      "started": time.time(), "updated": time.time(), "state": "running", "phase": "starting"}
         self._last = 0.0
@@ -141,10 +149,18 @@ class Heartbeat:
         self.data.update(state=state, updated=time.time(), error=error)
         self._write()
 
+    def claim(self) -> None:
+        if not self.claimed:
+            self.claimed = True
+            self.data["updated"] = time.time()
+            self._write()
+
     def _write(self) -> None:
         import json
 
         self._last = time.time()
+        if not self.claimed:
+            return
         tmp = self.path.with_name(self.path.name + f".tmp-{os.getpid()}")
         try:
             tmp.write_text(json.dumps(self.data))
@@ -162,6 +178,13 @@ def heartbeat(phase: str | None = None, **progress) -> None:
 def current_log() -> str | None:
     """This process's log file (None before open_process_log)."""
     return _heartbeat.data["log"] if _heartbeat is not None else None
+
+
+def claim_heartbeat() -> None:
+    """This process holds the run now (its lock taken, its preflight passed): its heartbeat
+    replaces the one a previous run left (see open_process_log)."""
+    if _heartbeat is not None:
+        _heartbeat.claim()
 
 
 def finish_heartbeat(state: str, error: str | None = None) -> None:

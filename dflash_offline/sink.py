@@ -117,7 +117,7 @@ def writer_main(w: int, cache: str, layout_kw: dict, slot_names: list[str], arra
 
     die_with_parent()
     ignore_stop_signals()  # the worker decides when its writers stop (it finishes the shard first)
-    open_process_log(log_dir, log_name, console=False)
+    open_process_log(log_dir, log_name, console=False, claim=True)
     try:
         with reported_outcome():
             _writer_loop(w, cache, layout_kw, slot_names, arrays, inq, outq, discard)

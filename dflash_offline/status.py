@@ -35,13 +35,15 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def processes(log_dir: Path, now: float | None = None) -> list[dict]:
-    """One entry per heartbeat file: name, pid, state (running / done / failed / stopped /
-    interrupted / died / stale), phase, progress fields, age of the last beat, error, log path."""
+def processes(log_dir: Path, now: float | None = None, stage: str = "") -> list[dict]:
+    """One entry per heartbeat file of the stage's processes (names starting with `stage`: an
+    `eval` of a run's export logs beside the run, and is not the run): name, pid, state (running /
+    done / failed / stopped / interrupted / died / stale), phase, progress fields, age of the last
+    beat, error, log path."""
     now = time.time() if now is None else now
     host = socket.gethostname()
     out = []
-    for f in sorted(log_dir.glob(f"*{HEARTBEAT_SUFFIX}")):
+    for f in sorted(log_dir.glob(f"{stage}*{HEARTBEAT_SUFFIX}")):
         try:
             hb = json.loads(f.read_text())
         except (OSError, json.JSONDecodeError):
@@ -57,11 +59,12 @@ def processes(log_dir: Path, now: float | None = None) -> list[dict]:
     return out
 
 
-def last_error(log_dir: Path) -> dict | None:
-    """The newest error line (and the exception line of its traceback) in the process logs. A
-    launcher's "worker N exited" is only the echo of a worker's own error: the worker's is shown."""
+def last_error(log_dir: Path, stage: str = "") -> dict | None:
+    """The newest error line (and the exception line of its traceback) in the stage's process logs
+    (names starting with `stage`). A launcher's "worker N exited" is only the echo of a worker's
+    own error: the worker's is shown."""
     found = []
-    for f in sorted(log_dir.glob("*.log")):
+    for f in sorted(log_dir.glob(f"{stage}*.log")):
         try:
             lines = f.read_text(encoding="utf-8", errors="replace").splitlines()
         except OSError:
@@ -98,7 +101,7 @@ def cache_status(path: str) -> dict:
     loc = Location(path)
     m = ManifestStore(loc).read()
     logs = Path(loc.path("logs")) if not loc.remote else Path("dflash-logs")
-    procs = processes(logs) if logs.is_dir() else []
+    procs = processes(logs, stage="extract-") if logs.is_dir() else []
     if m is None:
         if not procs:
             raise UserError(f"{path}: no manifest.json; not a cache (or nothing committed yet)")
@@ -117,7 +120,8 @@ def cache_status(path: str) -> dict:
             "shards_released": len(m.get("released", [])), "occupancy_bytes": occupancy(m),
             "budget_bytes": m.get("budget_bytes"), "in_flight": sorted(m.get("reserved") or {}),
             "consumers": {k: len(v["finished"]) for k, v in (m.get("consumers") or {}).items()},
-            "debris": debris, "processes": procs, "last_error": last_error(logs) if logs.is_dir() else None}
+            "debris": debris, "processes": procs,
+            "last_error": last_error(logs, "extract-") if logs.is_dir() else None}
 
 
 def _verdict(status: str, procs: list[dict], busy: str, command: str) -> str:
@@ -145,14 +149,14 @@ def generate_status(path: str) -> dict:
         folder = folder.with_name(folder.name + ".parts")
     m = read_manifest(folder)
     logs = folder / "logs"
-    procs = processes(logs) if logs.is_dir() else []
+    procs = processes(logs, stage="generate-") if logs.is_dir() else []
     on_disk = {f.name for f in folder.glob("part-*.parquet")}
     debris = sorted(on_disk - {p["file"] for p in m["parts"]})
     return {"kind": "generate", "path": str(path), "status": m["status"],
             "verdict": _verdict(m["status"], procs, "generating", "generate"),
             "parts_committed": len(m["parts"]), "parts_planned": m["plan"]["num_parts"], "totals": m["totals"],
             "merged": m.get("merged"), "debris": debris, "processes": procs,
-            "last_error": last_error(logs) if logs.is_dir() else None}
+            "last_error": last_error(logs, "generate-") if logs.is_dir() else None}
 
 
 def _is_generated(p: Path) -> bool:
@@ -178,7 +182,7 @@ def run_status(path: str) -> dict:
                 last = json.loads(lines[-1])
             except json.JSONDecodeError:
                 last = json.loads(lines[-2]) if len(lines) > 1 else None  # the last line being written
-    procs = processes(out / "logs") if (out / "logs").is_dir() else []
+    procs = processes(out / "logs", stage="train-") if (out / "logs").is_dir() else []
     total = next((p["total_steps"] for p in procs if p.get("total_steps")), None)
     running = [p for p in procs if p["state"] == "running"]
     failed = [p for p in procs if p["state"] in ("failed", "died", "interrupted", "stopped")]
@@ -197,7 +201,7 @@ def run_status(path: str) -> dict:
         verdict = "nothing recorded yet"
     return {"kind": "run", "path": str(path), "verdict": verdict, "checkpoints": steps,
             "last_metrics": last, "total_steps": total, "export": export, "processes": procs,
-            "last_error": last_error(out / "logs") if (out / "logs").is_dir() else None}
+            "last_error": last_error(out / "logs", "train-") if (out / "logs").is_dir() else None}
 
 
 def _is_run(p: Path) -> bool:

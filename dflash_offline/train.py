@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .config import TrainConfig
-from .runtime import (Stopped, UserError, fault_point, heartbeat, human_count, install_stop_handlers, open_process_log,
-                      join_ranks, ordinary_mode, refuse_foreign_folder, spawning, signal_name, stop_requested,
-                      torchrun_launch)
+from .runtime import (Stopped, UserError, claim_heartbeat, fault_point, heartbeat, human_count,
+                      install_stop_handlers, join_ranks, open_process_log, ordinary_mode, refuse_foreign_folder,
+                      signal_name, spawning, stop_requested, torchrun_launch)
 
 log = logging.getLogger("dflash.train")
 
@@ -323,6 +323,7 @@ def run(cfg: TrainConfig) -> None:
         if run_lock is None:
             raise UserError(f"--out {cfg.out}: another training run is using this folder (it holds "
                             f"{out / '.run.lock'}); wait for it or stop it, then run again")
+    claim_heartbeat()  # this process holds the run now: a refused rerun never wrote its heartbeat
     if launch is not None:
         dev = "cpu" if all(d == "cpu" for d in plan["devices"]) else f"cuda:{launch.local_rank}"
         train_worker(launch.rank, launch.world_size, dev, cfg, plan)
@@ -395,7 +396,7 @@ def _spawned(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict, p
     die_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    open_process_log(Path(cfg.out) / "logs", f"train-rank{rank}")
+    open_process_log(Path(cfg.out) / "logs", f"train-rank{rank}", claim=True)
     install_stop_handlers(launched=True)
     from .runtime import worker_outcome
 

@@ -5,12 +5,15 @@ changed; the hang cases also that the command returns within a time limit."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import time
+from pathlib import Path
 
 import pytest
-from conftest import TRAIN, run_cli, tree_digest
+from conftest import STRAIGHT, TRAIN, extract_args, run_cli, tree_digest
 
 
 def _one_line(r, code: int, start: str) -> str:
@@ -73,3 +76,57 @@ def test_rank_zero_gives_up_waiting_without_progress(monkeypatch):
     with pytest.raises(RuntimeError, match=r"waited \d+s for the other ranks .*without a commit: 3/7 shards"):
         wait_for_other_ranks(lambda: {"status": "extracting"}, lambda m: "3/7 shards")
     assert time.time() - t0 < 10
+
+
+# ----------------------------------------------------------------------------------------------
+# Status that lies: refused reruns and side processes leave a run's heartbeats alone
+
+
+def _beats(logs, prefix: str) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(logs.glob(f"{prefix}*.heartbeat.json"))}
+
+
+def _status(path) -> dict:
+    r = run_cli(["status", path, "--json"])
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_refused_reruns_and_eval_leave_a_finished_run_finished(straight_run, arith_cache, tiny_dense, tmp_path):
+    from dflash_offline.cache.location import Location
+
+    out = tmp_path / "run"
+    shutil.copytree(straight_run("cpu"), out)
+    assert _status(out)["verdict"] == "finished (export written)"
+    committed, beats = tree_digest(out), _beats(out / "logs", "train-")
+    assert beats
+    again = ["train", "--target", tiny_dense, "--cache", arith_cache, "--out", out, *TRAIN, *STRAIGHT, "--devices", "cpu"]
+    # A rerun with another setting: refused by the checkpoint's settings.
+    r = run_cli([*again, "--seed", "1"])
+    _one_line(r, 2, f"error: {out}/step-12 was made with seed = 0, this run has 1")
+    # The same rerun while the run holds its folder (as a running one does).
+    fd = Location(str(out)).try_run_lock()
+    assert fd is not None
+    try:
+        r = run_cli(again)
+    finally:
+        os.close(fd)
+    _one_line(r, 2, f"error: --out {out}: another training run is using this folder")
+    # An eval of the run's export that fails after its log opened (its log goes beside the export).
+    r = run_cli(["eval", "--target", tiny_dense, "--drafter", out / "export", "--cache", arith_cache, "--device", "7"])
+    _one_line(r, 2, "error: --devices asks for GPU 7")
+    assert tree_digest(out) == committed and _beats(out / "logs", "train-") == beats
+    st = _status(out)
+    assert st["verdict"] == "finished (export written)", st
+    assert st["processes"] and all(p["name"].startswith("train-") and p["state"] == "done" for p in st["processes"])
+    assert st["last_error"] is None or Path(st["last_error"]["log"]).name.startswith("train-"), st["last_error"]
+
+
+def test_refused_extract_rerun_leaves_the_heartbeats(valid_cache, tiny_dense, tiny_data, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(valid_cache, cache)
+    committed, beats = tree_digest(cache), _beats(cache / "logs", "")
+    r = run_cli(extract_args(tiny_dense, tiny_data, cache, "--topk", "2"))
+    assert "the cache was made with capture.topk = 4 but this run has 2" in _one_line(r, 2, "error: ")
+    assert tree_digest(cache) == committed and _beats(cache / "logs", "") == beats
+    assert _status(cache)["verdict"] == "complete"
