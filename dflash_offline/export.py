@@ -20,5 +20,13 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
     step = steps[-1] if step is None else step
     if step not in steps:
         raise UserError(f"--step {step}: no such checkpoint in {run_dir}; available: {', '.join(map(str, steps))}")
-    drafter = load_checkpoint(str(run / f"{CHECKPOINT_PREFIX}{step}"))
+    from .drafter import checkpoint_damage
+
+    ck = run / f"{CHECKPOINT_PREFIX}{step}"
+    what = checkpoint_damage(ck, ("state.json", "drafter.safetensors"))
+    if what:
+        before = [s for s in steps if s < step]
+        other = f"export the one before with --step {before[-1]}" if before else "train again (no checkpoint before it)"
+        raise UserError(f"{ck}/{what}; the checkpoint is damaged: {other}, or restore the file from a copy")
+    drafter = load_checkpoint(str(ck))
     return export_drafter(drafter, dest)

@@ -283,6 +283,11 @@ def check_resume(cfg: TrainConfig, plan: dict) -> None:
     if not found:
         return
     ck = out / f"{CHECKPOINT_PREFIX}{found[-1]}"
+    from .drafter import checkpoint_damage
+
+    what = checkpoint_damage(ck)  # headers and sizes only: a damaged file is named before any rank starts
+    if what:
+        raise UserError(damaged_checkpoint(out, found[-1], what))
     state = json.loads((ck / "state.json").read_text())
     if state["cache_fingerprint"] != plan["cache_fingerprint"]:
         raise UserError(f"{ck} was trained on another cache (its fingerprint differs); use a new --out")
@@ -447,6 +452,15 @@ def _agreed_stop(group, world: int) -> int | None:
 
 # ----------------------------------------------------------------------------------------------
 # Checkpoints
+
+
+def damaged_checkpoint(out: Path, step: int, what: str) -> str:
+    """One line for a damaged file of `out/step-N/` (`what`: "FILE: what is wrong"), with the fix."""
+    ck = out / f"{CHECKPOINT_PREFIX}{step}"
+    before = [s for s in list_checkpoints(out) if s < step]
+    fix = (f"delete {ck} to resume from {out / f'{CHECKPOINT_PREFIX}{before[-1]}'}, the checkpoint before it"
+           if before else f"delete {ck} to train from the start (there is no checkpoint before it)")
+    return f"{ck}/{what}; the checkpoint is damaged: {fix}, or restore the file from a copy"
 
 
 def list_checkpoints(out: Path) -> list[int]:
@@ -747,15 +761,24 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
         ck = out / f"{CHECKPOINT_PREFIX}{step}"  # its settings were checked in preflight (check_resume)
         from safetensors.torch import load_file
 
-        sd = load_file(str(ck / "drafter.safetensors"))
-        missing = drafter.load_state_dict(sd, strict=False)
-        if missing.unexpected_keys or any(k in sd for k in missing.missing_keys):
-            raise RuntimeError(f"{ck}: unexpected drafter weights {missing.unexpected_keys[:3]}")
-        tr = torch.load(ck / "trainer.pt", map_location=device, weights_only=False)
-        opt.load_state_dict(tr["optimizer"])
-        sched.load_state_dict(tr["scheduler"])
-        torch.set_rng_state(tr["rng_cpu"])
-        resumed_state = json.loads((ck / "state.json").read_text())
+        reading = "drafter.safetensors"
+        try:  # preflight checked the files' headers and sizes; what can still fail is named the same way
+            sd = load_file(str(ck / reading))
+            missing = drafter.load_state_dict(sd, strict=False)
+            if missing.unexpected_keys or any(k in sd for k in missing.missing_keys):
+                raise ValueError(f"weights that do not fit the drafter ({missing.unexpected_keys[:3]})")
+            reading = "trainer.pt"
+            tr = torch.load(ck / reading, map_location=device, weights_only=False)
+            opt.load_state_dict(tr["optimizer"])
+            sched.load_state_dict(tr["scheduler"])
+            torch.set_rng_state(tr["rng_cpu"])
+            reading = "state.json"
+            resumed_state = json.loads((ck / reading).read_text())
+        except (MemoryError, torch.OutOfMemoryError):  # not the file's fault
+            raise
+        except Exception as e:
+            raise RuntimeError(damaged_checkpoint(out, step, f"{reading}: {type(e).__name__}: "
+                                                  f"{str(e).splitlines()[0] if str(e) else ''}")) from None
         log.info("resumed from %s (step %d of %d)", ck, step, total)
     start_step = step
     follow = bool(plan.get("follow"))

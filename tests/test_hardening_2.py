@@ -130,3 +130,36 @@ def test_refused_extract_rerun_leaves_the_heartbeats(valid_cache, tiny_dense, ti
     assert "the cache was made with capture.topk = 4 but this run has 2" in _one_line(r, 2, "error: ")
     assert tree_digest(cache) == committed and _beats(cache / "logs", "") == beats
     assert _status(cache)["verdict"] == "complete"
+
+
+# ----------------------------------------------------------------------------------------------
+# Damaged checkpoints: the folder, the file and the fix in one line, before any rank starts
+
+
+def _cut(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("name,damage,what", [
+    ("drafter.safetensors", _cut, "cut short"),
+    ("trainer.pt", _cut, "not a complete torch.save file"),
+    ("state.json", lambda p: p.write_text('{"step": 12, "cache_fing'), "not valid JSON"),
+])
+def test_damaged_latest_checkpoint_is_named_with_the_fix(straight_run, arith_cache, tiny_dense, tmp_path, name, damage,
+                                                         what):
+    out = tmp_path / "run"
+    shutil.copytree(straight_run("cpu"), out)
+    shutil.copytree(out / "step-12", out / "step-6")  # an earlier checkpoint to go back to
+    damage(out / "step-12" / name)
+    committed, beats = tree_digest(out), _beats(out / "logs", "train-")
+    r = run_cli(["train", "--target", tiny_dense, "--cache", arith_cache, "--out", out, *TRAIN, *STRAIGHT,
+                 "--max-steps", "14", "--devices", "cpu"])
+    line = _one_line(r, 2, f"error: {out}/step-12/{name}: {what}")
+    assert f"the checkpoint is damaged: delete {out}/step-12 to resume from {out}/step-6" in line, line
+    if name == "drafter.safetensors":
+        r = run_cli(["export", "--run", out, "--to", tmp_path / "exported"])
+        line = _one_line(r, 2, f"error: {out}/step-12/{name}: {what}")
+        assert "export the one before with --step 6" in line, line
+        assert not (tmp_path / "exported").exists()
+    assert tree_digest(out) == committed and _beats(out / "logs", "train-") == beats
