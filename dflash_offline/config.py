@@ -402,13 +402,13 @@ class EvalConfig:
     walk_batch_rows: int = 4
     """Cache walk: rows (of up to 512 anchors each) per drafter forward."""
     batch_size: int = 1
+    """Prompts decoded together. 1: one prompt at a time with a KV cache (any target); N > 1: N
+    prompts per target forward, each round re-running the whole sequences without a cache
+    (batched_eval.py): exact, and much faster on a GPU for small targets."""
     parity: int | None = None
     """With `cache` (held-out, the target's own greedy completions): on its first N samples,
     compare the every-anchor estimate, the walk and real decoding, and name the likely cause when
     walk and decoding disagree (parity.py); exit code 1 then."""
-    """Prompts decoded together. 1: one prompt at a time with a KV cache (any target); N > 1: N
-    prompts per target forward, each round re-running the whole sequences without a cache
-    (batched_eval.py): exact, and much faster on a GPU for small targets."""
     json_path: str | None = None
     """Write the full report here as JSON."""
     progress: bool = True

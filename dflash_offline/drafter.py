@@ -52,21 +52,14 @@ def _rope_theta(text: dict) -> float:
 
 def _mask_token_from_tokenizer(root: Path) -> int | None:
     """The mask token's id from the tokenizer files, or None when the tokenizer declares none."""
-    found = _tokenizer_mask(root)
-    return None if found is None else found[1]
+    return _mask_id(*_tokenizer_vocab(root)[:2])
 
 
-def _tokenizer_token(root: Path, token_id: int) -> str | None:
-    """The text of token `token_id` in the tokenizer files (None when they do not list it)."""
-    return _tokenizer_vocab(root)[2].get(token_id)
-
-
-def _tokenizer_mask(root: Path) -> tuple[str, int] | None:
-    declared_names, vocab, _ = _tokenizer_vocab(root)
+def _mask_id(declared_names: list, vocab: dict[str, int]) -> int | None:
     for declared in declared_names:
         if declared and declared in vocab:
-            return declared, vocab[declared]
-    return ("<|MASK|>", vocab["<|MASK|>"]) if "<|MASK|>" in vocab else None
+            return vocab[declared]
+    return vocab.get("<|MASK|>")
 
 
 def _tokenizer_vocab(root: Path) -> tuple[list, dict[str, int], dict[int, str]]:
@@ -137,8 +130,9 @@ class DrafterConfig:
         bad = [i for i in target_layer_ids if not 0 <= i < info.num_layers]
         if bad or not target_layer_ids:
             raise UserError(f"target layer ids {list(target_layer_ids)}: the target has layers 0..{info.num_layers - 1}")
+        declared, vocab, by_id = _tokenizer_vocab(info.path)  # read once: a 27B tokenizer.json is large
         if mask_token_id is None:
-            mask_token_id = _mask_token_from_tokenizer(info.path)
+            mask_token_id = _mask_id(declared, vocab)
             if mask_token_id is None:
                 raise UserError(f"{target_dir}: the tokenizer declares no mask token (mask_token or <|MASK|>); "
                                 f"pass --mask-token-id")
@@ -154,7 +148,7 @@ class DrafterConfig:
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(text),
             vocab_size=info.vocab_size, max_position_embeddings=int(text.get("max_position_embeddings", 40960)),
             block_size=block_size, target_layer_ids=list(target_layer_ids), mask_token_id=int(mask_token_id),
-            num_target_layers=info.num_layers, mask_token=_tokenizer_token(info.path, int(mask_token_id)),
+            num_target_layers=info.num_layers, mask_token=by_id.get(int(mask_token_id)),
             target=target_identity(info),
         )
 

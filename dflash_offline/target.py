@@ -220,6 +220,11 @@ def load_target(info: TargetInfo, device: str, compute_dtype: str, keep_layers: 
     return model
 
 
+def layer_output(output):
+    """A decoder layer's output tensor (some transformers versions return a tuple)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
 class LayerCapture:
     """Forward hooks that write the chosen layers' outputs into one [B, S, n, H] staging tensor."""
 
@@ -233,8 +238,7 @@ class LayerCapture:
 
     def _hook(self, j: int):
         def hook(module, args, output):
-            out = output[0] if isinstance(output, tuple) else output
-            self.stage[:, :, j, :].copy_(out)
+            self.stage[:, :, j, :].copy_(layer_output(output))
 
         return hook
 
@@ -259,7 +263,7 @@ class RawLayerOutputs:
 
         def hook(j):
             def f(module, args, output):
-                self.outs[j] = output[0] if isinstance(output, tuple) else output
+                self.outs[j] = layer_output(output)
             return f
 
         self._handles = [self.decoder.layers[lid].register_forward_hook(hook(j)) for j, lid in enumerate(self.layer_ids)]

@@ -908,33 +908,31 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                     loss_sum += ls.detach().double()
                     mm = block_metrics(correct, mb["weights"], mb["anchor_valid"], B)
                     step_m = mm if step_m is None else {k: step_m[k] + mm[k] for k in mm}
-            opt_range = phase("optimizer")
-            opt_range.__enter__()
-            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
-            # Metrics and the finiteness check: one all-reduce of a small vector, one sync with the GPU a
-            # step on every rank, before the optimizer step: a non-finite loss or gradient is never applied.
-            flags = torch.zeros(world + 1, dtype=torch.float64, device=device)
-            flags[rank] = (~torch.isfinite(loss_sum)).double()  # whose loss (summed: every rank sees all)
-            flags[world] = (~torch.isfinite(gnorm)).double()  # the gradient, averaged over ranks
-            vec = torch.cat([loss_sum.view(1), step_m["slot_correct"], step_m["slot_count"],
-                             step_m["tau_sum"].view(1), step_m["blocks"].view(1), flags])
-            if world > 1:
-                dist.all_reduce(vec)
-            v = vec.cpu().numpy()
-            if v[-(world + 1):].any():  # the same on every rank: all stop here, none waits for another
-                opt_range.__exit__(None, None, None)
-                raise TrainingDiverged(diverged_message(v[-(world + 1):-1], float(gnorm), step + 1, out, last_ckpt[0]))
-            if follow:
-                # The schedule runs over the plan's tokens, not over a step count known in advance:
-                # this step's place is the middle of its share of the window's tokens.
-                lr_now = plan["lr"] * _lr_at(min(1.0, (seg.tokens_before + seg.tokens * (s + 0.5) / seg.steps)
-                                             / plan["plan_tokens"]), cfg.warmup_ratio)
-                for group in opt.param_groups:
-                    group["lr"] = lr_now
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            opt_range.__exit__(None, None, None)
+            with phase("optimizer"):
+                gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+                # Metrics and the finiteness check: one all-reduce of a small vector, one sync with the GPU a
+                # step on every rank, before the optimizer step: a non-finite loss or gradient is never applied.
+                flags = torch.zeros(world + 1, dtype=torch.float64, device=device)
+                flags[rank] = (~torch.isfinite(loss_sum)).double()  # whose loss (summed: every rank sees all)
+                flags[world] = (~torch.isfinite(gnorm)).double()  # the gradient, averaged over ranks
+                vec = torch.cat([loss_sum.view(1), step_m["slot_correct"], step_m["slot_count"],
+                                 step_m["tau_sum"].view(1), step_m["blocks"].view(1), flags])
+                if world > 1:
+                    dist.all_reduce(vec)
+                v = vec.cpu().numpy()
+                if v[-(world + 1):].any():  # the same on every rank: all stop here, none waits for another
+                    raise TrainingDiverged(diverged_message(v[-(world + 1):-1], float(gnorm), step + 1, out,
+                                                            last_ckpt[0]))
+                if follow:
+                    # The schedule runs over the plan's tokens, not over a step count known in advance:
+                    # this step's place is the middle of its share of the window's tokens.
+                    lr_now = plan["lr"] * _lr_at(min(1.0, (seg.tokens_before + seg.tokens * (s + 0.5) / seg.steps)
+                                                 / plan["plan_tokens"]), cfg.warmup_ratio)
+                    for group in opt.param_groups:
+                        group["lr"] = lr_now
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
             step += 1
             fault_point("train-step")
             heartbeat(phase="train", step=step, total_steps=total)

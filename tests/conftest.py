@@ -106,6 +106,34 @@ def extract_args(target, data, cache, *extra) -> list[str]:
     return args + ["--cache", str(cache), *SMALL_OPTS, *extra]
 
 
+
+def fit_drafter_to_samples(d, feats, input_ids, loss_masks, steps: int, anchors: int, seed: int = 0):
+    """A few optimiser steps of `d` on whole samples, one per row (feats [R, S, n*H] by position):
+    a drafter that accepts some blocks and not others (a random one accepts nothing, which would
+    make acceptance comparisons trivial)."""
+    import numpy as np
+    import torch
+
+    from dflash_offline import masks
+    from dflash_offline.loss import block_loss
+    from dflash_offline.packing import build_row, loss_weights
+
+    S, B = feats.shape[1], d.cfg.block_size
+    rng = np.random.default_rng(seed)
+    opt = torch.optim.AdamW(d.trainable_parameters(), lr=3e-3)
+    d.train()
+    for _ in range(steps):
+        rows = [build_row([ids], [lm], S, anchors, B, 1, loss_weights(B, 4.0), rng) for ids, lm in zip(input_ids, loss_masks)]
+        st = lambda k: torch.from_numpy(np.stack([getattr(r, k) for r in rows]))  # noqa: E731
+        mask = masks.dense_mask(st("doc_ids"), st("anchors"), st("anchor_valid"), B)
+        h = d(feats, st("block_ids"), st("positions"), st("block_positions"), mask)
+        loss, _ = block_loss(h, d.lm_head.weight, st("labels"), st("weights"))
+        opt.zero_grad()
+        (loss / st("weights").sum()).backward()
+        opt.step()
+    return d.eval()
+
+
 # ----------------------------------------------------------------------------------------------
 # Markers
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import fit_drafter_to_samples, run_cli
 from dflash_offline import evaluate as ev
 from dflash_offline.drafter import DFlashDrafter, DrafterConfig
 
@@ -226,34 +226,18 @@ def own_cache(tiny_dense, tmp_path_factory):
 
 
 def fit_drafter(d: DFlashDrafter, cache, steps: int = 15, seed: int = 0) -> DFlashDrafter:
-    """A few optimiser steps on the cache itself: a drafter that accepts some blocks and not
-    others (a random one accepts nothing, which would make the walk tests trivial)."""
-    from dflash_offline import masks
+    """A few optimiser steps on the cache itself (the features it stores)."""
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.loss import block_loss
-    from dflash_offline.packing import build_row, loss_weights
 
     reader = CacheReader(str(cache))
     cols = ev.cache_layer_columns(reader.manifest, d.cfg, str(cache)) or list(range(len(LAYERS)))
     samples = list(reader.samples())
-    S, B = max(len(s.input_ids) for s in samples), d.cfg.block_size
+    S = max(len(s.input_ids) for s in samples)
     feats = torch.zeros(len(samples), S, len(cols) * d.cfg.hidden_size)
     for i, s in enumerate(samples):
         feats[i, :len(s.input_ids)] = torch.from_numpy(s.hidden[:, cols].reshape(len(s.input_ids), -1))
-    rng = np.random.default_rng(seed)
-    opt = torch.optim.AdamW(d.trainable_parameters(), lr=3e-3)
-    d.train()
-    for _ in range(steps):
-        rows = [build_row([s.input_ids.astype(np.int64)], [s.loss_mask], S, 16, B, 1, loss_weights(B, 4.0), rng)
-                for s in samples]
-        st = lambda k: torch.from_numpy(np.stack([getattr(r, k) for r in rows]))  # noqa: E731
-        mask = masks.dense_mask(st("doc_ids"), st("anchors"), st("anchor_valid"), B)
-        h = d(feats, st("block_ids"), st("positions"), st("block_positions"), mask)
-        loss, _ = block_loss(h, d.lm_head.weight, st("labels"), st("weights"))
-        opt.zero_grad()
-        (loss / st("weights").sum()).backward()
-        opt.step()
-    return d.eval()
+    return fit_drafter_to_samples(d, feats, [s.input_ids.astype(np.int64) for s in samples],
+                                  [s.loss_mask for s in samples], steps, anchors=16, seed=seed)
 
 
 class CacheFeatures:

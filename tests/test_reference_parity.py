@@ -61,10 +61,8 @@ def prompts_and_completions(tiny_dense):
 def exported(tiny_dense, tmp_path_factory):
     """A drafter fitted for a few steps to the target's own greedy completions of the test's
     prompts (so that it accepts some blocks and not others), exported: (folder, ours)."""
-    from dflash_offline import masks
+    from conftest import fit_drafter_to_samples
     from dflash_offline.drafter import DFlashDrafter, DrafterConfig, export_drafter
-    from dflash_offline.loss import block_loss
-    from dflash_offline.packing import build_row, loss_weights
 
     _, session, prompts, completions = prompts_and_completions(tiny_dense)
     seqs = [np.asarray(p + c, np.int64) for p, c in zip(prompts, completions)]
@@ -75,18 +73,8 @@ def exported(tiny_dense, tmp_path_factory):
     torch.manual_seed(0)
     d = DFlashDrafter(DrafterConfig.from_target(str(tiny_dense), LAYERS, block_size=B, num_layers=2, mask_token_id=1))
     d.load_frozen_from_target(str(tiny_dense))
-    opt = torch.optim.AdamW(d.trainable_parameters(), lr=3e-3)
-    rng = np.random.default_rng(0)
-    for _ in range(40):
-        rows = [build_row([x], [np.r_[np.zeros(len(p)), np.ones(len(x) - len(p))].astype(np.int8)], S, 24, B, 1,
-                          loss_weights(B, 4.0), rng) for x, p in zip(seqs, prompts)]
-        st = lambda k: torch.from_numpy(np.stack([getattr(r, k) for r in rows]))  # noqa: E731
-        h = d(feats, st("block_ids"), st("positions"), st("block_positions"),
-              masks.dense_mask(st("doc_ids"), st("anchors"), st("anchor_valid"), B))
-        loss, _ = block_loss(h, d.lm_head.weight, st("labels"), st("weights"))
-        opt.zero_grad()
-        (loss / st("weights").sum()).backward()
-        opt.step()
+    fit_drafter_to_samples(d, feats, seqs, [np.r_[np.zeros(len(p)), np.ones(len(x) - len(p))].astype(np.int8)
+                                            for x, p in zip(seqs, prompts)], steps=40, anchors=24)
     folder = export_drafter(d, str(tmp_path_factory.mktemp("parity") / "export"))
     return folder, load_exported(str(folder), str(tiny_dense)).eval()
 
