@@ -117,6 +117,7 @@ def extract(ctx: click.Context, config_file, **options) -> None:
 @click.option("--num-anchors", type=int, help="Blocks per row: the row's static capacity.  [default: 512]")
 @click.option("--anchors-per-sample", type=int, help="Anchors each packed sample draws (the method's per-sequence budget), capped by --num-anchors per row; 0 = one draw per row.  [default: 512]")
 @click.option("--layers", help="Target layer ids the drafter reads, a subset of the cache's, e.g. 1,3,5,6.  [default: all the cache holds]")
+@click.option("--init-layers", help="Target layer ids whose weights start the drafter's layers, one per drafter layer, e.g. 0,1,2,3,4 (dense targets shaped like the drafter).  [default: random]")
 @click.option("--kd-weight", type=float, help="Share of the target's top-k distribution (from the cache) in each slot's target, 0..1.  [default: 0 = data tokens]")
 @click.option("--seq-len", type=int, help="Context tokens per packed row; more than --block-size (a row holds whole blocks).  [default: 4096]")
 @click.option("--global-batch-tokens", type=int, help="Context tokens per optimizer step, all ranks.  [default: 131072]")
@@ -138,7 +139,8 @@ def extract(ctx: click.Context, config_file, **options) -> None:
 @click.option("--loader-workers", type=int, help="Background loader processes per rank; 0 = read in the training process.  [default: 2]")
 @click.option("--prefetch", type=int, help="Rows each loader process reads ahead, >= 1.  [default: 4]")
 @click.option("--attention", type=click.Choice(["auto", "sdpa"]), help="auto = compiled flex on GPU, SDPA + dense mask on CPU; sdpa = the dense baseline on GPU too.")
-@click.option("--loss-chunk-tokens", type=int, help="Block tokens per LM-head chunk in the loss.  [default: 4096]")
+@click.option("--loss-chunk-tokens", type=int, help="Block tokens per LM-head chunk in the loss.  [default: 2^28 / vocabulary, at least 4096]")
+@click.option("--compile-layers/--no-compile-layers", default=None, help="Compile the drafter layer for training (fuses its elementwise work).  [default: on GPU]")
 @click.option("--loss-impl", type=click.Choice(["fused", "recompute"]), help="fused: the head's input gradient is made in the loss forward; recompute: checkpointed chunks.  [default: fused]")
 @click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), help="auto = bf16 autocast on GPU, fp32 on CPU.")
 @click.option("--verify", type=click.Choice(["quick", "full"]), help="quick: shards exist and open; full: also checksums.  [default: quick]")
@@ -152,8 +154,9 @@ def train(ctx: click.Context, config_file, **options) -> None:
     from .config import TrainConfig, load_recipe, merge, parse_int_list
 
     given = _given(ctx, **options)
-    if "layers" in given:
-        given["layers"] = parse_int_list(given["layers"])
+    for name in ("layers", "init_layers"):
+        if name in given:
+            given[name] = parse_int_list(given[name])
     recipe = load_recipe(config_file, TrainConfig) if config_file else {}
     cfg = merge(TrainConfig, recipe, given)
     from . import train as stage

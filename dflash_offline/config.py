@@ -209,6 +209,9 @@ class TrainConfig:
     layers: list[int] | None = None
     """Target layer ids the drafter reads, a subset of those the cache holds (in the cache's order);
     None = all of them. One extraction of a superset serves a whole layer ablation."""
+    init_layers: list[int] | None = None
+    """Target layer ids whose weights start the drafter's layers (one per drafter layer), for targets
+    whose decoder layers are shaped like the drafter's (dense Qwen3-like); None = random (the method)."""
     kd_weight: float = 0.0
     """Share of the target's top-k distribution in each slot's training target (the cache's
     top-k log-probabilities, renormalised); 0 = the data token alone (hard labels)."""
@@ -235,12 +238,17 @@ class TrainConfig:
     """Background loader processes per rank (0 = read in the training process)."""
     prefetch: int = 4
     """Rows each loader process reads ahead."""
-    loss_chunk_tokens: int = 4096
+    loss_chunk_tokens: int | None = None
+    """Block tokens per LM-head chunk in the loss; None = auto_loss_chunk(vocabulary): chunks of about
+    2^28 logits (1 GB in fp32), at least 4096 tokens."""
     loss_impl: str = "fused"
     """fused: the frozen head's input gradient is made in the loss forward (two head matmuls per
     token); recompute: checkpointed chunks whose logits the backward recomputes (three)."""
     precision: str = "auto"
     """auto = bf16 autocast with fp32 master weights on GPU, fp32 on CPU."""
+    compile_layers: bool | None = None
+    """Compile the drafter's decoder layer for training (Inductor fuses its elementwise work with
+    the flex kernels); None = on GPU, off on CPU."""
     attention: str = "auto"
     """auto = compiled flex_attention with a BlockMask on GPU, SDPA with a dense mask on CPU (no flex
     backward there); sdpa forces the dense path on GPU too (a baseline: O(Q x KV) mask memory)."""
@@ -270,6 +278,9 @@ class TrainConfig:
     """Profile this many optimizer steps (torch.profiler), five steps after the run's first: a trace
     and a table of where a step's time goes in OUT/profile/. 0 = off."""
     progress: bool = True
+
+    def resolved_loss_chunk(self, vocab_size: int) -> int:
+        return self.loss_chunk_tokens or auto_loss_chunk(vocab_size)
 
     def validate(self) -> None:
         for name in ("cache", "target", "out"):
@@ -331,6 +342,14 @@ def auto_lr(hidden_size: int) -> float:
     held-out tau rose with lr through 6e-4, 2e-3 and 4e-3 (docs/benchmarks.md, "Drafter quality");
     the exponent puts 384 at 4.0e-3, the best rate measured, and 5120 at 5.0e-4."""
     return 6e-4 * (4096 / hidden_size) ** 0.8
+
+
+def auto_loss_chunk(vocab_size: int) -> int:
+    """Block tokens per loss chunk: about 2^28 logits a chunk (1 GB in fp32) and at least 4096, so
+    a large vocabulary keeps the bounded memory (248K: 4096 tokens) while a small one stops paying
+    a launch-bound Python loop (8192: 32768 tokens, the loss 60-82 -> 28 ms a step on the pycode
+    drafter, docs/benchmarks.md)."""
+    return max(4096, (1 << 28) // max(1, vocab_size))
 
 
 _E, _T = ExtractConfig(), TrainConfig()  # the stages' defaults: one source of truth for plan's

@@ -315,10 +315,15 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _run_layer(layer: DFlashLayer, x: Tensor, ctx: Tensor, cos: Tensor, sin: Tensor, mask) -> Tensor:
+    return layer(x, ctx, cos, sin, mask)
+
+
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
+        self._compiled_layer = None  # compile_layers(): the training forward's fused layer
         n, h = len(cfg.target_layer_ids), cfg.hidden_size
         self.fc = nn.Linear(n * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -334,6 +339,26 @@ class DFlashDrafter(nn.Module):
                 nn.init.normal_(p, std=0.02)  # transformers' Qwen3 init (initializer_range)
 
     # -- parameters ------------------------------------------------------------------------------
+
+    def compile_layers(self, backend: str = "inductor") -> None:
+        """Run each decoder layer of the *training* forward through one compiled function (static
+        shapes; all layers share its graph, their weights are its inputs). Eager, a small drafter's
+        step is bound by unfused elementwise kernels (norms, RoPE, SiLU x up, casts); Inductor fuses
+        them with the flex kernels. Inference (eval, the held-out walk) and no-grad calls keep the
+        uncompiled module: their shapes change every call."""
+        self._compiled_layer = torch.compile(_run_layer, dynamic=False, backend=backend)
+
+    def init_layers_from_target(self, target_dir: str, target_layers: list[int]) -> None:
+        """Start drafter layer i from target layer target_layers[i] (every tensor of the layer:
+        attention, q/k norms, MLP, both layer norms), for targets whose decoder layers have the
+        drafter's shapes (dense Qwen3-like ones). The target's layers already hold the circuits a
+        drafter needs (previous-token and copying heads), which a random start must rediscover."""
+        found = read_layer_tensors(target_dir, target_layers, self)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name in found:
+                    p.copy_(found[name].to(device=p.device, dtype=p.dtype))
+        log.info("drafter layers initialised from target layers %s", list(target_layers))
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for n, p in self.named_parameters() if not n.startswith(FROZEN_PREFIXES)]
@@ -376,6 +401,12 @@ class DFlashDrafter(nn.Module):
         log.info("frozen embedding and LM head loaded from %s (%s, tied %s)", info.path, embed.dtype,
                  info.tie_word_embeddings)
 
+    @staticmethod
+    def meta(cfg: DrafterConfig) -> "DFlashDrafter":
+        """A drafter without storage: its parameter names and shapes."""
+        with torch.device("meta"):
+            return DFlashDrafter(cfg)
+
     # -- forward ---------------------------------------------------------------------------------
 
     def forward(self, target_hidden: Tensor, block_ids: Tensor, ctx_positions: Tensor, block_positions: Tensor,
@@ -410,8 +441,14 @@ class DFlashDrafter(nn.Module):
         # The residual stream starts in the trainable dtype, whatever the frozen table's dtype.
         x = self.embed_tokens(block_ids).to(dtype)
         cos, sin = rope_cos_sin(torch.cat([ctx_positions, block_positions], dim=1), cfg.head_dim, cfg.rope_theta)
+        run = _run_layer
+        if self._compiled_layer is not None and self.training and torch.is_grad_enabled():
+            run = self._compiled_layer
+            # The embedding is frozen, so the first layer's input alone would not require grad: a
+            # second graph (a recompile). A leaf that does costs one unused [R, Q, H] gradient.
+            x = x.detach().requires_grad_()
         for layer in self.layers:
-            x = layer(x, ctx, cos, sin, mask)
+            x = run(layer, x, ctx, cos, sin, mask)
         return self.norm(x)
 
 
@@ -437,6 +474,55 @@ class DFlashDrafter(nn.Module):
         for layer, (k, v) in zip(self.layers, kv):
             x = layer.draft(x, k, v, cos, sin)
         return self.norm(x)
+
+
+def read_layer_tensors(target_dir: str, target_layers: list[int], drafter: "DFlashDrafter | None" = None,
+                       cfg: DrafterConfig | None = None) -> dict[str, Tensor]:
+    """The target tensors that start the drafter's layers: {drafter parameter name: tensor}, one
+    target layer per drafter layer. Checks (one line each) that there is one id per drafter layer,
+    that each exists, and that every tensor of the drafter's layer is in the target with its shape;
+    with `drafter=None` only the shapes are read (a preflight check: no tensor is loaded)."""
+    from safetensors import safe_open
+
+    cfg = drafter.cfg if drafter is not None else cfg
+    info = read_target(target_dir)
+    flag = "--init-layers"
+    if len(target_layers) != cfg.num_hidden_layers:
+        raise UserError(f"{flag} {','.join(map(str, target_layers))}: one target layer per drafter layer, "
+                        f"{cfg.num_hidden_layers} expected (--num-layers)")
+    bad = [j for j in target_layers if not 0 <= j < info.num_layers]
+    if bad:
+        raise UserError(f"{flag}: layer ids {bad} are outside the target's layers 0..{info.num_layers - 1}")
+    shapes = {name: tuple(t.shape) for name, t in (drafter or DFlashDrafter.meta(cfg)).named_parameters()
+              if name.startswith("layers.")}
+    want: dict[str, str] = {}  # target key -> drafter name
+    for name in shapes:
+        i, rest = name[len("layers."):].split(".", 1)
+        want[f"model.layers.{target_layers[int(i)]}.{rest}"] = name
+    found: dict[str, Tensor] = {}
+    got_shapes: dict[str, tuple] = {}
+    for f in info.weight_files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for key in sf.keys():
+                tkey = key
+                for old, new in KEY_REWRITES:
+                    if tkey.startswith(old):
+                        tkey = new + tkey[len(old):]
+                        break
+                if tkey in want and tkey not in got_shapes:
+                    got_shapes[tkey] = tuple(sf.get_slice(key).get_shape())
+                    if drafter is not None and got_shapes[tkey] == shapes[want[tkey]]:
+                        found[want[tkey]] = sf.get_tensor(key)
+    missing = sorted(k for k in want if k not in got_shapes)
+    if missing:
+        raise UserError(f"{flag}: the target has no {missing[0]} ({len(missing)} drafter tensors missing): its "
+                        "layers are not shaped like the drafter's (a hybrid or gated-attention target); leave "
+                        f"{flag} out")
+    for tkey, name in want.items():
+        if got_shapes[tkey] != shapes[name]:
+            raise UserError(f"{flag}: target {tkey} has shape {got_shapes[tkey]}, the drafter's {name} "
+                            f"{shapes[name]}; leave {flag} out")
+    return found
 
 
 # ----------------------------------------------------------------------------------------------

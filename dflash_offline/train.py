@@ -45,7 +45,7 @@ RUN_OWN_ENTRIES = {"logs", ".run.lock", "metrics.jsonl", "heldout.jsonl", "consu
 
 def preflight(cfg: TrainConfig) -> dict:
     from .cache.reader import CacheReader
-    from .drafter import DrafterConfig, check_export_dest
+    from .drafter import DrafterConfig, check_export_dest, read_layer_tensors
     from .packing import accumulation, manifest_fingerprint, pack_rows, epoch_order, steps_per_epoch
     from .runtime import check_devices_exist, parse_devices
 
@@ -97,6 +97,8 @@ def preflight(cfg: TrainConfig) -> dict:
     topk = _check_soft_targets(cfg, m)
     dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
                                      num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
+    if cfg.init_layers:
+        read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg)  # shapes only: one line if they do not fit
     world = _world(devices)
     accum = accumulation(cfg.global_batch_tokens, cfg.seq_len, world)
     # Rows per epoch vary a little with the order; every epoch runs as many steps as the
@@ -187,7 +189,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> dict:
     step trains on is fixed once its window's shards are committed (`follow_window_rows`)."""
     from .cache.location import Location
     from .cache.manifest import ManifestStore, committed_names
-    from .drafter import DrafterConfig
+    from .drafter import DrafterConfig, read_layer_tensors
     from .packing import accumulation, follow_fingerprint
 
     store = ManifestStore(Location(cfg.cache))
@@ -221,6 +223,8 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> dict:
     topk = _check_soft_targets(cfg, m)
     dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
                                      num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
+    if cfg.init_layers:
+        read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg)  # shapes only: one line if they do not fit
     if cfg.eval_cache:
         _check_eval_cache(cfg, layer_ids, m)
     world = _world(devices)
@@ -728,7 +732,12 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     heartbeat(phase="load weights")
     fault_point("load-weights")
     drafter.load_frozen_from_target(cfg.target)
+    if cfg.init_layers:
+        drafter.init_layers_from_target(cfg.target, cfg.init_layers)
     drafter.to(device)
+    if cfg.compile_layers if cfg.compile_layers is not None else cuda:
+        drafter.compile_layers()
+    loss_chunk = cfg.resolved_loss_chunk(dcfg.vocab_size)
     log.info("drafter: %s trainable parameters on %s, built and frozen parts loaded in %.1fs",
              human_count(sum(p.numel() for p in drafter.trainable_parameters())), device, time.perf_counter() - t_build)
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
@@ -896,7 +905,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
                         _mark(phases, "forward")
                         with phase("loss"):
                             ls, correct = block_loss(h, drafter.lm_head.weight, mb["labels"], mb["weights"],
-                                                     cfg.loss_chunk_tokens, cfg.loss_impl, soft_ids=mb.get("soft_ids"),
+                                                     loss_chunk, cfg.loss_impl, soft_ids=mb.get("soft_ids"),
                                                      soft_logprobs=mb.get("soft_logprobs"), soft_weight=cfg.kd_weight)
                         _mark(phases, "loss")
                     with phase("backward"):
