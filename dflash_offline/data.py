@@ -107,6 +107,20 @@ class Source:
         }
 
 
+def _refuse_null_element(path: Path, column: str, flat, lens: np.ndarray, base: int) -> None:
+    """A null inside a row's list (e.g. [1, None, 3]) is refused naming the row: min/max and the
+    casts to numpy skip or garble nulls, so one would be written as a token id or a mask value.
+    `flat` is the column's values (list_flatten, nulls of whole rows excluded): its null_count is
+    kept by Arrow, so the check costs nothing when there are none."""
+    if not flat.null_count:
+        return
+    k = int(np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0])
+    row = int(np.searchsorted(np.cumsum(lens), k, side="right"))
+    pos = k - (int(np.cumsum(lens)[row - 1]) if row else 0)
+    raise UserError(f"{path}: row {base + row} of column {column} holds a null element (position {pos}); every "
+                    "entry must be a value: fix or drop that row")
+
+
 def _is_int_list(t: pa.DataType) -> bool:
     return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
 
@@ -166,6 +180,7 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
             if empty.size:
                 raise UserError(f"{path}: row {base + int(empty[0])}: input_ids is empty")
             flat = pc.list_flatten(ids_col)
+            _refuse_null_element(path, "input_ids", flat, lens, base)
             if len(flat):
                 mm = pc.min_max(flat)
                 lo, hi = mm["min"].as_py(), mm["max"].as_py()
@@ -191,6 +206,7 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
                         f"{path}: row {base + r}: loss_mask has {int(mlens[r])} entries but input_ids has {int(lens[r])}"
                     )
                 mflat = pc.list_flatten(mask)
+                _refuse_null_element(path, "loss_mask", mflat, lens, base)
                 if len(mflat) and not pa.types.is_boolean(mflat.type):
                     mvals = mflat.to_numpy(zero_copy_only=False)
                     bad = np.flatnonzero((mvals < 0) | (mvals > 1))

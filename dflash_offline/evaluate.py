@@ -39,7 +39,7 @@ from typing import Protocol
 import numpy as np
 
 from .model_folder import eos_ids
-from .runtime import UserError
+from .runtime import UserError, require_kind
 
 log = logging.getLogger("dflash.eval")
 
@@ -74,6 +74,9 @@ def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None) -> 
     for row, toks in enumerate(prompts):
         if not toks:
             raise UserError(f"--prompts {path}: row {row} is empty; every prompt needs at least one token")
+        if None in toks:
+            raise UserError(f"--prompts {path}: row {row} of column input_ids holds a null element (position "
+                            f"{toks.index(None)}); every entry must be a token id: fix or drop that row")
         bad = next((t for t in toks if not 0 <= int(t) < vocab_size), None)
         if bad is not None:
             raise UserError(f"--prompts {path}: row {row} holds token id {bad}, outside the target's vocabulary "
@@ -124,13 +127,20 @@ def read_reference(path: str, ids: list[int], prompts: list[list[int]], max_new:
 def load_drafter(path: str, target_dir: str):
     """A drafter from an export folder (config.json) or a training checkpoint (step-N/), with the
     target's frozen embedding and LM head; refuses a drafter made for another target shape."""
-    from .drafter import load_checkpoint, load_exported
+    from .drafter import EXPORT_WEIGHTS, checkpoint_damage, load_checkpoint, load_exported
     from .model_folder import read_target
 
     root = Path(path)
+    if root.is_file():
+        raise UserError(f"--drafter {path}: a file, not a folder; give a drafter export folder (RUN/export, with "
+                        "config.json + model.safetensors) or a checkpoint folder (RUN/step-N)")
     if (root / "state.json").is_file() and (root / "drafter.safetensors").is_file():
         drafter = load_checkpoint(str(root))
     elif (root / "config.json").is_file():
+        what = checkpoint_damage(root, (EXPORT_WEIGHTS,))
+        if what:
+            raise UserError(f"{root}/{what}; the drafter export is damaged: export it again (dflash-offline export "
+                            "--run RUN --to DIR) or restore the file from a copy")
         drafter = load_exported(str(root))
     else:
         raise UserError(f"--drafter {path}: neither a drafter export (config.json + model.safetensors) nor a "
@@ -748,6 +758,10 @@ def run(cfg: EvalConfig) -> dict:
     from .runtime import check_devices_exist, open_process_log, parse_devices
 
     cfg.validate()
+    require_kind(cfg.cache, "--cache", True, "a cache folder (the one with manifest.json)")
+    require_kind(cfg.prompts, "--prompts", False, "a Parquet file with an input_ids column")
+    require_kind(cfg.reference, "--reference", False, "a Parquet file of the target's greedy completions")
+    require_kind(cfg.json_path, "--json", False, "a file name for the JSON report")
     first = Path(cfg.drafters[0]).absolute()
     open_process_log(first.parent / "logs", "eval")
     devices = parse_devices(cfg.device)

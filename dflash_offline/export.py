@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .runtime import UserError
+from .runtime import UserError, require_kind
 
 
 def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = None) -> Path:
@@ -12,6 +12,8 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
     from .train import CHECKPOINT_PREFIX, list_checkpoints
 
     run = Path(run_dir)
+    require_kind(run_dir, "--run", True, "a training run folder (OUT of train, with step-N/ checkpoints)")
+    require_kind(dest, "--to", True, "a new or empty folder, or an earlier export")
     dest = dest or str(run / "export")
     check_export_dest(Path(dest).absolute())  # before the checkpoint is read
     steps = list_checkpoints(run)

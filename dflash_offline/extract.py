@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .cache.manifest import shard_name
+from .cache.manifest import committed_names, shard_name
 from .config import ExtractConfig
 from .runtime import (Launch, Stopped, UserError, claim_heartbeat, fault_point, heartbeat, install_stop_handlers,
                       join_ranks, open_process_log, refuse_foreign_folder, signal_name, stop_requested,
@@ -204,7 +204,15 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     )
     existing = ManifestStore(loc).read()
     if existing is not None:
-        check_compatible(existing, wanted, loc.url("manifest.json"))
+        try:
+            check_compatible(existing, wanted, loc.url("manifest.json"))
+        except UserError as e:
+            if not binds_nothing(existing):
+                raise
+            if launch is not None:  # no run lock under torchrun: another job may be starting there
+                raise UserError(f"{e}; no shard is committed there yet: delete {loc.url('manifest.json')} (an "
+                                "earlier attempt's) to start anew with this run's settings") from None
+            existing = None  # an earlier attempt that committed nothing: replaced once the run lock is held
     committed = committed_names(existing) if existing else set()
     todo_tokens = sum(t for j, t in enumerate(tokens_of) if shard_name(j) not in committed)
     bpt = bytes_per_token(len(layer_ids), info.hidden_size, cfg.topk, cfg.hidden_dtype)
@@ -285,6 +293,8 @@ def run(cfg: ExtractConfig) -> dict:
                             f"{loc.path('.run.lock')}); wait for it or stop it, then run again")
     claim_heartbeat()  # this process holds the cache now: a refused rerun never wrote its heartbeat
     store = ManifestStore(loc)
+    if launch is None:
+        replace_unbound_manifest(store, wanted)
     store.init_or_check(wanted)
     if launch is None or launch.rank == 0:
         store.set_budget(cfg.max_bytes, max(job.shard_bytes))
@@ -311,6 +321,35 @@ def run(cfg: ExtractConfig) -> dict:
                       "committed, none half-written; run the same command again to resume")
     _summary(manifest, time.time() - t0, log_path, launch)
     return manifest
+
+
+def binds_nothing(m: dict) -> bool:
+    """A manifest that holds no work: no shard committed (or consumed and released) and no trainer
+    following it, as an earlier attempt leaves that failed before its first commit (a bad row or
+    option found in a worker, a target that does not load). Its settings do not bind the cache."""
+    return not committed_names(m) and not m.get("consumers") and not m.get("releasing")
+
+
+def replace_unbound_manifest(store, wanted: dict) -> None:
+    """Under the manifest lock, with the run lock held: a manifest that binds nothing and was made
+    with other settings is replaced by this run's, and its shard debris removed (nothing there is
+    committed); the rerun a failed first attempt advises is then not refused."""
+    from .cache.manifest import MANIFEST, check_compatible
+
+    loc = store.loc
+    with loc.lock():
+        m = store.read()
+        if m is None or not binds_nothing(m):
+            return
+        try:
+            check_compatible(m, wanted, loc.url(MANIFEST))
+            return
+        except UserError as e:
+            differs = str(e).split(": ", 1)[-1].split("; ")[0]
+        loc.rmtree("shards")
+        loc.write_json_atomic(MANIFEST, wanted)
+    log.warning("an earlier attempt on this cache committed no shard (%s): its manifest is replaced by this run's "
+                "settings", differs)
 
 
 def _finish_releases(store, loc) -> None:

@@ -52,6 +52,61 @@ def _safetensors_header(path: Path) -> bytes:
         return f.read(n)
 
 
+REDOWNLOAD = "the file is damaged or truncated (an interrupted download or copy?): re-download it"
+
+
+def weights_damage(path: Path) -> str | None:
+    """What is wrong with a target's safetensors file, or None: its 8-byte header length fits the
+    file, the header is JSON naming tensors, and every tensor's bytes end within the file. Headers
+    and sizes only: a 54 GB target is checked in a moment."""
+    size = path.stat().st_size
+    if size == 0:
+        return "empty (0 bytes)"
+    if size < 8:
+        return f"{size} bytes, less than a safetensors file's 8-byte header length"
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > size - 8:
+            return f"cut short ({size} bytes, less than its own {n}-byte header)"
+        try:
+            header = json.loads(f.read(n))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "not a safetensors file (its header does not parse)"
+    if 8 + n + max(ends, default=0) > size:
+        return f"cut short ({size} bytes, its tensors end at byte {8 + n + max(ends)})"
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from the target folder, or one line naming the file as damaged."""
+    try:
+        value = json.loads(path.read_bytes())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        what = "empty (0 bytes)" if path.stat().st_size == 0 else f"not valid JSON ({str(e).splitlines()[0]})"
+        raise UserError(f"{path}: {what}; {REDOWNLOAD}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path}: not a JSON object ({type(value).__name__}); {REDOWNLOAD}")
+    return value
+
+
+def _check_weight_files(root: Path, files: list[Path]) -> None:
+    """Before any weights are read: every *.safetensors whole, every *.safetensors.index.json
+    readable and naming only files that are there (a loader would fail on either much later)."""
+    for f in files:
+        what = weights_damage(f)
+        if what:
+            raise UserError(f"{f}: {what}; {REDOWNLOAD}")
+    for index in sorted(root.glob("*.safetensors.index.json")):
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise UserError(f"{index}: no weight_map object; {REDOWNLOAD}")
+        missing = sorted({str(v) for v in weight_map.values()} - {f.name for f in files})
+        if missing:
+            raise UserError(f"{index}: names {missing[0]}, which is not in the folder ({len(missing)} file(s) "
+                            "missing); the download is incomplete: re-download the missing files")
+
+
 def _data_sample(path: Path, samples: int = 16, block: int = 1 << 16) -> bytes:
     """16 evenly spaced 64 KiB blocks of the tensor data: headers alone (names, shapes, dtypes)
     cannot tell a fine-tune from its base model; hashing 54 GB at every start is too slow."""
@@ -75,11 +130,7 @@ def read_target(path: str) -> TargetInfo:
         raise UserError(f"--target {path}: no such folder (expected a Hugging Face model folder)")
     if not cfg_path.is_file():
         raise UserError(f"--target {path}: no config.json in the folder")
-    try:
-        raw = cfg_path.read_bytes()
-        cfg = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{cfg_path}: not valid JSON ({e})") from None
+    cfg = _read_json(cfg_path)
     text = cfg.get("text_config") or cfg
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if key not in text:
@@ -90,6 +141,7 @@ def read_target(path: str) -> TargetInfo:
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise UserError(f"--target {path}: no *.safetensors weights in the folder")
+    _check_weight_files(root, files)
     fp = hashlib.sha256()
     for f in files:
         fp.update(f.name.encode())
@@ -117,7 +169,7 @@ def eos_ids(target_dir: str) -> set[int]:
     for name in ("generation_config.json", "config.json"):
         f = root / name
         if f.is_file():
-            cfg = json.loads(f.read_text(encoding="utf-8"))
+            cfg = _read_json(f)
             cfg = cfg if name == "generation_config.json" else (cfg.get("text_config") or cfg)
             eos = cfg.get("eos_token_id")
             if eos is not None:

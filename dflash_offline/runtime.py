@@ -27,6 +27,19 @@ class UserError(Exception):
     """Bad input or configuration: the CLI prints the message as one line and exits with 2."""
 
 
+def require_kind(path, option: str, folder: bool, what: str) -> None:
+    """A local path given where a folder (`folder=True`) or a file is expected, but that is the
+    other kind, refused in one line naming the option and the path (`what`: what to give instead).
+    A missing path or a URL passes: the caller's own checks name those."""
+    if path is None or "://" in str(path):
+        return
+    p = Path(path)
+    if folder and p.is_file():
+        raise UserError(f"{option} {path}: a file, not a folder; give {what}")
+    if not folder and p.is_dir():
+        raise UserError(f"{option} {path}: a folder, not a file; give {what}")
+
+
 def refuse_foreign_folder(folder: str | os.PathLike, option: str, kind: str, marker: str, own: set[str],
                           own_prefixes: tuple[str, ...] = ()) -> None:
     """Nothing the tool did not create is written into: an existing, non-empty folder whose entries
@@ -238,6 +251,36 @@ def is_no_space(text: str) -> bool:
     import errno
 
     return any(f"[Errno {n}]" in text for n in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)))
+
+
+class NoRoom(RuntimeError):
+    """A write that found no room (a full device, a quota, a file-size limit) after its partial
+    output was removed: the message says what is intact and how to go on."""
+
+
+def no_room_reason(exc: BaseException) -> str | None:
+    """Why a failed write found no room, in words, or None when the error says otherwise. Native
+    writers (safetensors, torch.save) report it only in their message text."""
+    import errno
+
+    text = str(exc)
+    for code, words, marks in ((errno.ENOSPC, "the device is full", ("No space left",)),
+                               (getattr(errno, "EDQUOT", errno.ENOSPC), "the disk quota is reached", ("quota",)),
+                               (errno.EFBIG, "a file-size limit was reached (ulimit -f)", ("File too large",))):
+        if getattr(exc, "errno", None) == code or f"os error {code})" in text or any(m in text for m in marks):
+            return words
+    return None
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor inside nested dicts and lists (a checkpoint's weights, optimizer state)."""
+    if hasattr(obj, "nbytes") and hasattr(obj, "dtype"):
+        return int(obj.nbytes)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
 
 
 def record_failure(exc: BaseException) -> None:

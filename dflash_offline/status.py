@@ -14,7 +14,7 @@ import socket
 import time
 from pathlib import Path
 
-from .runtime import HEARTBEAT_SUFFIX, UserError
+from .runtime import HEARTBEAT_SUFFIX, UserError, require_kind
 
 STALE_S = 120.0  # a live process whose heartbeat is older than this is reported as not advancing
 HUNG = ("a process is alive but has not advanced for minutes (hung?): read its log; `kill -USR1 PID` writes "
@@ -173,15 +173,7 @@ def run_status(path: str) -> dict:
 
     out = Path(path)
     steps = list_checkpoints(out)
-    metrics = out / "metrics.jsonl"
-    last = None
-    if metrics.is_file():
-        lines = [ln for ln in metrics.read_text().splitlines() if ln.strip()]
-        if lines:
-            try:
-                last = json.loads(lines[-1])
-            except json.JSONDecodeError:
-                last = json.loads(lines[-2]) if len(lines) > 1 else None  # the last line being written
+    last, damaged = last_metrics(out / "metrics.jsonl")
     procs = processes(out / "logs", stage="train-") if (out / "logs").is_dir() else []
     total = next((p["total_steps"] for p in procs if p.get("total_steps")), None)
     running = [p for p in procs if p["state"] == "running"]
@@ -200,8 +192,37 @@ def run_status(path: str) -> dict:
     else:
         verdict = "nothing recorded yet"
     return {"kind": "run", "path": str(path), "verdict": verdict, "checkpoints": steps,
-            "last_metrics": last, "total_steps": total, "export": export, "processes": procs,
+            "last_metrics": last, "metrics_damaged": damaged, "total_steps": total, "export": export, "processes": procs,
             "last_error": last_error(out / "logs", "train-") if (out / "logs").is_dir() else None}
+
+
+METRIC_KEYS = ("step", "loss", "acc_slot1", "tau", "step_time")  # what a step's line holds (and the report shows)
+
+
+def last_metrics(path: Path) -> tuple[dict | None, str | None]:
+    """(the last whole step line of metrics.jsonl or None, a note on a damaged tail or None). A
+    crash during a write leaves a torn last line, or a tail of zero bytes (a file system that had
+    not written the data yet): the lines after the last whole one are ignored, and said so."""
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except OSError:  # missing (a run without a step yet) or unreadable: nothing to show
+        return None, None
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    for k in range(len(lines) - 1, -1, -1):
+        try:
+            rec = json.loads(lines[k])
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and all(isinstance(rec.get(key), (int, float)) for key in METRIC_KEYS):
+            break
+    else:
+        k, rec = -1, None
+    bad = len(lines) - 1 - k
+    if not bad:
+        return rec, None
+    zeros = "zero bytes" if "\0" in text.rstrip("\n") else "a torn line"
+    return rec, (f"{path}: the last {bad} line(s) are damaged ({zeros}, a crash during a write?) and are ignored; "
+                 + (f"the last whole one is step {rec['step']}" if rec else "no whole line before them"))
 
 
 def _is_run(p: Path) -> bool:
@@ -226,6 +247,8 @@ def folder_hint(path: str, command: str) -> str | None:
     """For a local folder that is not what `command` takes (status: a cache or a run; verify,
     inspect: a cache) but holds some in its subfolders (the demo's top folder): a one-line refusal
     that names them and the command to type. None when there is nothing to point at."""
+    require_kind(path, command, True, "a cache folder (the one with manifest.json)" + (
+        ", a training run folder (OUT of train) or a generate output folder" if command == "status" else ""))
     p = Path(path)
     if "://" in str(path) or not p.is_dir() or (p / "manifest.json").exists():
         return None
@@ -293,6 +316,8 @@ def format_status(st: dict) -> str:
             of = f"/{st['total_steps']}" if st["total_steps"] else ""
             lines.append(f"  last step {m['step']}{of}: loss {m['loss']:.4f}, slot-1 accuracy {m['acc_slot1']:.3f}, "
                          f"tau {m['tau']:.2f}, {m['step_time']:.3f} s/step")
+        if st.get("metrics_damaged"):
+            lines.append(f"  note: {st['metrics_damaged']}")
         lines.append(f"  checkpoints: {', '.join(f'step-{s}' for s in st['checkpoints']) or 'none'}; "
                      f"export: {'yes' if st['export'] else 'no'}")
     for p in st["processes"]:

@@ -47,9 +47,11 @@ def preflight(cfg: TrainConfig) -> dict:
     from .cache.reader import CacheReader
     from .drafter import DrafterConfig, check_export_dest, read_layer_tensors
     from .packing import accumulation, manifest_fingerprint, pack_rows, epoch_order, steps_per_epoch
-    from .runtime import check_devices_exist, parse_devices
+    from .runtime import check_devices_exist, parse_devices, require_kind
 
     cfg.validate()
+    require_kind(cfg.cache, "--cache", True, "the cache folder extract wrote (the one with manifest.json)")
+    require_kind(cfg.eval_cache, "--eval-cache", True, "a held-out cache folder (the one with manifest.json)")
     for dest in (EXPORT, BEST):  # the run ends writing them: refused now, not after the training
         check_export_dest(Path(cfg.out).absolute() / dest)
     devices = parse_devices(cfg.devices)
@@ -477,23 +479,49 @@ def list_checkpoints(out: Path) -> list[int]:
 
 
 def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: dict, keep: int) -> Path:
-    """Write `step-N/` under a temporary name, then rename: a checkpoint exists only when complete."""
+    """Write `step-N/` under a temporary name, then rename: a checkpoint exists only when complete.
+    A write that finds no room (a full device, a quota, a file-size limit) removes the temporary
+    folder and raises NoRoom: one line naming the folder, the room needed and the intact checkpoint."""
     import torch
     from safetensors.torch import save_file
+
+    from .runtime import NoRoom, no_room_reason, tensor_bytes
 
     final = out / f"{CHECKPOINT_PREFIX}{step}"
     tmp = out / f".tmp-{CHECKPOINT_PREFIX}{step}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in drafter.trainable_state_dict().items()},
-              str(tmp / "drafter.safetensors"))
-    ordinary_mode(tmp / "drafter.safetensors")  # safetensors leaves 0600: unreadable to another user
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "rng_cpu": torch.get_rng_state()}, tmp / "trainer.pt")
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
-    from .cache.location import Location
+    weights = {k: v.detach().contiguous().cpu() for k, v in drafter.trainable_state_dict().items()}
+    trainer = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng_cpu": torch.get_rng_state()}
+    try:
+        tmp.mkdir(parents=True)
+        save_file(weights, str(tmp / "drafter.safetensors"))
+        ordinary_mode(tmp / "drafter.safetensors")  # safetensors leaves 0600: unreadable to another user
+        torch.save(trainer, tmp / "trainer.pt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        from .cache.location import Location
 
-    Location(str(out)).fsync_tree(tmp.name)  # on storage before it counts
+        Location(str(out)).fsync_tree(tmp.name)  # on storage before it counts
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint is never left behind
+        need = tensor_bytes(weights) + tensor_bytes(trainer) + (64 << 10)  # + headers, state.json
+        try:
+            free = shutil.disk_usage(out).free
+        except OSError:
+            free = None
+        # torch.save's own message hides the cause: a full device shows as too little free space.
+        reason = no_room_reason(e) or ("the device is full" if free is not None and free < need else None)
+        if reason is None:
+            raise
+        from .extract import human_bytes
+
+        before = list_checkpoints(out)
+        intact = (f"the last complete checkpoint {out / f'{CHECKPOINT_PREFIX}{before[-1]}'} is intact and the same "
+                  "command resumes from it" if before else
+                  "there is no complete checkpoint yet: the same command starts from the beginning")
+        err = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        raise NoRoom(f"checkpoint {final} could not be written: {reason} ({err}); it needs about "
+                     f"{human_bytes(need)}" + (f", {human_bytes(free)} are free there" if free is not None else "")
+                     + f"; the half-written {tmp.name} was removed; {intact} once there is room") from e
     fault_point("checkpoint-written")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

@@ -1,0 +1,243 @@
+"""Issue 20, hardening (third part): null elements inside list columns of the input, damaged target
+and drafter files, a failed first extract that must not bind its cache, a damaged metrics.jsonl
+tail under `status`, a file given where a folder is expected (and the reverse), and a checkpoint
+write that finds no room. Each case runs the real command and checks the one line, the exit code,
+no traceback, and that nothing committed changed."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import SMALL_OPTS, STRAIGHT, TRAIN, extract_args, run_cli, tree_digest
+from test_hardening_2 import _one_line  # the command's stderr is one line, its exit code, no traceback
+
+
+def _only_logs(folder: Path) -> None:
+    """A refused first run leaves its location with nothing but its log folder (or nothing)."""
+    assert not folder.exists() or sorted(os.listdir(folder)) == ["logs"], sorted(os.listdir(folder))
+
+
+# ----------------------------------------------------------------------------------------------
+# Null elements inside input_ids / loss_mask
+
+
+def _with_null(src: Path, dst: Path, column: str, row: int, pos: int) -> Path:
+    t = pq.read_table(src)
+    values = t.column(column).to_pylist()
+    values[row][pos] = None
+    cols = {name: t.column(name) for name in t.column_names}
+    cols[column] = pa.array(values, t.schema.field(column).type)
+    pq.write_table(pa.table(cols), dst)
+    return dst
+
+
+@pytest.mark.parametrize("column", ["input_ids", "loss_mask"])
+def test_null_element_in_a_list_column_is_refused(tiny_dense, tiny_data, tmp_path, column):
+    """[1, None, 3]: one was committed as token 0 (a mask value), the other crashed a worker."""
+    data = _with_null(tiny_data, tmp_path / "nulls.parquet", column, 17, 2)
+    cache = tmp_path / "cache"
+    r = run_cli(extract_args(tiny_dense, data, cache))
+    line = _one_line(r, 2, f"error: {data}: row 17 of column {column} holds a null element (position 2)")
+    assert "fix or drop that row" in line
+    _only_logs(cache)
+    if column == "input_ids":  # the prompts of generate are read by the same scan
+        out = tmp_path / "gen"
+        r = run_cli(["generate", "--target", tiny_dense, "--prompts", data, "--out", out, "--max-new-tokens", "4",
+                     "--no-progress"])
+        _one_line(r, 2, f"error: {data}: row 17 of column input_ids holds a null element (position 2)")
+        _only_logs(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Damaged target files
+
+
+def _cut(path: Path, keep=lambda n: n // 2) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: keep(len(data))])
+
+
+DAMAGE = {
+    "weights-cut": ("model.safetensors", lambda p: _cut(p), "cut short ("),
+    "weights-empty": ("model.safetensors", lambda p: p.write_bytes(b""), "empty (0 bytes)"),
+    "weights-header-cut": ("model.safetensors", lambda p: _cut(p, lambda n: 1000), "cut short (1000 bytes, less than"),
+    "index-cut": ("model.safetensors.index.json",
+                  lambda p: p.write_text('{"metadata": {}, "weight_map": {"lm_head.weight": "model.safe'),
+                  "not valid JSON ("),
+    "config-cut": ("config.json", lambda p: _cut(p), "not valid JSON ("),
+    "config-empty": ("config.json", lambda p: p.write_text(""), "empty (0 bytes)"),
+}
+
+
+def _damaged_target(tiny_dense, tmp_path, kind: str) -> tuple[Path, str]:
+    name, damage, what = DAMAGE[kind]
+    target = tmp_path / "target"
+    shutil.copytree(tiny_dense, target)
+    damage(target / name)
+    return target, f"error: {target / name}: {what}"
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_damaged_target_file_is_named_by_extract(tiny_dense, tiny_data, tmp_path, kind):
+    target, start = _damaged_target(tiny_dense, tmp_path, kind)
+    before = tree_digest(target)
+    cache = tmp_path / "cache"
+    line = _one_line(run_cli(extract_args(target, tiny_data, cache)), 2, start)
+    assert "damaged or truncated" in line and "re-download it" in line, line
+    assert tree_digest(target) == before
+    _only_logs(cache)
+
+
+def test_damaged_target_is_named_by_every_command(tiny_dense, tiny_data, arith_cache, straight_run, tmp_path):
+    """generate, train and eval read the same folder: the same line, before any work."""
+    target, start = _damaged_target(tiny_dense, tmp_path, "weights-cut")
+    committed = tree_digest(arith_cache)
+    r = run_cli(["generate", "--target", target, "--prompts", tiny_data, "--out", tmp_path / "gen", "--no-progress"])
+    _one_line(r, 2, start)
+    r = run_cli(["train", "--target", target, "--cache", arith_cache, "--out", tmp_path / "run", *TRAIN,
+                 "--devices", "cpu"])
+    _one_line(r, 2, start)
+    _only_logs(tmp_path / "run")
+    export = tmp_path / "export"
+    shutil.copytree(straight_run("cpu") / "export", export)
+    r = run_cli(["eval", "--target", target, "--drafter", export, "--cache", arith_cache, "--no-progress"])
+    _one_line(r, 2, start)
+    assert tree_digest(arith_cache) == committed
+
+
+def test_damaged_drafter_export_is_named_by_eval(tiny_dense, arith_cache, straight_run, tmp_path):
+    export = tmp_path / "export"
+    shutil.copytree(straight_run("cpu") / "export", export)
+    _cut(export / "model.safetensors")
+    before = tree_digest(export)
+    r = run_cli(["eval", "--target", tiny_dense, "--drafter", export, "--cache", arith_cache, "--no-progress"])
+    line = _one_line(r, 2, f"error: {export}/model.safetensors: cut short (")
+    assert "the drafter export is damaged: export it again" in line, line
+    assert tree_digest(export) == before
+
+
+# ----------------------------------------------------------------------------------------------
+# A first extract that fails before its first commit binds nothing
+
+
+def test_failed_first_attempt_does_not_bind_the_cache(tiny_dense, tiny_data, tmp_path):
+    """The first attempt writes its manifest and fails in its worker before any shard is committed;
+    the rerun with other settings (what its failure made the user fix) is accepted, and only a cache
+    with committed shards refuses other settings."""
+    cache = tmp_path / "cache"
+    r = run_cli(extract_args(tiny_dense, tiny_data, cache), env={"DFLASH_OFFLINE_RAISE_AT": "load-target:1"})
+    assert r.returncode == 1 and "injected failure at load-target" in r.stderr, r.stderr[-2000:]
+    first = json.loads((cache / "manifest.json").read_text())
+    assert first["shards"] == [] and first["capture"]["topk"] == 4
+    r = run_cli(extract_args(tiny_dense, tiny_data, cache, "--topk", "2"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "an earlier attempt on this cache committed no shard" in r.stderr
+    m = json.loads((cache / "manifest.json").read_text())
+    assert m["status"] == "complete" and m["capture"]["topk"] == 2
+    # Once shards are committed, other settings are refused as before (test_bad_input, test_hardening_2).
+
+
+# ----------------------------------------------------------------------------------------------
+# status with a damaged metrics.jsonl tail
+
+
+@pytest.mark.parametrize("tail,what", [(b'{"step": 13, "loss": 0.4, "acc_sl', "a torn line"),
+                                       (b"\0" * 4096, "zero bytes")])
+def test_status_ignores_a_damaged_metrics_tail(straight_run, tmp_path, tail, what):
+    out = tmp_path / "run"
+    shutil.copytree(straight_run("cpu"), out)
+    with open(out / "metrics.jsonl", "ab") as f:
+        f.write(tail)
+    r = run_cli(["status", out])
+    assert r.returncode == 0 and "Traceback" not in r.stdout + r.stderr, r.stderr[-2000:]
+    assert "last step 12/" in r.stdout, r.stdout
+    notes = [ln for ln in r.stdout.splitlines() if "metrics.jsonl" in ln]
+    assert len(notes) == 1 and f"the last 1 line(s) are damaged ({what}" in notes[0], r.stdout
+    st = json.loads(run_cli(["status", out, "--json"]).stdout)
+    assert st["last_metrics"]["step"] == 12 and "is step 12" in st["metrics_damaged"]
+
+
+# ----------------------------------------------------------------------------------------------
+# A file where a folder is expected, a folder where a file is expected
+
+
+KIND_CASES = [
+    ("inspect", lambda f, d, c, e, t: ["inspect", f], "inspect {f}: a file, not a folder"),
+    ("verify", lambda f, d, c, e, t: ["verify", f], "verify {f}: a file, not a folder"),
+    ("status", lambda f, d, c, e, t: ["status", f], "status {f}: a file, not a folder"),
+    ("eval-drafter", lambda f, d, c, e, t: ["eval", "--target", t, "--drafter", f, "--cache", c],
+     "--drafter {f}: a file, not a folder"),
+    ("eval-cache", lambda f, d, c, e, t: ["eval", "--target", t, "--drafter", e, "--cache", f],
+     "--cache {f}: a file, not a folder"),
+    ("eval-prompts", lambda f, d, c, e, t: ["eval", "--target", t, "--drafter", e, "--prompts", d],
+     "--prompts {d}: a folder, not a file"),
+    ("eval-json", lambda f, d, c, e, t: ["eval", "--target", t, "--drafter", e, "--cache", c, "--json", d],
+     "--json {d}: a folder, not a file"),
+    ("export-run", lambda f, d, c, e, t: ["export", "--run", f, "--to", d / "x"], "--run {f}: a file, not a folder"),
+    ("export-to", lambda f, d, c, e, t: ["export", "--run", e.parent, "--to", f], "--to {f}: a file, not a folder"),
+    ("train-cache", lambda f, d, c, e, t: ["train", "--target", t, "--cache", f, "--out", d / "run", *TRAIN],
+     "--cache {f}: a file, not a folder"),
+    ("train-out", lambda f, d, c, e, t: ["train", "--target", t, "--cache", c, "--out", f, *TRAIN],
+     "--out {f}: cannot write its log folder {f}/logs (Not a directory)"),
+    ("extract-cache", lambda f, d, c, e, t: ["extract", "--target", t, "--data", d, "--cache", f, *SMALL_OPTS],
+     "--cache {f}: cannot write there ("),
+]
+
+
+@pytest.mark.parametrize("name,args,start", KIND_CASES, ids=[c[0] for c in KIND_CASES])
+def test_a_file_where_a_folder_is_expected(tiny_dense, arith_cache, straight_run, tmp_path, name, args, start):
+    run = tmp_path / "run"
+    shutil.copytree(straight_run("cpu"), run, ignore=shutil.ignore_patterns("logs"))
+    afile, adir = tmp_path / "a-file", tmp_path / "a-dir"
+    afile.write_text("not a folder\n")
+    adir.mkdir()
+    def files():  # everything but log folders (a refused run may write its log)
+        return {k: v for k, v in tree_digest(tmp_path).items() if "logs" not in Path(k).parts}
+
+    before = files()
+    r = run_cli(args(afile, adir, arith_cache, run / "export", tiny_dense) + ["--no-progress"] * name.startswith("eval"))
+    _one_line(r, 2, "error: " + start.format(f=afile, d=adir))
+    assert files() == before
+
+
+# ----------------------------------------------------------------------------------------------
+# A checkpoint write that finds no room
+
+
+def _run_with_file_limit(args, limit: int) -> subprocess.CompletedProcess:
+    """The CLI with RLIMIT_FSIZE: a write past `limit` bytes fails with EFBIG, as on a full device
+    (Python ignores SIGXFSZ, so the write returns the error instead of killing the process)."""
+    def limit_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    return subprocess.run([sys.executable, "-m", "dflash_offline", *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=300, preexec_fn=limit_files, start_new_session=True)
+
+
+def test_checkpoint_write_without_room_keeps_the_last_checkpoint(straight_run, arith_cache, tiny_dense, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(straight_run("cpu"), out)
+    kept = tree_digest(out / "step-12")
+    assert (out / "step-12" / "drafter.safetensors").stat().st_size > 200_000  # the limit stops the checkpoint
+    again = ["train", "--target", tiny_dense, "--cache", arith_cache, "--out", out, *TRAIN, *STRAIGHT,
+             "--max-steps", "13", "--devices", "cpu"]
+    r = _run_with_file_limit(again, 200_000)
+    line = _one_line(r, 1, f"failed: checkpoint {out}/step-13 could not be written: a file-size limit was reached")
+    assert "it needs about " in line and " are free there" in line, line
+    assert f"the last complete checkpoint {out}/step-12 is intact and the same command resumes from it" in line, line
+    assert not [p for p in os.listdir(out) if p.startswith(".tmp-")] and not (out / "step-13").exists()
+    assert tree_digest(out / "step-12") == kept
+    r = run_cli(again)  # room again: it resumes from step-12
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "step-13").is_dir()
