@@ -42,6 +42,7 @@ PRESETS = {
     "lr6e-4": ["--lr", "6e-4"],
     "layers1-5": ["--layers", "1,2,3,4,5"],
     "kd": ["--kd-weight", "0.5"],
+    "lr2.5e-3": ["--lr", "2.5e-3"],
 }
 
 
@@ -117,17 +118,17 @@ def main() -> int:
     ap.add_argument("--work", default="/dev/shm/pycode")
     ap.add_argument("--results", default="results")
     ap.add_argument("--device", default="0")
-    ap.add_argument("--fresh", type=int, default=16000, help="training prompts to complete with the target (0: none)")
+    ap.add_argument("--fresh", type=int, default=14000, help="training prompts to complete with the target (0: none)")
     ap.add_argument("--gen-dtype", default="bfloat16", help="generate's compute dtype (bf16: twice the speed; the fixture's completions are fp32)")
     ap.add_argument("--capture", default="1,2,3,4,5,6", help="layers extracted (train --layers picks among them)")
     ap.add_argument("--hidden-dtype", default="fp8", help="training cache: fp8 (half the bytes) or bfloat16")
     ap.add_argument("--topk", type=int, default=32, help="top-k log-probabilities in the training cache (for --kd-weight)")
-    ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--train-args", default="--global-batch-tokens 16384 --num-anchors 2048 --kd-weight 0.5", help="options given to every variant's train")
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--train-args", default="--global-batch-tokens 16384 --num-anchors 2048 --kd-weight 0.5 --init-layers 0,1,2,3,4", help="options given to every variant's train")
     ap.add_argument("--variants", default="default")
     ap.add_argument("--concurrent", action="store_true",
                     help="train all variants at once (a quality comparison; their wall times are then shared)")
-    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--peer-budget", action="store_true", help="also the peer's budget: 372 steps x 16K tokens on 4000 rows")
     ap.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts decoded (0: walk estimate only)")
     ap.add_argument("--max-new-tokens", type=int, default=384)

@@ -107,6 +107,9 @@ def main() -> None:
     ap.add_argument("--loss-impl", default="fused", choices=["fused", "recompute"],
                     help="fused: the head's input gradient made in the loss forward (the default); recompute: "
                     "checkpointed loss chunks, the head's logits recomputed in the backward")
+    ap.add_argument("--compile-layers", default="off", choices=["on", "off"],
+                    help="the compiled decoder layer (train's default on GPU); off = the eager layer, as the "
+                    "Qwen3.6-27B recipe sets until the compiled one is measured at this shape")
     ap.add_argument("--keep", action="store_true", help="reuse --workdir's target and cache if they exist")
     ap.add_argument("--metrics", default=None, help="only recompute the figures from this metrics.jsonl of an "
                     "earlier run with the same shape options (no training)")
@@ -142,7 +145,7 @@ def main() -> None:
                       num_anchors=args.num_anchors, block_size=16, global_batch_tokens=args.seq_len * spe_rows,
                       epochs=100, max_steps=args.steps, mask_token_id=1 if args.tiny else 248070, loader_workers=args.loader_workers,
                       checkpoint_every=10**9, final_checkpoint=False, progress=False, log_every=1,
-                      attention=args.attention, loss_impl=args.loss_impl)
+                      attention=args.attention, loss_impl=args.loss_impl, compile_layers=args.compile_layers == "on")
     interrupted = False
     try:
         train.run(cfg)
@@ -160,7 +163,7 @@ def main() -> None:
         return 1
     res = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu", "torch": torch.__version__,
            "shape": "tiny" if args.tiny else "qwen3.5-27b drafter", "attention": args.attention,
-           "loss_impl": args.loss_impl, "interrupted": interrupted, **figures(recs, args)}
+           "loss_impl": args.loss_impl, "compile_layers": args.compile_layers, "interrupted": interrupted, **figures(recs, args)}
     for k, v in res.items():
         print(f"{k}: {v}")
     if args.out:

@@ -129,9 +129,10 @@ def test_compiled_layers_on_cuda_match_eager_under_flex_and_bf16(tiny_dense):
     mask = flex_block_mask(torch.zeros(2, 256, dtype=torch.long).cuda(), a.cuda(), torch.ones_like(a, dtype=torch.bool).cuda(),
                            eager.cfg.block_size)
     batch = [t.cuda() for t in (hidden, block_ids, ctx_pos, block_pos)] + [mask]
-    before = count_recompiles()
     res = []
-    for d in (eager, comp, comp):
+    for i, d in enumerate((eager, comp, comp)):
+        if i == 2:  # the compiled layer's second step: nothing compiles again
+            before = count_recompiles()
         d.zero_grad()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             h = d(*batch)
