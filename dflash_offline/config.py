@@ -145,6 +145,40 @@ def parse_int_list(text: str | list | None, option: str = "--layers") -> list[in
         raise UserError(f"{option} {text!r}: expected comma-separated integers like 1,9,17,25,33") from None
 
 
+_KIND = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+         "list[int]": "a list of integers (or a string like \"1,2,3\")", "list[str]": "a string or a list of strings"}
+
+
+def _recipe_value(path: Path, key: str, value: Any, annotation: str) -> Any:
+    """`value` checked against the field's annotation (the dataclasses' string annotations: a few
+    plain forms), so a wrong type is one line naming the file and key here, not a TypeError in a
+    worker after the work began. Integers are accepted where a number is expected."""
+    kinds = [k.strip() for k in annotation.split("|") if k.strip() != "None"]
+    for kind in kinds:
+        if kind == "bool" and isinstance(value, bool):
+            return value
+        if isinstance(value, bool):
+            continue
+        if kind == "int" and isinstance(value, int):
+            return value
+        if kind == "float" and isinstance(value, (int, float)):
+            return float(value)
+        if kind == "str" and isinstance(value, str):
+            return value
+        if kind == "list[int]" and (isinstance(value, str) or (isinstance(value, list) and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value))):
+            return value
+        if kind == "list[str]" and (isinstance(value, str) or (isinstance(value, list) and all(
+                isinstance(v, str) for v in value))):
+            return value
+        if kind not in _KIND:  # a form this check does not know: leave it to the field's own validation
+            return value
+    want = " or ".join(_KIND[k] for k in kinds)
+    got = f"{type(value).__name__} {value!r}" if not isinstance(value, (dict, list)) or len(repr(value)) < 60 \
+        else type(value).__name__
+    raise UserError(f"--config {path}: key {key!r} must be {want}, got {got}")
+
+
 def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> dict[str, Any]:
     """Read a TOML recipe into {field: value}; unknown keys are an error naming the key and file.
     Keys that are fields of `ignore` (not of `cls`) are dropped: `plan` reads extract's recipe."""
@@ -167,13 +201,14 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> dict
                 f"--config {path}: unknown key {key!r}; known keys: {', '.join(sorted(fields))}"
                 + (" (and the other keys of an extract recipe, ignored)" if ignore is ExtractConfig else "")
             )
-        out[name] = value
+        out[name] = _recipe_value(path, key, value, str(fields[name].type))
     # Relative paths in a recipe are relative to the directory the command runs in, like CLI paths.
     for name, value in out.items():  # one path where a list of paths is expected
         if isinstance(value, str) and str(fields[name].type).startswith("list[str]"):
             out[name] = [value]
-    if "layers" in out:
-        out["layers"] = parse_int_list(out["layers"])
+    for name in ("layers", "init_layers"):
+        if name in out:
+            out[name] = parse_int_list(out[name], option=name)
     if "eos_token_ids" in out:
         out["eos_token_ids"] = parse_int_list(out["eos_token_ids"], option="eos_token_ids")
     return out

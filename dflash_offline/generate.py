@@ -142,8 +142,16 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     if existing is not None:
         from .cache.manifest import check_compatible
 
-        check_compatible(existing, wanted, str(folder / parts.MANIFEST), fmt=parts.FORMAT, version=parts.VERSION,
-                         fields=parts.IDENTITY_FIELDS, how_to_fix=parts.HOW_TO_FIX, what="generate output")
+        try:
+            check_compatible(existing, wanted, str(folder / parts.MANIFEST), fmt=parts.FORMAT, version=parts.VERSION,
+                             fields=parts.IDENTITY_FIELDS, how_to_fix=parts.HOW_TO_FIX, what="generate output")
+        except UserError as e:
+            if existing["parts"]:
+                raise
+            if launch is not None:  # no run lock under torchrun: another job may be starting there
+                raise UserError(f"{e}; no part is committed there yet: delete {folder / parts.MANIFEST} (an earlier "
+                                "attempt's) to start anew with this run's settings") from None
+            existing = None  # an earlier attempt that committed nothing: replaced once the run lock is held
     committed = {p["name"] for p in existing["parts"]} if existing else set()
     todo = [j for j in range(len(chunks)) if parts.part_name(j) not in committed]
     todo_prompts = sum(len(chunks[j]) for j in todo)
@@ -211,6 +219,8 @@ def run(cfg: GenerateConfig) -> dict:
                             f"{folder / '.run.lock'}); wait for it or stop it, then run again")
     claim_heartbeat()  # this process holds the output now: a refused rerun never wrote its heartbeat
     store = parts.OutputStore(folder)
+    if launch is None:
+        store.replace_unbound(wanted)
     manifest = store.init_or_check(wanted)
     if manifest["status"] == "complete":
         _finish(store, merged, launch)

@@ -17,6 +17,7 @@ No torch here: `data.resolve_files` reads this module before any model is loaded
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -24,6 +25,8 @@ from pathlib import Path
 from .cache.location import Location
 from .cache.manifest import check_compatible, create_or_check
 from .runtime import UserError
+
+log = logging.getLogger("dflash.generate")
 
 FORMAT = "dflash-offline/generated"
 VERSION = 1
@@ -101,6 +104,27 @@ class OutputStore:
         return create_or_check(self.loc, wanted, self.read, lambda existing: check_compatible(
             existing, wanted, str(self.folder / MANIFEST), fmt=FORMAT, version=VERSION, fields=IDENTITY_FIELDS,
             how_to_fix=HOW_TO_FIX, what="generate output"))
+
+    def replace_unbound(self, wanted: dict) -> None:
+        """With the run lock held: a manifest that lists no part (an earlier attempt that failed
+        before its first commit) and was made with other settings is replaced by this run's, and
+        its part debris removed; the rerun that attempt's error advised is then not refused."""
+        with self.loc.lock():
+            m = self.read()
+            if m is None or m["parts"]:
+                return
+            try:
+                check_compatible(m, wanted, str(self.folder / MANIFEST), fmt=FORMAT, version=VERSION,
+                                 fields=IDENTITY_FIELDS, how_to_fix=HOW_TO_FIX, what="generate output")
+                return
+            except UserError as e:
+                differs = str(e).split(": ", 1)[-1].split("; ")[0]
+            for name in self.loc.listdir(""):
+                if name.startswith("part-"):
+                    os.remove(self.loc.path(name))
+            self.loc.write_json_atomic(MANIFEST, wanted)
+        log.warning("an earlier attempt on this output committed no part (%s): its manifest is replaced by this "
+                    "run's settings", differs)
 
     def commit_part(self, entry: dict) -> dict:
         """List one complete, renamed part; mark the output complete when the plan is fulfilled."""

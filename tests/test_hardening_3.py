@@ -146,6 +146,24 @@ def test_failed_first_attempt_does_not_bind_the_cache(tiny_dense, tiny_data, tmp
     # Once shards are committed, other settings are refused as before (test_bad_input, test_hardening_2).
 
 
+def test_failed_first_generate_does_not_bind_its_output(tiny_dense, tmp_path):
+    """The same for `generate`: a first attempt that failed before its first part leaves a manifest
+    that a rerun with other settings replaces; its output is then that of the rerun."""
+    from test_generate import GEN, make_prompts
+
+    prompts = make_prompts(tmp_path / "prompts.parquet", rows=4)
+    out = tmp_path / "gen"
+    args = ["generate", "--target", tiny_dense, "--prompts", prompts, "--out", out, "--no-progress", *GEN]
+    r = run_cli([*args, "--max-new-tokens", 6], env={"DFLASH_OFFLINE_RAISE_AT": "load-target:1"})
+    assert r.returncode == 1 and "injected failure at load-target" in r.stderr, r.stderr[-2000:]
+    assert json.loads((out / "manifest.json").read_text())["parts"] == []
+    r = run_cli([*args, "--max-new-tokens", 5])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "an earlier attempt on this output committed no part" in r.stderr
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["status"] == "complete" and m["settings"]["max_new_tokens"] == 5
+
+
 # ----------------------------------------------------------------------------------------------
 # status with a damaged metrics.jsonl tail
 
@@ -241,3 +259,27 @@ def test_checkpoint_write_without_room_keeps_the_last_checkpoint(straight_run, a
     r = run_cli(again)  # room again: it resumes from step-12
     assert r.returncode == 0, r.stderr[-2000:]
     assert (out / "step-13").is_dir()
+
+
+# ----------------------------------------------------------------------------------------------
+# Recipe values of the wrong type
+
+
+@pytest.mark.parametrize("stage,line,expect", [
+    ("train", 'lr = "fast"', "key 'lr' must be a number, got str 'fast'"),
+    ("train", "epochs = 2.5", "key 'epochs' must be an integer, got float 2.5"),
+    ("train", 'target = ["t"]', "key 'target' must be a string, got list ['t']"),
+    ("train", "init_layers = [0, 1.5]", "key 'init_layers' must be a list of integers"),
+    ("train", "progress = 1", "key 'progress' must be true or false, got int 1"),
+    ("extract", "data = 5", "key 'data' must be a string or a list of strings, got int 5"),
+    ("extract", "log_dir = 5", "key 'log_dir' must be a string, got int 5"),
+])
+def test_recipe_value_of_a_wrong_type_is_one_line_before_work(tiny_dense, arith_cache, tmp_path, stage, line, expect):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(line + "\n")
+    out = tmp_path / "out"
+    where = ["--out", out, "--cache", arith_cache] if stage == "train" else ["--cache", out, "--data", "x.parquet"]
+    r = run_cli([stage, "--config", recipe, "--target", tiny_dense, *where, "--no-progress"])
+    msg = _one_line(r, 2, "error: ")
+    assert f"--config {recipe}: {expect}" in msg
+    assert not out.exists()
