@@ -289,7 +289,8 @@ def verify(cache: str) -> None:
 @click.argument("cache")
 @click.option("--sample", "sample_id", type=int, help="Also show one sample: tokens, loss mask, norms per layer.")
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Per-layer statistics (reads a bounded sample).")
-@click.option("--max-tokens", default=16384, show_default=True, type=int, help="Tokens read for the statistics.")
+@click.option("--max-tokens", default=16384, show_default=True, type=click.IntRange(min=1),
+              help="Tokens read for the statistics, >= 1 (--no-stats skips them).")
 def inspect(cache: str, sample_id: int | None, stats: bool, max_tokens: int) -> None:
     """Summary of a cache: manifest, shards, per-layer statistics and outlier channels (no torch)."""
     from .inspect import open_cache
@@ -390,8 +391,13 @@ def entry() -> None:
         finish_heartbeat("interrupted", "interrupted (Ctrl-C or SIGINT)")
         click.echo("interrupted: committed work is kept; run the same command again to resume", err=True)
         sys.exit(130)
+    except click.UsageError as e:
+        # One line, as every other refusal: the option and what is wrong with it, where the help is.
+        where = e.ctx.command_path if e.ctx is not None else "dflash-offline"
+        click.echo(f"error: {e.format_message().rstrip('.')} (see {where} --help)", err=True)
+        sys.exit(e.exit_code)
     except click.ClickException as e:
-        e.show()
+        click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)

@@ -29,7 +29,13 @@ def _integer(cfg, name: str) -> int | None:
     v = getattr(cfg, name)
     if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
         raise UserError(f"{_flag(name)} must be an integer, got {v!r}")
+    if v is not None and abs(v) > _LARGEST:
+        # Sizes and counts beyond 2^50 are typos; numpy and torch would overflow on them mid-run.
+        raise UserError(f"{_flag(name)} {v} is too large (at most 2^50 = {_LARGEST})")
     return v
+
+
+_LARGEST = 1 << 50
 
 
 def check_positive(cfg, *names: str) -> None:
@@ -187,6 +193,10 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> dict
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise UserError(f"--config {path}: file not found") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--config {path}: not a text file (not UTF-8); give a TOML recipe") from None
+    except OSError as e:
+        raise UserError(f"--config {path}: cannot read it ({e.strerror or e}); give a TOML recipe file") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"--config {path}: not valid TOML ({e})") from None
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -326,6 +336,9 @@ class TrainConfig:
                        "prefetch", "max_steps", "eval_every", "eval_samples")
         if self.block_size < 2:
             raise UserError("--block-size must be at least 2 (slot 0 is the anchor, slots 1.. are drafted)")
+        if self.num_anchors > self.seq_len:
+            raise UserError(f"--num-anchors {self.num_anchors} exceeds --seq-len {self.seq_len}: each anchor is a "
+                            "distinct position of a row; lower --num-anchors")
         if self.seq_len <= self.block_size:
             raise UserError(f"--seq-len must exceed --block-size ({self.block_size}), got {self.seq_len}: a row must "
                             "hold an anchor and its drafted tokens; raise --seq-len or lower --block-size")

@@ -535,6 +535,11 @@ def check_export_dest(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: exists and is a file, not a drafter export; refusing to replace it (choose another "
                         "export folder)")
+    from .runtime import unwritable_folder
+
+    why = unwritable_folder(out.absolute().parent)  # the export is written beside it, then renamed
+    if why:
+        raise UserError(f"{out}: {why}; choose another export folder")
     if not out.is_dir() or not any(out.iterdir()):
         return
     try:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -39,7 +40,7 @@ from typing import Protocol
 import numpy as np
 
 from .model_folder import eos_ids
-from .runtime import UserError, require_kind
+from .runtime import REPORT_FORMAT, UserError, check_report_dest, require_kind
 
 log = logging.getLogger("dflash.eval")
 
@@ -71,6 +72,8 @@ def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None) -> 
     ids = table.column("id").to_pylist() if "id" in table.column_names else list(range(len(prompts)))
     if max_prompts is not None:
         prompts, ids = prompts[:max_prompts], ids[:max_prompts]
+    if not prompts:
+        raise UserError(f"--prompts {path}: the file holds no rows; give at least one prompt")
     for row, toks in enumerate(prompts):
         if not toks:
             raise UserError(f"--prompts {path}: row {row} is empty; every prompt needs at least one token")
@@ -754,6 +757,27 @@ def _pad(x: np.ndarray, n: int, value) -> np.ndarray:
 # The command
 
 
+def _check_cache_target(cache: str, target: str) -> None:
+    """--cache must hold the completions of --target, the model whose features it stores: another
+    target's cache would score the drafter on features it never sees when serving."""
+    from .cache.location import Location
+    from .cache.manifest import ManifestStore
+    from .model_folder import read_target
+
+    try:
+        m = ManifestStore(Location(cache)).read()
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"--cache {cache}: unreadable manifest ({type(e).__name__}: {e})") from None
+    if m is None:
+        raise UserError(f"--cache {cache}: no cache there (no manifest.json); extract the held-out completions into it")
+    info = read_target(target)
+    if m.get("target", {}).get("weights_fingerprint") != info.weights_fingerprint:
+        raise UserError(f"--cache {cache} was extracted from another target than --target {target}; give the cache "
+                        "of this target's completions (or the target the cache was made from)")
+
+
 def run(cfg: EvalConfig) -> dict:
     from .runtime import check_devices_exist, open_process_log, parse_devices
 
@@ -762,6 +786,9 @@ def run(cfg: EvalConfig) -> dict:
     require_kind(cfg.prompts, "--prompts", False, "a Parquet file with an input_ids column")
     require_kind(cfg.reference, "--reference", False, "a Parquet file of the target's greedy completions")
     require_kind(cfg.json_path, "--json", False, "a file name for the JSON report")
+    check_report_dest(cfg.json_path)
+    if cfg.cache:
+        _check_cache_target(cfg.cache, cfg.target)
     first = Path(cfg.drafters[0]).absolute()
     open_process_log(first.parent / "logs", "eval")
     devices = parse_devices(cfg.device)
@@ -775,7 +802,7 @@ def run(cfg: EvalConfig) -> dict:
 
     single_thread_compute()
     drafters = [(p, load_drafter(p, cfg.target)) for p in cfg.drafters]  # all refused before any decoding
-    report: dict = {"target": str(Path(cfg.target).absolute()), "device": device, "dtype": cfg.dtype,
+    report: dict = {"format": REPORT_FORMAT, "target": str(Path(cfg.target).absolute()), "device": device, "dtype": cfg.dtype,
                     "torch": torch.__version__,
                     "drafters": [{"path": str(p), "block_size": d.cfg.block_size} for p, d in drafters]}
     if cfg.prompts:
@@ -799,7 +826,9 @@ def run(cfg: EvalConfig) -> dict:
                 report["drafters"][i]["parity"] = check_parity(cfg.target, d, cfg.cache, cfg.parity, device, cfg.dtype)
     print(format_report(report), flush=True)
     if cfg.json_path:
-        Path(cfg.json_path).write_text(json.dumps(report, indent=1) + "\n")
+        tmp = Path(f"{cfg.json_path}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(report, indent=1) + "\n")
+        os.replace(tmp, cfg.json_path)  # whole or not at all
         print(f"json: {cfg.json_path}")
     return report
 
@@ -810,7 +839,13 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     from .model_folder import read_target
 
     # Inputs are checked before the target loads: a bad prompt or reference file costs nothing.
-    ids, prompts = read_prompts(cfg.prompts, read_target(cfg.target).vocab_size, cfg.max_prompts)
+    tinfo = read_target(cfg.target)
+    ids, prompts = read_prompts(cfg.prompts, tinfo.vocab_size, cfg.max_prompts)
+    longest = max(range(len(prompts)), key=lambda k: len(prompts[k]))
+    if tinfo.max_positions is not None and len(prompts[longest]) + cfg.max_new_tokens > tinfo.max_positions:
+        raise UserError(f"--prompts {cfg.prompts}: row {longest}: a prompt of {len(prompts[longest])} tokens + "
+                        f"--max-new-tokens {cfg.max_new_tokens} exceeds the target's context ({tinfo.max_positions} "
+                        "positions); lower --max-new-tokens or leave out the longest prompts")
     eos = set() if cfg.ignore_eos else eos_ids(cfg.target)
     reference = read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos) if cfg.reference else None
     # With a reference the target-alone decode (as long as the speculative one) is needed only for

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import json
 import logging
 import os
 import signal
@@ -38,6 +39,52 @@ def require_kind(path, option: str, folder: bool, what: str) -> None:
         raise UserError(f"{option} {path}: a file, not a folder; give {what}")
     if not folder and p.is_dir():
         raise UserError(f"{option} {path}: a folder, not a file; give {what}")
+
+
+def unwritable_folder(folder: str | os.PathLike) -> str | None:
+    """Why nothing can be created in `folder` (or, when it does not exist yet, in its nearest
+    existing parent), else None. It really creates and removes a file there: permission bits do
+    not tell (root passes them; /proc, read-only mounts and full devices refuse anyway)."""
+    import tempfile
+
+    p = Path(folder).absolute()
+    while not p.exists():
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is not a folder"
+    try:
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".dflash-probe-"):
+            pass
+    except OSError as e:
+        return f"cannot create a file in {p}: {e.strerror or e}"
+    return None
+
+
+REPORT_FORMAT = "dflash-offline/eval-report"
+
+
+def check_report_dest(path: str | os.PathLike | None, option: str = "--json") -> None:
+    """A report file may be written only where its folder exists and takes files, and only over
+    nothing or an earlier report of ours (a JSON object with our `format`, or an older report
+    with its keys): someone else's file, e.g. a manifest or a model's config.json, is refused."""
+    if path is None:
+        return
+    p = Path(path)
+    if not p.parent.absolute().is_dir():
+        raise UserError(f"{option} {path}: its folder {p.parent} does not exist; create it or choose another path")
+    why = unwritable_folder(p.parent)
+    if why:
+        raise UserError(f"{option} {path}: {why}; choose another path")
+    if p.exists():
+        try:
+            old = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            old = None
+        ours = isinstance(old, dict) and (old.get("format") == REPORT_FORMAT
+                                          or {"target", "device", "drafters"} <= old.keys())
+        if not ours:
+            raise UserError(f"{option} {path}: the file exists and is not an eval report; refusing to replace it "
+                            "(nothing was changed): choose another path")
 
 
 def refuse_foreign_folder(folder: str | os.PathLike, option: str, kind: str, marker: str, own: set[str],

@@ -109,7 +109,11 @@ def cache_status(path: str) -> dict:
         m = {"status": "not created", "plan": {"num_shards": 0}, "totals": {"samples": 0, "tokens": 0, "bytes": 0},
              "shards": []}
     committed = committed_names(m)
-    debris = [n for n in loc.listdir("shards") if n.endswith(".zarr") and n[:-5] not in committed]
+    on_storage = set(loc.listdir("shards"))
+    debris = [n for n in on_storage if n.endswith(".zarr") and n[:-5] not in committed]
+    # Committed (and not released by a streaming trainer) but gone from storage: the cache is damaged.
+    released = {e["name"] if isinstance(e, dict) else e for e in m.get("released") or []}
+    missing = sorted(n for n in committed if f"{n}.zarr" not in on_storage and n not in released)
     running = [p for p in procs if p["state"] == "running"]
     if m["status"] == "not created" and not running:
         verdict = "no manifest yet: the extraction ended before it created one (see the last error)"
@@ -120,7 +124,7 @@ def cache_status(path: str) -> dict:
             "shards_released": len(m.get("released", [])), "occupancy_bytes": occupancy(m),
             "budget_bytes": m.get("budget_bytes"), "in_flight": sorted(m.get("reserved") or {}),
             "consumers": {k: len(v["finished"]) for k, v in (m.get("consumers") or {}).items()},
-            "debris": debris, "processes": procs,
+            "debris": debris, "missing_shards": missing, "processes": procs,
             "last_error": last_error(logs, "extract-") if logs.is_dir() else None}
 
 
@@ -309,6 +313,10 @@ def format_status(st: dict) -> str:
         if st["debris"]:
             lines.append(f"  {len(st['debris'])} uncommitted shard folder(s) (removed when extraction resumes): "
                          + ", ".join(st["debris"][:4]))
+        if st.get("missing_shards"):
+            lines.append(f"  DAMAGED: {len(st['missing_shards'])} committed shard(s) missing on storage: "
+                         + ", ".join(st["missing_shards"][:4]) + "; training refuses this cache: restore them or "
+                         "re-extract into a new --cache (`dflash-offline verify` checks the rest)")
     else:
         lines.append(f"run {st['path']}: {st['verdict']}")
         m = st["last_metrics"]

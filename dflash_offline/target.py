@@ -26,11 +26,20 @@ def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
     return [int(1 + k * (num_layers - 4) / (n - 1) + 0.5) for k in range(n)]
 
 
+def _rule_limit(num_layers: int) -> int:
+    """The most layers the DFlash rule spreads over this depth without repeating one."""
+    return max(n for n in range(1, num_layers + 1) if len(set(default_layer_ids(num_layers, n))) == n)
+
+
 def resolve_layers(info: TargetInfo, layers: list[int] | None, n: int) -> list[int]:
     if layers is None:
         if info.num_layers < 5:
             raise UserError(f"target has {info.num_layers} layers; give --layers explicitly (the DFlash rule needs at least 5)")
         ids = default_layer_ids(info.num_layers, n)
+        if len(set(ids)) < len(ids):
+            raise UserError(f"--num-layers {n}: the DFlash rule spreads the captured layers over layers 1..{info.num_layers - 3} "
+                            f"of this {info.num_layers}-layer target and would repeat one ({ids}); lower --num-layers "
+                            f"(at most {_rule_limit(info.num_layers)} here) or give distinct --layers")
     else:
         ids = list(layers)
     bad = [i for i in ids if i < 0 or i >= info.num_layers]
@@ -38,6 +47,8 @@ def resolve_layers(info: TargetInfo, layers: list[int] | None, n: int) -> list[i
         raise UserError(f"--layers {ids}: layer {bad[0]} does not exist; the target has layers 0..{info.num_layers - 1}")
     if ids != sorted(ids):
         raise UserError(f"--layers {ids}: give layer ids in increasing order")
+    if len(set(ids)) < len(ids):
+        raise UserError(f"--layers {ids}: a layer is given twice; give distinct layer ids")
     return ids
 
 
@@ -156,9 +167,20 @@ def check_weights(info: TargetInfo, keep_layers: int, need_head: bool) -> None:
 
     from .model_folder import _safetensors_header
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(_text_config(info, keep_layers, need_head))
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(_text_config(info, keep_layers, need_head))
+    except (ValueError, KeyError) as e:  # a model_type or config transformers cannot build as a causal LM
+        import transformers
+
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"--target {info.path}: transformers {transformers.__version__} cannot build it as a causal "
+                        f"language model ({first[:200]}); point --target at a decoder-only causal LM") from None
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if not any(k.startswith("model.layers.") for k in wanted) or "model.embed_tokens.weight" not in wanted:
+        kind = type(model).__name__
+        raise UserError(f"--target {info.path}: a {kind}, not a decoder-only language model with model.embed_tokens "
+                        "and model.layers (the Llama/Qwen layout the drafter reads); point --target at such a model")
     found: dict[str, tuple] = {}
     for f in info.weight_files:
         header = json.loads(_safetensors_header(f))

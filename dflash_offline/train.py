@@ -92,6 +92,7 @@ def preflight(cfg: TrainConfig) -> dict:
         refs.extend((name, k, int(offs[k])) for k in range(len(sh)))  # (shard, sample, first token)
     log.info("cache: %d shards, %d samples checked (%s) in %.1fs", len(reader.shard_names), len(refs), cfg.verify,
              time.time() - t0)
+    _check_scored_tokens(cfg, reader)
     import numpy as np
 
     lengths = np.asarray(lengths, np.int64)
@@ -139,6 +140,17 @@ def window_misfit(cfg: TrainConfig, m: dict) -> str | None:
                 f"budget ({budget / 1e6:.1f} MB, extract --max-bytes): extraction would pause and the trainer wait "
                 f"forever; lower --follow-window to {max(1, budget // biggest)} or raise the budget")
     return None
+
+
+def _check_scored_tokens(cfg: TrainConfig, reader) -> None:
+    """A cache whose loss masks are all zero trains nothing: every step would score no token and
+    the export would be the initial drafter. Shards are read until one holds a scored token (the
+    first, for any real data: one byte per token), so only such a cache is read whole."""
+    for name in reader.shard_names:
+        if reader.shard(name).group["loss_mask"][:].any():
+            return
+    raise UserError(f"--cache {cfg.cache}: every loss_mask value is 0, so no token would be trained on; extract "
+                    "data whose loss_mask marks the tokens to learn (e.g. 1 on the completions)")
 
 
 def _check_cache_target(cfg: TrainConfig, m: dict) -> None:
@@ -399,6 +411,30 @@ def refuse_foreign_run(out: Path) -> None:
     if not list_checkpoints(out):
         refuse_foreign_folder(out, "--out", "a training run", "step-N/ checkpoint", RUN_OWN_ENTRIES,
                               (".tmp-", f".{EXPORT}.", f".{BEST}."))
+        # Names this stage makes are ours only if they hold what it writes: a run truncates its
+        # metrics on a restart, which would rewrite someone else's file of that name.
+        for name in ("metrics.jsonl", HELD_OUT_LOG):
+            if (out / name).exists() and not _our_jsonl(out / name):
+                raise UserError(f"--out {out}: its {name} was not written by `train` (not a file of JSON lines "
+                                "with a step); choose a new or empty folder (nothing was changed)")
+
+
+def _our_jsonl(path: Path) -> bool:
+    """A file of JSON objects with a `step` each (a last line cut by a kill aside)."""
+    try:
+        lines = [ln for ln in path.read_bytes().split(b"\n") if ln.strip(b" \t\r\0")]
+    except OSError:
+        return False
+    for k, ln in enumerate(lines):
+        try:
+            rec = json.loads(ln)
+        except ValueError:
+            if k == len(lines) - 1:
+                continue
+            return False
+        if not isinstance(rec, dict) or "step" not in rec:
+            return False
+    return True
 
 
 def _spawned(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict, port: int, errq) -> None:

@@ -283,3 +283,143 @@ def test_recipe_value_of_a_wrong_type_is_one_line_before_work(tiny_dense, arith_
     msg = _one_line(r, 2, "error: ")
     assert f"--config {recipe}: {expect}" in msg
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# A fresh catalogue of careless cases: each one line, exit 2, nothing changed
+
+
+def test_option_syntax_errors_are_one_line(tiny_dense):
+    for args, want in ((["extract", "--topk", "abc"], "Invalid value for '--topk': 'abc' is not a valid integer"),
+                       (["extract", "--max-bytes", "nan"], "Invalid value for '--max-bytes'"),
+                       (["train", "--epochs", "x"], "Invalid value for '--epochs'"),
+                       (["inspect", str(tiny_dense), "--max-tokens", "0"], "Invalid value for '--max-tokens'"),
+                       (["extrac"], "No such command 'extrac'")):
+        msg = _one_line(run_cli(args), 2, "error: ")
+        assert want in msg and "--help)" in msg, msg
+
+
+def test_layer_rules_never_repeat_a_layer(tiny_dense, tiny_data, tmp_path):
+    cache = tmp_path / "cache"
+    msg = _one_line(run_cli(extract_args(tiny_dense, tiny_data, cache, "--num-layers", "99")), 2, "error: ")
+    assert "--num-layers 99: the DFlash rule" in msg and "at most 5 here" in msg
+    msg = _one_line(run_cli(extract_args(tiny_dense, tiny_data, cache, "--layers", "1,1,2")), 2, "error: ")
+    assert "lists a layer twice" in msg
+    assert not (cache / "manifest.json").exists()
+
+
+def test_impossible_sizes_are_refused_before_work(tiny_dense, tiny_data, arith_cache, tmp_path):
+    msg = _one_line(run_cli(extract_args(tiny_dense, tiny_data, tmp_path / "c", "--max-len", str(10 ** 20))), 2, "error: ")
+    assert "--max-len" in msg and "too large" in msg
+    out = tmp_path / "run"
+    msg = _one_line(run_cli(["train", "--target", tiny_dense, "--cache", arith_cache, "--out", out, "--devices", "cpu",
+                             *TRAIN, "--num-anchors", "100000"]), 2, "error: ")
+    assert "--num-anchors 100000 exceeds --seq-len 256" in msg
+    assert not out.exists()
+
+
+def test_eval_json_never_replaces_a_file_it_did_not_write(tiny_dense, arith_cache, straight_run, tmp_path):
+    export = straight_run("cpu") / "export"
+    foreign = tmp_path / "config.json"
+    foreign.write_text('{"model_type": "qwen3"}\n')
+    base = ["eval", "--target", tiny_dense, "--drafter", export, "--cache", arith_cache, "--max-samples", "2",
+            "--no-progress", "--json"]
+    msg = _one_line(run_cli([*base, foreign]), 2, "error: ")
+    assert "the file exists and is not an eval report" in msg
+    assert foreign.read_text() == '{"model_type": "qwen3"}\n'
+    msg = _one_line(run_cli([*base, tmp_path / "no" / "such" / "e.json"]), 2, "error: ")
+    assert "does not exist; create it" in msg
+    mine = tmp_path / "e.json"
+    for _ in range(2):  # a report of ours is replaced by the next one
+        r = run_cli([*base, mine])
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(mine.read_text())["format"] == "dflash-offline/eval-report"
+
+
+def test_unwritable_export_destination_is_one_line(straight_run):
+    msg = _one_line(run_cli(["export", "--run", straight_run("cpu"), "--to", "/proc/dflash-export"]), 2, "error: ")
+    assert "cannot create a file in /proc" in msg
+
+
+def test_train_out_with_someone_elses_metrics_file_is_refused(tiny_dense, arith_cache, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"epoch": 1, "acc": 0.9}\n')
+    msg = _one_line(run_cli(["train", "--target", tiny_dense, "--cache", arith_cache, "--out", out, "--devices", "cpu",
+                             *TRAIN]), 2, "error: ")
+    assert "its metrics.jsonl was not written by `train`" in msg
+    assert sorted(os.listdir(out)) == ["metrics.jsonl"] and "epoch" in (out / "metrics.jsonl").read_text()
+
+
+def test_eval_refuses_zero_prompts_and_another_targets_cache(tiny_dense, arith_cache, straight_run, tmp_path):
+    from dflash_offline.tiny import make_tiny_data, make_tiny_target
+
+    export = straight_run("cpu") / "export"
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array([], pa.list_(pa.int32()))}), empty)
+    msg = _one_line(run_cli(["eval", "--target", tiny_dense, "--drafter", export, "--prompts", empty, "--no-progress"]),
+                    2, "error: ")
+    assert "holds no rows" in msg
+    other = make_tiny_target(tmp_path / "other", seed=5)
+    cache = tmp_path / "other-cache"
+    r = run_cli(extract_args(other, make_tiny_data(tmp_path / "d.parquet", rows=6, max_len=40), cache))
+    assert r.returncode == 0, r.stderr[-2000:]
+    msg = _one_line(run_cli(["eval", "--target", tiny_dense, "--drafter", export, "--cache", cache, "--no-progress"]),
+                    2, "error: ")
+    assert "was extracted from another target than --target" in msg
+
+
+def test_training_on_all_zero_loss_masks_is_refused(tiny_dense, tmp_path):
+    from dflash_offline.tiny import make_tiny_data
+
+    data = make_tiny_data(tmp_path / "d.parquet", rows=8, min_len=40, max_len=80)
+    t = pq.read_table(data)
+    zero = pa.array([[0] * len(m) for m in t.column("loss_mask").to_pylist()], t.schema.field("loss_mask").type)
+    pq.write_table(t.set_column(t.column_names.index("loss_mask"), "loss_mask", zero), data)
+    cache = tmp_path / "cache"
+    r = run_cli(extract_args(tiny_dense, data, cache))
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = tmp_path / "run"
+    msg = _one_line(run_cli(["train", "--target", tiny_dense, "--cache", cache, "--out", out, "--devices", "cpu", *TRAIN]),
+                    2, "error: ")
+    assert "every loss_mask value is 0" in msg
+    assert not (out / "export").exists()
+
+
+def test_targets_transformers_cannot_build_as_a_decoder_are_one_line(tiny_dense, tiny_data, tmp_path):
+    for model_type, want in (("flarp9", "cannot build it as a causal language model"),):
+        t = tmp_path / model_type
+        shutil.copytree(tiny_dense, t)
+        cfg = json.loads((t / "config.json").read_text())
+        cfg["model_type"] = model_type
+        (t / "config.json").write_text(json.dumps(cfg))
+        msg = _one_line(run_cli(extract_args(t, tiny_data, tmp_path / f"c-{model_type}")), 2, "error: ")
+        assert want in msg, msg
+
+
+def test_binary_recipe_is_one_line(tiny_dense, tiny_data, tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_bytes(b"\xff\xfe\x00binary")
+    msg = _one_line(run_cli(["extract", "--config", recipe, "--target", tiny_dense, "--data", tiny_data, "--cache",
+                             tmp_path / "c"]), 2, "error: ")
+    assert "not a text file" in msg
+
+
+def test_status_names_committed_shards_missing_on_storage(valid_cache, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(valid_cache, cache)
+    gone = sorted((cache / "shards").iterdir())[0]
+    shutil.rmtree(gone)
+    r = run_cli(["status", cache])
+    assert "Traceback" not in r.stderr
+    assert f"DAMAGED: 1 committed shard(s) missing on storage: {gone.name[:-5]}" in r.stdout, r.stdout
+
+
+def test_eval_refuses_prompts_that_would_decode_past_the_context(tiny_dense, straight_run, tmp_path):
+    from test_generate import make_prompts
+
+    prompts = make_prompts(tmp_path / "p.parquet", rows=3)
+    limit = json.loads((Path(tiny_dense) / "config.json").read_text())["max_position_embeddings"]
+    msg = _one_line(run_cli(["eval", "--target", tiny_dense, "--drafter", straight_run("cpu") / "export", "--prompts",
+                             prompts, "--max-new-tokens", str(limit), "--no-progress"]), 2, "error: ")
+    assert f"exceeds the target's context ({limit} positions)" in msg
