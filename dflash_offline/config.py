@@ -336,12 +336,14 @@ class TrainConfig:
                        "prefetch", "max_steps", "eval_every", "eval_samples")
         if self.block_size < 2:
             raise UserError("--block-size must be at least 2 (slot 0 is the anchor, slots 1.. are drafted)")
-        if self.num_anchors > self.seq_len:
-            raise UserError(f"--num-anchors {self.num_anchors} exceeds --seq-len {self.seq_len}: each anchor is a "
-                            "distinct position of a row; lower --num-anchors")
         if self.seq_len <= self.block_size:
             raise UserError(f"--seq-len must exceed --block-size ({self.block_size}), got {self.seq_len}: a row must "
                             "hold an anchor and its drafted tokens; raise --seq-len or lower --block-size")
+        # A row's capacity beyond its positions is masked padding; beyond the default as well, a typo
+        # that would allocate (anchors x block) tables of that size.
+        if self.num_anchors > max(self.seq_len, TrainConfig.num_anchors):
+            raise UserError(f"--num-anchors {self.num_anchors} exceeds --seq-len {self.seq_len}: each anchor is a "
+                            "distinct position of a row; lower --num-anchors")
         check_at_least(self, "anchors_per_sample", 0, "0 = one draw per row")
         check_at_least(self, "profile_steps", 0, "0 = off")
         check_at_least(self, "loader_workers", 0, "0 = read in the training process")

@@ -167,6 +167,10 @@ def check_weights(info: TargetInfo, keep_layers: int, need_head: bool) -> None:
 
     from .model_folder import _safetensors_header
 
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its advice for non-decoder models would precede our one line
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(_text_config(info, keep_layers, need_head))
@@ -176,6 +180,8 @@ def check_weights(info: TargetInfo, keep_layers: int, need_head: bool) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"--target {info.path}: transformers {transformers.__version__} cannot build it as a causal "
                         f"language model ({first[:200]}); point --target at a decoder-only causal LM") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if not any(k.startswith("model.layers.") for k in wanted) or "model.embed_tokens.weight" not in wanted:
         kind = type(model).__name__

@@ -97,6 +97,7 @@ def preflight(cfg: TrainConfig) -> dict:
 
     lengths = np.asarray(lengths, np.int64)
     layer_ids, columns = layer_choice(cfg, m)
+    _check_row_memory(cfg, len(layer_ids) * m["target"]["hidden_size"])
     topk = _check_soft_targets(cfg, m)
     dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
                                      num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
@@ -140,6 +141,29 @@ def window_misfit(cfg: TrainConfig, m: dict) -> str | None:
                 f"budget ({budget / 1e6:.1f} MB, extract --max-bytes): extraction would pause and the trainer wait "
                 f"forever; lower --follow-window to {max(1, budget // biggest)} or raise the budget")
     return None
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of this host in bytes (Linux), None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _check_row_memory(cfg: TrainConfig, features: int) -> None:
+    """One row's hidden states (bf16, seq_len x captured layers x hidden) must fit in host memory
+    with room for the rows read ahead: a --seq-len that cannot is refused before any allocation."""
+    row = cfg.seq_len * features * 2
+    avail = _available_memory()
+    if avail is not None and row * 2 > avail:
+        raise UserError(f"--seq-len {cfg.seq_len}: one row of hidden states needs {row / 1e9:.1f} GB of host memory "
+                        f"({features} features a token in bf16), more than half of the {avail / 1e9:.1f} GB available; "
+                        "lower --seq-len")
 
 
 def _check_scored_tokens(cfg: TrainConfig, reader) -> None:
@@ -414,7 +438,7 @@ def refuse_foreign_run(out: Path) -> None:
         # Names this stage makes are ours only if they hold what it writes: a run truncates its
         # metrics on a restart, which would rewrite someone else's file of that name.
         for name in ("metrics.jsonl", HELD_OUT_LOG):
-            if (out / name).exists() and not _our_jsonl(out / name):
+            if (out / name).is_file() and not _our_jsonl(out / name):
                 raise UserError(f"--out {out}: its {name} was not written by `train` (not a file of JSON lines "
                                 "with a step); choose a new or empty folder (nothing was changed)")
 

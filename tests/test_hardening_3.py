@@ -315,7 +315,10 @@ def test_impossible_sizes_are_refused_before_work(tiny_dense, tiny_data, arith_c
     msg = _one_line(run_cli(["train", "--target", tiny_dense, "--cache", arith_cache, "--out", out, "--devices", "cpu",
                              *TRAIN, "--num-anchors", "100000"]), 2, "error: ")
     assert "--num-anchors 100000 exceeds --seq-len 256" in msg
-    assert not out.exists()
+    msg = _one_line(run_cli(["train", "--target", tiny_dense, "--cache", arith_cache, "--out", out, "--devices", "cpu",
+                             *TRAIN, "--seq-len", str(10 ** 12), "--global-batch-tokens", str(10 ** 12)]), 2, "error: ")
+    assert f"--seq-len {10 ** 12}: one row of hidden states needs" in msg and "lower --seq-len" in msg
+    assert not (out / "metrics.jsonl").exists()
 
 
 def test_eval_json_never_replaces_a_file_it_did_not_write(tiny_dense, arith_cache, straight_run, tmp_path):
