@@ -266,6 +266,9 @@ def run(cfg: ExtractConfig) -> dict:
     if not loc.remote and not os.path.exists(loc.path("manifest.json")):  # before its log folder is made
         refuse_foreign_folder(loc.path(), "--cache", "a cache", "manifest.json", CACHE_OWN_ENTRIES,
                               ("manifest.json.tmp-",))
+        # shards/ is ours only if it holds shard folders (a killed first run's debris), nothing else.
+        refuse_foreign_folder(loc.path("shards"), "--cache", "a cache", "manifest.json", set(),
+                              ("shard-", "tmp-shard-"))
     try:
         log_path = open_process_log(_log_dir(cfg, loc), name)
     except OSError as e:  # before anything else: no log, no cache, one line

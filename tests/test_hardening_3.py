@@ -426,3 +426,12 @@ def test_eval_refuses_prompts_that_would_decode_past_the_context(tiny_dense, str
     msg = _one_line(run_cli(["eval", "--target", tiny_dense, "--drafter", straight_run("cpu") / "export", "--prompts",
                              prompts, "--max-new-tokens", str(limit), "--no-progress"]), 2, "error: ")
     assert f"exceeds the target's context ({limit} positions)" in msg
+
+
+def test_cache_folder_with_someone_elses_shards_folder_is_refused(tiny_dense, tiny_data, tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "shards").mkdir(parents=True)
+    (cache / "shards" / "README.txt").write_text("mine\n")
+    msg = _one_line(run_cli(extract_args(tiny_dense, tiny_data, cache)), 2, "error: ")
+    assert "is not a cache" in msg and "README.txt" in msg
+    assert sorted(os.listdir(cache / "shards")) == ["README.txt"] and not (cache / "manifest.json").exists()
