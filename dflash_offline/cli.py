@@ -156,7 +156,7 @@ def train(ctx: click.Context, config_file, **options) -> None:
     given = _given(ctx, **options)
     for name in ("layers", "init_layers"):
         if name in given:
-            given[name] = parse_int_list(given[name])
+            given[name] = parse_int_list(given[name], option="--" + name.replace("_", "-"))
     recipe = load_recipe(config_file, TrainConfig) if config_file else {}
     cfg = merge(TrainConfig, recipe, given)
     from . import train as stage

@@ -218,7 +218,7 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> dict
             out[name] = [value]
     for name in ("layers", "init_layers"):
         if name in out:
-            out[name] = parse_int_list(out[name], option=name)
+            out[name] = parse_int_list(out[name], option="--" + name.replace("_", "-"))
     if "eos_token_ids" in out:
         out["eos_token_ids"] = parse_int_list(out["eos_token_ids"], option="eos_token_ids")
     return out

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .runtime import UserError, ordinary_mode
-from .model_folder import KEY_REWRITES, read_target
+from .model_folder import checkpoint_name, read_target
 
 log = logging.getLogger("dflash.drafter")
 
@@ -378,11 +378,7 @@ class DFlashDrafter(nn.Module):
         for f in info.weight_files:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for key in sf.keys():
-                    name = key
-                    for old, new in KEY_REWRITES:  # multimodal wrappers keep the text model under a prefix
-                        if name.startswith(old):
-                            name = new + name[len(old):]
-                            break
+                    name = checkpoint_name(key)
                     if name in want and name not in found:
                         found[name] = sf.get_tensor(key)
         missing = sorted(want - found.keys())
@@ -504,11 +500,7 @@ def read_layer_tensors(target_dir: str, target_layers: list[int], drafter: "DFla
     for f in info.weight_files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for key in sf.keys():
-                tkey = key
-                for old, new in KEY_REWRITES:
-                    if tkey.startswith(old):
-                        tkey = new + tkey[len(old):]
-                        break
+                tkey = checkpoint_name(key)
                 if tkey in want and tkey not in got_shapes:
                     got_shapes[tkey] = tuple(sf.get_slice(key).get_shape())
                     if drafter is not None and got_shapes[tkey] == shapes[want[tkey]]:

@@ -22,6 +22,14 @@ KEY_REWRITES = [
 ]
 
 
+def checkpoint_name(key: str) -> str:
+    """A safetensors key under the text model's name (multimodal wrappers keep it under a prefix)."""
+    for old, new in KEY_REWRITES:
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
+
+
 @dataclass
 class TargetInfo:
     path: Path

@@ -18,7 +18,7 @@ import numpy as np
 from .config import PlanConfig
 from .extract import bytes_per_token
 from .model_folder import _safetensors_header, read_target
-from .target import _checkpoint_name
+from .model_folder import checkpoint_name
 
 H200_BF16_PEAK = 774e12  # measured dense bf16 matmul FLOP/s
 EXTRACT_SHARE = 0.58  # of peak: the lower of the two measured shapes (docs/benchmarks.md)
@@ -35,7 +35,7 @@ def decoder_matrix_params(info) -> int:
         for key, meta in header.items():
             if key == "__metadata__":
                 continue
-            name = _checkpoint_name(key)
+            name = checkpoint_name(key)
             if not name.startswith("model.layers.") or len(meta["shape"]) != 2:
                 continue
             if int(name.split(".")[2]) < info.num_layers:

@@ -112,7 +112,7 @@ def cache_status(path: str) -> dict:
     on_storage = set(loc.listdir("shards"))
     debris = [n for n in on_storage if n.endswith(".zarr") and n[:-5] not in committed]
     # Committed (and not released by a streaming trainer) but gone from storage: the cache is damaged.
-    released = {e["name"] if isinstance(e, dict) else e for e in m.get("released") or []}
+    released = {s["name"] for s in m.get("released", [])}
     missing = sorted(n for n in committed if f"{n}.zarr" not in on_storage and n not in released)
     running = [p for p in procs if p["state"] == "running"]
     if m["status"] == "not created" and not running:

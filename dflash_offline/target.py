@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 
-from .model_folder import KEY_REWRITES, TargetInfo, read_target  # noqa: F401 - used by stage one and tests
+from .model_folder import KEY_REWRITES, TargetInfo, checkpoint_name, read_target  # noqa: F401 - used by stage one and tests
 from .runtime import UserError
 
 log = logging.getLogger("dflash.target")
@@ -47,8 +47,6 @@ def resolve_layers(info: TargetInfo, layers: list[int] | None, n: int) -> list[i
         raise UserError(f"--layers {ids}: layer {bad[0]} does not exist; the target has layers 0..{info.num_layers - 1}")
     if ids != sorted(ids):
         raise UserError(f"--layers {ids}: give layer ids in increasing order")
-    if len(set(ids)) < len(ids):
-        raise UserError(f"--layers {ids}: a layer is given twice; give distinct layer ids")
     return ids
 
 
@@ -152,13 +150,6 @@ def _text_config(info: TargetInfo, keep_layers: int, need_head: bool):
     return config
 
 
-def _checkpoint_name(key: str) -> str:
-    for old, new in KEY_REWRITES:
-        if key.startswith(old):
-            return new + key[len(old):]
-    return key
-
-
 def check_weights(info: TargetInfo, keep_layers: int, need_head: bool) -> None:
     """Before any worker starts: every tensor the run needs is in the safetensors files with the
     shape the config implies (the model is built on the meta device: no memory, no weights)."""
@@ -192,7 +183,7 @@ def check_weights(info: TargetInfo, keep_layers: int, need_head: bool) -> None:
         header = json.loads(_safetensors_header(f))
         for key, meta in header.items():
             if key != "__metadata__":
-                found[_checkpoint_name(key)] = (f.name, key, tuple(meta["shape"]))
+                found[checkpoint_name(key)] = (f.name, key, tuple(meta["shape"]))
     for name, shape in wanted.items():
         if name == "lm_head.weight" and (not need_head or info.tie_word_embeddings):
             continue
@@ -225,7 +216,7 @@ def load_target(info: TargetInfo, device: str, compute_dtype: str, keep_layers: 
     for f in info.weight_files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for key in sf.keys():
-                name = _checkpoint_name(key)
+                name = checkpoint_name(key)
                 if name not in wanted:
                     continue  # vision tower, MTP head, dropped layers, or the head we do not need
                 if name.startswith("lm_head.") and not need_head:

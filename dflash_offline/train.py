@@ -71,6 +71,7 @@ def preflight(cfg: TrainConfig) -> dict:
                         "extract a new cache")
     t0 = time.time()
     refs, lengths = [], []
+    scored = False
     for name in reader.shard_names:
         if not reader.loc.exists(f"shards/{name}.zarr"):
             raise UserError(f"--cache {cfg.cache}: shard {name} is listed in manifest.json but missing on storage; "
@@ -87,12 +88,17 @@ def preflight(cfg: TrainConfig) -> dict:
             if not ok:
                 raise UserError(f"--cache {cfg.cache}: shard {name} does not match its checksum (corrupted data); "
                                 "re-extract it")
+        # A cache whose loss masks are all zero trains nothing: read them until one token is scored
+        # (the first shard, for any real data: one byte per token).
+        scored = scored or bool(sh.group["loss_mask"][:].any())
         offs = sh.offsets
         lengths.extend((offs[1:] - offs[:-1]).tolist())
         refs.extend((name, k, int(offs[k])) for k in range(len(sh)))  # (shard, sample, first token)
     log.info("cache: %d shards, %d samples checked (%s) in %.1fs", len(reader.shard_names), len(refs), cfg.verify,
              time.time() - t0)
-    _check_scored_tokens(cfg, reader)
+    if not scored:
+        raise UserError(f"--cache {cfg.cache}: every loss_mask value is 0, so no token would be trained on; extract "
+                        "data whose loss_mask marks the tokens to learn (e.g. 1 on the completions)")
     import numpy as np
 
     lengths = np.asarray(lengths, np.int64)
@@ -164,17 +170,6 @@ def _check_row_memory(cfg: TrainConfig, features: int) -> None:
         raise UserError(f"--seq-len {cfg.seq_len}: one row of hidden states needs {row / 1e9:.1f} GB of host memory "
                         f"({features} features a token in bf16), more than half of the {avail / 1e9:.1f} GB available; "
                         "lower --seq-len")
-
-
-def _check_scored_tokens(cfg: TrainConfig, reader) -> None:
-    """A cache whose loss masks are all zero trains nothing: every step would score no token and
-    the export would be the initial drafter. Shards are read until one holds a scored token (the
-    first, for any real data: one byte per token), so only such a cache is read whole."""
-    for name in reader.shard_names:
-        if reader.shard(name).group["loss_mask"][:].any():
-            return
-    raise UserError(f"--cache {cfg.cache}: every loss_mask value is 0, so no token would be trained on; extract "
-                    "data whose loss_mask marks the tokens to learn (e.g. 1 on the completions)")
 
 
 def _check_cache_target(cfg: TrainConfig, m: dict) -> None:
