@@ -70,10 +70,10 @@ class Oracle:
 def part1(args, device: str) -> dict:
     import torch
 
-    from dflash_offline import evaluate as ev
-    from dflash_offline.batched_eval import BatchDFlashProposer, batched_speculative_decode
-    from dflash_offline.decoding import BatchDecoder, Sampling
-    from dflash_offline.model_folder import read_target
+    from dflash_offline.evaluate import run as ev
+    from dflash_offline.evaluate.batched import BatchDFlashProposer, batched_speculative_decode
+    from dflash_offline.generate.decoding import BatchDecoder, Sampling
+    from dflash_offline.target.folder import read_target
 
     ids, prompts = ev.read_prompts(args.prompts, read_target(args.target).vocab_size, args.max_prompts)
     model, _ = ev.load_target_for_decoding(args.target, device, args.dtype)
@@ -109,7 +109,6 @@ def part1(args, device: str) -> dict:
                         "equal_to_alone": sum(a.tokens == b for a, b in zip(specn, alone_n)), "seconds": tn},
         })
         print(json.dumps(res["drafters"][-1]), flush=True)
-        del d, prop
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return res
@@ -120,7 +119,7 @@ def part2(args, device: str) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash_offline import evaluate as ev
+    from dflash_offline.evaluate import run as ev
 
     shape = dict(QWEN35_27B)
     if args.tiny:
@@ -132,16 +131,21 @@ def part2(args, device: str) -> dict:
                                layer_types=["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(L)])
     torch.manual_seed(0)
     dtype = torch.float32 if args.tiny else torch.bfloat16
+    t0 = time.time()
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    print(f"ceiling: target built in {time.time() - t0:.0f}s", flush=True)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, shape["vocab_size"], (args.ceiling_prompt_len,), generator=g).tolist()
                for _ in range(args.ceiling_prompts)]
     new = args.ceiling_new_tokens
     session = ev.TargetSession(model, [0])
+    t0 = time.time()
     ev.greedy_decode(session, prompts[0], 8, set())  # warm-up (kernels, allocator)
+    print(f"ceiling: warm-up {time.time() - t0:.0f}s", flush=True)
     alone, t_alone = timed(device, lambda: [ev.greedy_decode(session, p, new, set()) for p in prompts])
     tok = sum(len(r.tokens) for r in alone)
+    print(f"ceiling: target alone {tok} tokens in {t_alone:.1f}s", flush=True)
     res = {"shape": "tiny" if args.tiny else "qwen3.5-27b (random weights)", "dtype": str(dtype), "prompts": len(prompts),
            "prompt_len": args.ceiling_prompt_len, "new_tokens": new, "alone_tokens_per_s": tok / t_alone, "blocks": []}
     for B in args.block_sizes:
@@ -185,7 +189,7 @@ def main() -> int:
     if args.tiny:
         import tempfile
 
-        from dflash_offline.drafter import DFlashDrafter, DrafterConfig, export_drafter
+        from dflash_offline.drafter.model import DFlashDrafter, DrafterConfig, export_drafter
         from dflash_offline.tiny import make_tiny_data, make_tiny_target
 
         tmp = Path(tempfile.mkdtemp(prefix="decode-speed-"))

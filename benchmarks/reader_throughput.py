@@ -38,7 +38,6 @@ TRAINER_CTX_TOKENS_PER_S = 11_784  # the 27B drafter on one H200 (fused loss), d
 
 
 def write_zarr_cache(root: Path, lengths: list[int], n: int, H: int, seed: int, per_shard: int = 16) -> None:
-    import numpy as np
 
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore, new_manifest
@@ -171,7 +170,7 @@ def rows_throughput(cache: str, seq_len: int, num_anchors: int, workers: int, st
     import numpy as np
 
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.stream import RowStream, make_loader
+    from dflash_offline.train.stream import RowStream, make_loader
 
     reader = CacheReader(cache)
     refs, lengths = [], []

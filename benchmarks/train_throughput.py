@@ -57,7 +57,7 @@ def make_cache(root: Path, target: Path, rows: int, seq_len: int, dev: str) -> N
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore, new_manifest
     from dflash_offline.cache.writer import ShardLayout, ShardWriter
-    from dflash_offline.model_folder import read_target
+    from dflash_offline.target.folder import read_target
 
     rng = np.random.default_rng(0)
     lengths = []
@@ -126,7 +126,7 @@ def main() -> None:
 
     import torch
 
-    from dflash_offline import train
+    from dflash_offline.train import launcher as train
     from dflash_offline.config import TrainConfig
 
     dev = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -178,10 +178,10 @@ def figures(recs: list[dict], args) -> dict:
     only rows / rows_per_step steps per epoch, a real cache thousands)."""
     steady = recs[3:]
     within = [r for i, r in enumerate(recs) if i >= 3 and r["epoch"] == recs[i - 1]["epoch"]]
-    H, I, V = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
+    H, F, V = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
     qd, kvd = SHAPE["num_attention_heads"] * SHAPE["head_dim"], SHAPE["num_key_value_heads"] * SHAPE["head_dim"]
     Q, S = args.num_anchors * 16, args.seq_len
-    per_layer_block = 2 * H * qd + 2 * H * kvd + 3 * H * I  # q, o, k, v, mlp params used per block token
+    per_layer_block = 2 * H * qd + 2 * H * kvd + 3 * H * F  # q, o, k, v, mlp params used per block token
     flops_row = (6 * 5 * per_layer_block * Q  # 5 drafter layers, block tokens, fwd + bwd
                  + 6 * 5 * 2 * H * kvd * S  # context k/v projections
                  + 6 * len(LAYERS) * H * H * S  # fc
@@ -219,9 +219,9 @@ def attention_pairs_per_row(cache: Path, args, rows: int = 8) -> float:
     import numpy as np
     import torch
 
-    from dflash_offline import masks
+    from dflash_offline.drafter import masks
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.packing import anchor_rng, build_row, epoch_order, loss_weights, pack_rows
+    from dflash_offline.train.packing import anchor_rng, build_row, epoch_order, loss_weights, pack_rows
 
     reader = CacheReader(str(cache))
     samples = [(reader.shard(n), k) for n in reader.shard_names for k in range(len(reader.shard(n)))]

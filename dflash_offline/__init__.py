@@ -8,6 +8,6 @@ __all__ = ["open_cache"]
 def open_cache(path: str):
     """A read-only view of a cache for notebooks (manifest, shards, samples, statistics, plots);
     imports numpy and zarr, never torch. See dflash_offline.inspect."""
-    from .inspect import open_cache as _open
+    from dflash_offline.inspect import open_cache as _open
 
     return _open(path)

@@ -1,4 +1,4 @@
-from .cli import entry
+from dflash_offline.cli import entry
 
 if __name__ == "__main__":
     entry()

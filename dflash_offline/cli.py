@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .runtime import UserError
+from dflash_offline.runtime.errors import UserError
 
 
 def _given(ctx: click.Context, **values) -> dict:
@@ -93,14 +93,14 @@ def extract(ctx: click.Context, config_file, **options) -> None:
     made with another target, layer set, top-k, dtype, max length, shard plan or input is refused,
     naming the field.
     """
-    from .config import ExtractConfig, load_recipe, merge, parse_int_list
+    from dflash_offline.config import ExtractConfig, load_recipe, merge, parse_int_list
 
     given = _given(ctx, **options)
     if "layers" in given:
         given["layers"] = parse_int_list(given["layers"])
     recipe = load_recipe(config_file, ExtractConfig) if config_file else {}
     cfg = merge(ExtractConfig, recipe, given)
-    from . import extract as stage
+    from dflash_offline.extract import launcher as stage
 
     stage.run(cfg)
 
@@ -151,7 +151,7 @@ def extract(ctx: click.Context, config_file, **options) -> None:
 @click.pass_context
 def train(ctx: click.Context, config_file, **options) -> None:
     """Stage two: train a DFlash drafter from a committed cache (resumes from OUT's last checkpoint)."""
-    from .config import TrainConfig, load_recipe, merge, parse_int_list
+    from dflash_offline.config import TrainConfig, load_recipe, merge, parse_int_list
 
     given = _given(ctx, **options)
     for name in ("layers", "init_layers"):
@@ -159,7 +159,7 @@ def train(ctx: click.Context, config_file, **options) -> None:
             given[name] = parse_int_list(given[name], option="--" + name.replace("_", "-"))
     recipe = load_recipe(config_file, TrainConfig) if config_file else {}
     cfg = merge(TrainConfig, recipe, given)
-    from . import train as stage
+    from dflash_offline.train import launcher as stage
 
     stage.run(cfg)
 
@@ -170,7 +170,7 @@ def train(ctx: click.Context, config_file, **options) -> None:
 @click.option("--to", "dest", help="Export folder.  [default: RUN/export]")
 def export(run_dir: str, step: int | None, dest: str | None) -> None:
     """Write a checkpoint's drafter in the format serving engines load (config.json + model.safetensors)."""
-    from . import export as export_mod
+    from dflash_offline import export as export_mod
 
     path = export_mod.export_checkpoint(run_dir, step, dest)
     click.echo(f"exported {path}")
@@ -207,11 +207,11 @@ def eval_(ctx: click.Context, config_file, **options) -> None:
     """Acceptance length of drafters: speculative decoding against the target (tau, acceptance per
     slot, tokens/s vs the target alone, output checked equal to its greedy decode), and/or the
     estimate from a held-out cache."""
-    from .config import EvalConfig, load_recipe, merge
+    from dflash_offline.config import EvalConfig, load_recipe, merge
 
     given = _given(ctx, **options)
     recipe = load_recipe(config_file, EvalConfig) if config_file else {}
-    from . import evaluate
+    from dflash_offline.evaluate import run as evaluate
 
     report = evaluate.run(merge(EvalConfig, recipe, given))
     if any(not d["parity"]["agree"] for d in report["drafters"] if "parity" in d):
@@ -240,8 +240,9 @@ def plan(ctx: click.Context, config_file, as_json: bool, **options) -> None:
     `--config stages/<deployment>/extract.toml` sizes what that recipe would extract."""
     import json as _json
 
-    from .config import ExtractConfig, load_recipe, merge, parse_int_list
-    from .sizing import PlanConfig, make_plan, report
+    from dflash_offline.config import ExtractConfig, load_recipe, merge, parse_int_list
+    from dflash_offline.config import PlanConfig
+    from dflash_offline.sizing import make_plan, report
 
     given = _given(ctx, **options)
     if "layers" in given:
@@ -262,8 +263,8 @@ def verify(cache: str) -> None:
     """Check every committed shard of CACHE against its checksum (reads the whole cache)."""
     from tqdm import tqdm
 
-    from .cache.reader import CacheReader
-    from .status import folder_hint
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.status import folder_hint
 
     hint = folder_hint(cache, "verify")  # a folder that holds caches: name them
     if hint:
@@ -293,8 +294,8 @@ def verify(cache: str) -> None:
               help="Tokens read for the statistics, >= 1 (--no-stats skips them).")
 def inspect(cache: str, sample_id: int | None, stats: bool, max_tokens: int) -> None:
     """Summary of a cache: manifest, shards, per-layer statistics and outlier channels (no torch)."""
-    from .inspect import open_cache
-    from .status import folder_hint
+    from dflash_offline.inspect import open_cache
+    from dflash_offline.status import folder_hint
 
     hint = folder_hint(cache, "inspect")  # a folder that holds caches: name them
     if hint:
@@ -318,7 +319,7 @@ def status(path: str, as_json: bool) -> None:
     """What is done, running or failed, for a cache (extraction) or a run folder (training)."""
     import json
 
-    from . import status as status_mod
+    from dflash_offline import status as status_mod
 
     st = status_mod.status(path)
     click.echo(json.dumps(st, indent=1, default=str) if as_json else status_mod.format_status(st))
@@ -350,13 +351,13 @@ def generate(ctx: click.Context, config_file, **options) -> None:
     0 on the prompt and 1 on the completion. Parts are committed in OUT/manifest.json; running the
     same command again resumes, and a different target or setting is refused, naming the field.
     """
-    from .config import GenerateConfig, load_recipe, merge, parse_int_list
+    from dflash_offline.config import GenerateConfig, load_recipe, merge, parse_int_list
 
     given = _given(ctx, **options)
     if "eos_token_ids" in given:
         given["eos_token_ids"] = parse_int_list(given["eos_token_ids"], option="--eos-token-ids")
     recipe = load_recipe(config_file, GenerateConfig) if config_file else {}
-    from . import generate as stage
+    from dflash_offline.generate import launcher as stage
 
     stage.run(merge(GenerateConfig, recipe, given))
 
@@ -366,13 +367,14 @@ def generate(ctx: click.Context, config_file, **options) -> None:
 @click.option("--devices", default="cpu", show_default=True, help="Devices for the extract stage.")
 def demo(out: str, devices: str) -> None:
     """Run the main job end to end on an embedded default: a tiny target and data made on the fly."""
-    from . import demo as demo_mod
+    from dflash_offline import demo as demo_mod
 
     demo_mod.run(out, devices)
 
 
 def entry() -> None:
-    from .runtime import Stopped, current_log, finish_heartbeat, record_failure
+    from dflash_offline.runtime.logs import current_log, finish_heartbeat, record_failure
+    from dflash_offline.runtime.signals import Stopped
 
     try:
         main(standalone_mode=False)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .runtime import UserError
+from dflash_offline.runtime.errors import UserError
 
 HIDDEN_DTYPES = ("bfloat16", "float8_e4m3fn")
 HIDDEN_DTYPE_ALIASES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}

@@ -18,8 +18,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .config import EvalConfig, ExtractConfig, GenerateConfig, TrainConfig
-from .runtime import UserError
+from dflash_offline.config import EvalConfig, ExtractConfig, GenerateConfig, TrainConfig
+from dflash_offline.runtime.errors import UserError
 
 TRAIN_PROMPTS, EVAL_PROMPTS, NEW_TOKENS = 512, 32, 64
 OURS = {"tiny-target", "prompts-train.parquet", "prompts-eval.parquet", "generated", "cache", "train", "eval.json"}
@@ -33,7 +33,7 @@ def run(out: str, devices: str = "cpu") -> dict:
     root.mkdir(parents=True, exist_ok=True)
     target = root / "tiny-target"
     if not (target / "config.json").exists():
-        from .tiny import make_tiny_target, train_tiny_target
+        from dflash_offline.tiny import make_tiny_target, train_tiny_target
 
         tmp = root / ".tiny-target.tmp"  # renamed into place once trained: a killed demo leaves no half-trained target
         shutil.rmtree(tmp, ignore_errors=True)
@@ -46,20 +46,23 @@ def run(out: str, devices: str = "cpu") -> dict:
         print(f"target:   {target} (trained earlier)", flush=True)
     prompts_train, prompts_eval = root / "prompts-train.parquet", root / "prompts-eval.parquet"
     if not prompts_eval.exists():
-        from .tiny import make_progression_prompts
+        from dflash_offline.tiny import make_progression_prompts
 
         make_progression_prompts(prompts_train, TRAIN_PROMPTS, seed=1)
         # Held out: prompts longer than any training prompt, so none is a training prompt.
         make_progression_prompts(prompts_eval, EVAL_PROMPTS, seed=2, min_len=21, max_len=28, id_offset=100_000)
 
-    from . import evaluate, extract, generate, train
+    from dflash_offline.evaluate import run as evaluate
+    from dflash_offline.extract import launcher as extract
+    from dflash_offline.generate import launcher as generate
+    from dflash_offline.train import launcher as train
 
     generated, cache, run_dir = root / "generated", root / "cache", root / "train"
     generate.run(GenerateConfig(target=str(target), prompts=[str(prompts_train)], out=str(generated), devices=devices,
                                 max_new_tokens=NEW_TOKENS, chunk_prompts=256, batch_tokens=128 * (20 + NEW_TOKENS)))
     extract.run(ExtractConfig(target=str(target), data=[str(generated)], cache=str(cache), devices=devices,
                               topk=8, max_len=256, batch_tokens=2048, shard_tokens=8192))
-    from .cache.reader import CacheReader
+    from dflash_offline.cache.reader import CacheReader
 
     reader = CacheReader(str(cache))
     bad = reader.verify()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .runtime import UserError, require_kind
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.paths import require_kind
 
 
 def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = None) -> Path:
-    from .drafter import check_export_dest, export_drafter, load_checkpoint
-    from .train import CHECKPOINT_PREFIX, list_checkpoints
+    from dflash_offline.drafter.model import check_export_dest, export_drafter, load_checkpoint
+    from dflash_offline.train.launcher import CHECKPOINT_PREFIX, list_checkpoints
 
     run = Path(run_dir)
     require_kind(run_dir, "--run", True, "a training run folder (OUT of train, with step-N/ checkpoints)")
@@ -22,7 +23,7 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
     step = steps[-1] if step is None else step
     if step not in steps:
         raise UserError(f"--step {step}: no such checkpoint in {run_dir}; available: {', '.join(map(str, steps))}")
-    from .drafter import checkpoint_damage
+    from dflash_offline.drafter.model import checkpoint_damage
 
     ck = run / f"{CHECKPOINT_PREFIX}{step}"
     what = checkpoint_damage(ck, ("state.json", "drafter.safetensors"))

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cache.reader import CacheReader, bf16_bits_to_float32
-from .runtime import UserError
+from dflash_offline.cache.reader import CacheReader, bf16_bits_to_float32
+from dflash_offline.runtime.errors import UserError
 
 # A channel is an outlier when its RMS over tokens exceeds this multiple of the layer's median
 # channel RMS (massive activations of LLM residual streams sit at 10-1000x).

@@ -15,10 +15,10 @@ import math
 
 import numpy as np
 
-from .config import PlanConfig
-from .extract import bytes_per_token
-from .model_folder import _safetensors_header, read_target
-from .model_folder import checkpoint_name
+from dflash_offline.config import PlanConfig
+from dflash_offline.extract.launcher import bytes_per_token
+from dflash_offline.target.folder import _safetensors_header, read_target
+from dflash_offline.target.folder import checkpoint_name
 
 H200_BF16_PEAK = 774e12  # measured dense bf16 matmul FLOP/s
 EXTRACT_SHARE = 0.58  # of peak: the lower of the two measured shapes (docs/benchmarks.md)
@@ -53,18 +53,19 @@ def drafter_flops_per_context_token(text: dict, n_captured: int, p: PlanConfig) 
     forward + backward on the block tokens, the context key/value projections, fc, the frozen LM
     head (forward + input gradient), and attention over about half the context per block query
     (the same count as benchmarks/train_throughput.py, with attention estimated, not counted)."""
-    H, I, V = text["hidden_size"], text["intermediate_size"], text["vocab_size"]
+    H, F, V = text["hidden_size"], text["intermediate_size"], text["vocab_size"]
     hd = text.get("head_dim") or H // text["num_attention_heads"]
     qd, kvd = text["num_attention_heads"] * hd, text["num_key_value_heads"] * hd
     Q, S, L = p.num_anchors * p.block_size, p.seq_len, p.drafter_layers
-    per_layer_block = 2 * H * qd + 2 * H * kvd + 3 * H * I
+    per_layer_block = 2 * H * qd + 2 * H * kvd + 3 * H * F
     row = (6 * L * per_layer_block * Q + 6 * L * 2 * H * kvd * S + 6 * n_captured * H * H * S + 4 * H * V * Q
            + 3 * L * 4 * Q * (S / 2 + p.block_size) * qd)
     return row / S
 
 
 def make_plan(p: PlanConfig) -> dict:
-    from . import data, target
+    from dflash_offline.extract import data
+    from dflash_offline.target import model as target
 
     p.validate()
     info = read_target(p.target)
@@ -74,7 +75,7 @@ def make_plan(p: PlanConfig) -> dict:
     tokens = int(np.minimum(source.lengths, p.max_len).sum())
     free = None
     if p.cache:
-        from .cache.location import Location
+        from dflash_offline.cache.location import Location
 
         loc = Location(p.cache)
         probe = loc
@@ -111,7 +112,7 @@ def make_plan(p: PlanConfig) -> dict:
 
 
 def report(plan: dict) -> list[str]:
-    from .extract import human_bytes
+    from dflash_offline.runtime.units import human_bytes
 
     lines = [f"input: {plan['rows']} rows, {plan['tokens']:,} tokens after truncation"
              + (f" ({plan['truncated_rows']} rows truncated)" if plan["truncated_rows"] else "")

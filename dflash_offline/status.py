@@ -14,7 +14,9 @@ import socket
 import time
 from pathlib import Path
 
-from .runtime import HEARTBEAT_SUFFIX, UserError, require_kind
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.logs import HEARTBEAT_SUFFIX
+from dflash_offline.runtime.paths import require_kind
 
 STALE_S = 120.0  # a live process whose heartbeat is older than this is reported as not advancing
 HUNG = ("a process is alive but has not advanced for minutes (hung?): read its log; `kill -USR1 PID` writes "
@@ -95,8 +97,8 @@ def last_error(log_dir: Path, stage: str = "") -> dict | None:
 
 
 def cache_status(path: str) -> dict:
-    from .cache.location import Location
-    from .cache.manifest import ManifestStore, committed_names, occupancy
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore, committed_names, occupancy
 
     loc = Location(path)
     m = ManifestStore(loc).read()
@@ -146,7 +148,7 @@ def _verdict(status: str, procs: list[dict], busy: str, command: str) -> str:
 
 def generate_status(path: str) -> dict:
     """A `generate` output folder: parts committed of those planned, its processes, the last error."""
-    from .parts import read_manifest
+    from dflash_offline.generate.parts import read_manifest
 
     folder = Path(path)
     if folder.suffix == ".parquet":  # the merged file: its parts and logs are beside it
@@ -164,7 +166,7 @@ def generate_status(path: str) -> dict:
 
 
 def _is_generated(p: Path) -> bool:
-    from .parts import read_manifest
+    from dflash_offline.generate.parts import read_manifest
 
     try:
         return p.is_dir() and read_manifest(p) is not None
@@ -173,7 +175,7 @@ def _is_generated(p: Path) -> bool:
 
 
 def run_status(path: str) -> dict:
-    from .train import list_checkpoints
+    from dflash_offline.train.launcher import list_checkpoints
 
     out = Path(path)
     steps = list_checkpoints(out)
@@ -234,7 +236,7 @@ def _is_run(p: Path) -> bool:
 
 
 def _is_cache(p: Path) -> bool:
-    from .cache.manifest import FORMAT
+    from dflash_offline.cache.manifest import FORMAT
 
     try:
         return json.loads((p / "manifest.json").read_text()).get("format") == FORMAT

@@ -114,9 +114,9 @@ def fit_drafter_to_samples(d, feats, input_ids, loss_masks, steps: int, anchors:
     import numpy as np
     import torch
 
-    from dflash_offline import masks
-    from dflash_offline.loss import block_loss
-    from dflash_offline.packing import build_row, loss_weights
+    from dflash_offline.drafter import masks
+    from dflash_offline.train.loss import block_loss
+    from dflash_offline.train.packing import build_row, loss_weights
 
     S, B = feats.shape[1], d.cfg.block_size
     rng = np.random.default_rng(seed)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_offline import evaluate as ev
-from dflash_offline.batched_eval import BatchDFlashProposer, batched_speculative_decode
-from dflash_offline.drafter import DFlashDrafter, DrafterConfig
+from dflash_offline.evaluate import run as ev
+from dflash_offline.evaluate.batched import BatchDFlashProposer, batched_speculative_decode
+from dflash_offline.drafter.model import DFlashDrafter, DrafterConfig
 
 LAYERS = [1, 3, 7]  # 7 = the last layer of the tiny targets: its features are read the same way
 MAX_NEW = 29
@@ -111,7 +111,7 @@ def test_eval_features_are_the_raw_layer_outputs_extraction_stores(tiny_dense, t
     stored for training: the layers' raw outputs. transformers' hidden_states[8] is the output
     after the final norm (what eval used to read): far from the stored features."""
     from conftest import extract_args, run_cli
-    from dflash_offline.batched_eval import _target_forward
+    from dflash_offline.evaluate.batched import _target_forward
     from dflash_offline.cache.reader import CacheReader
     from dflash_offline.tiny import make_tiny_data
 

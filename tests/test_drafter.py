@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_offline.drafter import DFlashDrafter, DrafterConfig, _rope_theta, export_drafter, load_exported
-from dflash_offline.runtime import UserError
+from dflash_offline.drafter.model import DFlashDrafter, DrafterConfig, _rope_theta, export_drafter, load_exported
+from dflash_offline.runtime.errors import UserError
 
 LAYER_IDS = [1, 3, 5]
 MASK_ID = 7
@@ -24,17 +24,17 @@ MASK_ID = 7
 
 @pytest.fixture(autouse=True)
 def masks_module(monkeypatch):
-    """Use dflash_offline.masks when it exists; until then, an SDPA stand-in of the same signature."""
+    """Use dflash_offline.drafter.masks when it exists; until then, an SDPA stand-in of the same signature."""
     try:
-        import dflash_offline.masks  # noqa: F401
+        import dflash_offline.drafter.masks  # noqa: F401
     except ImportError:
         def attention(q, k, v, mask, scale=None):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                                     enable_gqa=True)
 
-        mod = types.ModuleType("dflash_offline.masks")
+        mod = types.ModuleType("dflash_offline.drafter.masks")
         mod.attention = attention
-        monkeypatch.setitem(sys.modules, "dflash_offline.masks", mod)
+        monkeypatch.setitem(sys.modules, "dflash_offline.drafter.masks", mod)
 
 
 def tensors_of(folder: Path) -> dict[str, torch.Tensor]:
@@ -313,8 +313,8 @@ def test_export_round_trip(tiny_dense, tmp_path):
 
 
 def test_eval_warns_when_the_target_is_not_the_one_trained_for(tiny_dense, tmp_path, caplog):
-    from dflash_offline.drafter import export_drafter
-    from dflash_offline.evaluate import load_drafter
+    from dflash_offline.drafter.model import export_drafter
+    from dflash_offline.evaluate.run import load_drafter
     from dflash_offline.tiny import make_tiny_target
 
     folder = export_drafter(tiny_drafter(tiny_dense), str(tmp_path / "export"))

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import fit_drafter_to_samples, run_cli
-from dflash_offline import evaluate as ev
-from dflash_offline.drafter import DFlashDrafter, DrafterConfig
+from dflash_offline.evaluate import run as ev
+from dflash_offline.drafter.model import DFlashDrafter, DrafterConfig
 
 LAYERS = [1, 2, 3, 4, 5]
 MAX_NEW = 33
@@ -85,7 +85,7 @@ class RandomProposer:
 def test_draft_path_equals_training_forward(tiny_dense):
     """Inference (cached context keys/values, no mask) = the training forward of the same block
     under the training mask: the drafter is trained and used on the same computation."""
-    from dflash_offline import masks
+    from dflash_offline.drafter import masks
 
     d = random_drafter(tiny_dense)
     S, B, anchor = 30, 8, 19
@@ -328,7 +328,7 @@ def test_random_anchor_estimate_reads_a_layer_subset(own_cache, tiny_dense):
     """cache_acceptance with a drafter on a subset of the cache's layers: with room for every
     anchor it scores exactly the walk's anchors (the same columns, the same numbers); a drafter
     layer the cache lacks is refused by both."""
-    from dflash_offline.runtime import UserError
+    from dflash_offline.runtime.errors import UserError
 
     cache, _, _ = own_cache
     cfg = DrafterConfig.from_target(str(tiny_dense), [4, 2], block_size=WALK_B, num_layers=2, mask_token_id=1)
@@ -398,7 +398,7 @@ def test_eval_refusals(tiny_dense, tiny_hybrid, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dflash_offline.drafter import export_drafter
+    from dflash_offline.drafter.model import export_drafter
 
     d = random_drafter(tiny_dense)
     export = export_drafter(d, str(tmp_path / "export"))
@@ -431,7 +431,7 @@ def write_rows(path, ids, rows, masks=None):
 def test_read_reference(tmp_path):
     """The expected outputs are the completions cut where greedy decoding stops; every way a
     reference cannot serve is refused in one line that names the file."""
-    from dflash_offline.runtime import UserError
+    from dflash_offline.runtime.errors import UserError
 
     ids, prompts = [1, 2], [[5, 6], [7]]
     good = write_rows(tmp_path / "good.parquet", [2, 1, 9], [[7, 10, 11, 12, 13], [5, 6, 20, 21, 22, 23], [4, 4]],
@@ -468,7 +468,7 @@ def test_eval_with_reference_and_cache_walk(own_cache, tiny_dense, tmp_path):
     import pyarrow.parquet as pq
 
     from dflash_offline.config import EvalConfig
-    from dflash_offline.drafter import export_drafter
+    from dflash_offline.drafter.model import export_drafter
 
     cache, data, prompts = own_cache
     export = export_drafter(random_drafter(tiny_dense, block_size=WALK_B), str(tmp_path / "export"))

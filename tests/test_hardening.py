@@ -13,7 +13,7 @@ import pytest
 from conftest import TRAIN, run_cli, tree_digest
 
 from dflash_offline.config import EvalConfig, ExtractConfig, GenerateConfig, PlanConfig, TrainConfig
-from dflash_offline.runtime import UserError
+from dflash_offline.runtime.errors import UserError
 
 NAN, INF = float("nan"), float("inf")
 
@@ -117,7 +117,7 @@ def test_nonfinite_loss_stops_all_ranks_without_export(tmp_path, arith_cache, ti
     """lr 1e30 on two ranks: step 1 is finite and checkpointed, step 2's loss is not. Both ranks stop
     at step 2 before the update (no hang); one line names the step, the ranks and step-1; exit 1; no
     export, no step-2, and step-1 as it was committed."""
-    from dflash_offline.drafter import load_checkpoint
+    from dflash_offline.drafter.model import load_checkpoint
 
     out = tmp_path / "run"
     r = run_cli(["train", "--target", tiny_dense, "--cache", arith_cache, "--out", out, *TRAIN, "--lr", "1e30",
@@ -134,7 +134,7 @@ def test_nonfinite_loss_stops_all_ranks_without_export(tmp_path, arith_cache, ti
 
 
 def test_diverged_message_without_checkpoint_names_the_gradient():
-    from dflash_offline.train import diverged_message
+    from dflash_offline.train.launcher import diverged_message
 
     line = diverged_message([0.0, 0.0], math.inf, 7, Path("runs/r"), 0)
     assert line.startswith("training stopped at step 7: the gradient norm is inf on every rank (2 rank(s)), "
@@ -184,7 +184,7 @@ def test_foreign_folders_are_refused_untouched(tmp_path, tiny_dense, tiny_data, 
 def test_export_dest_rules(tmp_path):
     """An earlier export (or an empty folder) may be replaced; a file, a folder with other files, or
     an unreadable config may not."""
-    from dflash_offline.drafter import check_export_dest
+    from dflash_offline.drafter.model import check_export_dest
 
     ours = tmp_path / "ours"
     ours.mkdir()
@@ -213,7 +213,7 @@ def test_export_dest_rules(tmp_path):
     (["manifest.json", "shards"], True),  # a cache given as --out
 ])
 def test_run_folder_rule(tmp_path, entries, refused):
-    from dflash_offline.train import refuse_foreign_run
+    from dflash_offline.train.launcher import refuse_foreign_run
 
     for name in entries:
         (tmp_path / name).mkdir()

@@ -69,7 +69,7 @@ def test_complete_looking_stale_env_ends_after_the_rendezvous_timeout(arith_cach
 
 def test_rank_zero_gives_up_waiting_without_progress(monkeypatch):
     """Rank 0 waiting for the other ranks' commits: a reason at once, and an end when none come."""
-    from dflash_offline.runtime import wait_for_other_ranks
+    from dflash_offline.runtime.supervise import wait_for_other_ranks
 
     monkeypatch.setenv("DFLASH_OFFLINE_RANK_WAIT_S", "1")
     t0 = time.time()

@@ -205,12 +205,13 @@ def test_stage_after_stage_in_one_process_is_done_not_died(tiny_dense, tiny_data
     cache = tmp_path / "cache"
     script = (
         "import sys\n"
-        "from dflash_offline import extract, runtime\n"
+        "from dflash_offline.extract import launcher as extract\n"
+        "from dflash_offline.runtime import logs\n"
         "from dflash_offline.config import ExtractConfig\n"
         "extract.run(ExtractConfig(target=sys.argv[1], data=[sys.argv[2]], cache=sys.argv[3], topk=4, max_len=128,\n"
         "                          batch_tokens=512, shard_tokens=1024, progress=False))\n"
-        "runtime.open_process_log(sys.argv[4], 'next-stage', console=False)\n"
-        "runtime.finish_heartbeat('done')\n"
+        "logs.open_process_log(sys.argv[4], 'next-stage', console=False)\n"
+        "logs.finish_heartbeat('done')\n"
     )
     r = subprocess.run([sys.executable, "-c", script, str(tiny_dense), str(tiny_data), str(cache), str(tmp_path / "logs")],
                        capture_output=True, text=True, timeout=300, start_new_session=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_offline.loss import block_loss
+from dflash_offline.train.loss import block_loss
 
 
 def _case(dtype=torch.float32, seed=0, R=3, Q=40, H=32, V=301):

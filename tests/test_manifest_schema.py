@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import jsonschema
 import numpy as np

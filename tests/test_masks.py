@@ -1,4 +1,4 @@
-"""The DFlash training mask (dflash_offline.masks): the rules checked against a literal brute force,
+"""The DFlash training mask (dflash_offline.drafter.masks): the rules checked against a literal brute force,
 flex_attention against SDPA through the one mask definition, and (GPU) compiled flex forward +
 backward in bf16 with no recompiles across steps of one shape.
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_offline.masks import attention, count_recompiles, dense_mask, flex_block_mask, make_mask_mod
+from dflash_offline.drafter.masks import attention, count_recompiles, dense_mask, flex_block_mask, make_mask_mod
 
 # Eager flex on CPU warns once that it is unfused; that is the intended CPU path here.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import TRAIN, run_cli
-from dflash_offline.packing import build_row, loss_weights
+from dflash_offline.train.packing import build_row, loss_weights
 
 
 def _random_row(rng, S):
@@ -128,8 +128,8 @@ def test_a_layer_subset_trains_exactly_as_a_cache_of_only_those_layers(layer_cac
 
 def test_distillation_targets_are_the_top_k_of_the_position_before_each_slot(layer_caches):
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.packing import pack_rows, epoch_order
-    from dflash_offline.stream import RowStream
+    from dflash_offline.train.packing import pack_rows, epoch_order
+    from dflash_offline.train.stream import RowStream
 
     superset, _ = layer_caches
     reader = CacheReader(str(superset))
@@ -186,7 +186,7 @@ def test_held_out_walk_keeps_the_best_drafter(layer_caches, tiny_dense, tmp_path
     best = json.loads((out / "best.json").read_text())
     assert best["tau_pooled"] == max(x["tau_pooled"] for x in lines) and best["samples"] == 8
     assert [x["best"] for x in lines][0] is True
-    from dflash_offline.drafter import load_exported
+    from dflash_offline.drafter.model import load_exported
 
     assert load_exported(str(out / "best"), str(tiny_dense)).cfg.target_layer_ids == [2, 4]
     assert "best held-out drafter: step" in r.stdout

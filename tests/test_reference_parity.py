@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_offline import evaluate as ev
-from dflash_offline.drafter import load_exported
+from dflash_offline.evaluate import run as ev
+from dflash_offline.drafter.model import load_exported
 
 REFERENCE = "dflash==0.1.0"
 MAX_NEW = 40
@@ -62,7 +62,7 @@ def exported(tiny_dense, tmp_path_factory):
     """A drafter fitted for a few steps to the target's own greedy completions of the test's
     prompts (so that it accepts some blocks and not others), exported: (folder, ours)."""
     from conftest import fit_drafter_to_samples
-    from dflash_offline.drafter import DFlashDrafter, DrafterConfig, export_drafter
+    from dflash_offline.drafter.model import DFlashDrafter, DrafterConfig, export_drafter
 
     _, session, prompts, completions = prompts_and_completions(tiny_dense)
     seqs = [np.asarray(p + c, np.int64) for p, c in zip(prompts, completions)]
@@ -156,7 +156,7 @@ def test_parity_check_agrees_on_the_trained_target_and_names_another(exported, o
     is served as trained); against another target of the same shape the report says that the
     target's features are not the cache's and that decoding does not reproduce its completions."""
     from conftest import run_cli
-    from dflash_offline.parity import check_parity
+    from dflash_offline.evaluate.parity import check_parity
     from dflash_offline.tiny import make_tiny_target
 
     folder, ours = exported

@@ -117,7 +117,7 @@ def test_chunk_files_reads_equal_zarr_and_refuse_damage(tmp_path):
 
 def test_loader_rows_from_chunk_files_equal_rows_through_zarr(valid_cache):
     """The trainer's rows, read from chunk files (refs with their first token) and through Zarr."""
-    from dflash_offline.stream import RowStream
+    from dflash_offline.train.stream import RowStream
 
     reader = CacheReader(str(valid_cache))
     refs3, refs2, lengths = [], [], []

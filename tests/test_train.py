@@ -52,7 +52,7 @@ def test_training_learns_and_exports(arith_cache, tiny_dense, tmp_path):
               "head_dim", "rms_norm_eps", "rope_theta", "vocab_size", "max_position_embeddings"):
         assert k in cfg, k
     assert cfg["num_hidden_layers"] == 2 and cfg["attention_bias"] is False
-    from dflash_offline.drafter import load_exported
+    from dflash_offline.drafter.model import load_exported
 
     d = load_exported(str(out / "export"), str(tiny_dense))
     from safetensors.torch import load_file as load_torch
@@ -143,7 +143,7 @@ def test_torchrun_training_equals_launcher_and_export_command(arith_cache, tiny_
 
     r = run_cli(["export", "--run", str(under), "--step", "4", "--to", str(tmp_path / "exported")])
     assert r.returncode == 0, r.stderr
-    from dflash_offline.drafter import load_exported
+    from dflash_offline.drafter.model import load_exported
 
     d = load_exported(str(tmp_path / "exported"), str(tiny_dense))
     assert d.cfg.block_size == 8 and d.cfg.num_hidden_layers == 2
@@ -244,7 +244,7 @@ def test_checkpoints_and_export_are_readable_by_others(arith_cache, tiny_dense, 
 
 
 def test_human_count():
-    from dflash_offline.runtime import human_count
+    from dflash_offline.runtime.units import human_count
 
     assert [human_count(n) for n in (7, 999, 1234, 999_999, 1_230_000, 2.1e9, 1.84e9)] == \
         ["7", "999", "1.23K", "1.00M", "1.23M", "2.10B", "1.84B"]

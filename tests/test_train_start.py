@@ -9,9 +9,9 @@ import torch
 
 from conftest import run_cli
 from dflash_offline.config import auto_loss_chunk
-from dflash_offline.drafter import DFlashDrafter, DrafterConfig, read_layer_tensors
-from dflash_offline.masks import count_recompiles, dense_mask
-from dflash_offline.runtime import UserError
+from dflash_offline.drafter.model import DFlashDrafter, DrafterConfig, read_layer_tensors
+from dflash_offline.drafter.masks import count_recompiles, dense_mask
+from dflash_offline.runtime.errors import UserError
 
 
 def _drafter(target, num_layers=2, seed=0) -> DFlashDrafter:
@@ -120,7 +120,7 @@ def test_loss_chunk_follows_the_vocabulary():
 def test_compiled_layers_on_cuda_match_eager_under_flex_and_bf16(tiny_dense):
     """The Inductor-compiled layer with the flex BlockMask under bf16 autocast, as training runs it,
     against the eager module: same forward and gradients to bf16 rounding, one graph."""
-    from dflash_offline.masks import flex_block_mask
+    from dflash_offline.drafter.masks import flex_block_mask
 
     eager, comp = _drafter(tiny_dense, num_layers=3).cuda(), _drafter(tiny_dense, num_layers=3).cuda()
     comp.compile_layers()

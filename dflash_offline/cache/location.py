@@ -32,14 +32,14 @@ class Location:
             # File-system-like backends need parent folders; object stores have none to make.
             self.storage_options = {"auto_mkdir": True} if protocol in ("local", "file") else {}
             if protocol == "memory":
-                from ..runtime import UserError
+                from dflash_offline.runtime.errors import UserError
 
                 raise UserError(f"--cache {root}: memory:// lives inside one process and workers are separate "
                                 "processes; use a path (e.g. /dev/shm/cache) instead")
             try:
                 self.fs, self._base = fsspec.core.url_to_fs(root, **self.storage_options)
             except (ImportError, ValueError) as e:
-                from ..runtime import UserError
+                from dflash_offline.runtime.errors import UserError
 
                 raise UserError(f"--cache {root}: fsspec cannot open this URL ({e}); install the backend "
                                 f"for '{protocol}://' (e.g. pip install s3fs for s3://)") from None
@@ -168,7 +168,7 @@ class Location:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        from ..runtime import fault_point
+        from dflash_offline.runtime.faults import fault_point
 
         fault_point("manifest-tmp-written")
         os.replace(tmp, final)

@@ -11,8 +11,8 @@ import json
 import os
 import time
 
-from ..runtime import UserError
-from .location import Location
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.cache.location import Location
 
 FORMAT = "dflash-offline/cache"
 VERSION = 1

@@ -13,10 +13,10 @@ import google_crc32c
 import numpy as np
 import zarr
 
-from ..runtime import UserError
-from .location import Location
-from .manifest import ManifestStore
-from .writer import CHECKSUM_ARRAYS, checksum_algorithm, combine_digests, new_digest
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.cache.location import Location
+from dflash_offline.cache.manifest import ManifestStore
+from dflash_offline.cache.writer import CHECKSUM_ARRAYS, checksum_algorithm, combine_digests, new_digest
 
 
 def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
@@ -39,7 +39,7 @@ class Sample:
     def hidden(self) -> np.ndarray:
         """float32 [t, n, H]."""
         if self.hidden_scale is not None:
-            from .fp8 import dequantize_np
+            from dflash_offline.cache.fp8 import dequantize_np
 
             return dequantize_np(self.hidden_bits, self.hidden_scale)
         return bf16_bits_to_float32(self.hidden_bits)

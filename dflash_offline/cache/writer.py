@@ -32,8 +32,8 @@ import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec
 
-from .location import Location
-from .manifest import id_ranges
+from dflash_offline.cache.location import Location
+from dflash_offline.cache.manifest import id_ranges
 
 log = logging.getLogger("dflash.cache")
 

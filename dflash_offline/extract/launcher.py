@@ -22,11 +22,16 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .cache.manifest import committed_names, shard_name
-from .config import ExtractConfig
-from .runtime import (Launch, Stopped, UserError, claim_heartbeat, fault_point, heartbeat, install_stop_handlers,
-                      join_ranks, open_process_log, refuse_foreign_folder, signal_name, stop_requested,
-                      torchrun_launch, wait_for_other_ranks)
+from dflash_offline.cache.manifest import committed_names, shard_name
+from dflash_offline.config import ExtractConfig
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.faults import fault_point
+from dflash_offline.runtime.launch import Launch, join_ranks, torchrun_launch
+from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_process_log
+from dflash_offline.runtime.paths import refuse_foreign_folder
+from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
+from dflash_offline.runtime.supervise import wait_for_other_ranks
+from dflash_offline.runtime.units import human_bytes
 
 log = logging.getLogger("dflash.extract")
 # What a cache location holds before its first manifest (a refused or killed first run): anything
@@ -117,14 +122,6 @@ def reserved_bytes(tokens: int, bpt: int, chunk_tokens: int) -> int:
     return -(-tokens // chunk_tokens) * chunk_tokens * bpt + 64 * 1024
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
-
-
 def bytes_per_token(num_layers: int, hidden_size: int, topk: int, hidden_dtype: str = "bfloat16") -> int:
     """hidden (bf16: 2 bytes a value; fp8: 1 byte a value + a float32 scale a layer) + top-k ids
     (int32) and log-probs (fp16) + input_ids (int32) + loss_mask (uint8)."""
@@ -164,13 +161,15 @@ def resolve_compute_dtype(name: str, devices: list[str], launch: Launch | None) 
 
 def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     """All checks that need no weights. Raises UserError; writes nothing to the cache."""
-    from . import data, target
-    from .cache.manifest import ManifestStore, check_compatible, committed_names, new_manifest
-    from .runtime import check_devices_exist, parse_devices
+    from dflash_offline.extract import data
+    from dflash_offline.target import model as target
+    from dflash_offline.target.folder import read_target
+    from dflash_offline.cache.manifest import ManifestStore, check_compatible, committed_names, new_manifest
+    from dflash_offline.runtime.launch import check_devices_exist, parse_devices
 
     cfg.validate()
     devices = parse_devices(cfg.devices)
-    info = target.read_target(cfg.target)
+    info = read_target(cfg.target)
     layer_ids = target.resolve_layers(info, cfg.layers, cfg.num_layers)
     target.check_topk(info, cfg.topk)
     target.check_weights(info, info.num_layers if cfg.topk > 0 else max(layer_ids) + 1, cfg.topk > 0)
@@ -254,7 +253,7 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
 
 def run(cfg: ExtractConfig) -> dict:
     """The `extract` command. Returns the final manifest."""
-    from .cache.location import Location
+    from dflash_offline.cache.location import Location
 
     launch = torchrun_launch()
     cfg.validate()  # no log folder for a run that names no cache
@@ -283,7 +282,7 @@ def run(cfg: ExtractConfig) -> dict:
         raise Stopped(stop_requested(), f"stopped on {signal_name(stop_requested())} before any work; "
                       "nothing changed; run the same command again to start")
 
-    from .cache.manifest import ManifestStore, committed_names
+    from dflash_offline.cache.manifest import ManifestStore, committed_names
 
     if launch is None:
         try:
@@ -337,7 +336,7 @@ def replace_unbound_manifest(store, wanted: dict) -> None:
     """Under the manifest lock, with the run lock held: a manifest that binds nothing and was made
     with other settings is replaced by this run's, and its shard debris removed (nothing there is
     committed); the rerun a failed first attempt advises is then not refused."""
-    from .cache.manifest import MANIFEST, check_compatible
+    from dflash_offline.cache.manifest import MANIFEST, check_compatible
 
     loc = store.loc
     with loc.lock():
@@ -371,7 +370,7 @@ def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bo
     stopped on request (the workers finished their shards in progress and exited), else None."""
     from tqdm import tqdm
 
-    from .runtime import run_workers
+    from dflash_offline.runtime.supervise import run_workers
 
     bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
                desc="extract", smoothing=0.05)
@@ -401,9 +400,9 @@ def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bo
 
 def _worker_failure(job: Job, rank: int, device: str, code: int, error: str | None, log_path: str) -> str:
     """The launcher's one line for a failed worker: its own error, and for a full device what to do."""
-    from .cache.location import Location
-    from .cache.manifest import ManifestStore, committed_names
-    from .runtime import is_no_space
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore, committed_names
+    from dflash_offline.runtime.errors import is_no_space
 
     if error and is_no_space(error):
         error = error.split("; see ")[0]  # the worker's pointer to its logs and its advice: said below
@@ -438,15 +437,15 @@ def _summary(manifest: dict, elapsed: float, log_path, launch) -> None:
 
 def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     """Spawned process: log file first, then torch, then the work."""
-    from .cache.location import Location
+    from dflash_offline.cache.location import Location
 
-    from .runtime import die_with_parent
+    from dflash_offline.runtime.supervise import die_with_parent
 
     die_with_parent()
     loc = Location(job.cfg["cache"])
     open_process_log(_log_dir(ExtractConfig(**job.cfg), loc), f"extract-rank{rank}", console=True, claim=True)
     install_stop_handlers(launched=True)
-    from .runtime import worker_outcome
+    from dflash_offline.runtime.logs import worker_outcome
 
     with worker_outcome(on_error=lambda line: q.put(("error", rank, line))):
         left = worker_run(rank, world, device, job, progress=q, show_bar=False, todo_tokens=0)
@@ -458,11 +457,12 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
 def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar: bool, todo_tokens: int) -> int:
     """Write this worker's shards. Returns how many it left unstarted (a stop was requested)."""
     heartbeat(phase="import")  # torch and the model code: a broken install fails here
-    from .cache.location import Location
-    from .cache.manifest import ManifestStore, committed_names
-    from .data import RowReader, Source
-    from .runtime import single_thread_compute
-    from .target import LayerCapture, load_target, read_target
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore, committed_names
+    from dflash_offline.extract.data import RowReader, Source
+    from dflash_offline.runtime.launch import single_thread_compute
+    from dflash_offline.target.model import LayerCapture, load_target
+    from dflash_offline.target.folder import read_target
 
     import torch
 
@@ -598,7 +598,7 @@ def make_sink(cfg: ExtractConfig, layout_kw: dict, cuda: bool, log_dir: str, log
               discard: bool = False):
     """The writer processes and their shared slots: W + 2 on CUDA (one being filled by the copy,
     one queued, W being written), W + 1 on CPU (the copy is synchronous there)."""
-    from .sink import ShardSink
+    from dflash_offline.extract.sink import ShardSink
 
     return ShardSink(cfg.cache, layout_kw, batch_tokens=cfg.batch_tokens, writers=cfg.writers,
                      slots=cfg.writers + (2 if cuda else 1), pin=cuda, log_dir=log_dir, log_name=log_name,
@@ -614,9 +614,9 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
     """
     import torch
 
-    from .cache.fp8 import DTYPE_NAME as FP8
-    from .cache.fp8 import quantize as quantize_fp8
-    from .target import forward_batch
+    from dflash_offline.cache.fp8 import DTYPE_NAME as FP8
+    from dflash_offline.cache.fp8 import quantize as quantize_fp8
+    from dflash_offline.target.model import forward_batch
 
     cuda = device.startswith("cuda")
     k = cfg.topk

@@ -12,15 +12,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .cache.fp8 import DTYPE_NAME as FP8
-from .packing import anchor_rng, build_row, epoch_order, loss_weights, pack_rows
+from dflash_offline.cache.fp8 import DTYPE_NAME as FP8
+from dflash_offline.train.packing import anchor_rng, build_row, epoch_order, loss_weights, pack_rows
 
 
 def device_hidden(mb: dict) -> dict:
     """A micro-batch on its device: fp8 rows' bits and scales -> bf16 `target_hidden` [R, S, n*H],
     dequantised there (the GPU, in training); bf16 rows pass through."""
     if "target_hidden_scale" in mb:
-        from .cache.fp8 import dequantize
+        from dflash_offline.cache.fp8 import dequantize
 
         bits, scale = mb.pop("target_hidden_bits"), mb.pop("target_hidden_scale")
         R, S, width = bits.shape
@@ -54,12 +54,12 @@ class RowStream(torch.utils.data.IterableDataset):
         opened, so a loader's cost per sample does not grow with the number of shards; URL caches
         through Zarr."""
         if self._reader is None:
-            from .cache.location import Location
-            from .cache.reader import ChunkFiles
+            from dflash_offline.cache.location import Location
+            from dflash_offline.cache.reader import ChunkFiles
 
             loc = Location(self.cache)
             self._reader = ChunkFiles(loc) if not loc.remote else False
-            from .cache.reader import CacheReader
+            from dflash_offline.cache.reader import CacheReader
 
             self._zarr = CacheReader(self.cache)  # URL caches, and refs without their first token
         try:
@@ -166,7 +166,7 @@ class RowStream(torch.utils.data.IterableDataset):
 def _loader_worker_init(worker_id: int) -> None:
     # A terminal's Ctrl-C reaches the whole process group: the rank stops its loaders itself,
     # after finishing its step (a loader dying first would fail that step).
-    from .runtime import ignore_stop_signals
+    from dflash_offline.runtime.signals import ignore_stop_signals
 
     ignore_stop_signals()
 

@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .evaluate import Decoded, _done
+from dflash_offline.evaluate.run import Decoded, _done
 
 log = logging.getLogger("dflash.eval")
 
@@ -74,7 +74,7 @@ class BatchDFlashProposer:
 def _target_forward(model, ids: torch.Tensor, layer_ids: list[int], starts: torch.Tensor, width: int):
     """One forward of right-padded rows: (features [R, T, n*H] by position, logits [R, width, V]
     of the `width` positions from each row's start)."""
-    from .target import RawLayerOutputs
+    from dflash_offline.target.model import RawLayerOutputs
 
     with RawLayerOutputs(model, layer_ids) as raw:  # raw layer outputs, as extraction stores them
         out = model.model(input_ids=ids, use_cache=False)

@@ -22,9 +22,9 @@ import os
 import time
 from pathlib import Path
 
-from .cache.location import Location
-from .cache.manifest import check_compatible, create_or_check
-from .runtime import UserError
+from dflash_offline.cache.location import Location
+from dflash_offline.cache.manifest import check_compatible, create_or_check
+from dflash_offline.runtime.errors import UserError
 
 log = logging.getLogger("dflash.generate")
 
@@ -163,7 +163,7 @@ def write_parquet_atomic(table, final: Path, on_written=None) -> int:
     rename (a fault point). Returns the file's bytes."""
     import pyarrow.parquet as pq
 
-    from .cache.location import _fsync_dir
+    from dflash_offline.cache.location import _fsync_dir
 
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp, row_group_size=1024)
@@ -178,7 +178,7 @@ def write_parquet_atomic(table, final: Path, on_written=None) -> int:
 
 def write_part(folder: Path, name: str, table) -> tuple[str, int]:
     """Write one part as `name`.parquet. -> (file name, bytes)."""
-    from .runtime import fault_point
+    from dflash_offline.runtime.faults import fault_point
 
     final = folder / f"{name}.parquet"
     return final.name, write_parquet_atomic(table, final, on_written=lambda: fault_point("part-written"))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("dflash_offline.train")
+log = logging.getLogger("dflash_offline.train.launcher")
 
 PHASES = ("data", "to-device", "mask", "forward", "loss", "backward", "optimizer", "metrics", "held-out", "checkpoint")
 

@@ -33,14 +33,15 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .config import EvalConfig
+from dflash_offline.config import EvalConfig
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-from .model_folder import eos_ids
-from .runtime import REPORT_FORMAT, UserError, check_report_dest, require_kind
+from dflash_offline.target.folder import eos_ids
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.paths import REPORT_FORMAT, check_report_dest, require_kind
 
 log = logging.getLogger("dflash.eval")
 
@@ -130,8 +131,8 @@ def read_reference(path: str, ids: list[int], prompts: list[list[int]], max_new:
 def load_drafter(path: str, target_dir: str):
     """A drafter from an export folder (config.json) or a training checkpoint (step-N/), with the
     target's frozen embedding and LM head; refuses a drafter made for another target shape."""
-    from .drafter import EXPORT_WEIGHTS, checkpoint_damage, load_checkpoint, load_exported
-    from .model_folder import read_target
+    from dflash_offline.drafter.model import EXPORT_WEIGHTS, checkpoint_damage, load_checkpoint, load_exported
+    from dflash_offline.target.folder import read_target
 
     root = Path(path)
     if root.is_file():
@@ -183,7 +184,7 @@ class TargetSession:
         self.model = model
         self.layer_ids = list(layer_ids)
         self.device = next(model.parameters()).device
-        from .decoding import cache_argument
+        from dflash_offline.generate.decoding import cache_argument
 
         self._cache_arg = cache_argument(model)
         # Any layer that is not softmax attention (Gated DeltaNet's "linear_attention", say) keeps
@@ -224,7 +225,7 @@ class TargetSession:
 
     def _forward(self, tokens: list[int], features: bool):
         torch = self.torch
-        from .target import RawLayerOutputs
+        from dflash_offline.target.model import RawLayerOutputs
 
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         # The layers' raw outputs, as extraction stores them (not `hidden_states`, whose last entry
@@ -282,8 +283,8 @@ def load_target_for_decoding(target_dir: str, device: str, dtype: str):
     """The whole text model with its LM head, in eval mode; TF32 off so fp32 means fp32."""
     import torch
 
-    from .model_folder import read_target
-    from .target import load_target
+    from dflash_offline.target.folder import read_target
+    from dflash_offline.target.model import load_target
 
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -459,11 +460,11 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     (rows of seq_len, num_anchors random blocks per row, fixed seed), scored against the data."""
     import torch
 
-    from . import masks
-    from .cache.reader import CacheReader
-    from .loss import block_loss, block_metrics
-    from .packing import epoch_order, pack_rows
-    from .stream import RowStream, device_hidden, make_loader
+    from dflash_offline.drafter import masks
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.train.loss import block_loss, block_metrics
+    from dflash_offline.train.packing import epoch_order, pack_rows
+    from dflash_offline.train.stream import RowStream, device_hidden, make_loader
 
     reader = CacheReader(cache)
     m = reader.manifest
@@ -581,12 +582,12 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
     is switched to eval and back (the trainer can call this on a held-out cache)."""
     import torch
 
-    from . import masks
-    from .cache.fp8 import DTYPE_NAME as FP8
-    from .cache.reader import CacheReader
-    from .loss import block_loss
-    from .packing import build_row, loss_weights, pack_rows
-    from .stream import device_hidden
+    from dflash_offline.drafter import masks
+    from dflash_offline.cache.fp8 import DTYPE_NAME as FP8
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.train.loss import block_loss
+    from dflash_offline.train.packing import build_row, loss_weights, pack_rows
+    from dflash_offline.train.stream import device_hidden
 
     t0 = time.time()
     device = str(device)
@@ -760,9 +761,9 @@ def _pad(x: np.ndarray, n: int, value) -> np.ndarray:
 def _check_cache_target(cache: str, target: str) -> None:
     """--cache must hold the completions of --target, the model whose features it stores: another
     target's cache would score the drafter on features it never sees when serving."""
-    from .cache.location import Location
-    from .cache.manifest import ManifestStore
-    from .model_folder import read_target
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore
+    from dflash_offline.target.folder import read_target
 
     try:
         m = ManifestStore(Location(cache)).read()
@@ -779,7 +780,8 @@ def _check_cache_target(cache: str, target: str) -> None:
 
 
 def run(cfg: EvalConfig) -> dict:
-    from .runtime import check_devices_exist, open_process_log, parse_devices
+    from dflash_offline.runtime.launch import check_devices_exist, parse_devices
+    from dflash_offline.runtime.logs import open_process_log
 
     cfg.validate()
     require_kind(cfg.cache, "--cache", True, "a cache folder (the one with manifest.json)")
@@ -798,7 +800,7 @@ def run(cfg: EvalConfig) -> dict:
     check_devices_exist(devices)
     import torch
 
-    from .runtime import single_thread_compute
+    from dflash_offline.runtime.launch import single_thread_compute
 
     single_thread_compute()
     drafters = [(p, load_drafter(p, cfg.target)) for p in cfg.drafters]  # all refused before any decoding
@@ -821,7 +823,7 @@ def run(cfg: EvalConfig) -> dict:
                      time.time() - t0)
             report["drafters"][i]["cache_estimate"] = est
             if cfg.parity:
-                from .parity import check_parity
+                from dflash_offline.evaluate.parity import check_parity
 
                 report["drafters"][i]["parity"] = check_parity(cfg.target, d, cfg.cache, cfg.parity, device, cfg.dtype)
     print(format_report(report), flush=True)
@@ -836,7 +838,7 @@ def run(cfg: EvalConfig) -> dict:
 def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     from tqdm import tqdm
 
-    from .model_folder import read_target
+    from dflash_offline.target.folder import read_target
 
     # Inputs are checked before the target loads: a bad prompt or reference file costs nothing.
     tinfo = read_target(cfg.target)
@@ -893,7 +895,7 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
                          1 + np.mean(acc) if acc else float("nan"))
 
         if cfg.batch_size > 1:
-            from .batched_eval import BatchDFlashProposer, batched_speculative_decode
+            from dflash_offline.evaluate.batched import BatchDFlashProposer, batched_speculative_decode
 
             runs = batched_speculative_decode(model, BatchDFlashProposer(drafter, device, cfg.dtype),
                                               drafter.cfg.target_layer_ids, prompts, cfg.max_new_tokens, eos,
@@ -957,7 +959,7 @@ def format_report(report: dict) -> str:
                          + " ".join(f"{a:.2f}" for a in (walk or est).get("slot_accuracy", [])[:8]))
     for e in report["drafters"]:
         if "parity" in e:
-            from .parity import format_parity
+            from dflash_offline.evaluate.parity import format_parity
 
             lines += format_parity(_short(e["path"]), e["parity"])
     return "\n".join(lines)

@@ -37,7 +37,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from .runtime import fault_point
+from dflash_offline.runtime.faults import fault_point
 
 log = logging.getLogger("dflash.extract")
 
@@ -90,7 +90,7 @@ def _wait_flag(flag: np.ndarray, seq: int) -> None:
     """Until the device's copy of batch `seq` into this slot has landed (its flag is written last).
     The worker's death ends this process (die_with_parent), and a worker that stops waits for no
     writer, so no timeout is needed here; the heartbeat keeps saying the process is alive."""
-    from .runtime import heartbeat
+    from dflash_offline.runtime.logs import heartbeat
 
     delay = 0.0002
     while int(flag[0]) != seq:
@@ -101,7 +101,7 @@ def _wait_flag(flag: np.ndarray, seq: int) -> None:
 
 def _next_message(inq):
     """The next message from the worker, beating the heartbeat while there is none."""
-    from .runtime import heartbeat
+    from dflash_offline.runtime.logs import heartbeat
 
     while True:
         try:
@@ -113,7 +113,9 @@ def _next_message(inq):
 def writer_main(w: int, cache: str, layout_kw: dict, slot_names: list[str], arrays, inq, outq,
                 log_dir: str, log_name: str, discard: bool = False) -> None:
     """Entry of writer process w: log file first, then its loop (numpy and Zarr only)."""
-    from .runtime import die_with_parent, ignore_stop_signals, open_process_log, reported_outcome
+    from dflash_offline.runtime.logs import open_process_log, reported_outcome
+    from dflash_offline.runtime.signals import ignore_stop_signals
+    from dflash_offline.runtime.supervise import die_with_parent
 
     die_with_parent()
     ignore_stop_signals()  # the worker decides when its writers stop (it finishes the shard first)
@@ -128,8 +130,8 @@ def writer_main(w: int, cache: str, layout_kw: dict, slot_names: list[str], arra
 
 
 def _writer_loop(w, cache, layout_kw, slot_names, arrays, inq, outq, discard: bool) -> None:
-    from .cache.location import Location
-    from .cache.manifest import ManifestStore
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore
 
     loc = Location(cache)
     store = ManifestStore(loc)
@@ -143,14 +145,15 @@ def _writer_loop(w, cache, layout_kw, slot_names, arrays, inq, outq, discard: bo
 
 
 def _write_loop(w, loc, store, shms, arrays, layout_kw, inq, outq, discard: bool) -> None:
-    from .cache.writer import ShardLayout, ShardWriter
-    from .extract import shard_name, tmp_shard_rel
+    from dflash_offline.cache.writer import ShardLayout, ShardWriter
+    from dflash_offline.cache.manifest import shard_name
+    from dflash_offline.extract.launcher import tmp_shard_rel
 
     slots = [_views(s.buf, arrays) for s in shms]
     outq.put(("ready", w, os.getpid()))
     log.info("shard writer %d: %d shared slots of %.1f MB mapped", w, len(shms), _slot_bytes(arrays) / 1e6)
     writer, t_shard, busy = None, 0.0, 0.0
-    from .runtime import heartbeat
+    from dflash_offline.runtime.logs import heartbeat
 
     heartbeat(phase="write")
     while True:
@@ -258,7 +261,7 @@ class ShardSink:
         # Called while waiting on the writers: run_shards sets the copy stream's query(), which
         # raises after a CUDA error (the flags would then never be written, and all would wait).
         self.poll = None
-        from .runtime import spawning
+        from dflash_offline.runtime.signals import spawning
 
         try:
             with spawning():  # the writers set their own signal dispositions first

@@ -33,12 +33,18 @@ TOLERANCE = 0.05  # relative difference of walk and decoding tau that counts as 
 
 def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str, dtype: str,
                  tolerance: float = TOLERANCE) -> dict:
-    import torch
 
-    from .cache.reader import CacheReader
-    from .drafter import _mask_token_from_tokenizer, _rope_theta
-    from .evaluate import (DFlashProposer, TargetSession, cache_layer_columns, load_target_for_decoding,
-                           speculative_decode, summarize, walk_acceptance)
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.drafter.model import _mask_token_from_tokenizer, _rope_theta
+    from dflash_offline.evaluate.run import (
+        DFlashProposer,
+        TargetSession,
+        cache_layer_columns,
+        load_target_for_decoding,
+        speculative_decode,
+        summarize,
+        walk_acceptance,
+    )
 
     t0 = time.time()
     cfg = drafter.cfg

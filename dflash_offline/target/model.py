@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import logging
 
-from .model_folder import KEY_REWRITES, TargetInfo, checkpoint_name, read_target  # noqa: F401 - used by stage one and tests
-from .runtime import UserError
+from dflash_offline.target.folder import TargetInfo, checkpoint_name
+from dflash_offline.runtime.errors import UserError
 
 log = logging.getLogger("dflash.target")
 
@@ -156,7 +156,7 @@ def check_weights(info: TargetInfo, keep_layers: int, need_head: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .model_folder import _safetensors_header
+    from dflash_offline.target.folder import _safetensors_header
 
     from transformers.utils import logging as hf_logging
 

@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .runtime import UserError
+from dflash_offline.runtime.errors import UserError
 
 # Checkpoint key prefixes of multimodal wrappers, mapped onto the text-only causal LM.
 KEY_REWRITES = [

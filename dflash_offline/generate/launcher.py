@@ -25,10 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import GenerateConfig
-from .runtime import (Launch, Stopped, UserError, claim_heartbeat, fault_point, heartbeat, install_stop_handlers,
-                      join_ranks, open_process_log, signal_name, stop_requested, torchrun_launch,
-                      wait_for_other_ranks)
+from dflash_offline.config import GenerateConfig
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.faults import fault_point
+from dflash_offline.runtime.launch import Launch, join_ranks, torchrun_launch
+from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_process_log
+from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
+from dflash_offline.runtime.supervise import wait_for_other_ranks
 
 log = logging.getLogger("dflash.generate")
 
@@ -78,7 +81,7 @@ OWN_ENTRIES = {"logs", ".run.lock", ".manifest.lock"}
 
 def _check_output(folder: Path, merged: Path | None) -> None:
     """Nothing the tool did not create is overwritten: an existing output must be ours."""
-    from . import parts
+    from dflash_offline.generate import parts
 
     ours = (folder / parts.MANIFEST).is_file()
     if merged is not None and merged.exists() and not ours:
@@ -97,10 +100,12 @@ def _check_output(folder: Path, merged: Path | None) -> None:
 
 def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: Launch | None):
     """All checks that need no weights. Raises UserError; writes nothing."""
-    from . import data, parts, target
-    from .extract import resolve_compute_dtype
-    from .model_folder import eos_ids, read_target
-    from .runtime import check_devices_exist, parse_devices
+    from dflash_offline.extract import data
+    from dflash_offline.generate import parts
+    from dflash_offline.target import model as target
+    from dflash_offline.extract.launcher import resolve_compute_dtype
+    from dflash_offline.target.folder import eos_ids, read_target
+    from dflash_offline.runtime.launch import check_devices_exist, parse_devices
 
     devices = parse_devices(cfg.devices)
     info = read_target(cfg.target)
@@ -140,7 +145,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
                                 plan={"chunk_prompts": cfg.chunk_prompts, "num_parts": len(chunks)})
     existing = parts.OutputStore(folder).read() if folder.is_dir() else None
     if existing is not None:
-        from .cache.manifest import check_compatible
+        from dflash_offline.cache.manifest import check_compatible
 
         try:
             check_compatible(existing, wanted, str(folder / parts.MANIFEST), fmt=parts.FORMAT, version=parts.VERSION,
@@ -158,11 +163,11 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     # Parquet of int32 tokens: about 4 bytes per token before compression; with room to spare.
     need = 5 * (int(lengths[np.concatenate([chunks[j] for j in todo])].sum()) + todo_prompts * cfg.max_new_tokens) \
         if todo else 0
-    from .cache.location import Location
+    from dflash_offline.cache.location import Location
 
     free = Location(str(folder)).free_bytes()
     if free is not None and need * (2 if merged else 1) > free:
-        from .extract import human_bytes
+        from dflash_offline.runtime.units import human_bytes
 
         raise UserError(f"--out {cfg.out}: the output needs up to {human_bytes(need * (2 if merged else 1))} but "
                         f"{human_bytes(free)} is free there; free space or choose another --out")
@@ -187,8 +192,8 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
 
 def run(cfg: GenerateConfig) -> dict:
     """The `generate` command. Returns the final manifest."""
-    from . import parts
-    from .cache.location import Location
+    from dflash_offline.generate import parts
+    from dflash_offline.cache.location import Location
 
     launch = torchrun_launch()
     cfg.validate()
@@ -262,8 +267,8 @@ def _finish(store, merged: Path | None, launch: Launch | None) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .data import file_sha256
-    from .parts import write_parquet_atomic
+    from dflash_offline.extract.data import file_sha256
+    from dflash_offline.generate.parts import write_parquet_atomic
 
     m = store.read()
     done = m.get("merged")
@@ -282,7 +287,7 @@ def _launch_workers(job: Job, devices: list[str], todo_prompts: int, progress: b
     on request (the workers committed their parts in progress and exited), else None."""
     from tqdm import tqdm
 
-    from .runtime import run_workers
+    from dflash_offline.runtime.supervise import run_workers
 
     bar = tqdm(total=todo_prompts, unit="prompt", disable=not progress, dynamic_ncols=True, desc="generate",
                smoothing=0.1)
@@ -318,7 +323,8 @@ def _launch_workers(job: Job, devices: list[str], todo_prompts: int, progress: b
 
 def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     """Spawned process: log file first, then torch, then the work."""
-    from .runtime import die_with_parent, worker_outcome
+    from dflash_offline.runtime.logs import worker_outcome
+    from dflash_offline.runtime.supervise import die_with_parent
 
     die_with_parent()
     open_process_log(job.cfg["log_dir"] or os.path.join(job.folder, "logs"), f"generate-rank{rank}",
@@ -334,16 +340,16 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
 def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, todo_prompts: int) -> int:
     """Generate and commit this worker's parts. Returns how many it left unstarted (a stop was requested)."""
     heartbeat(phase="import")
-    from . import parts
-    from .cache.manifest import id_ranges
-    from .data import RowReader, Source
-    from .runtime import single_thread_compute
+    from dflash_offline.generate import parts
+    from dflash_offline.cache.manifest import id_ranges
+    from dflash_offline.extract.data import RowReader, Source
+    from dflash_offline.runtime.launch import single_thread_compute
 
     import torch
 
-    from .decoding import BatchDecoder, Sampling
-    from .model_folder import read_target
-    from .target import load_target
+    from dflash_offline.generate.decoding import BatchDecoder, Sampling
+    from dflash_offline.target.folder import read_target
+    from dflash_offline.target.model import load_target
 
     single_thread_compute()
     cfg = GenerateConfig(**job.cfg)
@@ -424,8 +430,8 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
 def _write_part(folder: Path, name: str, ids, prompts, new, eos_end) -> dict:
     import pyarrow as pa
 
-    from .data import file_sha256
-    from .parts import write_part
+    from dflash_offline.extract.data import file_sha256
+    from dflash_offline.generate.parts import write_part
 
     seqs = [p + t for p, t in zip(prompts, new)]
     masks = [[0] * len(p) + [1] * len(t) for p, t in zip(prompts, new)]

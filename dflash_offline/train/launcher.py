@@ -24,10 +24,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .config import TrainConfig
-from .runtime import (Stopped, UserError, claim_heartbeat, fault_point, heartbeat, human_count,
-                      install_stop_handlers, join_ranks, open_process_log, ordinary_mode, refuse_foreign_folder,
-                      signal_name, spawning, stop_requested, torchrun_launch)
+from dflash_offline.config import TrainConfig
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.faults import fault_point
+from dflash_offline.runtime.launch import join_ranks, torchrun_launch
+from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_process_log
+from dflash_offline.runtime.paths import ordinary_mode, refuse_foreign_folder
+from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, spawning, stop_requested
+from dflash_offline.runtime.units import human_count
 
 log = logging.getLogger("dflash.train")
 
@@ -44,10 +48,11 @@ RUN_OWN_ENTRIES = {"logs", ".run.lock", "metrics.jsonl", "heldout.jsonl", "consu
 
 
 def preflight(cfg: TrainConfig) -> dict:
-    from .cache.reader import CacheReader
-    from .drafter import DrafterConfig, check_export_dest, read_layer_tensors
-    from .packing import accumulation, manifest_fingerprint, pack_rows, epoch_order, steps_per_epoch
-    from .runtime import check_devices_exist, parse_devices, require_kind
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.drafter.model import DrafterConfig, check_export_dest, read_layer_tensors
+    from dflash_offline.train.packing import accumulation, manifest_fingerprint, pack_rows, epoch_order, steps_per_epoch
+    from dflash_offline.runtime.launch import check_devices_exist, parse_devices
+    from dflash_offline.runtime.paths import require_kind
 
     cfg.validate()
     require_kind(cfg.cache, "--cache", True, "the cache folder extract wrote (the one with manifest.json)")
@@ -173,7 +178,7 @@ def _check_row_memory(cfg: TrainConfig, features: int) -> None:
 
 
 def _check_cache_target(cfg: TrainConfig, m: dict) -> None:
-    from .model_folder import read_target
+    from dflash_offline.target.folder import read_target
 
     info = read_target(cfg.target)
     for key, mine in (("weights_fingerprint", info.weights_fingerprint), ("config_sha256", info.config_sha256)):
@@ -220,10 +225,10 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> dict:
     """--follow: the cache may still be empty or missing; what is fixed now is its identity (target,
     capture, plan), the schedule (from the plan's token count) and the window rule. Which rows a
     step trains on is fixed once its window's shards are committed (`follow_window_rows`)."""
-    from .cache.location import Location
-    from .cache.manifest import ManifestStore, committed_names
-    from .drafter import DrafterConfig, read_layer_tensors
-    from .packing import accumulation, follow_fingerprint
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore, committed_names
+    from dflash_offline.drafter.model import DrafterConfig, read_layer_tensors
+    from dflash_offline.train.packing import accumulation, follow_fingerprint
 
     store = ManifestStore(Location(cfg.cache))
     t0 = last = time.time()
@@ -286,8 +291,8 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> dict:
 
 def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], m: dict) -> None:
     """--eval-cache, before any process starts: complete, from the same target, with the layers."""
-    from .cache.manifest import ManifestStore
-    from .cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore
+    from dflash_offline.cache.location import Location
 
     try:
         held = ManifestStore(Location(cfg.eval_cache)).read()
@@ -320,7 +325,7 @@ def check_resume(cfg: TrainConfig, plan: dict) -> None:
     if not found:
         return
     ck = out / f"{CHECKPOINT_PREFIX}{found[-1]}"
-    from .drafter import checkpoint_damage
+    from dflash_offline.drafter.model import checkpoint_damage
 
     what = checkpoint_damage(ck)  # headers and sizes only: a damaged file is named before any rank starts
     if what:
@@ -359,7 +364,7 @@ def run(cfg: TrainConfig) -> None:
         raise Stopped(stop_requested(), f"stopped on {signal_name(stop_requested())} before training started; "
                       "nothing changed; run the same command again to start")
     if launch is None or launch.rank == 0:
-        from .cache.location import Location
+        from dflash_offline.cache.location import Location
 
         run_lock = Location(str(out)).try_run_lock()  # held until this process exits
         if run_lock is None:
@@ -380,7 +385,8 @@ def run(cfg: TrainConfig) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    from .runtime import STOP_CODES, failed_process, forward_stop, request_stop, stop_processes
+    from dflash_offline.runtime.signals import STOP_CODES, request_stop
+    from dflash_offline.runtime.supervise import failed_process, forward_stop, stop_processes
 
     ctx = mp.get_context("spawn")
     procs = []
@@ -457,14 +463,14 @@ def _our_jsonl(path: Path) -> bool:
 
 
 def _spawned(rank: int, world: int, device: str, cfg: TrainConfig, plan: dict, port: int, errq) -> None:
-    from .runtime import die_with_parent
+    from dflash_offline.runtime.supervise import die_with_parent
 
     die_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     open_process_log(Path(cfg.out) / "logs", f"train-rank{rank}", claim=True)
     install_stop_handlers(launched=True)
-    from .runtime import worker_outcome
+    from dflash_offline.runtime.logs import worker_outcome
 
     with worker_outcome(on_error=lambda line: errq.put((rank, (time.time(), line)))):
         train_worker(rank, world, device, cfg, plan)
@@ -540,7 +546,7 @@ def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: dict, keep
     import torch
     from safetensors.torch import save_file
 
-    from .runtime import NoRoom, no_room_reason, tensor_bytes
+    from dflash_offline.runtime.errors import NoRoom, no_room_reason, tensor_bytes
 
     final = out / f"{CHECKPOINT_PREFIX}{step}"
     tmp = out / f".tmp-{CHECKPOINT_PREFIX}{step}-{os.getpid()}"
@@ -553,7 +559,7 @@ def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: dict, keep
         ordinary_mode(tmp / "drafter.safetensors")  # safetensors leaves 0600: unreadable to another user
         torch.save(trainer, tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps(state, indent=1))
-        from .cache.location import Location
+        from dflash_offline.cache.location import Location
 
         Location(str(out)).fsync_tree(tmp.name)  # on storage before it counts
     except Exception as e:
@@ -567,7 +573,7 @@ def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: dict, keep
         reason = no_room_reason(e) or ("the device is full" if free is not None and free < need else None)
         if reason is None:
             raise
-        from .extract import human_bytes
+        from dflash_offline.runtime.units import human_bytes
 
         before = list_checkpoints(out)
         intact = (f"the last complete checkpoint {out / f'{CHECKPOINT_PREFIX}{before[-1]}'} is intact and the same "
@@ -633,8 +639,8 @@ def follow_window_rows(cfg: TrainConfig, plan: dict, window: int, names: list[st
     empty rows (no sample dropped)."""
     import numpy as np
 
-    from .cache.reader import CacheReader
-    from .packing import epoch_order, pack_rows
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.train.packing import epoch_order, pack_rows
 
     reader = CacheReader(cfg.cache)
     refs, lengths, ids = [], [], []
@@ -659,8 +665,8 @@ def _follow_segments(cfg: TrainConfig, plan: dict, rank: int, world: int, device
     import torch
     import torch.distributed as dist
 
-    from .cache.location import Location
-    from .cache.manifest import ManifestStore, committed_names, occupancy, shard_name
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore, committed_names, occupancy, shard_name
 
     G, N = cfg.follow_window, plan["num_shards"]
     window, base, tokens_before = fstate["window"], fstate["window_start"], fstate.get("tokens_before", 0)
@@ -747,8 +753,8 @@ def _consumed(cfg: TrainConfig, plan: dict, window: int) -> None:
     """Rank 0, after a checkpoint whose next window is `window`: the shards of all earlier windows
     are finished for good. Recorded in the manifest first; with --stream their data is deleted
     after (a kill in between leaves folders that the next call deletes)."""
-    from .cache.location import Location
-    from .cache.manifest import ManifestStore, shard_name
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore, shard_name
 
     n = min(window * cfg.follow_window, plan["num_shards"])
     if n == 0:
@@ -775,12 +781,12 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
     import torch
     import torch.distributed as dist
 
-    from . import masks
-    from .drafter import DFlashDrafter, DrafterConfig, export_drafter
-    from .loss import block_loss, block_metrics
-    from .profiling import StepProfiler, phase
-    from .runtime import single_thread_compute
-    from .stream import RowStream, device_hidden, make_loader
+    from dflash_offline.drafter import masks
+    from dflash_offline.drafter.model import DFlashDrafter, DrafterConfig, export_drafter
+    from dflash_offline.train.loss import block_loss, block_metrics
+    from dflash_offline.train.profiling import StepProfiler, phase
+    from dflash_offline.runtime.launch import single_thread_compute
+    from dflash_offline.train.stream import RowStream, device_hidden, make_loader
 
     single_thread_compute()
     cuda = device.startswith("cuda")
@@ -788,7 +794,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: dic
         torch.cuda.set_device(device)
     ctrl = None  # the group that agrees on stopping: gloo, so the check never syncs with the GPU
     if world > 1:
-        from .runtime import rendezvous_store
+        from dflash_offline.runtime.launch import rendezvous_store
 
         # A launch other than torchrun met its ranks on a store (join_ranks); torchrun's and our
         # launcher's ranks meet through MASTER_ADDR/MASTER_PORT.
@@ -1146,8 +1152,8 @@ class HeldOut:
         if self.world > 1:
             dist.barrier()
         if self.rank == 0:
-            from .drafter import export_drafter
-            from .evaluate import walk_acceptance
+            from dflash_offline.drafter.model import export_drafter
+            from dflash_offline.evaluate.run import walk_acceptance
 
             heartbeat(phase="held-out evaluation", step=step)
             t0 = time.perf_counter()

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .runtime import UserError, ordinary_mode
-from .model_folder import checkpoint_name, read_target
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.paths import ordinary_mode
+from dflash_offline.target.folder import checkpoint_name, read_target
 
 log = logging.getLogger("dflash.drafter")
 
@@ -252,7 +253,7 @@ class DFlashAttention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def _attend(self, h: Tensor, k: Tensor, v: Tensor, cos_q: Tensor, sin_q: Tensor, mask) -> Tensor:
-        from .masks import attention  # lazy: masks.py compiles at import
+        from dflash_offline.drafter.masks import attention
 
         R, Q, _ = h.shape
         q = self.q_norm(self.q_proj(h).view(R, Q, self.n_heads, self.head_dim)).transpose(1, 2)
@@ -527,7 +528,7 @@ def check_export_dest(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: exists and is a file, not a drafter export; refusing to replace it (choose another "
                         "export folder)")
-    from .runtime import unwritable_folder
+    from dflash_offline.runtime.paths import unwritable_folder
 
     why = unwritable_folder(out.absolute().parent)  # the export is written beside it, then renamed
     if why:

@@ -1,0 +1,1 @@
+"""The DFlash drafter: the model, its attention mask, and the serving export format."""

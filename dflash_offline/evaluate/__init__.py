@@ -1,0 +1,1 @@
+"""`dflash-offline eval`: what a drafter saves, by the walk estimate on a cache and by real decoding."""

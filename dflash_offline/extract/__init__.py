@@ -1,0 +1,1 @@
+"""Stage one: the frozen target over the input, hidden states committed shard by shard into the cache."""

@@ -1,0 +1,1 @@
+"""`dflash-offline generate`: the target's own completions of prompts, the training input of extract."""

@@ -1,0 +1,68 @@
+"""Fault points: the crash tests kill, fail or stall a process at a named point through the environment."""
+
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dflash_offline.runtime.logs import heartbeat, log
+from dflash_offline.runtime.signals import stop_requested
+
+
+
+# --------------------------------------------------------------------------------------------
+# Fault points for crash tests
+
+
+_fault_counts: dict[tuple[str, str], int] = {}
+
+# Environment variable -> what happens on the N-th arrival at the named point.
+FAULT_VARS = {"DFLASH_OFFLINE_KILL_AT": "kill", "DFLASH_OFFLINE_RAISE_AT": "raise", "DFLASH_OFFLINE_STALL_AT": "stall",
+              "DFLASH_OFFLINE_DELAY_AT": "delay", "DFLASH_OFFLINE_HOLD_AT": "hold"}
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an armed fault point (DFLASH_OFFLINE_RAISE_AT): a stand-in for any crash."""
+
+
+def fault_point(name: str) -> None:
+    """Crash tests' hook at an exact point (mid-shard, between a shard's rename and its commit,
+    after a training step...). On the N-th arrival at `name`:
+      DFLASH_OFFLINE_KILL_AT=name:N   SIGKILL of the whole process group;
+      DFLASH_OFFLINE_RAISE_AT=name:N  an InjectedFault exception (the error path: logs, status);
+      DFLASH_OFFLINE_STALL_AT=name:N  sleep for an hour (a process caught mid-run, for `status`);
+      DFLASH_OFFLINE_DELAY_AT=name:S  sleep S seconds at *every* arrival (a slow run);
+      DFLASH_OFFLINE_HOLD_AT=name:N   wait there until a stop is requested (at most 10 minutes),
+                                      heartbeat phase "held at name": a signal lands mid-shard
+                                      or mid-step, deterministically.
+    Unset, it costs five dict lookups.
+    """
+    for var, action in FAULT_VARS.items():
+        spec = os.environ.get(var)
+        if not spec:
+            continue
+        want, _, n = spec.partition(":")
+        if want != name:
+            continue
+        if action == "delay":
+            time.sleep(float(n))
+            continue
+        key = (action, name)
+        _fault_counts[key] = _fault_counts.get(key, 0) + 1
+        if _fault_counts[key] != int(n or 1):
+            continue
+        log.warning("fault point %s reached (%d): %s", name, _fault_counts[key], action)
+        if action == "kill":
+            time.sleep(0.05)
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        elif action == "raise":
+            raise InjectedFault(f"injected failure at {name} ({var})")
+        elif action == "hold":
+            heartbeat(phase=f"held at {name}")
+            t0 = time.monotonic()
+            while stop_requested() is None and time.monotonic() - t0 < 600:
+                time.sleep(0.05)
+        else:
+            heartbeat(phase=f"stalled at {name}")
+            time.sleep(3600)

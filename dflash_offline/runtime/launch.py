@@ -1,0 +1,150 @@
+"""How a stage was launched (one process per device, or torchrun ranks), its devices, and the
+rendezvous of the ranks."""
+
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.logs import heartbeat, log
+
+
+
+# --------------------------------------------------------------------------------------------
+# Devices and launch
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Who this process is: started by our own launcher, by torchrun, or alone."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    under_torchrun: bool
+
+
+# What a torch.distributed launch puts in each rank's environment. torchrun (the elastic agent)
+# also sets TORCHELASTIC_RUN_ID and GROUP_RANK: a shell never has them, so they tell a real launch
+# from variables left over from an earlier one (`export RANK=0 WORLD_SIZE=2`), which would have a
+# plain command do its share of the work and wait forever for ranks that never come.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "GROUP_RANK")
+RENDEZVOUS_S = 120.0  # how long a rank of a launch other than torchrun waits for the others to join
+RANK_WAIT_S = 1800.0  # how long rank 0 waits for the other ranks' commits without any progress
+_UNSET = "unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT"
+
+
+def _launch_env() -> str:
+    return " ".join(f"{k}={os.environ[k]}" for k in LAUNCH_VARS if k in os.environ)
+
+
+def torchrun_launch() -> Launch | None:
+    """The rank layout torchrun (or another torch.distributed launcher) put in the environment, or
+    None for a plain command. The variables count only when the launch really is distributed:
+    torchrun's own markers are set, or WORLD_SIZE > 1 comes with all of RANK, LOCAL_RANK,
+    MASTER_ADDR and MASTER_PORT (such a launch meets its ranks first, `join_ranks`); anything else
+    (a stale RANK/WORLD_SIZE in the shell, values that do not fit) is refused in one line."""
+    if not any(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return None  # MASTER_ADDR/MASTER_PORT alone change nothing
+    env = _launch_env()
+    torchrun = all(k in os.environ for k in TORCHRUN_VARS)
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        ok = 0 <= rank < world and 0 <= local <= rank
+    except (KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise UserError(f"the environment has {env}, which is not a consistent distributed launch; to run alone: "
+                        f"{_UNSET} (left from an earlier torchrun?); to run distributed, start the command with "
+                        "torchrun")
+    if not torchrun and not (world > 1 and all(k in os.environ for k in LAUNCH_VARS)):
+        raise UserError(f"the environment has {env} but this is not a torchrun launch (no {' or '.join(TORCHRUN_VARS)}"
+                        f"); to run alone: {_UNSET} (left from an earlier torchrun?); to run distributed, start the "
+                        "command with torchrun")
+    return Launch(rank=rank, world_size=world, local_rank=local, under_torchrun=torchrun)
+
+
+_rendezvous_store = None  # join_ranks' store: the training process group is built on it
+
+
+def join_ranks(launch: Launch | None) -> None:
+    """A launch other than torchrun (which meets its ranks before it starts them): every rank
+    meets the others at MASTER_ADDR:MASTER_PORT before any work, at most
+    DFLASH_OFFLINE_RENDEZVOUS_S seconds (default RENDEZVOUS_S), and says so in its log; ranks
+    that do not come end the command in one line."""
+    global _rendezvous_store
+    if launch is None or launch.under_torchrun or launch.world_size == 1 or _rendezvous_store is not None:
+        return
+    timeout = float(os.environ.get("DFLASH_OFFLINE_RENDEZVOUS_S", RENDEZVOUS_S))
+    addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    log.info("distributed launch without torchrun (%s): rank %d waits up to %.0fs for the other %d rank(s) at %s:%s",
+             _launch_env(), launch.rank, timeout, launch.world_size - 1, addr, port)
+    heartbeat(phase="waiting for the other ranks")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # a client's retries print C++ stacks otherwise
+    import datetime
+
+    import torch.distributed as dist
+
+    t0 = time.time()
+    try:
+        _rendezvous_store = dist.TCPStore(addr, int(port), launch.world_size, launch.rank == 0,
+                                          timeout=datetime.timedelta(seconds=timeout), wait_for_workers=True)
+    except Exception as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(f"the environment has {_launch_env()}, but the other ranks did not join at {addr}:{port} "
+                        f"within {time.time() - t0:.0f}s ({why}); to run alone: {_UNSET} (left from an earlier "
+                        "torchrun?); to run distributed, start every rank (torchrun does)") from None
+    log.info("all %d ranks joined in %.1fs", launch.world_size, time.time() - t0)
+
+
+def rendezvous_store():
+    """The store join_ranks met the other ranks on (None under torchrun, our launcher, or alone)."""
+    return _rendezvous_store
+
+
+def parse_devices(spec: str) -> list[str]:
+    """`"0,1,2"` -> `["cuda:0", "cuda:1", "cuda:2"]`; `"cpu,cpu"` -> two CPU workers."""
+    items = [s.strip() for s in str(spec).split(",") if s.strip()]
+    if not items:
+        raise UserError(f"--devices {spec!r} is empty: give GPU indices like 0,1,2 or 'cpu'")
+    out = []
+    for s in items:
+        if s == "cpu":
+            out.append("cpu")
+        elif s.isdigit():
+            out.append(f"cuda:{int(s)}")
+        elif s.startswith("cuda:") and s[5:].isdigit():
+            out.append(s)
+        else:
+            raise UserError(f"--devices: {s!r} is not a GPU index or 'cpu' (example: --devices 0,1,2,3,4)")
+    gpus = [d for d in out if d != "cpu"]
+    if len(set(gpus)) != len(gpus):
+        raise UserError(f"--devices {spec!r} lists a GPU twice: one worker process per GPU")
+    return out
+
+
+def check_devices_exist(devices: list[str]) -> None:
+    """Refuse GPU indices the machine does not have (torch imported here, no weights loaded)."""
+    gpus = [int(d.split(":")[1]) for d in devices if d.startswith("cuda")]
+    if not gpus:
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [g for g in gpus if g >= count]
+    if missing:
+        raise UserError(
+            f"--devices asks for GPU {','.join(map(str, missing))} but this machine has {count} CUDA "
+            f"device(s){' (torch sees no CUDA)' if count == 0 else ''}; use --devices cpu to run on the CPU"
+        )
+
+
+def single_thread_compute() -> None:
+    """One compute thread per process: several worker processes share the machine's cores."""
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("DFLASH_THREADS", "1")) or 1)

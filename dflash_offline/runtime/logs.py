@@ -1,0 +1,229 @@
+"""Log files from the first second, faulthandler, and the heartbeat file that `status` reads.
+
+This module imports nothing heavy (no torch, no zarr): it runs first in every process so that a
+process that dies while importing torch or loading weights has already written its log header and
+armed faulthandler. The earlier pipeline this project replaces died without a single log line."""
+
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.signals import Stopped
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
+
+log = logging.getLogger("dflash")
+
+
+# --------------------------------------------------------------------------------------------
+# Logs
+
+
+def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = True, claim: bool = False) -> Path:
+    """Create `log_dir/name.log`, point the `dflash` logger at it and arm faulthandler on it.
+
+    Call this before importing torch or touching model weights. The file is opened in append mode
+    so a resumed run keeps the history of the interrupted one.
+
+    The heartbeat `log_dir/name.heartbeat.json` is written at once when there is none yet, or with
+    `claim` (a worker, started by a launcher that holds the run). Otherwise it is another run's
+    (one running, or the finished run this command would resume): it stays as it is until this
+    process calls `claim_heartbeat()`, once it holds the run (its lock taken, its preflight passed).
+    A rerun that is refused, or a side process (eval beside an export), leaves it untouched.
+    """
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"{name}.log"
+    # Line-buffered: a SIGKILL loses at most the line being written.
+    stream = open(path, "a", buffering=1, encoding="utf-8")
+    # faulthandler writes tracebacks of all threads on SIGSEGV/SIGFPE/SIGABRT/SIGBUS/SIGILL, and
+    # on SIGUSR1 on demand (`kill -USR1 PID` shows where a hung process is).
+    faulthandler.enable(file=stream, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True, chain=False)
+    root = logging.getLogger("dflash")
+    root.setLevel(logging.INFO)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    fh = _LogFileHandler(stream)
+    fh.setFormatter(logging.Formatter(LOG_FORMAT))
+    root.addHandler(fh)
+    global _file_handler
+    _file_handler = fh
+    if console:
+        ch = logging.StreamHandler(sys.stderr)
+        ch.setLevel(logging.WARNING)
+        ch.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        root.addHandler(ch)
+    root.propagate = False
+    root.info(
+        "---- %s started: pid %d on %s, python %s, argv %s",
+        name, os.getpid(), socket.gethostname(), sys.version.split()[0], " ".join(sys.argv),
+    )
+    global _heartbeat
+    if _heartbeat is not None and _heartbeat.data["pid"] == os.getpid() and _heartbeat.data["state"] == "running":
+        # An earlier stage of this process (the demo: extract, then train) returned normally: a
+        # failure or a stop would have been recorded. Left `running`, `status` would call it died.
+        _heartbeat.finish("done")
+    hb_path = log_dir / f"{name}{HEARTBEAT_SUFFIX}"
+    _heartbeat = Heartbeat(hb_path, name, path, claimed=claim or not hb_path.exists())
+    return path
+
+
+class _LogFileHandler(logging.StreamHandler):
+    """A log file whose device is full (or gone) drops lines instead of printing a "--- Logging
+    error ---" traceback per line on the terminal: the run's own error message is the one to see."""
+
+    def handleError(self, record) -> None:
+        if isinstance(sys.exc_info()[1], OSError):
+            return
+        super().handleError(record)
+
+
+# --------------------------------------------------------------------------------------------
+# Heartbeats: what a process is doing, for `dflash-offline status`
+
+HEARTBEAT_SUFFIX = ".heartbeat.json"
+HEARTBEAT_EVERY_S = 2.0
+
+_heartbeat: "Heartbeat | None" = None
+_file_handler: logging.Handler | None = None
+
+
+class Heartbeat:
+    """`LOGDIR/NAME.heartbeat.json`, replaced atomically: pid, host, phase, progress, last update.
+
+    Written from the process's own loop (never from a thread; test-only fault points excepted),
+    at most every HEARTBEAT_EVERY_S unless the phase changes: a heartbeat that stops advancing means the loop stopped, whatever
+    the reason. `state` is running, done or failed (with the error); a process killed with
+    SIGKILL leaves `running` behind, and `status` sees that its pid is gone.
+    """
+
+    def __init__(self, path: Path, name: str, log_path: Path, claimed: bool = True):
+        self.path = path
+        self.claimed = claimed  # False: the file is another run's until claim()
+        self.data = {"name": name, "pid": os.getpid(), "host": socket.gethostname(), "log": str(log_path),
+                     "started": time.time(), "updated": time.time(), "state": "running", "phase": "starting"}
+        self._last = 0.0
+        self._write()
+
+    def beat(self, phase: str | None = None, **progress) -> None:
+        changed = phase is not None and phase != self.data["phase"]
+        if phase is not None:
+            self.data["phase"] = phase
+        self.data.update(progress)
+        now = time.time()
+        if changed or now - self._last >= HEARTBEAT_EVERY_S:
+            self.data["updated"] = now
+            self._write()
+
+    def finish(self, state: str, error: str | None = None) -> None:
+        self.data.update(state=state, updated=time.time(), error=error)
+        self._write()
+
+    def claim(self) -> None:
+        if not self.claimed:
+            self.claimed = True
+            self.data["updated"] = time.time()
+            self._write()
+
+    def _write(self) -> None:
+
+        self._last = time.time()
+        if not self.claimed:
+            return
+        tmp = self.path.with_name(self.path.name + f".tmp-{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(self.data))
+            os.replace(tmp, self.path)
+        except OSError:  # a full or vanished log folder must not kill the work itself
+            pass
+
+
+def heartbeat(phase: str | None = None, **progress) -> None:
+    """Update this process's heartbeat (a no-op before open_process_log)."""
+    if _heartbeat is not None:
+        _heartbeat.beat(phase, **progress)
+
+
+def current_log() -> str | None:
+    """This process's log file (None before open_process_log)."""
+    return _heartbeat.data["log"] if _heartbeat is not None else None
+
+
+def claim_heartbeat() -> None:
+    """This process holds the run now (its lock taken, its preflight passed): its heartbeat
+    replaces the one a previous run left (see open_process_log)."""
+    if _heartbeat is not None:
+        _heartbeat.claim()
+
+
+def finish_heartbeat(state: str, error: str | None = None) -> None:
+    if _heartbeat is not None:
+        _heartbeat.finish(state, error)
+
+
+@contextlib.contextmanager
+def reported_outcome():
+    """Around a worker process's work: heartbeat `done` when it returns, `failed` with the error
+    (and the traceback in the log file) when it raises; the exception goes on."""
+    try:
+        yield
+    except BaseException as e:
+        record_failure(e)
+        raise
+    finish_heartbeat("done")
+
+
+@contextlib.contextmanager
+def worker_outcome(on_error=None):
+    """Around a stage worker process's work (extract worker, training rank): like
+    reported_outcome, and a stop on request ends the process with 128 + the signal, a second
+    signal (KeyboardInterrupt) with 130, each with its state in the heartbeat. An error goes to
+    the log (with its traceback) and to `on_error(one line)` (the launcher's queue: the log and
+    the heartbeat may sit on a full disk), and the process exits with 1, printing nothing."""
+    try:
+        yield
+    except Stopped as e:
+        log.info("%s", e)
+        finish_heartbeat("stopped", str(e))
+        raise SystemExit(e.exit_code) from None
+    except KeyboardInterrupt:
+        log.warning("interrupted: stopped at once, the unit in progress abandoned (it is not committed)")
+        finish_heartbeat("interrupted", "stopped at once by a second signal")
+        raise SystemExit(128 + signal.SIGINT) from None
+    except Exception as e:
+        record_failure(e)
+        if on_error is not None:
+            with contextlib.suppress(Exception):
+                on_error(f"{type(e).__name__}: {e}".splitlines()[0][:1000])
+        raise SystemExit(1) from None
+    except BaseException as e:
+        record_failure(e)
+        raise
+    finish_heartbeat("done")
+
+
+def record_failure(exc: BaseException) -> None:
+    """Write the error (with its traceback, unless it is bad input) into the log file only (the
+    terminal gets the CLI's one line) and mark the heartbeat failed: what `status` shows."""
+    if _file_handler is not None:
+        bad_input = isinstance(exc, UserError)
+        phase = _heartbeat.data["phase"] if _heartbeat is not None else "starting"
+        record = log.makeRecord(log.name, logging.ERROR, __file__, 0,
+                                "refused: %s" if bad_input else "failed: %s (phase: %s)",
+                                (exc,) if bad_input else (exc, phase),
+                                None if bad_input else (type(exc), exc, exc.__traceback__))
+        _file_handler.handle(record)
+    finish_heartbeat("failed", f"{type(exc).__name__}: {exc}".splitlines()[0][:500])

@@ -1,0 +1,1 @@
+"""The target model: its folder read without torch (folder), and loaded for a forward (model)."""
