@@ -9,8 +9,8 @@ from dflash_offline.runtime.paths import require_kind
 
 
 def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = None) -> Path:
-    from dflash_offline.drafter.model import check_export_dest, export_drafter, load_checkpoint
-    from dflash_offline.train.launcher import CHECKPOINT_PREFIX, list_checkpoints
+    from dflash_offline.drafter.model import check_export_dest, export_drafter
+    from dflash_offline.train.checkpoint import CHECKPOINT_PREFIX, checkpoint_damage, list_checkpoints, load_checkpoint
 
     run = Path(run_dir)
     require_kind(run_dir, "--run", True, "a training run folder (OUT of train, with step-N/ checkpoints)")
@@ -23,8 +23,6 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
     step = steps[-1] if step is None else step
     if step not in steps:
         raise UserError(f"--step {step}: no such checkpoint in {run_dir}; available: {', '.join(map(str, steps))}")
-    from dflash_offline.drafter.model import checkpoint_damage
-
     ck = run / f"{CHECKPOINT_PREFIX}{step}"
     what = checkpoint_damage(ck, ("state.json", "drafter.safetensors"))
     if what:

@@ -175,7 +175,7 @@ def _is_generated(p: Path) -> bool:
 
 
 def run_status(path: str) -> dict:
-    from dflash_offline.train.launcher import list_checkpoints
+    from dflash_offline.train.checkpoint import list_checkpoints
 
     out = Path(path)
     steps = list_checkpoints(out)

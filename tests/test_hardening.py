@@ -117,7 +117,7 @@ def test_nonfinite_loss_stops_all_ranks_without_export(tmp_path, arith_cache, ti
     """lr 1e30 on two ranks: step 1 is finite and checkpointed, step 2's loss is not. Both ranks stop
     at step 2 before the update (no hang); one line names the step, the ranks and step-1; exit 1; no
     export, no step-2, and step-1 as it was committed."""
-    from dflash_offline.drafter.model import load_checkpoint
+    from dflash_offline.train.checkpoint import load_checkpoint
 
     out = tmp_path / "run"
     r = run_cli(["train", "--target", tiny_dense, "--cache", arith_cache, "--out", out, *TRAIN, "--lr", "1e30",

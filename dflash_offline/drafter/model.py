@@ -578,74 +578,10 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str) -> Path:
     return out
 
 
-CHECKPOINT_FILES = ("state.json", "drafter.safetensors", "trainer.pt")
 
 
-def checkpoint_damage(ck: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> str | None:
-    """What is wrong with a checkpoint's files, as "FILE: what", or None: state.json is the JSON a
-    checkpoint writes, drafter.safetensors and trainer.pt are whole (their headers and sizes agree).
-    Reads headers only, no tensors: a check of a 27B-shaped drafter's checkpoint takes a moment."""
-    import zipfile
-
-    for name in files:
-        f = ck / name
-        try:
-            size = f.stat().st_size
-            if name == "state.json":
-                try:
-                    state = json.loads(f.read_text(encoding="utf-8"))
-                except (UnicodeDecodeError, ValueError) as e:
-                    return f"{name}: not valid JSON ({type(e).__name__}: {str(e).splitlines()[0]})"
-                for key in ("cache_fingerprint", "config", "drafter"):
-                    if not isinstance(state, dict) or key not in state:
-                        return f"{name}: damaged or not a checkpoint's state (no {key})"
-                if not isinstance(state["config"], dict) or not isinstance(state["drafter"], dict):
-                    return f"{name}: damaged or not a checkpoint's state (config or drafter is not an object)"
-            elif name.endswith(".safetensors"):
-                with open(f, "rb") as fh:
-                    head = fh.read(8)
-                    n = int.from_bytes(head, "little") if len(head) == 8 else None
-                    if n is None or n > size - 8:
-                        return f"{name}: cut short ({size} bytes, less than its own header)"
-                    try:
-                        header = json.loads(fh.read(n))
-                        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
-                                  default=0)
-                    except (UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError):
-                        return f"{name}: not a safetensors file (its header does not parse)"
-                if 8 + n + end != size:
-                    return (f"{name}: {'cut short' if size < 8 + n + end else 'longer than its header says'} "
-                            f"({size} bytes, its header says {8 + n + end})")
-            else:  # torch.save: a zip archive, its directory at the end
-                try:
-                    with zipfile.ZipFile(f) as z:
-                        if any(i.header_offset + i.compress_size > size for i in z.infolist()):
-                            return f"{name}: cut short ({size} bytes)"
-                except (zipfile.BadZipFile, ValueError, EOFError) as e:
-                    return f"{name}: not a complete torch.save file ({size} bytes; {e})"
-        except OSError as e:
-            return f"{name}: {e.strerror or e}"
-    return None
 
 
-def load_checkpoint(ck_dir: str) -> DFlashDrafter:
-    """The drafter of a training checkpoint `step-N/` (state.json + drafter.safetensors, float32);
-    the frozen embedding and LM head are placeholders until load_frozen_from_target."""
-    from safetensors.torch import load_file
-
-    ck = Path(ck_dir)
-    what = checkpoint_damage(ck, ("state.json", "drafter.safetensors"))
-    if what:
-        raise UserError(f"{ck}/{what}; the checkpoint is damaged: use another checkpoint of the run (step-N/), or "
-                        "restore the file from a copy")
-    state = json.loads((ck / "state.json").read_text())
-    drafter = DFlashDrafter(DrafterConfig(**state["drafter"]))
-    got = drafter.load_state_dict(load_file(str(ck / "drafter.safetensors")), strict=False)
-    lost = [k for k in got.missing_keys if not k.startswith(FROZEN_PREFIXES)]
-    if got.unexpected_keys or lost:
-        raise UserError(f"{ck}: drafter weights do not match its config (unexpected {got.unexpected_keys[:3]}, "
-                        f"missing {lost[:3]}); the checkpoint is damaged")
-    return drafter
 
 
 def load_exported(out_dir: str, target_dir: str | None = None) -> DFlashDrafter:

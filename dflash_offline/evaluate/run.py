@@ -131,7 +131,8 @@ def read_reference(path: str, ids: list[int], prompts: list[list[int]], max_new:
 def load_drafter(path: str, target_dir: str):
     """A drafter from an export folder (config.json) or a training checkpoint (step-N/), with the
     target's frozen embedding and LM head; refuses a drafter made for another target shape."""
-    from dflash_offline.drafter.model import EXPORT_WEIGHTS, checkpoint_damage, load_checkpoint, load_exported
+    from dflash_offline.drafter.model import EXPORT_WEIGHTS, load_exported
+    from dflash_offline.train.checkpoint import checkpoint_damage, load_checkpoint
     from dflash_offline.target.folder import read_target
 
     root = Path(path)

@@ -29,13 +29,13 @@ from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.launch import join_ranks, torchrun_launch
 from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_process_log
-from dflash_offline.runtime.paths import ordinary_mode, refuse_foreign_folder
+from dflash_offline.runtime.paths import refuse_foreign_folder
 from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, spawning, stop_requested
 from dflash_offline.runtime.units import human_count
+from dflash_offline.train.checkpoint import CHECKPOINT_PREFIX, damaged_checkpoint, list_checkpoints, save_checkpoint
 
 log = logging.getLogger("dflash.train")
 
-CHECKPOINT_PREFIX = "step-"
 EXPORT = "export"
 # What a run folder holds before its first checkpoint (a refused, failed or killed first run): anything
 # else there was not made by train, and is never written into.
@@ -325,7 +325,7 @@ def check_resume(cfg: TrainConfig, plan: dict) -> None:
     if not found:
         return
     ck = out / f"{CHECKPOINT_PREFIX}{found[-1]}"
-    from dflash_offline.drafter.model import checkpoint_damage
+    from dflash_offline.train.checkpoint import checkpoint_damage
 
     what = checkpoint_damage(ck)  # headers and sizes only: a damaged file is named before any rank starts
     if what:
@@ -521,75 +521,10 @@ def _agreed_stop(group, world: int) -> int | None:
 # Checkpoints
 
 
-def damaged_checkpoint(out: Path, step: int, what: str) -> str:
-    """One line for a damaged file of `out/step-N/` (`what`: "FILE: what is wrong"), with the fix."""
-    ck = out / f"{CHECKPOINT_PREFIX}{step}"
-    before = [s for s in list_checkpoints(out) if s < step]
-    fix = (f"delete {ck} to resume from {out / f'{CHECKPOINT_PREFIX}{before[-1]}'}, the checkpoint before it"
-           if before else f"delete {ck} to train from the start (there is no checkpoint before it)")
-    return f"{ck}/{what}; the checkpoint is damaged: {fix}, or restore the file from a copy"
 
 
-def list_checkpoints(out: Path) -> list[int]:
-    steps = []
-    if out.is_dir():
-        for p in out.iterdir():
-            if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and p.name[len(CHECKPOINT_PREFIX):].isdigit():
-                steps.append(int(p.name[len(CHECKPOINT_PREFIX):]))
-    return sorted(steps)
 
 
-def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: dict, keep: int) -> Path:
-    """Write `step-N/` under a temporary name, then rename: a checkpoint exists only when complete.
-    A write that finds no room (a full device, a quota, a file-size limit) removes the temporary
-    folder and raises NoRoom: one line naming the folder, the room needed and the intact checkpoint."""
-    import torch
-    from safetensors.torch import save_file
-
-    from dflash_offline.runtime.errors import NoRoom, no_room_reason, tensor_bytes
-
-    final = out / f"{CHECKPOINT_PREFIX}{step}"
-    tmp = out / f".tmp-{CHECKPOINT_PREFIX}{step}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    weights = {k: v.detach().contiguous().cpu() for k, v in drafter.trainable_state_dict().items()}
-    trainer = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng_cpu": torch.get_rng_state()}
-    try:
-        tmp.mkdir(parents=True)
-        save_file(weights, str(tmp / "drafter.safetensors"))
-        ordinary_mode(tmp / "drafter.safetensors")  # safetensors leaves 0600: unreadable to another user
-        torch.save(trainer, tmp / "trainer.pt")
-        (tmp / "state.json").write_text(json.dumps(state, indent=1))
-        from dflash_offline.cache.location import Location
-
-        Location(str(out)).fsync_tree(tmp.name)  # on storage before it counts
-    except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint is never left behind
-        need = tensor_bytes(weights) + tensor_bytes(trainer) + (64 << 10)  # + headers, state.json
-        try:
-            free = shutil.disk_usage(out).free
-        except OSError:
-            free = None
-        # torch.save's own message hides the cause: a full device shows as too little free space.
-        reason = no_room_reason(e) or ("the device is full" if free is not None and free < need else None)
-        if reason is None:
-            raise
-        from dflash_offline.runtime.units import human_bytes
-
-        before = list_checkpoints(out)
-        intact = (f"the last complete checkpoint {out / f'{CHECKPOINT_PREFIX}{before[-1]}'} is intact and the same "
-                  "command resumes from it" if before else
-                  "there is no complete checkpoint yet: the same command starts from the beginning")
-        err = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-        raise NoRoom(f"checkpoint {final} could not be written: {reason} ({err}); it needs about "
-                     f"{human_bytes(need)}" + (f", {human_bytes(free)} are free there" if free is not None else "")
-                     + f"; the half-written {tmp.name} was removed; {intact} once there is room") from e
-    fault_point("checkpoint-written")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    fault_point("checkpoint-saved")
-    for old in list_checkpoints(out)[:-keep]:
-        shutil.rmtree(out / f"{CHECKPOINT_PREFIX}{old}", ignore_errors=True)
-    return final
 
 
 def _lr_at(progress: float, warmup_ratio: float) -> float:

@@ -1,0 +1,159 @@
+"""The one owner of a run's checkpoint format: `step-N/` folders (state.json, drafter.safetensors,
+trainer.pt), written under a temporary name and renamed, so a checkpoint counts only when complete;
+listing, validation, loading and keep-last-k."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.faults import fault_point
+from dflash_offline.runtime.paths import ordinary_mode
+from dflash_offline.drafter.model import DFlashDrafter, DrafterConfig, FROZEN_PREFIXES
+
+
+CHECKPOINT_PREFIX = "step-"
+
+
+def damaged_checkpoint(out: Path, step: int, what: str) -> str:
+    """One line for a damaged file of `out/step-N/` (`what`: "FILE: what is wrong"), with the fix."""
+    ck = out / f"{CHECKPOINT_PREFIX}{step}"
+    before = [s for s in list_checkpoints(out) if s < step]
+    fix = (f"delete {ck} to resume from {out / f'{CHECKPOINT_PREFIX}{before[-1]}'}, the checkpoint before it"
+           if before else f"delete {ck} to train from the start (there is no checkpoint before it)")
+    return f"{ck}/{what}; the checkpoint is damaged: {fix}, or restore the file from a copy"
+
+
+def list_checkpoints(out: Path) -> list[int]:
+    steps = []
+    if out.is_dir():
+        for p in out.iterdir():
+            if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX) and p.name[len(CHECKPOINT_PREFIX):].isdigit():
+                steps.append(int(p.name[len(CHECKPOINT_PREFIX):]))
+    return sorted(steps)
+
+
+def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: dict, keep: int) -> Path:
+    """Write `step-N/` under a temporary name, then rename: a checkpoint exists only when complete.
+    A write that finds no room (a full device, a quota, a file-size limit) removes the temporary
+    folder and raises NoRoom: one line naming the folder, the room needed and the intact checkpoint."""
+    import torch
+    from safetensors.torch import save_file
+
+    from dflash_offline.runtime.errors import NoRoom, no_room_reason, tensor_bytes
+
+    final = out / f"{CHECKPOINT_PREFIX}{step}"
+    tmp = out / f".tmp-{CHECKPOINT_PREFIX}{step}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    weights = {k: v.detach().contiguous().cpu() for k, v in drafter.trainable_state_dict().items()}
+    trainer = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng_cpu": torch.get_rng_state()}
+    try:
+        tmp.mkdir(parents=True)
+        save_file(weights, str(tmp / "drafter.safetensors"))
+        ordinary_mode(tmp / "drafter.safetensors")  # safetensors leaves 0600: unreadable to another user
+        torch.save(trainer, tmp / "trainer.pt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        from dflash_offline.cache.location import Location
+
+        Location(str(out)).fsync_tree(tmp.name)  # on storage before it counts
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written checkpoint is never left behind
+        need = tensor_bytes(weights) + tensor_bytes(trainer) + (64 << 10)  # + headers, state.json
+        try:
+            free = shutil.disk_usage(out).free
+        except OSError:
+            free = None
+        # torch.save's own message hides the cause: a full device shows as too little free space.
+        reason = no_room_reason(e) or ("the device is full" if free is not None and free < need else None)
+        if reason is None:
+            raise
+        from dflash_offline.runtime.units import human_bytes
+
+        before = list_checkpoints(out)
+        intact = (f"the last complete checkpoint {out / f'{CHECKPOINT_PREFIX}{before[-1]}'} is intact and the same "
+                  "command resumes from it" if before else
+                  "there is no complete checkpoint yet: the same command starts from the beginning")
+        err = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        raise NoRoom(f"checkpoint {final} could not be written: {reason} ({err}); it needs about "
+                     f"{human_bytes(need)}" + (f", {human_bytes(free)} are free there" if free is not None else "")
+                     + f"; the half-written {tmp.name} was removed; {intact} once there is room") from e
+    fault_point("checkpoint-written")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    fault_point("checkpoint-saved")
+    for old in list_checkpoints(out)[:-keep]:
+        shutil.rmtree(out / f"{CHECKPOINT_PREFIX}{old}", ignore_errors=True)
+    return final
+
+
+CHECKPOINT_FILES = ("state.json", "drafter.safetensors", "trainer.pt")
+
+
+def checkpoint_damage(ck: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> str | None:
+    """What is wrong with a checkpoint's files, as "FILE: what", or None: state.json is the JSON a
+    checkpoint writes, drafter.safetensors and trainer.pt are whole (their headers and sizes agree).
+    Reads headers only, no tensors: a check of a 27B-shaped drafter's checkpoint takes a moment."""
+    import zipfile
+
+    for name in files:
+        f = ck / name
+        try:
+            size = f.stat().st_size
+            if name == "state.json":
+                try:
+                    state = json.loads(f.read_text(encoding="utf-8"))
+                except (UnicodeDecodeError, ValueError) as e:
+                    return f"{name}: not valid JSON ({type(e).__name__}: {str(e).splitlines()[0]})"
+                for key in ("cache_fingerprint", "config", "drafter"):
+                    if not isinstance(state, dict) or key not in state:
+                        return f"{name}: damaged or not a checkpoint's state (no {key})"
+                if not isinstance(state["config"], dict) or not isinstance(state["drafter"], dict):
+                    return f"{name}: damaged or not a checkpoint's state (config or drafter is not an object)"
+            elif name.endswith(".safetensors"):
+                with open(f, "rb") as fh:
+                    head = fh.read(8)
+                    n = int.from_bytes(head, "little") if len(head) == 8 else None
+                    if n is None or n > size - 8:
+                        return f"{name}: cut short ({size} bytes, less than its own header)"
+                    try:
+                        header = json.loads(fh.read(n))
+                        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+                                  default=0)
+                    except (UnicodeDecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+                        return f"{name}: not a safetensors file (its header does not parse)"
+                if 8 + n + end != size:
+                    return (f"{name}: {'cut short' if size < 8 + n + end else 'longer than its header says'} "
+                            f"({size} bytes, its header says {8 + n + end})")
+            else:  # torch.save: a zip archive, its directory at the end
+                try:
+                    with zipfile.ZipFile(f) as z:
+                        if any(i.header_offset + i.compress_size > size for i in z.infolist()):
+                            return f"{name}: cut short ({size} bytes)"
+                except (zipfile.BadZipFile, ValueError, EOFError) as e:
+                    return f"{name}: not a complete torch.save file ({size} bytes; {e})"
+        except OSError as e:
+            return f"{name}: {e.strerror or e}"
+    return None
+
+
+def load_checkpoint(ck_dir: str) -> DFlashDrafter:
+    """The drafter of a training checkpoint `step-N/` (state.json + drafter.safetensors, float32);
+    the frozen embedding and LM head are placeholders until load_frozen_from_target."""
+    from safetensors.torch import load_file
+
+    ck = Path(ck_dir)
+    what = checkpoint_damage(ck, ("state.json", "drafter.safetensors"))
+    if what:
+        raise UserError(f"{ck}/{what}; the checkpoint is damaged: use another checkpoint of the run (step-N/), or "
+                        "restore the file from a copy")
+    state = json.loads((ck / "state.json").read_text())
+    drafter = DFlashDrafter(DrafterConfig(**state["drafter"]))
+    got = drafter.load_state_dict(load_file(str(ck / "drafter.safetensors")), strict=False)
+    lost = [k for k in got.missing_keys if not k.startswith(FROZEN_PREFIXES)]
+    if got.unexpected_keys or lost:
+        raise UserError(f"{ck}: drafter weights do not match its config (unexpected {got.unexpected_keys[:3]}, "
+                        f"missing {lost[:3]}); the checkpoint is damaged")
+    return drafter
