@@ -134,7 +134,7 @@ def test_nonfinite_loss_stops_all_ranks_without_export(tmp_path, arith_cache, ti
 
 
 def test_diverged_message_without_checkpoint_names_the_gradient():
-    from dflash_offline.train.launcher import diverged_message
+    from dflash_offline.train.outcomes import diverged_message
 
     line = diverged_message([0.0, 0.0], math.inf, 7, Path("runs/r"), 0)
     assert line.startswith("training stopped at step 7: the gradient norm is inf on every rank (2 rank(s)), "
@@ -213,7 +213,7 @@ def test_export_dest_rules(tmp_path):
     (["manifest.json", "shards"], True),  # a cache given as --out
 ])
 def test_run_folder_rule(tmp_path, entries, refused):
-    from dflash_offline.train.launcher import refuse_foreign_run
+    from dflash_offline.train.run_folder import refuse_foreign_run
 
     for name in entries:
         (tmp_path / name).mkdir()

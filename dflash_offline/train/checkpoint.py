@@ -1,6 +1,9 @@
 """The one owner of a run's checkpoint format: `step-N/` folders (state.json, drafter.safetensors,
 trainer.pt), written under a temporary name and renamed, so a checkpoint counts only when complete;
-listing, validation, loading and keep-last-k."""
+listing, validation, loading, the resume check and resume, and keep-last-k.
+
+Imports no torch at module level: the launcher's preflight and `status` read checkpoints without it
+(a broken torch install fails in a process whose log is open)."""
 
 from __future__ import annotations
 
@@ -9,11 +12,10 @@ import os
 import shutil
 from pathlib import Path
 
+from dflash_offline.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.paths import ordinary_mode
-from dflash_offline.drafter.model import DFlashDrafter, DrafterConfig, FROZEN_PREFIXES
-
 
 CHECKPOINT_PREFIX = "step-"
 
@@ -139,10 +141,13 @@ def checkpoint_damage(ck: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> st
     return None
 
 
-def load_checkpoint(ck_dir: str) -> DFlashDrafter:
-    """The drafter of a training checkpoint `step-N/` (state.json + drafter.safetensors, float32);
-    the frozen embedding and LM head are placeholders until load_frozen_from_target."""
+def load_checkpoint(ck_dir: str):
+    """The drafter (DFlashDrafter) of a training checkpoint `step-N/` (state.json + drafter.safetensors,
+    float32); the frozen embedding and LM head are placeholders until load_frozen_from_target."""
     from safetensors.torch import load_file
+
+    from dflash_offline.drafter.config import DrafterConfig
+    from dflash_offline.drafter.model import FROZEN_PREFIXES, DFlashDrafter
 
     ck = Path(ck_dir)
     what = checkpoint_damage(ck, ("state.json", "drafter.safetensors"))
@@ -157,3 +162,65 @@ def load_checkpoint(ck_dir: str) -> DFlashDrafter:
         raise UserError(f"{ck}: drafter weights do not match its config (unexpected {got.unexpected_keys[:3]}, "
                         f"missing {lost[:3]}); the checkpoint is damaged")
     return drafter
+
+
+# Settings a resumed run must share with its checkpoint: they decide the numbers of every step.
+RESUME_KEYS = ("seq_len", "num_anchors", "anchors_per_sample", "layers", "kd_weight", "block_size", "gamma", "seed", "global_batch_tokens", "epochs", "num_layers",
+               "lr", "warmup_ratio", "weight_decay", "clip", "mask_token_id", "precision", "loss_chunk_tokens",
+               "follow", "follow_window")
+
+
+def check_resume(cfg: TrainConfig, cache_fingerprint: str) -> None:
+    """Refuse, before any process starts, to resume a checkpoint made on another cache or with
+    other settings (a changed lr would be silently overridden by the saved optimizer state)."""
+    out = Path(cfg.out)
+    found = list_checkpoints(out)
+    if not found:
+        return
+    ck = out / f"{CHECKPOINT_PREFIX}{found[-1]}"
+    what = checkpoint_damage(ck)  # headers and sizes only: a damaged file is named before any rank starts
+    if what:
+        raise UserError(damaged_checkpoint(out, found[-1], what))
+    state = json.loads((ck / "state.json").read_text())
+    if state["cache_fingerprint"] != cache_fingerprint:
+        raise UserError(f"{ck} was trained on another cache (its fingerprint differs); use a new --out")
+    defaults = TrainConfig()
+    for key in RESUME_KEYS:
+        theirs = state["config"].get(key, getattr(defaults, key))  # a key newer than the checkpoint: its default
+        if theirs != getattr(cfg, key):
+            raise UserError(f"{ck} was made with {key} = {theirs}, this run has {getattr(cfg, key)}; "
+                            "use the same settings to resume, or a new --out")
+
+
+def remove_unfinished(out: Path) -> None:
+    """Remove the temporary folders of checkpoints a kill cut short (they never counted)."""
+    for debris in out.glob(f".tmp-{CHECKPOINT_PREFIX}*"):
+        shutil.rmtree(debris, ignore_errors=True)
+
+
+def resume_checkpoint(out: Path, step: int, drafter, opt, sched, device: str) -> dict:
+    """Load `out/step-N/` into the drafter, optimizer, scheduler and CPU RNG; its state.json.
+    Its settings were checked in preflight (check_resume); a file that still fails to load is
+    named the way checkpoint_damage names it, with the fix."""
+    import torch
+    from safetensors.torch import load_file
+
+    ck = out / f"{CHECKPOINT_PREFIX}{step}"
+    reading = "drafter.safetensors"
+    try:  # preflight checked the files' headers and sizes; what can still fail is named the same way
+        sd = load_file(str(ck / reading))
+        missing = drafter.load_state_dict(sd, strict=False)
+        if missing.unexpected_keys or any(k in sd for k in missing.missing_keys):
+            raise ValueError(f"weights that do not fit the drafter ({missing.unexpected_keys[:3]})")
+        reading = "trainer.pt"
+        tr = torch.load(ck / reading, map_location=device, weights_only=False)
+        opt.load_state_dict(tr["optimizer"])
+        sched.load_state_dict(tr["scheduler"])
+        torch.set_rng_state(tr["rng_cpu"])
+        reading = "state.json"
+        return json.loads((ck / reading).read_text())
+    except (MemoryError, torch.OutOfMemoryError):  # not the file's fault
+        raise
+    except Exception as e:
+        raise RuntimeError(damaged_checkpoint(out, step, f"{reading}: {type(e).__name__}: "
+                                              f"{str(e).splitlines()[0] if str(e) else ''}")) from None

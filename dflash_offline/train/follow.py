@@ -1,0 +1,187 @@
+"""What the steps run over: epochs of a complete cache, or (--follow) windows of shards of a cache
+being filled, each trained once all its shards are committed; the windows' record (consumed.jsonl)
+and their release to extraction (the manifest's consumers, --stream)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_offline.config import TrainConfig
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.faults import fault_point
+from dflash_offline.runtime.logs import heartbeat
+from dflash_offline.train.plan import TrainPlan
+from dflash_offline.train.run_folder import CONSUMED
+
+log = logging.getLogger("dflash.train")
+
+
+def window_misfit(cfg: TrainConfig, m: dict) -> str | None:
+    """Why a follow window can never be on storage at once under the cache's budget, or None.
+    A window is up to follow_window shards of at most the plan's largest shard (extract records
+    both); fewer than that would leave extraction paused and the trainer waiting, forever."""
+    budget, biggest = m.get("budget_bytes"), m.get("max_shard_bytes")
+    if budget and biggest and cfg.follow_window * biggest > budget:
+        return (f"--follow-window {cfg.follow_window} shards of up to {biggest / 1e6:.1f} MB do not fit the cache's "
+                f"budget ({budget / 1e6:.1f} MB, extract --max-bytes): extraction would pause and the trainer wait "
+                f"forever; lower --follow-window to {max(1, budget // biggest)} or raise the budget")
+    return None
+
+
+@dataclass
+class Segment:
+    """A run of steps over one sample order: an epoch, or a follow window of shards."""
+
+    key: int  # epoch, or window index: seeds the order and the anchors
+    refs: list  # (shard, sample, first token)
+    lengths: object  # np.ndarray of sample lengths
+    base: int  # global step at the segment's first step
+    steps: int
+    shards: list = field(default_factory=list)
+    sample_ids: list = field(default_factory=list)  # follow: ids of the samples the rows hold
+    tokens: int = 0  # follow: the window's tokens, and those of all windows before it (the schedule)
+    tokens_before: int = 0
+
+
+
+@dataclass(frozen=True)
+class FollowPosition:
+    """Where a --follow run goes on from (state.json's "follow"): the next window, its first step,
+    and the tokens of the windows before it (the schedule's place)."""
+
+    window: int = 0
+    window_start: int = 0
+    tokens_before: int = 0
+
+
+def epoch_segments(plan: TrainPlan, step: int, stop: int):
+    """The epochs from the one holding `step` to the one holding step `stop`."""
+    ep = plan.epochs
+    spe = ep.steps_per_epoch
+    for e in range(step // spe, -(-stop // spe)):
+        yield Segment(e, ep.refs, ep.lengths, e * spe, spe)
+
+
+def follow_window_rows(cfg: TrainConfig, plan: TrainPlan, window: int, names: list[str]):
+    """A committed window's refs, lengths, the ids of the samples its rows hold, and its number of
+    steps: the rows are packed in the order epoch_order(window), and the last step is filled with
+    empty rows (no sample dropped)."""
+    import numpy as np
+
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.train.packing import epoch_order, pack_rows
+
+    reader = CacheReader(cfg.cache)
+    refs, lengths, ids = [], [], []
+    for name in names:
+        sh = reader.shard(name)
+        offs = sh.offsets
+        lengths.extend((offs[1:] - offs[:-1]).tolist())
+        refs.extend((name, k, int(offs[k])) for k in range(len(offs) - 1))
+        ids.extend(int(i) for i in sh.ids)
+    lengths = np.asarray(lengths, np.int64)
+    rows = pack_rows(lengths, epoch_order(len(refs), cfg.seed, window), cfg.seq_len)
+    trained = [ids[smp] for row in rows for smp, _ in row]
+    return refs, lengths, trained, -(-len(rows) // (plan.world * plan.accum))
+
+
+def follow_segments(cfg: TrainConfig, plan: TrainPlan, rank: int, world: int, device: str, start: FollowPosition,
+                    checkpoint_now, current_step, last_checkpoint, agreed_stop):
+    """Windows of `follow_window` shards in plan order, each yielded once all its shards are
+    committed. Rank 0 watches the manifest and tells the others (a broadcast per poll), so every
+    rank waits, checkpoints and goes on at the same moment. With `--stream`, when extraction is
+    paused for space while the trainer waits, a checkpoint releases the windows already trained."""
+    import torch
+    import torch.distributed as dist
+
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore, committed_names, occupancy
+    from dflash_offline.cache.shards import shard_name
+
+    G, N = cfg.follow_window, plan.follow.num_shards
+    window, base, tokens_before = start.window, start.window_start, start.tokens_before
+    store = ManifestStore(Location(cfg.cache))
+    flag = torch.zeros(1, dtype=torch.int64, device=device if device.startswith("cuda") else "cpu")
+    prev = None
+    while window * G < N:
+        names = [shard_name(i) for i in range(window * G, min((window + 1) * G, N))]
+        t0, last_log = time.time(), 0.0
+        while True:
+            if rank == 0:
+                m = store.read()
+                problem = window_misfit(cfg, m)  # a budget set (or changed) after this run started
+                if problem:
+                    raise UserError(problem)
+                have = committed_names(m)
+                missing = [n for n in names if n not in have]
+                budget, biggest = m.get("budget_bytes"), m.get("max_shard_bytes") or 0
+                blocked = (budget is not None and missing[:1] and missing[0] not in (m.get("reserved") or {})
+                           and occupancy(m) + biggest > budget)
+                if not missing:
+                    code = 1
+                elif cfg.stream and blocked and prev is not None and last_checkpoint() < current_step():
+                    code = 2  # extraction waits for space that trained windows hold: checkpoint, release them
+                else:
+                    code = 0
+                    if time.time() - last_log > 30:
+                        log.info("waiting for %s (window %d: %d of %d shards committed; the cache has %d of %d%s)",
+                                 missing[0], window, len(names) - len(missing), len(names), len(have), N,
+                                 "; extraction is paused for space" if blocked else "")
+                        last_log = time.time()
+                flag.fill_(code)
+            if world > 1:
+                dist.broadcast(flag, 0)
+            code = int(flag.item())
+            if code == 1:
+                break
+            if code == 2:
+                checkpoint_now(prev)
+                continue
+            if agreed_stop():
+                return
+            heartbeat(phase="waiting for shards", step=current_step(), window=window, first_shard=names[0])
+            fault_point("train-waiting")
+            time.sleep(0.5)
+        if time.time() - t0 > 1 and rank == 0:
+            log.info("window %d ready after %.1fs waiting", window, time.time() - t0)
+        refs, lengths, trained, steps = follow_window_rows(cfg, plan, window, names)
+        prev = Segment(window, refs, lengths, base, steps, names, trained, int(lengths.sum()), tokens_before)
+        yield prev
+        base += steps
+        tokens_before += prev.tokens
+        window += 1
+
+
+def record_window(out: Path, seg: Segment) -> None:
+    """One line per trained window: its shards and the ids of the samples its rows held (a
+    multi-pass cache holds each id once per pass). Lines past the resumed checkpoint go on resume."""
+    with open(out / CONSUMED, "a") as f:
+        f.write(json.dumps({"window": seg.key, "first_step": seg.base, "steps": seg.steps, "shards": seg.shards,
+                            "sample_ids": seg.sample_ids}) + "\n")
+
+
+def release_consumed(cfg: TrainConfig, plan: TrainPlan, window: int) -> None:
+    """Rank 0, after a checkpoint whose next window is `window`: the shards of all earlier windows
+    are finished for good. Recorded in the manifest first; with --stream their data is deleted
+    after (a kill in between leaves folders that the next call deletes)."""
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore
+    from dflash_offline.cache.shards import shard_name
+
+    n = min(window * cfg.follow_window, plan.follow.num_shards)
+    if n == 0:
+        return
+    loc = Location(cfg.cache)
+    finished = [shard_name(i) for i in range(n)]
+    store = ManifestStore(loc)
+    pending = store.record_consumed(plan.follow.consumer, finished, release=cfg.stream)
+    fault_point("train-released")
+    for name in pending:
+        loc.rmtree(f"shards/{name}.zarr")
+    if pending:
+        store.deleted(pending)
+        log.info("released %d shards (%s .. %s)", len(pending), pending[0], pending[-1])

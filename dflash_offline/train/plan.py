@@ -1,0 +1,47 @@
+"""The plan preflight hands to every rank (TrainPlan): what the checks fixed, the same on all
+ranks; the part that differs between epochs of a complete cache and --follow is typed apart."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """A complete cache: every epoch runs the same number of steps over all its samples."""
+
+    refs: list  # (shard, sample, first token)
+    lengths: object  # np.ndarray of sample lengths
+    rows_per_epoch: int
+    steps_per_epoch: int
+
+
+@dataclass(frozen=True)
+class FollowPlan:
+    """--follow: windows of shards trained as extraction commits them."""
+
+    num_shards: int  # the extraction plan's
+    consumer: str  # this run's folder, as the manifest's consumers name it
+    plan_tokens: int  # the extraction plan's tokens: the learning-rate schedule runs over them
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """What preflight fixed, handed to every rank: the same on all of them. Exactly one of `epochs`
+    and `follow` is set; `total_steps` is exact for epochs and an estimate with --follow."""
+
+    devices: list[str]
+    world: int
+    accum: int  # micro-batches per step
+    total_steps: int
+    drafter: dict  # DrafterConfig as a dict (as state.json records it)
+    cache_fingerprint: str
+    hidden_size: int
+    num_layers_captured: int  # layers the drafter reads
+    cache_layers: int  # layers the cache holds
+    layer_columns: list[int] | None  # their columns in the cache's rows, None for all
+    topk: int
+    hidden_dtype: str
+    lr: float
+    epochs: EpochPlan | None = None
+    follow: FollowPlan | None = None

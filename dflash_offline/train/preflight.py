@@ -1,0 +1,281 @@
+"""Train's preflight: every check before any work (cache complete and intact, made from this target,
+layers, soft targets, memory, held-out cache, resume settings), and the plan it hands to each rank.
+
+Runs in the launcher (or each torchrun rank) with no torch.distributed and no model: a run that
+cannot work is refused in one line before any process starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from dflash_offline.config import TrainConfig
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.launch import torchrun_launch
+from dflash_offline.runtime.logs import heartbeat
+from dflash_offline.train.checkpoint import check_resume
+from dflash_offline.train.follow import window_misfit
+from dflash_offline.train.plan import EpochPlan, FollowPlan, TrainPlan
+from dflash_offline.train.run_folder import BEST, EXPORT
+
+log = logging.getLogger("dflash.train")
+
+
+def preflight(cfg: TrainConfig) -> TrainPlan:
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.drafter.config import DrafterConfig
+    from dflash_offline.drafter.export import check_export_dest
+    from dflash_offline.drafter.model import read_layer_tensors
+    from dflash_offline.train.packing import accumulation, manifest_fingerprint, pack_rows, epoch_order, steps_per_epoch
+    from dflash_offline.runtime.launch import check_devices_exist, parse_devices
+    from dflash_offline.runtime.paths import require_kind
+
+    cfg.validate()
+    require_kind(cfg.cache, "--cache", True, "the cache folder extract wrote (the one with manifest.json)")
+    require_kind(cfg.eval_cache, "--eval-cache", True, "a held-out cache folder (the one with manifest.json)")
+    for dest in (EXPORT, BEST):  # the run ends writing them: refused now, not after the training
+        check_export_dest(Path(cfg.out).absolute() / dest)
+    devices = parse_devices(cfg.devices)
+    if torchrun_launch() is None:
+        check_devices_exist(devices)
+    if cfg.follow:
+        return _preflight_follow(cfg, devices)
+    reader = CacheReader(cfg.cache)
+    m = reader.manifest
+    if m["status"] != "complete":
+        raise UserError(f"--cache {cfg.cache}: extraction is not complete ({len(m['shards'])}/{m['plan']['num_shards']} "
+                        "shards); finish it by running the extract command again, or train with --follow --epochs 1")
+    _check_cache_target(cfg, m)
+    if m.get("released"):
+        raise UserError(f"--cache {cfg.cache}: {len(m['released'])} of its shards were consumed and deleted by a "
+                        "streaming trainer (train --follow --stream), so it no longer holds all its samples; "
+                        "extract a new cache")
+    t0 = time.time()
+    refs, lengths = [], []
+    scored = False
+    for name in reader.shard_names:
+        if not reader.loc.exists(f"shards/{name}.zarr"):
+            raise UserError(f"--cache {cfg.cache}: shard {name} is listed in manifest.json but missing on storage; "
+                            "re-extract it (delete its entry from a copy of the manifest) or restore it")
+        try:
+            sh = reader.shard(name)
+        except Exception as e:
+            raise UserError(f"--cache {cfg.cache}: shard {name} does not open ({type(e).__name__}: {e})") from None
+        if cfg.verify == "full":
+            try:
+                ok = sh.compute_checksum() == sh.entry["checksum"]
+            except Exception:  # a chunk's CRC32C failed while reading
+                ok = False
+            if not ok:
+                raise UserError(f"--cache {cfg.cache}: shard {name} does not match its checksum (corrupted data); "
+                                "re-extract it")
+        # A cache whose loss masks are all zero trains nothing: read them until one token is scored
+        # (the first shard, for any real data: one byte per token).
+        scored = scored or bool(sh.group["loss_mask"][:].any())
+        offs = sh.offsets
+        lengths.extend((offs[1:] - offs[:-1]).tolist())
+        refs.extend((name, k, int(offs[k])) for k in range(len(sh)))  # (shard, sample, first token)
+    log.info("cache: %d shards, %d samples checked (%s) in %.1fs", len(reader.shard_names), len(refs), cfg.verify,
+             time.time() - t0)
+    if not scored:
+        raise UserError(f"--cache {cfg.cache}: every loss_mask value is 0, so no token would be trained on; extract "
+                        "data whose loss_mask marks the tokens to learn (e.g. 1 on the completions)")
+    import numpy as np
+
+    lengths = np.asarray(lengths, np.int64)
+    layer_ids, columns = layer_choice(cfg, m)
+    _check_row_memory(cfg, len(layer_ids) * m["target"]["hidden_size"])
+    topk = _check_soft_targets(cfg, m)
+    dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
+                                     num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
+    if cfg.init_layers:
+        read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg)  # shapes only: one line if they do not fit
+    world = _world(devices)
+    accum = accumulation(cfg.global_batch_tokens, cfg.seq_len, world)
+    # Rows per epoch vary a little with the order; every epoch runs as many steps as the
+    # shortest one has, so a step never meets a missing row.
+    rows = min(len(pack_rows(lengths, epoch_order(len(refs), cfg.seed, e), cfg.seq_len)) for e in range(cfg.epochs))
+    spe = steps_per_epoch(rows, world, accum)
+    if spe == 0:
+        raise UserError(f"the cache packs into {rows} rows of {cfg.seq_len} tokens, fewer than one step needs "
+                        f"({world} ranks x {accum} micro-batches); lower --global-batch-tokens or --seq-len")
+    plan = TrainPlan(
+        devices=devices, world=world, accum=accum, total_steps=spe * cfg.epochs, drafter=asdict(dcfg),
+        cache_fingerprint=manifest_fingerprint(m), hidden_size=m["target"]["hidden_size"],
+        num_layers_captured=len(layer_ids), cache_layers=len(m["capture"]["layer_ids"]), layer_columns=columns,
+        topk=topk, hidden_dtype=m["capture"]["hidden_dtype"], lr=cfg.resolved_lr(m["target"]["hidden_size"]),
+        epochs=EpochPlan(refs=refs, lengths=lengths, rows_per_epoch=rows, steps_per_epoch=spe),
+    )
+    log.info("plan: %d rows/epoch, %d ranks x %d micro-batches of %d tokens per step, %d steps/epoch, %d steps total",
+             rows, world, accum, cfg.seq_len, spe, plan.total_steps)
+    log.info("recipe: layers %s of the cache's %s, lr %.3g%s, %d anchors per row, %s per sample, kd weight %g",
+             layer_ids, m["capture"]["layer_ids"], plan.lr, " (auto)" if cfg.lr is None else "", cfg.num_anchors,
+             cfg.anchors_per_sample or "one draw", cfg.kd_weight)
+    if cfg.eval_cache:
+        _check_eval_cache(cfg, layer_ids, m)
+    check_resume(cfg, plan.cache_fingerprint)
+    return plan
+
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of this host in bytes (Linux), None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _check_row_memory(cfg: TrainConfig, features: int) -> None:
+    """One row's hidden states (bf16, seq_len x captured layers x hidden) must fit in host memory
+    with room for the rows read ahead: a --seq-len that cannot is refused before any allocation."""
+    row = cfg.seq_len * features * 2
+    avail = _available_memory()
+    if avail is not None and row * 2 > avail:
+        raise UserError(f"--seq-len {cfg.seq_len}: one row of hidden states needs {row / 1e9:.1f} GB of host memory "
+                        f"({features} features a token in bf16), more than half of the {avail / 1e9:.1f} GB available; "
+                        "lower --seq-len")
+
+
+def _check_cache_target(cfg: TrainConfig, m: dict) -> None:
+    from dflash_offline.target.folder import read_target
+
+    info = read_target(cfg.target)
+    for key, mine in (("weights_fingerprint", info.weights_fingerprint), ("config_sha256", info.config_sha256)):
+        if m["target"].get(key) != mine:
+            raise UserError(f"--cache {cfg.cache} was extracted from another target (target.{key} differs from "
+                            f"--target {cfg.target}); extract a cache with this target or pass the one it was made from")
+    if m["capture"]["hidden_dtype"] not in ("bfloat16", "float8_e4m3fn"):
+        raise UserError(f"--cache {cfg.cache} stores hidden states as {m['capture']['hidden_dtype']!r}, which this "
+                        "version cannot read (bfloat16, float8_e4m3fn); re-extract with --hidden-dtype bfloat16 or fp8")
+
+
+def layer_choice(cfg: TrainConfig, m: dict) -> tuple[list[int], list[int] | None]:
+    """(layer ids the drafter reads, their columns in the cache's rows, or None for all of them).
+    `--layers` picks a subset of the captured layers by id; the drafter reads them in the cache's
+    order, as a cache holding only those layers would store them."""
+    captured = list(m["capture"]["layer_ids"])
+    if cfg.layers is None:
+        return captured, None
+    missing = [i for i in cfg.layers if i not in captured]
+    if missing:
+        raise UserError(f"--layers {','.join(map(str, cfg.layers))}: the cache {cfg.cache} holds layers {captured}, not "
+                        f"{missing}; choose among those, or extract a cache with --layers that include them")
+    cols = [k for k, i in enumerate(captured) if i in cfg.layers]
+    return [captured[k] for k in cols], cols
+
+
+def _check_soft_targets(cfg: TrainConfig, m: dict) -> int:
+    """Top-k entries the loss reads: 0 without --kd-weight; the cache must hold them with it."""
+    if cfg.kd_weight == 0:
+        return 0
+    k = int(m["capture"].get("topk") or 0)
+    if k == 0:
+        raise UserError(f"--kd-weight {cfg.kd_weight}: the cache {cfg.cache} holds no top-k log-probabilities "
+                        "(extracted with --topk 0); extract with --topk 32, or train with --kd-weight 0")
+    return k
+
+
+def _world(devices: list[str]) -> int:
+    launch = torchrun_launch()
+    return launch.world_size if launch is not None else len(devices)
+
+
+def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
+    """--follow: the cache may still be empty or missing; what is fixed now is its identity (target,
+    capture, plan), the schedule (from the plan's token count) and the window rule. Which rows a
+    step trains on is fixed once its window's shards are committed (`follow_window_rows`)."""
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore, committed_names
+    from dflash_offline.drafter.config import DrafterConfig
+    from dflash_offline.drafter.model import read_layer_tensors
+    from dflash_offline.train.packing import accumulation, follow_fingerprint
+
+    store = ManifestStore(Location(cfg.cache))
+    t0 = last = time.time()
+    while (m := store.read()) is None:
+        if time.time() - last > 30:
+            log.info("waiting for %s/manifest.json (no extraction has started there yet) for %.0fs", cfg.cache,
+                     time.time() - t0)
+            last = time.time()
+        heartbeat(phase="waiting for the cache", cache=cfg.cache)
+        time.sleep(0.5)
+    _check_cache_target(cfg, m)
+    tokens = m["plan"].get("tokens")
+    if tokens is None:
+        raise UserError(f"--cache {cfg.cache} was made by an older version (its plan has no token count), so --follow "
+                        "cannot size the schedule; train without --follow once extraction is complete")
+    problem = window_misfit(cfg, m)
+    if problem:
+        raise UserError(problem)
+    mine = str(Path(cfg.out).resolve())
+    others = sorted(c for c in (m.get("consumers") or {}) if c != mine)
+    if m.get("released") and mine not in (m.get("consumers") or {}):
+        raise UserError(f"--cache {cfg.cache}: {len(m['released'])} shards were already consumed and deleted by "
+                        f"another trainer ({', '.join(others)}); this run would miss them; extract a new cache")
+    budget, biggest = m.get("budget_bytes"), m.get("max_shard_bytes")
+    if budget and biggest and not cfg.stream and m["plan"]["num_shards"] * biggest > budget:
+        raise UserError(f"--cache {cfg.cache} has a budget ({budget / 1e6:.1f} MB) that holds about "
+                        f"{budget // biggest} of its {m['plan']['num_shards']} shards; without --stream nothing is "
+                        "released and both stages would wait forever: add --stream")
+    layer_ids, columns = layer_choice(cfg, m)
+    topk = _check_soft_targets(cfg, m)
+    dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
+                                     num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
+    if cfg.init_layers:
+        read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg)  # shapes only: one line if they do not fit
+    if cfg.eval_cache:
+        _check_eval_cache(cfg, layer_ids, m)
+    world = _world(devices)
+    accum = accumulation(cfg.global_batch_tokens, cfg.seq_len, world)
+    # An estimate for the progress bar and the log: windows pack separately and fill their last
+    # step with empty rows, so a run takes more steps. The learning rate follows the tokens
+    # trained, not this count (`schedule.lr_at`).
+    total = max(1, math.ceil(tokens / (cfg.seq_len * world * accum)))
+    plan = TrainPlan(
+        devices=devices, world=world, accum=accum, total_steps=total, drafter=asdict(dcfg),
+        cache_fingerprint=follow_fingerprint(m), hidden_size=m["target"]["hidden_size"],
+        num_layers_captured=len(layer_ids), cache_layers=len(m["capture"]["layer_ids"]), layer_columns=columns,
+        topk=topk, hidden_dtype=m["capture"]["hidden_dtype"], lr=cfg.resolved_lr(m["target"]["hidden_size"]),
+        follow=FollowPlan(num_shards=m["plan"]["num_shards"], consumer=mine, plan_tokens=int(tokens)),
+    )
+    log.info("plan (follow%s): %d shards planned, %d committed so far, %d tokens; windows of %d shards; %d ranks x %d "
+             "micro-batches of %d tokens per step; about %d steps", ", stream" if cfg.stream else "",
+             m["plan"]["num_shards"], len(committed_names(m)), tokens, cfg.follow_window, world, accum, cfg.seq_len,
+             total)
+    check_resume(cfg, plan.cache_fingerprint)
+    # Last, under the manifest's lock: two trainers started at once cannot both pass as the only one.
+    store.register_consumer(mine, cfg.stream)
+    return plan
+
+
+def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], m: dict) -> None:
+    """--eval-cache, before any process starts: complete, from the same target, with the layers."""
+    from dflash_offline.cache.manifest import ManifestStore
+    from dflash_offline.cache.location import Location
+
+    try:
+        held = ManifestStore(Location(cfg.eval_cache)).read()
+    except Exception as e:
+        raise UserError(f"--eval-cache {cfg.eval_cache}: unreadable manifest ({type(e).__name__}: {e})") from None
+    if held is None:
+        raise UserError(f"--eval-cache {cfg.eval_cache}: no cache there (no manifest.json); extract the held-out "
+                        "completions into it first")
+    if held["status"] != "complete":
+        raise UserError(f"--eval-cache {cfg.eval_cache}: extraction is not complete; finish it first")
+    if held["target"].get("weights_fingerprint") != m["target"].get("weights_fingerprint"):
+        raise UserError(f"--eval-cache {cfg.eval_cache} was extracted from another target than --cache {cfg.cache}")
+    missing = [i for i in layer_ids if i not in held["capture"]["layer_ids"]]
+    if missing:
+        raise UserError(f"--eval-cache {cfg.eval_cache} holds layers {held['capture']['layer_ids']}, not {missing} "
+                        "that the drafter reads; extract it with the training cache's layers")
+
+

@@ -1,0 +1,237 @@
+"""One optimizer step of a rank (its `accum` micro-batches, the one all-reduce of the step's loss
+weight and metrics, the finiteness check, clip, AdamW) and rank 0's record of it (metrics.jsonl,
+TensorBoard, the progress bar, the log)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from dflash_offline.runtime.faults import fault_point
+from dflash_offline.runtime.logs import heartbeat
+from dflash_offline.train.follow import Segment
+from dflash_offline.train.outcomes import TrainingDiverged, diverged_message
+from dflash_offline.train.schedule import lr_at
+from dflash_offline.train.trainer import LoopState, Trainer
+
+log = logging.getLogger("dflash.train")
+
+
+class StepResult(NamedTuple):
+    """What a step measured, the same on every rank (`vec` is all-reduced)."""
+
+    vec: object  # np.ndarray: loss sum, slot_correct[B], slot_count[B], tau sum, blocks, finiteness flags
+    wsum: object  # the step's loss weight over all ranks (a tensor)
+    gnorm: object  # the gradient norm before clipping (a tensor)
+    lr: float  # the learning rate the step applied
+    t0: float  # perf_counter at the step's start
+    t_data: float  # seconds it waited for its micro-batches
+
+
+def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepResult:
+    """Step `st.step + 1`, the `s`-th of its segment: raises TrainingDiverged (on every rank at
+    once) instead of applying a non-finite loss or gradient."""
+    import torch
+    import torch.distributed as dist
+
+    from dflash_offline.drafter import masks
+    from dflash_offline.train.loss import block_loss, block_metrics
+    from dflash_offline.train.profiling import phase
+    from dflash_offline.train.stream import device_hidden
+
+    cfg, world, rank, device, cuda = t.cfg, t.world, t.rank, t.device, t.cuda
+    accum, B = t.plan.accum, cfg.block_size
+    t0 = time.perf_counter()
+    with phase("data"):
+        micro = [next(it) for _ in range(accum)]  # all micro-batches first: the step's weight sum
+    t_data = time.perf_counter() - t0
+    with phase("to-device"):
+        micro = [device_hidden({k: v.to(device, non_blocking=True) for k, v in mb.items()}) for mb in micro]
+        wsum = torch.stack([mb["weights"].sum() for mb in micro]).sum().double()
+    if world > 1:
+        dist.all_reduce(wsum)
+    # Each rank's loss is scaled so DDP's gradient average equals the global weighted mean.
+    scale = world / wsum.clamp_min(1e-12)
+    step_m = None
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for i, mb in enumerate(micro):
+        last = i == accum - 1
+        ctx = t.model.no_sync() if (world > 1 and not last) else nullcontext()
+        # The process's first micro-batch compiles the flex kernels (forward, backward):
+        # its phases are timed (with GPU syncs, this once) so a slow start says where it is.
+        phases = _PhaseTimer(cuda, log, rank) if st.first_micro else None
+        if st.first_micro:
+            heartbeat(phase="first step: compile" if cuda and cfg.attention != "sdpa" else "first step")
+            fault_point("compile")  # the first micro-batch compiles the flex kernels (GPU)
+        st.first_micro = False
+        with ctx:
+            with phase("mask"):
+                if cuda and cfg.attention != "sdpa":
+                    mask = masks.flex_block_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
+                else:
+                    mask = masks.dense_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
+            _mark(phases, "mask")
+            with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=t.bf16):
+                with phase("forward"):
+                    h = t.model(mb["target_hidden"], mb["block_ids"], mb["ctx_positions"], mb["block_positions"],
+                                mask)
+                _mark(phases, "forward")
+                with phase("loss"):
+                    ls, correct = block_loss(h, t.drafter.lm_head.weight, mb["labels"], mb["weights"],
+                                             t.loss_chunk, cfg.loss_impl, soft_ids=mb.get("soft_ids"),
+                                             soft_logprobs=mb.get("soft_logprobs"), soft_weight=cfg.kd_weight)
+                _mark(phases, "loss")
+            with phase("backward"):
+                (ls.double() * scale).float().backward()
+            _mark(phases, "backward")
+        if phases is not None:
+            phases.report()
+        with phase("metrics"):
+            loss_sum += ls.detach().double()
+            mm = block_metrics(correct, mb["weights"], mb["anchor_valid"], B)
+            step_m = mm if step_m is None else {k: step_m[k] + mm[k] for k in mm}
+    with phase("optimizer"):
+        gnorm = torch.nn.utils.clip_grad_norm_(t.params, cfg.clip)
+        # Metrics and the finiteness check: one all-reduce of a small vector, one sync with the GPU a
+        # step on every rank, before the optimizer step: a non-finite loss or gradient is never applied.
+        flags = torch.zeros(world + 1, dtype=torch.float64, device=device)
+        flags[rank] = (~torch.isfinite(loss_sum)).double()  # whose loss (summed: every rank sees all)
+        flags[world] = (~torch.isfinite(gnorm)).double()  # the gradient, averaged over ranks
+        vec = torch.cat([loss_sum.view(1), step_m["slot_correct"], step_m["slot_count"],
+                         step_m["tau_sum"].view(1), step_m["blocks"].view(1), flags])
+        if world > 1:
+            dist.all_reduce(vec)
+        v = vec.cpu().numpy()
+        if v[-(world + 1):].any():  # the same on every rank: all stop here, none waits for another
+            raise TrainingDiverged(diverged_message(v[-(world + 1):-1], float(gnorm), st.step + 1, t.out,
+                                                    st.last_ckpt))
+        if t.follow:
+            # The schedule runs over the plan's tokens, not over a step count known in advance:
+            # this step's place is the middle of its share of the window's tokens.
+            lr_now = t.plan.lr * lr_at(min(1.0, (seg.tokens_before + seg.tokens * (s + 0.5) / seg.steps)
+                                           / t.plan.follow.plan_tokens), cfg.warmup_ratio)
+            for group in t.opt.param_groups:
+                group["lr"] = lr_now
+        t.opt.step()
+        t.sched.step()
+        t.opt.zero_grad(set_to_none=True)
+    return StepResult(vec=v, wsum=wsum, gnorm=gnorm, lr=lr_now if t.follow else t.sched.get_last_lr()[0], t0=t0,
+                      t_data=t_data)
+
+
+@dataclass
+class StepLog:
+    """Rank 0's records of the steps (None on the other ranks): metrics.jsonl, TensorBoard, the bar."""
+
+    metrics: object = None
+    tb: object = None
+    bar: object = None
+
+    @classmethod
+    def open(cls, t: Trainer, step: int, stop: int | None) -> StepLog:
+        if t.rank != 0:
+            return cls()
+        made = cls(metrics=open(t.out / "metrics.jsonl", "a"), tb=_tensorboard(t.out))
+        if t.cfg.progress:
+            from tqdm import tqdm
+
+            made.bar = tqdm(total=stop if stop is not None else t.plan.total_steps, initial=step, unit="step",
+                            desc="train", dynamic_ncols=True)
+        return made
+
+    def record(self, t: Trainer, st: LoopState, r: StepResult, stop: int | None, recompiles: int) -> None:
+        """Rank 0, after step `st.step`: its line of metrics.jsonl, TensorBoard, the bar, the heartbeat, the log."""
+        import numpy as np
+        import torch
+
+        B, step, total = t.cfg.block_size, st.step, t.plan.total_steps
+        v = r.vec
+        loss = float(v[0] / max(r.wsum.item(), 1e-12))  # a step without scored tokens logs 0, not nan
+        sc, cnt = v[1:1 + B], v[1 + B:1 + 2 * B]
+        acc = np.where(cnt > 0, sc / np.maximum(cnt, 1), 0.0)
+        tau = float(v[1 + 2 * B] / max(v[2 + 2 * B], 1))
+        t_step = time.perf_counter() - r.t0
+        rec = {"step": step, "epoch": st.epoch, "loss": loss, "acc_slot1": float(acc[1]), "tau": tau,
+               "lr": r.lr, "grad_norm": float(r.gnorm), "step_time": t_step,
+               "data_wait": r.t_data / t_step,
+               "acc": [round(float(a), 5) for a in acc[1:]], "tokens": step * t.tokens_per_step,
+               "recompiles": recompiles}
+        if t.cuda:
+            rec["max_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+        if self.tb is not None:
+            for k in ("loss", "acc_slot1", "tau", "lr", "grad_norm", "data_wait"):
+                self.tb.add_scalar(f"train/{k}", rec[k], step)
+        bar = self.bar
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"loss {loss:.3f} acc1 {acc[1]:.3f} tau {tau:.2f} "
+                                f"{t.tokens_per_step * bar.format_dict['rate'] if bar.format_dict.get('rate') else 0:.0f} tok/s")
+        heartbeat(phase="train", step=step, total_steps=total, stop_step=stop, loss=loss, tau=tau)
+        if step == 1 or step % t.cfg.log_every == 0 or step == stop:
+            log.info("step %d/%d loss %.4f acc1 %.3f tau %.2f lr %.2e step %.3fs data-wait %.1f%% recompiles %d",
+                     step, total, loss, acc[1], tau, rec["lr"], t_step, 100 * rec["data_wait"], rec["recompiles"])
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def close(self) -> None:
+        self.close_bar()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+class _PhaseTimer:
+    """Wall time of the phases of one micro-batch, each closed by a device sync."""
+
+    def __init__(self, cuda: bool, logger, rank: int):
+        import torch
+
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+        self.log, self.rank = logger, rank
+        self.t = time.perf_counter()
+        self.times: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        self.sync()
+        now = time.perf_counter()
+        self.times.append((name, now - self.t))
+        self.t = now
+        heartbeat(phase=f"first step: {name} done")
+
+    def report(self) -> None:
+        import torch
+
+        parts = ", ".join(f"{n} {t:.1f}s" for n, t in self.times)
+        self.log.info("rank %d first micro-batch (compiles the flex kernels): %s", self.rank, parts)
+        try:  # dynamo's own account: which frames compiled and how long each took
+            self.log.info("compile times:\n%s", torch._dynamo.utils.compile_times(repr="str"))
+        except Exception as e:  # a private API: its absence must not stop training
+            self.log.info("compile times unavailable (%s)", e)
+
+
+def _mark(phases: _PhaseTimer | None, name: str) -> None:
+    if phases is not None:
+        phases.mark(name)
+
+
+def _tensorboard(out: Path):
+    """A TensorBoard writer under OUT/tensorboard/, or None when tensorboard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except Exception:
+        log.info("tensorboard not installed: metrics go to metrics.jsonl only (pip install tensorboard)")
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
