@@ -70,19 +70,27 @@ class Oracle:
 def part1(args, device: str) -> dict:
     import torch
 
-    from dflash_offline.evaluate import run as ev
     from dflash_offline.evaluate.batched import BatchDFlashProposer, batched_speculative_decode
+    from dflash_offline.evaluate.run import load_drafter, read_prompts
+    from dflash_offline.evaluate.speculative import (
+        DFlashProposer,
+        TargetSession,
+        greedy_decode,
+        load_target_for_decoding,
+        speculative_decode,
+        summarize,
+    )
     from dflash_offline.generate.decoding import BatchDecoder, Sampling
-    from dflash_offline.target.folder import read_target
+    from dflash_offline.target.folder import eos_ids, read_target
 
-    ids, prompts = ev.read_prompts(args.prompts, read_target(args.target).vocab_size, args.max_prompts)
-    model, _ = ev.load_target_for_decoding(args.target, device, args.dtype)
-    eos = set() if args.ignore_eos else ev.eos_ids(args.target)
+    ids, prompts = read_prompts(args.prompts, read_target(args.target).vocab_size, args.max_prompts)
+    model, _ = load_target_for_decoding(args.target, device, args.dtype)
+    eos = set() if args.ignore_eos else eos_ids(args.target)
     new = args.max_new_tokens
     res: dict = {"prompts": len(prompts), "max_new_tokens": new, "dtype": args.dtype, "batch": args.batch_size}
     one = prompts[: args.batch1_prompts]
-    session = ev.TargetSession(model, [0])
-    alone1, t_alone1 = timed(device, lambda: [ev.greedy_decode(session, p, new, eos) for p in one])
+    session = TargetSession(model, [0])
+    alone1, t_alone1 = timed(device, lambda: [greedy_decode(session, p, new, eos) for p in one])
     tok1 = sum(len(r.tokens) for r in alone1)
     res["batch1_alone"] = {"prompts": len(one), "tokens": tok1, "seconds": t_alone1, "tokens_per_s": tok1 / t_alone1}
     dec = BatchDecoder(model, args.batch_size, max(len(p) for p in prompts), new, eos, Sampling())
@@ -93,13 +101,13 @@ def part1(args, device: str) -> dict:
     res["batched_alone"] = {"tokens": tok_n, "seconds": t_alone_n, "tokens_per_s": tok_n / t_alone_n}
     res["drafters"] = []
     for path in args.drafter:
-        d = ev.load_drafter(path, args.target)
-        sess = ev.TargetSession(model, d.cfg.target_layer_ids)
-        prop = ev.DFlashProposer(d, device, args.dtype)
-        spec1, t1 = timed(device, lambda: [ev.speculative_decode(sess, prop, p, new, eos) for p in one])
+        d = load_drafter(path, args.target)
+        sess = TargetSession(model, d.cfg.target_layer_ids)
+        prop = DFlashProposer(d, device, args.dtype)
+        spec1, t1 = timed(device, lambda: [speculative_decode(sess, prop, p, new, eos) for p in one])
         specn, tn = timed(device, lambda: batched_speculative_decode(
             model, BatchDFlashProposer(d, device, args.dtype), d.cfg.target_layer_ids, prompts, new, eos, args.batch_size))
-        s1, sn = ev.summarize(spec1, d.cfg.block_size), ev.summarize(specn, d.cfg.block_size)
+        s1, sn = summarize(spec1, d.cfg.block_size), summarize(specn, d.cfg.block_size)
         k1, kn = sum(len(r.tokens) for r in spec1), sum(len(r.tokens) for r in specn)
         res["drafters"].append({
             "path": str(path), "block_size": d.cfg.block_size,
@@ -119,7 +127,7 @@ def part2(args, device: str) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash_offline.evaluate import run as ev
+    from dflash_offline.evaluate.speculative import TargetSession, greedy_decode, speculative_decode, summarize
 
     shape = dict(QWEN35_27B)
     if args.tiny:
@@ -139,19 +147,19 @@ def part2(args, device: str) -> dict:
     prompts = [torch.randint(0, shape["vocab_size"], (args.ceiling_prompt_len,), generator=g).tolist()
                for _ in range(args.ceiling_prompts)]
     new = args.ceiling_new_tokens
-    session = ev.TargetSession(model, [0])
+    session = TargetSession(model, [0])
     t0 = time.time()
-    ev.greedy_decode(session, prompts[0], 8, set())  # warm-up (kernels, allocator)
+    greedy_decode(session, prompts[0], 8, set())  # warm-up (kernels, allocator)
     print(f"ceiling: warm-up {time.time() - t0:.0f}s", flush=True)
-    alone, t_alone = timed(device, lambda: [ev.greedy_decode(session, p, new, set()) for p in prompts])
+    alone, t_alone = timed(device, lambda: [greedy_decode(session, p, new, set()) for p in prompts])
     tok = sum(len(r.tokens) for r in alone)
     print(f"ceiling: target alone {tok} tokens in {t_alone:.1f}s", flush=True)
     res = {"shape": "tiny" if args.tiny else "qwen3.5-27b (random weights)", "dtype": str(dtype), "prompts": len(prompts),
            "prompt_len": args.ceiling_prompt_len, "new_tokens": new, "alone_tokens_per_s": tok / t_alone, "blocks": []}
     for B in args.block_sizes:
-        spec, t = timed(device, lambda: [ev.speculative_decode(session, Oracle(p + r.tokens, B), p, new, set())
+        spec, t = timed(device, lambda: [speculative_decode(session, Oracle(p + r.tokens, B), p, new, set())
                                          for p, r in zip(prompts, alone)])
-        s = ev.summarize(spec, B)
+        s = summarize(spec, B)
         k = sum(len(r.tokens) for r in spec)
         res["blocks"].append({"block_size": B, "tau": s["tau"], "tokens_per_s": k / t, "speedup": (k / t) / (tok / t_alone),
                               "equal_to_alone": sum(a.tokens == b.tokens for a, b in zip(spec, alone))})
@@ -189,7 +197,9 @@ def main() -> int:
     if args.tiny:
         import tempfile
 
-        from dflash_offline.drafter.model import DFlashDrafter, DrafterConfig, export_drafter
+        from dflash_offline.drafter.config import DrafterConfig
+        from dflash_offline.drafter.export import export_drafter
+        from dflash_offline.drafter.model import DFlashDrafter
         from dflash_offline.tiny import make_tiny_data, make_tiny_target
 
         tmp = Path(tempfile.mkdtemp(prefix="decode-speed-"))

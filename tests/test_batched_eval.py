@@ -10,9 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_offline.evaluate import run as ev
 from dflash_offline.evaluate.batched import BatchDFlashProposer, batched_speculative_decode
-from dflash_offline.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_offline.evaluate.speculative import (
+    DFlashProposer,
+    TargetSession,
+    greedy_decode,
+    load_target_for_decoding,
+    speculative_decode,
+    summarize,
+)
+from dflash_offline.drafter.config import DrafterConfig
+from dflash_offline.drafter.model import DFlashDrafter
 
 LAYERS = [1, 3, 7]  # 7 = the last layer of the tiny targets: its features are read the same way
 MAX_NEW = 29
@@ -21,11 +29,11 @@ MAX_NEW = 29
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
 def target(request, tiny_dense, tiny_hybrid):
     folder = tiny_dense if request.param == "qwen3" else tiny_hybrid
-    model, _ = ev.load_target_for_decoding(str(folder), "cpu", "float32")
+    model, _ = load_target_for_decoding(str(folder), "cpu", "float32")
     rng = np.random.default_rng(11)
     prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in (2, 9, 31, 17, 5)]
-    session = ev.TargetSession(model, LAYERS)
-    reference = [ev.greedy_decode(session, p, MAX_NEW, set()).tokens for p in prompts]
+    session = TargetSession(model, LAYERS)
+    reference = [greedy_decode(session, p, MAX_NEW, set()).tokens for p in prompts]
     return folder, model, prompts, reference
 
 
@@ -73,13 +81,13 @@ def test_batched_equals_one_prompt_decoding_with_oracle_drafts(target, corrupt):
     folder, model, prompts, reference = target
     B = 8
     fulls = {i: list(p) + list(ref) for i, (p, ref) in enumerate(zip(prompts, reference))}
-    session = ev.TargetSession(model, LAYERS)
-    one = [ev.speculative_decode(session, Oracle(fulls[i], B, corrupt), p, MAX_NEW, set()) for i, p in enumerate(prompts)]
+    session = TargetSession(model, LAYERS)
+    one = [speculative_decode(session, Oracle(fulls[i], B, corrupt), p, MAX_NEW, set()) for i, p in enumerate(prompts)]
     batched = batched_speculative_decode(model, BatchOracle(fulls, B, corrupt), LAYERS, prompts, MAX_NEW, set(),
                                          batch_size=3)
     assert [r.tokens for r in batched] == reference == [r.tokens for r in one]
     assert [r.accepted for r in batched] == [r.accepted for r in one]
-    tau = ev.summarize(batched, B)["tau"]
+    tau = summarize(batched, B)["tau"]
     if corrupt:
         assert set(range(B)) <= {a for r in batched for a in r.accepted}  # every accepted length occurs
     else:
@@ -94,16 +102,16 @@ def test_batched_equals_one_prompt_decoding_with_a_drafter(target):
     d = DFlashDrafter(cfg)
     d.load_frozen_from_target(str(folder))
     d.eval()
-    session = ev.TargetSession(model, LAYERS)
+    session = TargetSession(model, LAYERS)
     eos = {reference[2][6]}  # a token the target emits: that prompt ends early, the others go on
-    want = [ev.greedy_decode(session, p, MAX_NEW, eos).tokens for p in prompts]
+    want = [greedy_decode(session, p, MAX_NEW, eos).tokens for p in prompts]
     assert len(want[2]) <= 7 and want[2][-1] in eos
-    one = [ev.speculative_decode(session, ev.DFlashProposer(d, "cpu"), p, MAX_NEW, eos) for p in prompts]
+    one = [speculative_decode(session, DFlashProposer(d, "cpu"), p, MAX_NEW, eos) for p in prompts]
     batched = batched_speculative_decode(model, BatchDFlashProposer(d, "cpu"), LAYERS, prompts, MAX_NEW, eos,
                                          batch_size=4)
     assert [r.tokens for r in batched] == want == [r.tokens for r in one]
     assert [r.accepted for r in batched] == [r.accepted for r in one]
-    assert 1.0 <= ev.summarize(batched, 4)["tau"] < 1.2  # an untrained drafter: tau near 1
+    assert 1.0 <= summarize(batched, 4)["tau"] < 1.2  # an untrained drafter: tau near 1
 
 
 def test_eval_features_are_the_raw_layer_outputs_extraction_stores(tiny_dense, tmp_path):
@@ -119,8 +127,8 @@ def test_eval_features_are_the_raw_layer_outputs_extraction_stores(tiny_dense, t
     cache = tmp_path / "cache"
     r = run_cli(extract_args(tiny_dense, data, cache, "--layers", "1,7", "--topk", "0"))
     assert r.returncode == 0, r.stderr
-    model, _ = ev.load_target_for_decoding(str(tiny_dense), "cpu", "float32")
-    session = ev.TargetSession(model, [1, 7])
+    model, _ = load_target_for_decoding(str(tiny_dense), "cpu", "float32")
+    session = TargetSession(model, [1, 7])
     for s in CacheReader(str(cache)).samples():
         stored = torch.from_numpy(np.asarray(s.hidden, np.float32)).reshape(len(s.input_ids), -1)
         one = session.start(s.input_ids.tolist())[1]

@@ -15,7 +15,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_offline.drafter.model import DFlashDrafter, DrafterConfig, _rope_theta, export_drafter, load_exported
+from dflash_offline.drafter.config import DrafterConfig, config_rope_theta
+from dflash_offline.drafter.export import export_drafter, load_exported
+from dflash_offline.drafter.model import DFlashDrafter
 from dflash_offline.runtime.errors import UserError
 
 LAYER_IDS = [1, 3, 5]
@@ -96,10 +98,10 @@ def test_from_target_reads_widths_and_explicit_mask(tiny_dense, tiny_hybrid):
 
 
 def test_rope_theta_in_every_config_form():
-    assert _rope_theta({"rope_theta": 1e6}) == 1e6
-    assert _rope_theta({"rope_parameters": {"rope_type": "default", "rope_theta": 5e6}}) == 5e6
-    assert _rope_theta({"rope_scaling": {"rope_type": "default", "rope_theta": 7.0}}) == 7.0
-    assert _rope_theta({"rope_parameters": {"full_attention": {"rope_theta": 3.0}}}) == 3.0
+    assert config_rope_theta({"rope_theta": 1e6}) == 1e6
+    assert config_rope_theta({"rope_parameters": {"rope_type": "default", "rope_theta": 5e6}}) == 5e6
+    assert config_rope_theta({"rope_scaling": {"rope_type": "default", "rope_theta": 7.0}}) == 7.0
+    assert config_rope_theta({"rope_parameters": {"full_attention": {"rope_theta": 3.0}}}) == 3.0
 
 
 def test_mask_token_from_tokenizer_or_refusal(tiny_dense, tmp_path):
@@ -313,7 +315,7 @@ def test_export_round_trip(tiny_dense, tmp_path):
 
 
 def test_eval_warns_when_the_target_is_not_the_one_trained_for(tiny_dense, tmp_path, caplog):
-    from dflash_offline.drafter.model import export_drafter
+    from dflash_offline.drafter.export import export_drafter
     from dflash_offline.evaluate.run import load_drafter
     from dflash_offline.tiny import make_tiny_target
 

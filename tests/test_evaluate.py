@@ -13,8 +13,18 @@ import pytest
 import torch
 
 from conftest import fit_drafter_to_samples, run_cli
-from dflash_offline.evaluate import run as ev
-from dflash_offline.drafter.model import DFlashDrafter, DrafterConfig
+from dflash_offline.evaluate.run import _decode_all, format_report, load_drafter, read_reference
+from dflash_offline.evaluate.speculative import (
+    DFlashProposer,
+    TargetSession,
+    greedy_decode,
+    load_target_for_decoding,
+    speculative_decode,
+    summarize,
+)
+from dflash_offline.evaluate.walk import cache_acceptance, cache_layer_columns, walk_acceptance, walk_rounds
+from dflash_offline.drafter.config import DrafterConfig
+from dflash_offline.drafter.model import DFlashDrafter
 
 LAYERS = [1, 2, 3, 4, 5]
 MAX_NEW = 33
@@ -26,7 +36,7 @@ def target(request, tiny_dense, tiny_hybrid):
     from transformers import AutoModelForCausalLM
 
     folder = tiny_dense if request.param == "qwen3" else tiny_hybrid
-    model, _ = ev.load_target_for_decoding(str(folder), "cpu", "float32")
+    model, _ = load_target_for_decoding(str(folder), "cpu", "float32")
     rng = np.random.default_rng(7)
     prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in (3, 11, 26, 40)]
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -105,12 +115,12 @@ def test_draft_path_equals_training_forward(tiny_dense):
 
 def test_greedy_reference_and_speculative_decoding_are_lossless(target):
     kind, folder, model, prompts, reference = target
-    session = ev.TargetSession(model, LAYERS)
+    session = TargetSession(model, LAYERS)
     assert session.recurrent == (kind == "qwen3_5")
-    proposer = ev.DFlashProposer(random_drafter(folder), "cpu")
+    proposer = DFlashProposer(random_drafter(folder), "cpu")
     for p, ref in zip(prompts, reference):
-        assert ev.greedy_decode(session, p, MAX_NEW, set()).tokens == ref
-        out = ev.speculative_decode(session, proposer, p, MAX_NEW, set())
+        assert greedy_decode(session, p, MAX_NEW, set()).tokens == ref
+        out = speculative_decode(session, proposer, p, MAX_NEW, set())
         assert out.tokens == ref
         assert sum(a + 1 for a in out.accepted) >= MAX_NEW - 1  # every round committed a + 1 tokens
 
@@ -118,26 +128,26 @@ def test_greedy_reference_and_speculative_decoding_are_lossless(target):
 @pytest.mark.parametrize("block_size", [4, 8])
 def test_oracle_gives_tau_equal_to_block_size_and_random_near_one(target, block_size):
     kind, folder, model, prompts, reference = target
-    session = ev.TargetSession(model, LAYERS)
-    oracle = [ev.speculative_decode(session, Oracle(p, ref, block_size), p, MAX_NEW, set())
+    session = TargetSession(model, LAYERS)
+    oracle = [speculative_decode(session, Oracle(p, ref, block_size), p, MAX_NEW, set())
               for p, ref in zip(prompts, reference)]
     assert [r.tokens for r in oracle] == reference
-    s = ev.summarize(oracle, block_size)
+    s = summarize(oracle, block_size)
     assert s["tau"] == block_size and s["accept_rate"] == [1.0] * (block_size - 1)
-    rand = [ev.speculative_decode(session, RandomProposer(block_size, seed=i), p, MAX_NEW, set())
+    rand = [speculative_decode(session, RandomProposer(block_size, seed=i), p, MAX_NEW, set())
             for i, p in enumerate(prompts)]
     assert [r.tokens for r in rand] == reference
-    assert 1.0 <= ev.summarize(rand, block_size)["tau"] < 1.1
+    assert 1.0 <= summarize(rand, block_size)["tau"] < 1.1
 
 
 def test_partial_acceptance_rolls_back_every_amount(target):
     """Corrupted oracle drafts: rounds accept 0..B-1 tokens, so the target cache (and for the
     hybrid target the Gated DeltaNet state) is cut back by every amount; output stays exact."""
     kind, folder, model, prompts, reference = target
-    session = ev.TargetSession(model, LAYERS)
+    session = TargetSession(model, LAYERS)
     seen = set()
     for i, (p, ref) in enumerate(zip(prompts, reference)):
-        out = ev.speculative_decode(session, Oracle(p, ref, 8, corrupt=True, seed=i), p, MAX_NEW, set())
+        out = speculative_decode(session, Oracle(p, ref, 8, corrupt=True, seed=i), p, MAX_NEW, set())
         assert out.tokens == ref
         seen.update(out.accepted)
     assert {0, 3, 6, 7} <= seen, seen
@@ -145,11 +155,11 @@ def test_partial_acceptance_rolls_back_every_amount(target):
 
 def test_eos_stops_like_greedy(target):
     kind, folder, model, prompts, reference = target
-    session = ev.TargetSession(model, LAYERS)
+    session = TargetSession(model, LAYERS)
     eos = {reference[1][5]}  # a token the target emits mid-way
-    want = ev.greedy_decode(session, prompts[1], MAX_NEW, eos).tokens
+    want = greedy_decode(session, prompts[1], MAX_NEW, eos).tokens
     assert want[-1] in eos and len(want) <= 6
-    got = ev.speculative_decode(session, Oracle(prompts[1], reference[1], 8), prompts[1], MAX_NEW, eos)
+    got = speculative_decode(session, Oracle(prompts[1], reference[1], 8), prompts[1], MAX_NEW, eos)
     assert got.tokens == want
 
 
@@ -183,15 +193,15 @@ def test_walk_rounds_equal_decoding_rounds(target, eos_at):
     round, for every way a decode ends: at max_new mid-round, or at an end-of-sequence token."""
     kind, folder, model, prompts, reference = target
     B, max_new = 8, MAX_NEW - 8  # the continuation covers every slot the last round verifies
-    session = ev.TargetSession(model, LAYERS)
+    session = TargetSession(model, LAYERS)
     seen = set()
     for p, ref in zip(prompts, reference):
         eos = {ref[eos_at]} if eos_at is not None else set()
-        out = ev.speculative_decode(session, PlantedOracle(p, ref, B), p, max_new, eos)
+        out = speculative_decode(session, PlantedOracle(p, ref, B), p, max_new, eos)
         stop = next((k + 1 for k, t in enumerate(ref[:max_new]) if t in eos), max_new)
         assert out.tokens == ref[:stop]
         accepted = [planted_accept(len(p) + i, B) for i in range(max_new)]
-        assert ev.walk_rounds(accepted, stop) == out.accepted
+        assert walk_rounds(accepted, stop) == out.accepted
         seen.update(out.accepted)
     assert len(seen) >= 4, seen
 
@@ -208,11 +218,11 @@ def own_cache(tiny_dense, tmp_path_factory):
     import pyarrow.parquet as pq
 
     root = tmp_path_factory.mktemp("own")
-    model, _ = ev.load_target_for_decoding(str(tiny_dense), "cpu", "float32")
-    session = ev.TargetSession(model, LAYERS)
+    model, _ = load_target_for_decoding(str(tiny_dense), "cpu", "float32")
+    session = TargetSession(model, LAYERS)
     rng = np.random.default_rng(11)
     prompts = {100 + k: rng.integers(2, 512, size=int(n)).tolist() for k, n in enumerate((3, 9, 17, 30, 5, 12))}
-    done = {i: ev.greedy_decode(session, p, WALK_NEW + WALK_B, set()).tokens for i, p in prompts.items()}
+    done = {i: greedy_decode(session, p, WALK_NEW + WALK_B, set()).tokens for i, p in prompts.items()}
     data = root / "own.parquet"
     pq.write_table(pa.table({"id": pa.array(list(prompts), pa.int64()),
                              "input_ids": pa.array([prompts[i] + done[i] for i in prompts], pa.list_(pa.int32())),
@@ -230,7 +240,7 @@ def fit_drafter(d: DFlashDrafter, cache, steps: int = 15, seed: int = 0) -> DFla
     from dflash_offline.cache.reader import CacheReader
 
     reader = CacheReader(str(cache))
-    cols = ev.cache_layer_columns(reader.manifest, d.cfg, str(cache)) or list(range(len(LAYERS)))
+    cols = cache_layer_columns(reader.manifest, d.cfg, str(cache)) or list(range(len(LAYERS)))
     samples = list(reader.samples())
     S = max(len(s.input_ids) for s in samples)
     feats = torch.zeros(len(samples), S, len(cols) * d.cfg.hidden_size)
@@ -265,13 +275,13 @@ def decode_cache_prompts(session, drafter, cache, ids, max_new):
     from dflash_offline.cache.reader import CacheReader
 
     reader = CacheReader(str(cache))
-    cols = ev.cache_layer_columns(reader.manifest, drafter.cfg, str(cache)) or list(range(len(LAYERS)))
+    cols = cache_layer_columns(reader.manifest, drafter.cfg, str(cache)) or list(range(len(LAYERS)))
     runs = []
     for i in ids:
         s = reader.sample(i)
         p0 = int(np.flatnonzero(s.loss_mask)[0])
         stored = torch.from_numpy(np.ascontiguousarray(s.hidden[:, cols]).reshape(len(s.input_ids), -1))
-        out = ev.speculative_decode(session, CacheFeatures(ev.DFlashProposer(drafter, "cpu"), stored),
+        out = speculative_decode(session, CacheFeatures(DFlashProposer(drafter, "cpu"), stored),
                                     s.input_ids[:p0].tolist(), max_new, set())
         assert out.tokens == s.input_ids[p0:p0 + max_new].tolist()  # the cache holds the greedy decode
         runs.append(out)
@@ -285,20 +295,20 @@ def test_walk_equals_decoding_tau_on_own_greedy_completions(own_cache, tiny_dens
     the captured layers in another order (the column choice; all layers is the plain case)."""
     layers = [4, 2]
     cache, _, prompts = own_cache
-    model, _ = ev.load_target_for_decoding(str(tiny_dense), "cpu", "float32")
-    session = ev.TargetSession(model, layers)
+    model, _ = load_target_for_decoding(str(tiny_dense), "cpu", "float32")
+    session = TargetSession(model, layers)
     torch.manual_seed(0)
     cfg = DrafterConfig.from_target(str(tiny_dense), layers, block_size=WALK_B, num_layers=2, mask_token_id=1)
     drafter = DFlashDrafter(cfg)
     drafter.load_frozen_from_target(str(tiny_dense))
     for fitted in (False, True):
         d = fit_drafter(drafter, cache) if fitted else drafter.eval()
-        walk = ev.walk_acceptance(str(cache), d, "cpu", max_new=WALK_NEW, per_sample=True)
+        walk = walk_acceptance(str(cache), d, "cpu", max_new=WALK_NEW, per_sample=True)
         ids = [x["id"] for x in walk["per_sample"]]
         assert sorted(ids) == sorted(prompts) and walk["samples"] == len(prompts)
         runs = decode_cache_prompts(session, d, cache, ids, WALK_NEW)
         assert [x["accepted"] for x in walk["per_sample"]] == [r.accepted for r in runs]
-        s = ev.summarize(runs, WALK_B)
+        s = summarize(runs, WALK_B)
         assert walk["tau_pooled"] == s["tau"] and walk["rounds"] == s["rounds"]
         assert walk["accept_rate"] == s["accept_rate"]
         assert walk["tau_per_prompt_mean"] == s["tau_per_prompt_mean"]
@@ -311,14 +321,14 @@ def test_walk_equals_decoding_tau_on_own_greedy_completions(own_cache, tiny_dens
 
     # The anchors in smaller pieces and batches, from a drafter left in train mode: same numbers.
     d.train()
-    again = ev.walk_acceptance(str(cache), d, "cpu", max_new=WALK_NEW, per_sample=True, anchors_per_row=5, batch_rows=3)
+    again = walk_acceptance(str(cache), d, "cpu", max_new=WALK_NEW, per_sample=True, anchors_per_row=5, batch_rows=3)
     assert d.training
     assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in walk.items() if k != "seconds"}
     d.eval()
 
     # Without max_new the walk stops where the data ends; decoding to that length verifies drafts
     # past it, so only each prompt's last round may accept more there (the docstring's caveat).
-    full = ev.walk_acceptance(str(cache), d, "cpu", per_sample=True)
+    full = walk_acceptance(str(cache), d, "cpu", per_sample=True)
     runs = decode_cache_prompts(session, d, cache, ids, WALK_NEW + WALK_B)
     for x, r in zip(full["per_sample"], runs):
         assert x["accepted"][:-1] == r.accepted[:-1] and x["accepted"][-1] <= r.accepted[-1]
@@ -336,15 +346,15 @@ def test_random_anchor_estimate_reads_a_layer_subset(own_cache, tiny_dense):
     d = DFlashDrafter(cfg)
     d.load_frozen_from_target(str(tiny_dense))
     d = fit_drafter(d, cache, steps=8)
-    est = ev.cache_acceptance(str(cache), d, "cpu", seq_len=128, num_anchors=128)
-    walk = ev.walk_acceptance(str(cache), d, "cpu")
+    est = cache_acceptance(str(cache), d, "cpu", seq_len=128, num_anchors=128)
+    walk = walk_acceptance(str(cache), d, "cpu")
     assert est["blocks"] == walk["anchors"]
     assert est["tau"] == pytest.approx(walk["tau_all_anchors"], rel=1e-12)
     assert est["slot_accuracy"] == pytest.approx(walk["slot_accuracy"], rel=1e-12)
     bad = DFlashDrafter(DrafterConfig.from_target(str(tiny_dense), [2, 6], block_size=WALK_B, num_layers=1,
                                                   mask_token_id=1))
-    for fn in (lambda: ev.walk_acceptance(str(cache), bad, "cpu"),
-               lambda: ev.cache_acceptance(str(cache), bad, "cpu", 128, 16)):
+    for fn in (lambda: walk_acceptance(str(cache), bad, "cpu"),
+               lambda: cache_acceptance(str(cache), bad, "cpu", 128, 16)):
         with pytest.raises(UserError, match=r"holds layers \[1, 2, 3, 4, 5\] but the drafter reads \[2, 6\] \(no \[6\]\)"):
             fn()
 
@@ -398,7 +408,7 @@ def test_eval_refusals(tiny_dense, tiny_hybrid, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dflash_offline.drafter.model import export_drafter
+    from dflash_offline.drafter.export import export_drafter
 
     d = random_drafter(tiny_dense)
     export = export_drafter(d, str(tmp_path / "export"))
@@ -436,8 +446,8 @@ def test_read_reference(tmp_path):
     ids, prompts = [1, 2], [[5, 6], [7]]
     good = write_rows(tmp_path / "good.parquet", [2, 1, 9], [[7, 10, 11, 12, 13], [5, 6, 20, 21, 22, 23], [4, 4]],
                       [[0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1], [0, 1]])
-    assert ev.read_reference(str(good), ids, prompts, 3, set()) == [[20, 21, 22], [10, 11, 12]]
-    assert ev.read_reference(str(good), ids, prompts, 9, {11, 21}) == [[20, 21], [10, 11]]  # stops at eos
+    assert read_reference(str(good), ids, prompts, 3, set()) == [[20, 21, 22], [10, 11, 12]]
+    assert read_reference(str(good), ids, prompts, 9, {11, 21}) == [[20, 21], [10, 11]]  # stops at eos
     cases = {
         "short": ((ids, prompts, 5, set()), r"id 1: its completion ends after 4 tokens without an end-of-sequence token, "
                                             r"before --max-new-tokens 5"),
@@ -447,17 +457,17 @@ def test_read_reference(tmp_path):
     }
     for name, (args, msg) in cases.items():
         with pytest.raises(UserError, match=msg) as e:
-            ev.read_reference(str(good), *args)
+            read_reference(str(good), *args)
         assert str(good) in str(e.value) and "\n" not in str(e.value), name
     holey = write_rows(tmp_path / "holey.parquet", [1, 2], [[5, 6, 1, 2], [7, 1]], [[0, 0, 1, 0], [0, 1]])
     with pytest.raises(UserError, match="id 1: loss_mask is not 0 on a prompt then 1 on the completion"):
-        ev.read_reference(str(holey), ids, prompts, 1, set())
+        read_reference(str(holey), ids, prompts, 1, set())
     no_mask = write_rows(tmp_path / "prompts.parquet", ids, prompts)
     with pytest.raises(UserError, match="no loss_mask column"):
-        ev.read_reference(str(no_mask), ids, prompts, 1, set())
+        read_reference(str(no_mask), ids, prompts, 1, set())
     (tmp_path / "junk.parquet").write_text("not parquet")
     with pytest.raises(UserError, match="not a readable Parquet file"):
-        ev.read_reference(str(tmp_path / "junk.parquet"), ids, prompts, 1, set())
+        read_reference(str(tmp_path / "junk.parquet"), ids, prompts, 1, set())
 
 
 def test_eval_with_reference_and_cache_walk(own_cache, tiny_dense, tmp_path):
@@ -468,7 +478,7 @@ def test_eval_with_reference_and_cache_walk(own_cache, tiny_dense, tmp_path):
     import pyarrow.parquet as pq
 
     from dflash_offline.config import EvalConfig
-    from dflash_offline.drafter.model import export_drafter
+    from dflash_offline.drafter.export import export_drafter
 
     cache, data, prompts = own_cache
     export = export_drafter(random_drafter(tiny_dense, block_size=WALK_B), str(tmp_path / "export"))
@@ -498,10 +508,10 @@ def test_eval_with_reference_and_cache_walk(own_cache, tiny_dense, tmp_path):
     cfg = EvalConfig(target=str(tiny_dense), drafters=[str(export)], prompts=str(prompt_file), reference=str(bad_token),
                      max_new_tokens=WALK_NEW, ignore_eos=True, progress=False)
     rep = {"device": "cpu", "dtype": "float32", "drafters": [{"path": str(export), "block_size": WALK_B}]}
-    ev._decode_all(cfg, [(str(export), ev.load_drafter(str(export), str(tiny_dense)))], "cpu", rep)
+    _decode_all(cfg, [(str(export), load_drafter(str(export), str(tiny_dense)))], "cpu", rep)
     e = rep["drafters"][0]
     assert e["lossless"] is False and e["mismatched_prompt_ids"] == [102]
-    assert "NO (1)" in ev.format_report(rep)
+    assert "NO (1)" in format_report(rep)
 
     other = {**prompts, 103: prompts[103][:-1] + [prompts[103][-1] % 500 + 2]}
     bad_prompt = write_rows(tmp_path / "other.parquet", ids, [other[i] for i in ids])

@@ -184,7 +184,7 @@ def test_foreign_folders_are_refused_untouched(tmp_path, tiny_dense, tiny_data, 
 def test_export_dest_rules(tmp_path):
     """An earlier export (or an empty folder) may be replaced; a file, a folder with other files, or
     an unreadable config may not."""
-    from dflash_offline.drafter.model import check_export_dest
+    from dflash_offline.drafter.export import check_export_dest
 
     ours = tmp_path / "ours"
     ours.mkdir()

@@ -186,7 +186,7 @@ def test_held_out_walk_keeps_the_best_drafter(layer_caches, tiny_dense, tmp_path
     best = json.loads((out / "best.json").read_text())
     assert best["tau_pooled"] == max(x["tau_pooled"] for x in lines) and best["samples"] == 8
     assert [x["best"] for x in lines][0] is True
-    from dflash_offline.drafter.model import load_exported
+    from dflash_offline.drafter.export import load_exported
 
     assert load_exported(str(out / "best"), str(tiny_dense)).cfg.target_layer_ids == [2, 4]
     assert "best held-out drafter: step" in r.stdout

@@ -18,8 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_offline.evaluate import run as ev
-from dflash_offline.drafter.model import load_exported
+from dflash_offline.evaluate.speculative import (
+    DFlashProposer,
+    TargetSession,
+    greedy_decode,
+    load_target_for_decoding,
+    speculative_decode,
+)
+from dflash_offline.drafter.export import load_exported
 
 REFERENCE = "dflash==0.1.0"
 MAX_NEW = 40
@@ -50,11 +56,11 @@ PROMPT_LENGTHS = (5, 17, 40)
 
 
 def prompts_and_completions(tiny_dense):
-    model, _ = ev.load_target_for_decoding(str(tiny_dense), "cpu", "float32")
-    session = ev.TargetSession(model, LAYERS)
+    model, _ = load_target_for_decoding(str(tiny_dense), "cpu", "float32")
+    session = TargetSession(model, LAYERS)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(2, 500, size=n).tolist() for n in PROMPT_LENGTHS]
-    return model, session, prompts, [ev.greedy_decode(session, p, MAX_NEW + 16, set()).tokens for p in prompts]
+    return model, session, prompts, [greedy_decode(session, p, MAX_NEW + 16, set()).tokens for p in prompts]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +68,9 @@ def exported(tiny_dense, tmp_path_factory):
     """A drafter fitted for a few steps to the target's own greedy completions of the test's
     prompts (so that it accepts some blocks and not others), exported: (folder, ours)."""
     from conftest import fit_drafter_to_samples
-    from dflash_offline.drafter.model import DFlashDrafter, DrafterConfig, export_drafter
+    from dflash_offline.drafter.config import DrafterConfig
+    from dflash_offline.drafter.export import export_drafter
+    from dflash_offline.drafter.model import DFlashDrafter
 
     _, session, prompts, completions = prompts_and_completions(tiny_dense)
     seqs = [np.asarray(p + c, np.int64) for p, c in zip(prompts, completions)]
@@ -113,12 +121,12 @@ def test_reference_decoding_is_lossless_and_accepts_what_ours_accepts(reference,
     monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
     target = AutoModelForCausalLM.from_pretrained(str(tiny_dense), dtype=torch.float32).eval()
     _, session, prompts, _ = prompts_and_completions(tiny_dense)
-    proposer = ev.DFlashProposer(ours, "cpu")
+    proposer = DFlashProposer(ours, "cpu")
     seen = set()
     for prompt in prompts:
         n = len(prompt)
-        greedy = ev.greedy_decode(session, prompt, MAX_NEW, set()).tokens
-        mine = ev.speculative_decode(session, proposer, prompt, MAX_NEW, set())
+        greedy = greedy_decode(session, prompt, MAX_NEW, set()).tokens
+        mine = speculative_decode(session, proposer, prompt, MAX_NEW, set())
         stats = reference.dflash_generate(theirs, target, torch.tensor([prompt]), MAX_NEW, None, return_stats=True)
         out = stats.output_ids[0, n:].tolist()
         assert out == greedy == mine.tokens

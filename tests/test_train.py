@@ -52,7 +52,7 @@ def test_training_learns_and_exports(arith_cache, tiny_dense, tmp_path):
               "head_dim", "rms_norm_eps", "rope_theta", "vocab_size", "max_position_embeddings"):
         assert k in cfg, k
     assert cfg["num_hidden_layers"] == 2 and cfg["attention_bias"] is False
-    from dflash_offline.drafter.model import load_exported
+    from dflash_offline.drafter.export import load_exported
 
     d = load_exported(str(out / "export"), str(tiny_dense))
     from safetensors.torch import load_file as load_torch
@@ -143,7 +143,7 @@ def test_torchrun_training_equals_launcher_and_export_command(arith_cache, tiny_
 
     r = run_cli(["export", "--run", str(under), "--step", "4", "--to", str(tmp_path / "exported")])
     assert r.returncode == 0, r.stderr
-    from dflash_offline.drafter.model import load_exported
+    from dflash_offline.drafter.export import load_exported
 
     d = load_exported(str(tmp_path / "exported"), str(tiny_dense))
     assert d.cfg.block_size == 8 and d.cfg.num_hidden_layers == 2

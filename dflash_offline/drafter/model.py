@@ -5,196 +5,28 @@ injected into *every* layer as extra keys/values beside the block's own (KV inje
 never updated across layers. Token embedding and LM head are the target's, frozen. Layout and
 weight names follow the reference inference code (z-lab/dflash `dflash/model.py`), so an export
 loads there and in the serving engines unchanged; see `dflash-method.md`.
+
+The drafter reads the target tensors it starts from here too: the frozen embedding and LM head,
+and with `train --init-layers` whole target layers (`read_layer_tensors`, which train's preflight
+also calls, shapes only, to refuse a target whose layers do not fit before any process starts).
+The config is drafter.config; the serving export, drafter.export.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.runtime.errors import UserError
-from dflash_offline.runtime.paths import ordinary_mode
 from dflash_offline.target.folder import checkpoint_name, read_target
 
 log = logging.getLogger("dflash.drafter")
 
 FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
-EXPORT_CONFIG = "config.json"
-EXPORT_WEIGHTS = "model.safetensors"
-
-
-# ----------------------------------------------------------------------------------------------
-# Configuration
-
-
-def _rope_theta(text: dict) -> float:
-    """rope_theta of a (text) config: top level (transformers 4), or inside `rope_parameters` /
-    `rope_scaling` (transformers 5), possibly keyed per layer type."""
-    if text.get("rope_theta") is not None:
-        return float(text["rope_theta"])
-    for key in ("rope_parameters", "rope_scaling"):
-        params = text.get(key) or {}
-        if isinstance(params.get("full_attention"), dict):  # per-layer-type form
-            params = params["full_attention"]
-        if params.get("rope_theta") is not None:
-            if params.get("rope_type", "default") != "default":
-                log.warning("target uses %s RoPE scaling; the drafter uses plain RoPE", params["rope_type"])
-            return float(params["rope_theta"])
-    return 10000.0  # transformers' default for Qwen-family configs
-
-
-def _mask_token_from_tokenizer(root: Path) -> int | None:
-    """The mask token's id from the tokenizer files, or None when the tokenizer declares none."""
-    return _mask_id(*_tokenizer_vocab(root)[:2])
-
-
-def _mask_id(declared_names: list, vocab: dict[str, int]) -> int | None:
-    for declared in declared_names:
-        if declared and declared in vocab:
-            return vocab[declared]
-    return vocab.get("<|MASK|>")
-
-
-def _tokenizer_vocab(root: Path) -> tuple[list, dict[str, int], dict[int, str]]:
-    """(declared mask token names, content -> id, id -> content of the added/special tokens)."""
-
-    def load(name: str) -> dict:
-        p = root / name
-        try:
-            return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
-        except json.JSONDecodeError as e:
-            raise UserError(f"{p}: not valid JSON ({e})") from None
-
-    tok_cfg, special, tok_json = load("tokenizer_config.json"), load("special_tokens_map.json"), load("tokenizer.json")
-    vocab: dict[str, int] = {}  # content -> id, from every place a tokenizer lists added tokens
-    model_vocab = (tok_json.get("model") or {}).get("vocab")
-    if isinstance(model_vocab, dict):
-        vocab.update({str(k): int(v) for k, v in model_vocab.items()})
-    for t in tok_json.get("added_tokens") or []:
-        vocab[str(t.get("content"))] = int(t["id"])
-    for i, t in (tok_cfg.get("added_tokens_decoder") or {}).items():
-        vocab[str(t.get("content") if isinstance(t, dict) else t)] = int(i)
-    declared = [d.get("content") if isinstance(d, dict) else d for d in (tok_cfg.get("mask_token"), special.get("mask_token"))]
-    return declared, vocab, {v: k for k, v in vocab.items()}
-
-
-@dataclass
-class DrafterConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    vocab_size: int
-    max_position_embeddings: int
-    block_size: int
-    target_layer_ids: list[int]
-    mask_token_id: int
-    num_target_layers: int
-    mask_token: str | None = None
-    """The mask token's text (SGLang resolves `dflash_config.mask_token`); None when the tokenizer
-    does not list the id."""
-    target: dict | None = None
-    """The target it was trained for: folder name, model type, config and weights fingerprints
-    (model_folder.TargetInfo); `eval` warns when it decodes against another."""
-
-    def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"{self.num_attention_heads} heads is not a multiple of {self.num_key_value_heads} KV heads")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for rotate-half RoPE")
-        if self.block_size < 2:
-            raise ValueError(f"block_size {self.block_size}: a block needs an anchor and at least one mask token")
-        if not self.target_layer_ids:
-            raise ValueError("target_layer_ids is empty")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
-
-    @classmethod
-    def from_target(cls, target_dir: str, target_layer_ids: list[int], block_size: int = 16, num_layers: int = 5,
-                    mask_token_id: int | None = None) -> "DrafterConfig":
-        """Widths equal to the target's (the DFlash drafter shares its embedding and LM head)."""
-        info = read_target(target_dir)
-        cfg = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
-        text = cfg.get("text_config") or cfg
-        bad = [i for i in target_layer_ids if not 0 <= i < info.num_layers]
-        if bad or not target_layer_ids:
-            raise UserError(f"target layer ids {list(target_layer_ids)}: the target has layers 0..{info.num_layers - 1}")
-        declared, vocab, by_id = _tokenizer_vocab(info.path)  # read once: a 27B tokenizer.json is large
-        if mask_token_id is None:
-            mask_token_id = _mask_id(declared, vocab)
-            if mask_token_id is None:
-                raise UserError(f"{target_dir}: the tokenizer declares no mask token (mask_token or <|MASK|>); "
-                                f"pass --mask-token-id")
-        if not 0 <= mask_token_id < info.vocab_size:
-            raise UserError(f"--mask-token-id {mask_token_id}: outside the target's vocabulary (0..{info.vocab_size - 1})")
-        heads = int(text["num_attention_heads"])
-        # MoE targets may carry no dense intermediate_size; 3x hidden is what released drafters use.
-        inter = text.get("intermediate_size") or 3 * info.hidden_size
-        return cls(
-            hidden_size=info.hidden_size, intermediate_size=int(inter), num_hidden_layers=num_layers,
-            num_attention_heads=heads, num_key_value_heads=int(text.get("num_key_value_heads", heads)),
-            head_dim=int(text.get("head_dim") or info.hidden_size // heads),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(text),
-            vocab_size=info.vocab_size, max_position_embeddings=int(text.get("max_position_embeddings", 40960)),
-            block_size=block_size, target_layer_ids=list(target_layer_ids), mask_token_id=int(mask_token_id),
-            num_target_layers=info.num_layers, mask_token=by_id.get(int(mask_token_id)),
-            target=target_identity(info),
-        )
-
-    def to_export_dict(self) -> dict:
-        """config.json of the export: a Qwen3 config plus the DFlash fields the loaders read."""
-        return {
-            "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "dtype": "bfloat16",
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
-            "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
-            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": None,
-            # transformers 5 reads rope_parameters; older readers take rope_theta above.
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings,
-            "layer_types": ["full_attention"] * self.num_hidden_layers, "sliding_window": None,
-            "use_sliding_window": False, "max_window_layers": self.num_hidden_layers,
-            "tie_word_embeddings": False, "initializer_range": 0.02, "use_cache": True,
-            "block_size": self.block_size, "num_target_layers": self.num_target_layers,
-            # block_size twice: SGLang reads it from dflash_config, the reference from either place.
-            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
-                              "block_size": self.block_size,
-                              **({"mask_token": self.mask_token} if self.mask_token is not None else {})},
-            **({"dflash_offline": {"target": self.target}} if self.target else {}),
-        }
-
-    @classmethod
-    def from_export_dict(cls, d: dict) -> "DrafterConfig":
-        dc = d.get("dflash_config") or {}
-        names = [f for f in cls.__dataclass_fields__
-                 if f not in ("target_layer_ids", "mask_token_id", "rope_theta", "mask_token", "target")]
-        missing = [n for n in names if n not in d] + [n for n in ("target_layer_ids", "mask_token_id") if dc.get(n) is None]
-        if missing:
-            raise UserError(f"drafter config.json: missing {missing}")
-        return cls(**{n: d[n] for n in names}, rope_theta=_rope_theta(d),
-                   target_layer_ids=list(dc["target_layer_ids"]), mask_token_id=int(dc["mask_token_id"]),
-                   mask_token=dc.get("mask_token"), target=(d.get("dflash_offline") or {}).get("target"))
-
-
-def target_identity(info) -> dict:
-    """What names a target: its folder's last two path parts, model type, and the fingerprints of its config and
-    weights (the same ones a cache's manifest records)."""
-    name = "/".join(info.path.absolute().parts[-2:])  # e.g. "pycode/target", "Qwen/Qwen3.6-27B"
-    return {"name": name, "model_type": info.model_type, "config_sha256": info.config_sha256,
-            "weights_fingerprint": info.weights_fingerprint}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -455,7 +287,7 @@ class DFlashDrafter(nn.Module):
     def context_kv(self, target_hidden: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Per layer, the (keys, values) [R, Hkv, T, D] that T newly committed positions add to the
         drafter's context: target_hidden [R, T, n*H] (raw layer outputs), positions [R, T]. A
-        decoder appends them along dim 2 as tokens are committed (see evaluate.DFlashProposer)."""
+        decoder appends them along dim 2 as tokens are committed (see evaluate.speculative.DFlashProposer)."""
         dtype = self.fc.weight.dtype
         ctx = self.hidden_norm(self.fc(target_hidden.to(dtype)))
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
@@ -471,6 +303,10 @@ class DFlashDrafter(nn.Module):
         for layer, (k, v) in zip(self.layers, kv):
             x = layer.draft(x, k, v, cos, sin)
         return self.norm(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Target layers as a start (--init-layers)
 
 
 def read_layer_tensors(target_dir: str, target_layers: list[int], drafter: "DFlashDrafter | None" = None,
@@ -516,98 +352,3 @@ def read_layer_tensors(target_dir: str, target_layers: list[int], drafter: "DFla
             raise UserError(f"{flag}: target {tkey} has shape {got_shapes[tkey]}, the drafter's {name} "
                             f"{shapes[name]}; leave {flag} out")
     return found
-
-
-# ----------------------------------------------------------------------------------------------
-# Export
-
-
-def check_export_dest(out: Path) -> None:
-    """An export replaces only an earlier export (config.json of a DFlashDraftModel and its weights,
-    nothing else) or an empty folder: anything else, e.g. a Hugging Face model folder, is refused."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out}: exists and is a file, not a drafter export; refusing to replace it (choose another "
-                        "export folder)")
-    from dflash_offline.runtime.paths import unwritable_folder
-
-    why = unwritable_folder(out.absolute().parent)  # the export is written beside it, then renamed
-    if why:
-        raise UserError(f"{out}: {why}; choose another export folder")
-    if not out.is_dir() or not any(out.iterdir()):
-        return
-    try:
-        arch = json.loads((out / EXPORT_CONFIG).read_text(encoding="utf-8")).get("architectures")
-    except (OSError, ValueError, AttributeError):
-        arch = None
-    others = sorted(p.name for p in out.iterdir() if p.name not in (EXPORT_CONFIG, EXPORT_WEIGHTS))
-    if arch != ["DFlashDraftModel"] or others:
-        why = (f"it also holds {', '.join(others[:3])}" if arch == ["DFlashDraftModel"]
-               else f"its config.json names architectures {arch}" if arch is not None else "it has no drafter config.json")
-        raise UserError(f"{out}: exists and is not a drafter export ({why}); refusing to replace it: choose a new or "
-                        "empty export folder (nothing was changed)")
-
-
-def export_drafter(drafter: DFlashDrafter, out_dir: str) -> Path:
-    """config.json + model.safetensors (bf16, trainable weights only). Written to a sibling temp
-    folder and renamed into place, so out_dir is either the previous export or the new one."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir).absolute()
-    check_export_dest(out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"{out}: cannot write there ({e.strerror or e}); choose another export folder") from None
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in drafter.trainable_state_dict().items()}
-        save_file(tensors, str(tmp / EXPORT_WEIGHTS), metadata={"format": "pt"})
-        ordinary_mode(tmp / EXPORT_WEIGHTS)  # safetensors leaves 0600: a serving process of another user reads it
-        (tmp / EXPORT_CONFIG).write_text(json.dumps(drafter.cfg.to_export_dict(), indent=2) + "\n", encoding="utf-8")
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        if out.exists():
-            out.rename(old)  # a rename cannot overwrite a non-empty folder: move the old one aside
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log.info("drafter exported to %s (%d tensors)", out, len(tensors))
-    return out
-
-
-
-
-
-
-
-
-def load_exported(out_dir: str, target_dir: str | None = None) -> DFlashDrafter:
-    """Rebuild a drafter from an export (float32 trainable weights); frozen parts from target_dir."""
-    from safetensors import safe_open
-
-    root = Path(out_dir)
-    try:
-        d = json.loads((root / EXPORT_CONFIG).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{root}: no readable drafter config.json ({e})") from None
-    if "DFlashDraftModel" not in (d.get("architectures") or []):
-        raise UserError(f"{root / EXPORT_CONFIG}: not a DFlashDraftModel config")
-    drafter = DFlashDrafter(DrafterConfig.from_export_dict(d))
-    wanted = drafter.trainable_state_dict()
-    with safe_open(str(root / EXPORT_WEIGHTS), framework="pt", device="cpu") as sf:
-        keys = set(sf.keys())
-        if keys != set(wanted):
-            raise UserError(f"{root / EXPORT_WEIGHTS}: missing {sorted(set(wanted) - keys)[:3]}, "
-                            f"unexpected {sorted(keys - set(wanted))[:3]}")
-        with torch.no_grad():
-            for k, dst in wanted.items():
-                t = sf.get_tensor(k)
-                if t.shape != dst.shape:
-                    raise UserError(f"{root / EXPORT_WEIGHTS}: {k} has shape {tuple(t.shape)}, config implies {tuple(dst.shape)}")
-                dst.copy_(t)
-    if target_dir is not None:
-        drafter.load_frozen_from_target(target_dir)
-    return drafter

@@ -1,6 +1,6 @@
 """Batched lossless speculative decoding for `eval --batch-size N`: many prompts per target forward.
 
-The one-prompt decoder (evaluate.speculative_decode) keeps a KV cache and runs one small forward
+The one-prompt decoder (evaluate.speculative) keeps a KV cache and runs one small forward
 per round: on a GPU it is launch-bound (about 13 ms a round for the 17M pycode target, whatever
 the block size), so 200 prompts take many minutes. Here up to N prompts decode together and every
 round re-runs the target over each active prompt's whole sequence, without a cache:
@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from dflash_offline.evaluate.run import Decoded, _done
+from dflash_offline.evaluate.speculative import Decoded, output_done
 
 log = logging.getLogger("dflash.eval")
 
@@ -87,7 +87,7 @@ def _target_forward(model, ids: torch.Tensor, layer_ids: list[int], starts: torc
 @torch.inference_mode()
 def decode_batch(model, proposer: BatchProposer, layer_ids: list[int], prompts: list[list[int]], max_new: int,
                  eos: set[int], pad_id: int = 0) -> list[Decoded]:
-    """Greedy speculative decoding of `prompts` together; per prompt as evaluate.speculative_decode."""
+    """Greedy speculative decoding of `prompts` together; per prompt as speculative_decode."""
     t0 = time.perf_counter()
     dev = next(model.parameters()).device
     B = proposer.block_size
@@ -107,7 +107,7 @@ def decode_batch(model, proposer: BatchProposer, layer_ids: list[int], prompts: 
     outs = [[t] for t in first]
     accepted: list[list[int]] = [[] for _ in prompts]
     forwards = [1] * n
-    active = [r for r in range(n) if not _done(outs[r], max_new, eos)]
+    active = [r for r in range(n) if not output_done(outs[r], max_new, eos)]
     rows = torch.arange(n, device=dev)  # row of `feats` for each prompt still in it
     while active:
         sel = rows[torch.tensor(active, device=dev)]
@@ -134,9 +134,9 @@ def decode_batch(model, proposer: BatchProposer, layer_ids: list[int], prompts: 
                 tok[r, len(seqs[r])] = t
                 seqs[r].append(t)
                 outs[r].append(t)
-                if _done(outs[r], max_new, eos):
+                if output_done(outs[r], max_new, eos):
                     break
-            if not _done(outs[r], max_new, eos):
+            if not output_done(outs[r], max_new, eos):
                 still.append(r)
         rows = torch.full((n,), -1, dtype=torch.long, device=dev)
         rows[torch.tensor(active, device=dev)] = torch.arange(len(active), device=dev)

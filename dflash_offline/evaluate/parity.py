@@ -5,7 +5,7 @@ that must agree for a drafter that is trained and served on the same computation
 
   every anchor   1 + accepted drafts, averaged over every anchor of the completions: what the
                  training metric `tau` (teacher-forced blocks at random anchors) estimates;
-  walk           decoding's rounds picked out of those anchors (evaluate.walk_acceptance);
+  walk           decoding's rounds picked out of those anchors (evaluate.walk.walk_acceptance);
   decoding       real greedy speculative decoding of the same prompts against the target, with
                  as many new tokens as the completions hold, checked token for token against them.
 
@@ -35,16 +35,15 @@ def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str
                  tolerance: float = TOLERANCE) -> dict:
 
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.drafter.model import _mask_token_from_tokenizer, _rope_theta
-    from dflash_offline.evaluate.run import (
+    from dflash_offline.drafter.config import config_rope_theta, mask_token_from_tokenizer
+    from dflash_offline.evaluate.speculative import (
         DFlashProposer,
         TargetSession,
-        cache_layer_columns,
         load_target_for_decoding,
         speculative_decode,
         summarize,
-        walk_acceptance,
     )
+    from dflash_offline.evaluate.walk import cache_layer_columns, walk_acceptance
 
     t0 = time.time()
     cfg = drafter.cfg
@@ -74,12 +73,12 @@ def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str
     walk_tau, dec_tau = walk["tau_pooled"], dec["tau"]
     gap = (dec_tau - walk_tau) / walk_tau
     causes = []
-    want_mask = _mask_token_from_tokenizer(Path(target_dir))
+    want_mask = mask_token_from_tokenizer(Path(target_dir))
     if want_mask is not None and want_mask != cfg.mask_token_id:
         causes.append(f"mask token id {cfg.mask_token_id}, but the target's tokenizer names {want_mask} as its "
                       "mask token: train with that id (--mask-token-id) or serve with the one trained")
     text = json.loads((Path(target_dir) / "config.json").read_text(encoding="utf-8"))
-    theta = _rope_theta(text.get("text_config") or text)
+    theta = config_rope_theta(text.get("text_config") or text)
     if abs(theta - cfg.rope_theta) > 1e-6 * max(theta, 1.0):
         causes.append(f"RoPE theta {cfg.rope_theta:g} in the drafter, {theta:g} in the target's config")
     bad_layers = [lid for lid, e in zip(cfg.target_layer_ids, err) if e > 0.05]

@@ -1,0 +1,183 @@
+"""The drafter's shape (`DrafterConfig`): read from the target's config and tokenizer, saved as config.json.
+
+A drafter takes its widths, RoPE theta and mask token from the target it drafts for, and records
+which target that is (`target_identity`), so that `eval` can warn when it decodes against another.
+The same config round-trips through an export's config.json, in the form the reference inference
+code and the serving engines read. The readers of the target's config and tokenizer live here
+with the config they fill in; the parity check reads the target's values through them too. No
+torch: the modules (drafter.model) and the export (drafter.export) import this, not the reverse.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.target.folder import read_target
+
+log = logging.getLogger("dflash.drafter")
+
+
+def config_rope_theta(text: dict) -> float:
+    """rope_theta of a (text) config: top level (transformers 4), or inside `rope_parameters` /
+    `rope_scaling` (transformers 5), possibly keyed per layer type."""
+    if text.get("rope_theta") is not None:
+        return float(text["rope_theta"])
+    for key in ("rope_parameters", "rope_scaling"):
+        params = text.get(key) or {}
+        if isinstance(params.get("full_attention"), dict):  # per-layer-type form
+            params = params["full_attention"]
+        if params.get("rope_theta") is not None:
+            if params.get("rope_type", "default") != "default":
+                log.warning("target uses %s RoPE scaling; the drafter uses plain RoPE", params["rope_type"])
+            return float(params["rope_theta"])
+    return 10000.0  # transformers' default for Qwen-family configs
+
+
+def mask_token_from_tokenizer(root: Path) -> int | None:
+    """The mask token's id from the tokenizer files, or None when the tokenizer declares none."""
+    return _mask_id(*_tokenizer_vocab(root)[:2])
+
+
+def _mask_id(declared_names: list, vocab: dict[str, int]) -> int | None:
+    for declared in declared_names:
+        if declared and declared in vocab:
+            return vocab[declared]
+    return vocab.get("<|MASK|>")
+
+
+def _tokenizer_vocab(root: Path) -> tuple[list, dict[str, int], dict[int, str]]:
+    """(declared mask token names, content -> id, id -> content of the added/special tokens)."""
+
+    def load(name: str) -> dict:
+        p = root / name
+        try:
+            return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
+        except json.JSONDecodeError as e:
+            raise UserError(f"{p}: not valid JSON ({e})") from None
+
+    tok_cfg, special, tok_json = load("tokenizer_config.json"), load("special_tokens_map.json"), load("tokenizer.json")
+    vocab: dict[str, int] = {}  # content -> id, from every place a tokenizer lists added tokens
+    model_vocab = (tok_json.get("model") or {}).get("vocab")
+    if isinstance(model_vocab, dict):
+        vocab.update({str(k): int(v) for k, v in model_vocab.items()})
+    for t in tok_json.get("added_tokens") or []:
+        vocab[str(t.get("content"))] = int(t["id"])
+    for i, t in (tok_cfg.get("added_tokens_decoder") or {}).items():
+        vocab[str(t.get("content") if isinstance(t, dict) else t)] = int(i)
+    declared = [d.get("content") if isinstance(d, dict) else d for d in (tok_cfg.get("mask_token"), special.get("mask_token"))]
+    return declared, vocab, {v: k for k, v in vocab.items()}
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    max_position_embeddings: int
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    num_target_layers: int
+    mask_token: str | None = None
+    """The mask token's text (SGLang resolves `dflash_config.mask_token`); None when the tokenizer
+    does not list the id."""
+    target: dict | None = None
+    """The target it was trained for: folder name, model type, config and weights fingerprints
+    (target.folder.TargetInfo); `eval` warns when it decodes against another."""
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{self.num_attention_heads} heads is not a multiple of {self.num_key_value_heads} KV heads")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotate-half RoPE")
+        if self.block_size < 2:
+            raise ValueError(f"block_size {self.block_size}: a block needs an anchor and at least one mask token")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    @classmethod
+    def from_target(cls, target_dir: str, target_layer_ids: list[int], block_size: int = 16, num_layers: int = 5,
+                    mask_token_id: int | None = None) -> "DrafterConfig":
+        """Widths equal to the target's (the DFlash drafter shares its embedding and LM head)."""
+        info = read_target(target_dir)
+        cfg = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
+        text = cfg.get("text_config") or cfg
+        bad = [i for i in target_layer_ids if not 0 <= i < info.num_layers]
+        if bad or not target_layer_ids:
+            raise UserError(f"target layer ids {list(target_layer_ids)}: the target has layers 0..{info.num_layers - 1}")
+        declared, vocab, by_id = _tokenizer_vocab(info.path)  # read once: a 27B tokenizer.json is large
+        if mask_token_id is None:
+            mask_token_id = _mask_id(declared, vocab)
+            if mask_token_id is None:
+                raise UserError(f"{target_dir}: the tokenizer declares no mask token (mask_token or <|MASK|>); "
+                                f"pass --mask-token-id")
+        if not 0 <= mask_token_id < info.vocab_size:
+            raise UserError(f"--mask-token-id {mask_token_id}: outside the target's vocabulary (0..{info.vocab_size - 1})")
+        heads = int(text["num_attention_heads"])
+        # MoE targets may carry no dense intermediate_size; 3x hidden is what released drafters use.
+        inter = text.get("intermediate_size") or 3 * info.hidden_size
+        return cls(
+            hidden_size=info.hidden_size, intermediate_size=int(inter), num_hidden_layers=num_layers,
+            num_attention_heads=heads, num_key_value_heads=int(text.get("num_key_value_heads", heads)),
+            head_dim=int(text.get("head_dim") or info.hidden_size // heads),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=config_rope_theta(text),
+            vocab_size=info.vocab_size, max_position_embeddings=int(text.get("max_position_embeddings", 40960)),
+            block_size=block_size, target_layer_ids=list(target_layer_ids), mask_token_id=int(mask_token_id),
+            num_target_layers=info.num_layers, mask_token=by_id.get(int(mask_token_id)),
+            target=target_identity(info),
+        )
+
+    def to_export_dict(self) -> dict:
+        """config.json of the export: a Qwen3 config plus the DFlash fields the loaders read."""
+        return {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "dtype": "bfloat16",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": None,
+            # transformers 5 reads rope_parameters; older readers take rope_theta above.
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "vocab_size": self.vocab_size, "max_position_embeddings": self.max_position_embeddings,
+            "layer_types": ["full_attention"] * self.num_hidden_layers, "sliding_window": None,
+            "use_sliding_window": False, "max_window_layers": self.num_hidden_layers,
+            "tie_word_embeddings": False, "initializer_range": 0.02, "use_cache": True,
+            "block_size": self.block_size, "num_target_layers": self.num_target_layers,
+            # block_size twice: SGLang reads it from dflash_config, the reference from either place.
+            "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
+                              "block_size": self.block_size,
+                              **({"mask_token": self.mask_token} if self.mask_token is not None else {})},
+            **({"dflash_offline": {"target": self.target}} if self.target else {}),
+        }
+
+    @classmethod
+    def from_export_dict(cls, d: dict) -> "DrafterConfig":
+        dc = d.get("dflash_config") or {}
+        names = [f for f in cls.__dataclass_fields__
+                 if f not in ("target_layer_ids", "mask_token_id", "rope_theta", "mask_token", "target")]
+        missing = [n for n in names if n not in d] + [n for n in ("target_layer_ids", "mask_token_id") if dc.get(n) is None]
+        if missing:
+            raise UserError(f"drafter config.json: missing {missing}")
+        return cls(**{n: d[n] for n in names}, rope_theta=config_rope_theta(d),
+                   target_layer_ids=list(dc["target_layer_ids"]), mask_token_id=int(dc["mask_token_id"]),
+                   mask_token=dc.get("mask_token"), target=(d.get("dflash_offline") or {}).get("target"))
+
+
+def target_identity(info) -> dict:
+    """What names a target: its folder's last two path parts, model type, and the fingerprints of its config and
+    weights (the same ones a cache's manifest records)."""
+    name = "/".join(info.path.absolute().parts[-2:])  # e.g. "pycode/target", "Qwen/Qwen3.6-27B"
+    return {"name": name, "model_type": info.model_type, "config_sha256": info.config_sha256,
+            "weights_fingerprint": info.weights_fingerprint}

@@ -1,0 +1,111 @@
+"""The drafter's serving export: config.json + model.safetensors (bf16, trainable weights only).
+
+The folder loads unchanged in the reference inference code (z-lab/dflash) and the serving engines;
+the frozen embedding and LM head are the target's and are not written. An export replaces only an
+earlier export or an empty folder, whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from dflash_offline.drafter.config import DrafterConfig
+from dflash_offline.drafter.model import DFlashDrafter
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.paths import ordinary_mode
+
+log = logging.getLogger("dflash.drafter")
+
+EXPORT_CONFIG = "config.json"
+EXPORT_WEIGHTS = "model.safetensors"
+
+
+def check_export_dest(out: Path) -> None:
+    """An export replaces only an earlier export (config.json of a DFlashDraftModel and its weights,
+    nothing else) or an empty folder: anything else, e.g. a Hugging Face model folder, is refused."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: exists and is a file, not a drafter export; refusing to replace it (choose another "
+                        "export folder)")
+    from dflash_offline.runtime.paths import unwritable_folder
+
+    why = unwritable_folder(out.absolute().parent)  # the export is written beside it, then renamed
+    if why:
+        raise UserError(f"{out}: {why}; choose another export folder")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    try:
+        arch = json.loads((out / EXPORT_CONFIG).read_text(encoding="utf-8")).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        arch = None
+    others = sorted(p.name for p in out.iterdir() if p.name not in (EXPORT_CONFIG, EXPORT_WEIGHTS))
+    if arch != ["DFlashDraftModel"] or others:
+        why = (f"it also holds {', '.join(others[:3])}" if arch == ["DFlashDraftModel"]
+               else f"its config.json names architectures {arch}" if arch is not None else "it has no drafter config.json")
+        raise UserError(f"{out}: exists and is not a drafter export ({why}); refusing to replace it: choose a new or "
+                        "empty export folder (nothing was changed)")
+
+
+def export_drafter(drafter: DFlashDrafter, out_dir: str) -> Path:
+    """config.json + model.safetensors (bf16, trainable weights only). Written to a sibling temp
+    folder and renamed into place, so out_dir is either the previous export or the new one."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir).absolute()
+    check_export_dest(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{out}: cannot write there ({e.strerror or e}); choose another export folder") from None
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in drafter.trainable_state_dict().items()}
+        save_file(tensors, str(tmp / EXPORT_WEIGHTS), metadata={"format": "pt"})
+        ordinary_mode(tmp / EXPORT_WEIGHTS)  # safetensors leaves 0600: a serving process of another user reads it
+        (tmp / EXPORT_CONFIG).write_text(json.dumps(drafter.cfg.to_export_dict(), indent=2) + "\n", encoding="utf-8")
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():
+            out.rename(old)  # a rename cannot overwrite a non-empty folder: move the old one aside
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("drafter exported to %s (%d tensors)", out, len(tensors))
+    return out
+
+
+def load_exported(out_dir: str, target_dir: str | None = None) -> DFlashDrafter:
+    """Rebuild a drafter from an export (float32 trainable weights); frozen parts from target_dir."""
+    from safetensors import safe_open
+
+    root = Path(out_dir)
+    try:
+        d = json.loads((root / EXPORT_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{root}: no readable drafter config.json ({e})") from None
+    if "DFlashDraftModel" not in (d.get("architectures") or []):
+        raise UserError(f"{root / EXPORT_CONFIG}: not a DFlashDraftModel config")
+    drafter = DFlashDrafter(DrafterConfig.from_export_dict(d))
+    wanted = drafter.trainable_state_dict()
+    with safe_open(str(root / EXPORT_WEIGHTS), framework="pt", device="cpu") as sf:
+        keys = set(sf.keys())
+        if keys != set(wanted):
+            raise UserError(f"{root / EXPORT_WEIGHTS}: missing {sorted(set(wanted) - keys)[:3]}, "
+                            f"unexpected {sorted(keys - set(wanted))[:3]}")
+        with torch.no_grad():
+            for k, dst in wanted.items():
+                t = sf.get_tensor(k)
+                if t.shape != dst.shape:
+                    raise UserError(f"{root / EXPORT_WEIGHTS}: {k} has shape {tuple(t.shape)}, config implies {tuple(dst.shape)}")
+                dst.copy_(t)
+    if target_dir is not None:
+        drafter.load_frozen_from_target(target_dir)
+    return drafter

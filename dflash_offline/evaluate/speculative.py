@@ -1,0 +1,281 @@
+"""Greedy speculative decoding against the target, one prompt at a time (`eval --prompts`).
+
+Batch 1, per round (dflash-method.md, "Inference"): the drafter drafts one block from the last
+committed token over its cached context features; the target verifies the block in one forward;
+the agreeing prefix plus one target token is committed; both caches are cut back to the committed
+length. A hybrid target's Gated DeltaNet state cannot be cut back, so it is restored from a
+snapshot taken before the verify forward and advanced over the committed tokens by one more
+forward (`TargetSession`). `greedy_decode`, the target alone, gives the output a speculative
+decode must equal (lossless) and the speed it is measured against. The batched decoder
+(evaluate.batched) and the cache walk (evaluate.walk) mirror these rounds.
+
+tau = tokens committed per verify round = 1 + accepted drafts (dflash-method.md).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+# ----------------------------------------------------------------------------------------------
+# The target, with a cache that can be cut back
+
+
+class TargetSession:
+    """One sequence (batch 1) through a transformers causal LM with its KV / recurrent cache.
+
+    `forward` appends positions; `keep(n)` keeps only the first n of the positions the last
+    forward appended. Attention layers are cropped; recurrent layers (Gated DeltaNet) are restored
+    from the snapshot taken before that forward and run again over the kept tokens.
+    """
+
+    def __init__(self, model, layer_ids: list[int]):
+        import torch
+
+        self.torch = torch
+        self.model = model
+        self.layer_ids = list(layer_ids)
+        self.device = next(model.parameters()).device
+        from dflash_offline.generate.decoding import cache_argument
+
+        self._cache_arg = cache_argument(model)
+        # Any layer that is not softmax attention (Gated DeltaNet's "linear_attention", say) keeps
+        # a state that cannot be cropped.
+        layer_types = getattr(model.config, "layer_types", None) or []
+        self.recurrent = any(t not in ("full_attention", "sliding_attention") for t in layer_types)
+        self.cache = None
+        self._pending: list[int] = []
+        self._snapshot = None
+        self.forwards = 0
+
+    def start(self, prompt: list[int], features: bool = True):
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        self._pending, self._snapshot = [], None
+        return self._forward(prompt, features)
+
+    def forward(self, tokens: list[int], features: bool = True):
+        """-> (logits [T, V] float32, features [T, n*H] or None) for T new positions."""
+        with self.torch.inference_mode():
+            self._snapshot = _snapshot(self.cache) if self.recurrent else None
+        self._pending = list(tokens)
+        return self._forward(tokens, features)
+
+    def keep(self, n: int) -> None:
+        drop = len(self._pending) - n
+        if drop < 0 or n < 1:
+            raise ValueError(f"keep({n}) after a forward of {len(self._pending)} tokens")
+        if drop == 0:
+            return
+        with self.torch.inference_mode():  # the cache holds inference tensors
+            if not self.recurrent:
+                self.cache.crop(-drop)
+                return
+            _restore(self.cache, self._snapshot)
+        self._forward(self._pending[:n], features=False)
+
+    def _forward(self, tokens: list[int], features: bool):
+        torch = self.torch
+        from dflash_offline.target.model import RawLayerOutputs
+
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        # The layers' raw outputs, as extraction stores them (not `hidden_states`, whose last entry
+        # is after the final norm).
+        with torch.inference_mode(), RawLayerOutputs(self.model, self.layer_ids if features else []) as raw:
+            out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: self.cache})
+        self.forwards += 1
+        logits = out.logits[0].float()
+        return logits, (raw.features()[0] if features else None)
+
+
+_STATE_ATTRS = ("conv_states", "recurrent_states")
+
+
+def _snapshot(cache) -> list[dict]:
+    """Copies of every recurrent layer's states and the length of every attention layer."""
+    import torch
+
+    snap, found = [], False
+    for layer in cache.layers:
+        entry: dict = {}
+        for attr in _STATE_ATTRS:
+            states = getattr(layer, attr, None)
+            if isinstance(states, dict):
+                entry[attr] = {k: (t.clone() if isinstance(t, torch.Tensor) else None) for k, t in states.items()}
+                found = found or any(isinstance(t, torch.Tensor) for t in states.values())
+        if isinstance(getattr(layer, "keys", None), torch.Tensor):
+            entry["length"] = layer.get_seq_length()
+        snap.append(entry)
+    if not found:
+        raise RuntimeError(f"{type(cache).__name__}: found no recurrent states to snapshot in a hybrid target's cache; "
+                           "this transformers version stores them differently and rollback would be wrong")
+    return snap
+
+
+def _restore(cache, snap: list[dict]) -> None:
+    import torch
+
+    for layer, entry in zip(cache.layers, snap):
+        for attr in _STATE_ATTRS:
+            for k, saved in entry.get(attr, {}).items():
+                states = getattr(layer, attr)
+                cur = states.get(k)
+                if isinstance(cur, torch.Tensor) and isinstance(saved, torch.Tensor) and cur.shape == saved.shape:
+                    cur.copy_(saved)  # in place: transformers may hold this tensor's address (CUDA graphs)
+                else:
+                    states[k] = saved
+        if "length" in entry:
+            drop = layer.get_seq_length() - entry["length"]
+            if drop > 0:
+                layer.crop(-drop)
+
+
+def load_target_for_decoding(target_dir: str, device: str, dtype: str):
+    """The whole text model with its LM head, in eval mode; TF32 off so fp32 means fp32."""
+    import torch
+
+    from dflash_offline.target.folder import read_target
+    from dflash_offline.target.model import load_target
+
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    info = read_target(target_dir)
+    model = load_target(info, device, dtype, info.num_layers, need_head=True)
+    return model, info
+
+
+# ----------------------------------------------------------------------------------------------
+# Proposers: who drafts the block
+
+
+class Proposer(Protocol):
+    block_size: int
+
+    def start(self, prompt: list[int], features) -> None:
+        """A new sequence: the prompt and the target's features at its positions."""
+
+    def propose(self, tokens: list[int]) -> list[int]:
+        """block_size - 1 draft tokens following `tokens` (committed so far; the last is the anchor)."""
+
+    def observe(self, features) -> None:
+        """Features of the newly committed positions (the anchor and the accepted drafts)."""
+
+
+class DFlashProposer:
+    """The trained drafter, with its context keys/values cached per committed position."""
+
+    def __init__(self, drafter, device: str, dtype: str = "float32"):
+        import torch
+
+        self.torch = torch
+        self.drafter = drafter.to(device=device, dtype=getattr(torch, dtype))
+        self.device = device
+        self.block_size = drafter.cfg.block_size
+        self.mask_id = drafter.cfg.mask_token_id
+        self.kv: list | None = None
+        self.length = 0
+
+    def start(self, prompt: list[int], features) -> None:
+        self.kv, self.length = None, 0
+        self.observe(features)
+
+    def observe(self, features) -> None:
+        torch = self.torch
+        T = features.shape[0]
+        pos = torch.arange(self.length, self.length + T, device=self.device)[None]
+        new = self.drafter.context_kv(features[None].to(self.device), pos)
+        self.kv = new if self.kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                                               for (k0, v0), (k1, v1) in zip(self.kv, new)]
+        self.length += T
+
+    def propose(self, tokens: list[int]) -> list[int]:
+        torch = self.torch
+        B, anchor = self.block_size, len(tokens) - 1
+        if anchor != self.length:
+            raise RuntimeError(f"drafter context holds {self.length} positions but the anchor is at {anchor}")
+        block = torch.tensor([[tokens[-1]] + [self.mask_id] * (B - 1)], device=self.device)
+        pos = torch.arange(anchor, anchor + B, device=self.device)[None]
+        h = self.drafter.draft_hidden(self.kv, block, pos)
+        logits = self.torch.nn.functional.linear(h[0, 1:], self.drafter.lm_head.weight.to(h.dtype))
+        return logits.argmax(-1).tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)  # drafts accepted in each verify round
+    seconds: float = 0.0
+    target_forwards: int = 0
+
+
+def output_done(out: list[int], max_new: int, eos: set[int]) -> bool:
+    """Whether a decode stops here: max_new tokens out, or the last one ends the sequence."""
+    return len(out) >= max_new or (bool(out) and out[-1] in eos)
+
+
+def greedy_decode(target: TargetSession, prompt: list[int], max_new: int, eos: set[int]) -> Decoded:
+    """The target alone, one token per forward: the reference output and the baseline speed."""
+    t0 = time.perf_counter()
+    target.forwards = 0
+    logits, _ = target.start(prompt, features=False)
+    out = [int(logits[-1].argmax())]
+    while not output_done(out, max_new, eos):
+        logits, _ = target.forward([out[-1]], features=False)
+        out.append(int(logits[-1].argmax()))
+    return Decoded(out, seconds=time.perf_counter() - t0, target_forwards=target.forwards)
+
+
+def speculative_decode(target: TargetSession, proposer, prompt: list[int], max_new: int, eos: set[int]) -> Decoded:
+    """Greedy speculative decoding of one prompt (module docstring). Output = greedy_decode's."""
+    t0 = time.perf_counter()
+    target.forwards = 0
+    logits, feats = target.start(prompt)
+    proposer.start(prompt, feats)
+    seq = list(prompt) + [int(logits[-1].argmax())]
+    out = seq[len(prompt):]
+    accepted = []
+    while not output_done(out, max_new, eos):
+        draft = proposer.propose(seq)
+        logits, feats = target.forward([seq[-1]] + draft)
+        best = logits.argmax(-1).tolist()  # best[j]: the target's token after block position j
+        a = 0
+        while a < len(draft) and draft[a] == best[a]:
+            a += 1
+        accepted.append(a)
+        target.keep(a + 1)
+        proposer.observe(feats[: a + 1])
+        for tok in draft[:a] + [best[a]]:
+            seq.append(tok)
+            out.append(tok)
+            if output_done(out, max_new, eos):
+                break
+    return Decoded(out, accepted, time.perf_counter() - t0, target.forwards)
+
+
+def summarize(runs: list[Decoded], block_size: int) -> dict:
+    acc = np.asarray([a for r in runs for a in r.accepted], np.int64)
+    rounds = int(acc.shape[0])
+    tokens = sum(len(r.tokens) for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    # Each prompt's own tau (prompts decoded without a round, a first token that ends the output,
+    # have none): the reference DFlash benchmark averages these, where `tau` pools all rounds.
+    per_prompt = [float(np.mean(np.asarray(r.accepted) + 1)) for r in runs if r.accepted]
+    return {
+        "rounds": rounds, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
+        "tau": float((acc + 1).mean()) if rounds else float("nan"),
+        "tau_per_prompt_mean": float(np.mean(per_prompt)) if per_prompt else float("nan"),
+        "tau_per_prompt": per_prompt,
+        # Share of rounds in which draft slot j (1..B-1) was accepted.
+        "accept_rate": [float((acc >= j).mean()) if rounds else 0.0 for j in range(1, block_size)],
+        "target_forwards": sum(r.target_forwards for r in runs),
+    }

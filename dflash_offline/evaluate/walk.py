@@ -1,0 +1,366 @@
+"""A drafter's acceptance on a cache of the target's completions, without running the target (`eval --cache`).
+
+Both estimates score a block by the leading run of draft slots whose argmax equals the data token
+(the training metrics' rule); with the target's own greedy completions the data tokens are its
+greedy tokens. Training runs the walk on a held-out cache as it goes.
+
+- The *walk* (`walk_acceptance`): every candidate anchor of every sample is scored, then the
+  blocks decoding would draft are picked out: the first at the first completion token, each next
+  one where the last one's committed tokens end. This is the decoding tau without the target
+  (exactly, for greedy self-generated completions; `walk_acceptance` says where not).
+- *Random anchors* (`cache_acceptance`): rows packed as in training, random blocks per row. It
+  runs above the decoding tau (pycode: 2.27 against 1.69): random anchors weigh every position
+  alike, while decoding starts each block where the last one ended, so it spends few blocks on
+  easy stretches and many on hard ones. It ranks checkpoints like the walk.
+
+tau = tokens committed per verify round = 1 + accepted drafts (dflash-method.md).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from dflash_offline.runtime.errors import UserError
+
+
+def cache_layer_columns(manifest: dict, drafter_cfg, cache: str) -> list[int] | None:
+    """Where the drafter's layers sit on the cache's layer axis (hidden is [tokens, n, H]), in the
+    drafter's order (its fc reads them concatenated in that order); None when the drafter reads
+    every captured layer in the cache's order. A drafter trained on a subset of the captured
+    layers (`train --layers`) is scored on those columns; a layer the cache lacks is refused."""
+    have = [int(i) for i in manifest["capture"]["layer_ids"]]
+    want = [int(i) for i in drafter_cfg.target_layer_ids]
+    missing = [i for i in want if i not in have]
+    if missing:
+        raise UserError(f"--cache {cache} holds layers {have} but the drafter reads {want} (no {missing}); "
+                        "extract the held-out cache with the drafter's layers")
+    t = manifest["target"]
+    if (t["hidden_size"], t["vocab_size"]) != (drafter_cfg.hidden_size, drafter_cfg.vocab_size):
+        raise UserError(f"--cache {cache} was made from a target of hidden {t['hidden_size']} and vocabulary "
+                        f"{t['vocab_size']}; the drafter has {drafter_cfg.hidden_size} and {drafter_cfg.vocab_size}")
+    return None if want == have else [have.index(i) for i in want]
+
+
+def _select_layers(target_hidden, columns: list[int] | None, num_layers: int):
+    """[R, S, n*H] with all captured layers -> [R, S, len(columns)*H] with the drafter's."""
+    if columns is None:
+        return target_hidden
+    R, S, width = target_hidden.shape
+    return target_hidden.view(R, S, num_layers, width // num_layers)[:, :, columns].reshape(R, S, -1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Random anchors, packed as in training
+
+
+def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors: int,
+                     max_rows: int | None = None, seed: int = 0, loss_chunk_tokens: int = 4096) -> dict:
+    """tau and per-slot top-1 accuracy of `drafter` on a cache's samples, packed as in training
+    (rows of seq_len, num_anchors random blocks per row, fixed seed), scored against the data."""
+    import torch
+
+    from dflash_offline.drafter import masks
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.train.loss import block_loss, block_metrics
+    from dflash_offline.train.packing import epoch_order, pack_rows
+    from dflash_offline.train.stream import RowStream, device_hidden, make_loader
+
+    reader = CacheReader(cache)
+    m = reader.manifest
+    cfg = drafter.cfg
+    columns = cache_layer_columns(m, cfg, cache)
+    n_cached = len(m["capture"]["layer_ids"])
+    refs, lengths = [], []
+    for name in reader.shard_names:
+        sh = reader.shard(name)
+        lengths.extend((sh.offsets[1:] - sh.offsets[:-1]).tolist())
+        refs.extend((name, k, int(sh.offsets[k])) for k in range(len(sh)))
+    lengths = np.asarray(lengths, np.int64)
+    rows = len(pack_rows(lengths, epoch_order(len(refs), seed, 0), seq_len))
+    steps = rows if max_rows is None else min(rows, max_rows)
+    B = cfg.block_size
+    # The stream reads every captured layer (its rows are [S, n*H] of the cache's n); the
+    # drafter's columns are picked on the device.
+    spec = {"seed": seed, "seq_len": seq_len, "num_anchors": num_anchors, "block_size": B,
+            "mask_token_id": cfg.mask_token_id, "gamma": 1.0, "hidden_size": cfg.hidden_size,
+            "num_layers": n_cached, "hidden_dtype": m["capture"]["hidden_dtype"]}
+    stream = RowStream(cache, refs, lengths, spec, 0, 0, 1, 1, 0, steps)
+    drafter = drafter.to(device)
+    cuda = str(device).startswith("cuda")
+    total: dict | None = None
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        with torch.no_grad():
+            build = masks.flex_block_mask if cuda else masks.dense_mask
+            for mb in make_loader(stream, 0, 1, pin=False):
+                mb = device_hidden({k: v.to(device) for k, v in mb.items()})
+                hidden = _select_layers(mb["target_hidden"], columns, n_cached)
+                mask = build(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                    h = drafter(hidden, mb["block_ids"], mb["ctx_positions"], mb["block_positions"], mask)
+                    _, correct = block_loss(h, drafter.lm_head.weight, mb["labels"], mb["weights"], loss_chunk_tokens)
+                got = block_metrics(correct, mb["weights"], mb["anchor_valid"], B)
+                total = got if total is None else {k: total[k] + got[k] for k in got}
+    finally:
+        drafter.train(was_training)
+    if total is None or float(total["blocks"]) == 0:
+        raise UserError(f"--cache {cache}: no valid draft block (no two consecutive loss-mask tokens)")
+    cnt = total["slot_count"].cpu().numpy()
+    acc = np.where(cnt > 0, total["slot_correct"].cpu().numpy() / np.maximum(cnt, 1), 0.0)
+    return {"rows": steps, "blocks": int(total["blocks"]), "tau": float(total["tau_sum"] / total["blocks"]),
+            "slot_accuracy": [float(a) for a in acc[1:]]}
+
+
+# ----------------------------------------------------------------------------------------------
+# The walk: decoding's blocks, picked out of every anchor's score
+
+
+def walk_rounds(accepted, length: int) -> list[int]:
+    """The accepted drafts of each round greedy speculative decoding makes over one completion.
+
+    accepted[i]: how many drafts the block anchored at completion token i gets accepted (i = 0 is
+    the first completion token, which the prompt's forward produces and the first block drafts
+    from); needed for i < length - 1. length: the output length at which decoding stops
+    (max_new_tokens, or 1 + the index of the first end-of-sequence token if that is smaller).
+    Mirrors `speculative_decode` and `output_done`: the output starts with one token; each round drafts
+    from the last committed token, records its a and commits a + 1 tokens, and decoding stops as
+    soon as the output holds `length` tokens, mid-round if need be (the round still records its
+    whole a, as the decoder's `accepted` list does)."""
+    if length > 1 and len(accepted) < length - 1:
+        raise ValueError(f"walk_rounds: {len(accepted)} anchors for an output of {length} tokens "
+                         f"(need {length - 1})")
+    rounds, n = [], 1
+    while n < length:
+        a = int(accepted[n - 1])
+        rounds.append(a)
+        n += a + 1
+    return rounds
+
+
+class _Sample(NamedTuple):
+    """Where one cached sample lies: its shard, its first token there, its length, its id."""
+
+    shard: str
+    start: int
+    length: int
+    id: int
+
+
+@dataclass
+class _ContextRow:
+    """One packed row of whole samples and the acceptance of every candidate anchor in it."""
+
+    spans: list[tuple[int, int, int]]  # (sample index, first row position, kept length)
+    loss_mask: np.ndarray  # uint8 [S]
+    accepted: np.ndarray  # int64 [S]: accepted drafts of the block anchored there (candidates only)
+
+
+def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None, max_new: int | None = None,
+                    seq_len: int | None = None, anchors_per_row: int = 512, batch_rows: int = 4,
+                    per_sample: bool = False, loss_chunk_tokens: int = 4096) -> dict:
+    """Acceptance of `drafter` on a cache's samples as greedy speculative decoding would see it.
+
+    For each sample (the first `max_samples` in manifest order): every candidate anchor p
+    (loss_mask[p] and loss_mask[p + 1] set) is scored, accepted(p) = the leading run of slots
+    j = 1..B-1 whose argmax equals the data token at p + j (a slot past the sample's end or on an
+    unscored token is a miss). Then the walk (`walk_rounds`) from the first completion token p0:
+    a = accepted(p), one round, p += a + 1, until the output reaches the completion length (the
+    loss_mask-1 tokens from p0 on; capped at `max_new`).
+
+    For the target's own greedy completions (fp32) this is the decoding tau of the same prompts
+    with max_new_tokens = the completion length, without running the target, except in each
+    sample's last round: decoding verifies all B-1 drafts even past max_new_tokens, where the data
+    has no tokens, so a last round that would accept beyond the data's end scores lower here. With
+    `max_new` at least B - 1 below the completion lengths that difference is gone. The drafter sees
+    the cache's stored (bf16 or fp8) features where decoding gives it the target's own.
+
+    -> {tau_pooled: sum of (a + 1) over all rounds / rounds (summarize's tau), tau_per_prompt_mean:
+    the mean over samples of each one's own tau, rounds, samples (walked: at least one round),
+    samples_skipped (completion of at most one token: no round), accept_rate[j-1] (share of
+    rounds accepting slot j), anchors and tau_all_anchors (mean of 1 + accepted over every
+    candidate anchor: the random-anchor estimate without sampling noise), slot_accuracy[j-1] over
+    every anchor, seq_len, truncated_samples, seconds; with per_sample, per_sample: [{id,
+    accepted}] in cache order}.
+
+    Samples are packed into rows of `seq_len` (default: the longest sample; a longer one is cut,
+    and counted in truncated_samples); a row's anchors go `anchors_per_row` at a time, `batch_rows`
+    such blocks of anchors (each with its row's context) per forward. Shapes are the same for every
+    forward of a call (flex compiles once). Runs in-process without grad; a drafter in train mode
+    is switched to eval and back (the trainer can call this on a held-out cache)."""
+    import torch
+
+    from dflash_offline.drafter import masks
+    from dflash_offline.cache.fp8 import DTYPE_NAME as FP8
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.train.loss import block_loss
+    from dflash_offline.train.packing import build_row, loss_weights, pack_rows
+    from dflash_offline.train.stream import device_hidden
+
+    t0 = time.time()
+    device = str(device)
+    cuda = device.startswith("cuda")
+    if anchors_per_row < 1 or batch_rows < 1:
+        raise ValueError(f"walk_acceptance: anchors_per_row {anchors_per_row} and batch_rows {batch_rows} must be positive")
+    reader = CacheReader(cache)
+    m = reader.manifest
+    cfg = drafter.cfg
+    B = cfg.block_size
+    columns = cache_layer_columns(m, cfg, cache)
+    fp8 = m["capture"]["hidden_dtype"] == FP8
+    refs: list[_Sample] = []
+    for name in reader.shard_names:
+        sh = reader.shard(name)
+        for k in range(len(sh)):
+            refs.append(_Sample(name, int(sh.offsets[k]), int(sh.offsets[k + 1] - sh.offsets[k]), int(sh.ids[k])))
+    if max_samples is not None:
+        refs = refs[:max_samples]
+    if not refs:
+        raise UserError(f"--cache {cache}: no samples to walk")
+    lengths = np.asarray([r.length for r in refs], np.int64)
+    S = int(seq_len) if seq_len else int(lengths.max())
+    A = max(1, min(anchors_per_row, S - 1))  # a row has at most S - 1 candidates
+    # Every candidate of a row: build_row takes all of them, sorted, when asked for at least as
+    # many blocks as the row has positions.
+    weights = loss_weights(B, 1.0)
+    rng = np.random.default_rng(0)
+
+    def read(ref: _Sample, keep: int):
+        shard, a, sid = ref.shard, ref.start, ref.id
+        try:
+            g = reader.shard(shard).group
+            ids, lm, bits = g["input_ids"][a:a + keep], g["loss_mask"][a:a + keep], g["hidden"][a:a + keep]
+            scale = g["hidden_scale"][a:a + keep] if fp8 else None
+        except Exception as e:  # never score (or skip) unreadable data silently
+            raise RuntimeError(f"cache {cache}: shard {shard}, sample id {sid} is unreadable "
+                               f"({type(e).__name__}: {e}); check the cache with `dflash-offline verify`") from None
+        if columns is not None:
+            bits = bits[:, columns]
+            scale = scale[:, columns] if fp8 else None
+        return ids.astype(np.int64), lm, bits, scale
+
+    ctx_rows: list[_ContextRow] = []
+    pending: list[tuple[int, dict]] = []  # (context row, arrays of one block of anchors)
+    slot_hit = np.zeros(B - 1, np.float64)
+    slot_count = np.zeros(B - 1, np.float64)
+    anchor_acc: list[np.ndarray] = []
+    was_training = drafter.training
+    drafter = drafter.to(device)
+    drafter.eval()
+    build = masks.flex_block_mask if cuda else masks.dense_mask
+
+    def forward(batch: list[tuple[int, dict]]) -> None:
+        # On CUDA the batch is padded with anchorless rows: one shape for every forward.
+        R = batch_rows if cuda else len(batch)
+        arr = {k: np.stack([b[k] for _, b in batch] + [np.zeros_like(batch[0][1][k])] * (R - len(batch)))
+               for k in batch[0][1]}
+        t = {k: torch.from_numpy(v) for k, v in arr.items()}
+        if fp8:  # dequantised on the device, as in training
+            t["target_hidden_bits"], t["target_hidden_scale"] = t.pop("bits"), t.pop("scale")
+        else:
+            t["target_hidden"] = t.pop("bits").view(torch.bfloat16)
+        t = device_hidden({k: v.to(device) for k, v in t.items()})
+        mask = build(t["doc_ids"], t["anchors"], t["anchor_valid"], B)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            h = drafter(t["target_hidden"], t["block_ids"], t["positions"], t["block_positions"], mask)
+            _, correct = block_loss(h, drafter.lm_head.weight, t["labels"], t["weights"], loss_chunk_tokens)
+        # block_metrics' rule: a slot counts when its argmax is the label and it is scored
+        # (inside the sample, on a loss-mask token); an unscored slot ends the run.
+        scored = (t["weights"] > 0).view(R, A, B)[:, :, 1:]
+        hit = correct.view(R, A, B)[:, :, 1:] & scored
+        acc = torch.cumprod(hit.to(torch.int32), dim=2).sum(dim=2).cpu().numpy()
+        valid = t["anchor_valid"]
+        slot_hit[:] += hit[valid].sum(0).double().cpu().numpy()
+        slot_count[:] += scored[valid].sum(0).double().cpu().numpy()
+        for i, (r, b) in enumerate(batch):
+            v = b["anchor_valid"]
+            ctx_rows[r].accepted[b["anchors"][v]] = acc[i][v]
+            anchor_acc.append(acc[i][v])
+
+    try:
+        with torch.no_grad():
+            n_layers = len(cfg.target_layer_ids)
+            for packed in pack_rows(lengths, np.arange(len(refs)), S):
+                bits = np.zeros((S, n_layers, cfg.hidden_size), np.uint8 if fp8 else np.uint16)
+                scale = np.zeros((S, n_layers), np.float32) if fp8 else None
+                ids, lms, spans, at = [], [], [], 0
+                for s, keep in packed:
+                    i, lm, hb, sc = read(refs[s], keep)
+                    bits[at:at + keep] = hb
+                    if fp8:
+                        scale[at:at + keep] = sc
+                    ids.append(i)
+                    lms.append(lm)
+                    spans.append((s, at, keep))
+                    at += keep
+                row = build_row(ids, lms, S, S, B, cfg.mask_token_id, weights, rng)
+                r = len(ctx_rows)
+                ctx_rows.append(_ContextRow(spans, row.loss_mask, np.zeros(S, np.int64)))
+                n_cand = int(row.anchor_valid.sum())
+                per_block = {k: getattr(row, k).reshape(S, B) for k in ("block_ids", "block_positions", "labels", "weights")}
+                for lo in range(0, n_cand, A):
+                    hi = min(lo + A, n_cand)
+                    part = {"bits": bits.reshape(S, -1), "doc_ids": row.doc_ids, "positions": row.positions,
+                            "anchors": _pad(row.anchors[lo:hi], A, 0), "anchor_valid": _pad(row.anchor_valid[lo:hi], A, False)}
+                    if fp8:
+                        part["scale"] = scale
+                    for k, v in per_block.items():
+                        part[k] = _pad(v[lo:hi], A, cfg.mask_token_id if k == "block_ids" else 0).reshape(-1)
+                    pending.append((r, part))
+                    if len(pending) == batch_rows:
+                        forward(pending)
+                        pending = []
+            if pending:
+                forward(pending)
+    finally:
+        drafter.train(was_training)
+
+    rounds_of: list[tuple[int, list[int]]] = []
+    skipped = 0
+    for row in ctx_rows:
+        for s, at, keep in row.spans:
+            lm = row.loss_mask[at:at + keep]
+            ones = np.flatnonzero(lm)
+            if not ones.size:
+                skipped += 1
+                continue
+            p0 = at + int(ones[0])
+            length = int(lm[ones[0]:].sum())
+            if max_new is not None:
+                length = min(length, max_new)
+            got = walk_rounds(row.accepted[p0:at + keep], length)
+            if got:
+                rounds_of.append((s, got))
+            else:
+                skipped += 1
+    if not rounds_of:
+        raise UserError(f"--cache {cache}: no sample with a completion of two tokens or more to walk")
+    rounds_of.sort()
+    flat = np.asarray([a for _, r in rounds_of for a in r], np.int64)
+    every = np.concatenate(anchor_acc) if anchor_acc else np.zeros(0, np.int64)
+    out = {
+        "samples": len(rounds_of), "samples_skipped": skipped, "rounds": int(flat.size),
+        "tau_pooled": float((flat + 1).mean()),
+        "tau_per_prompt_mean": float(np.mean([np.mean(np.asarray(r) + 1) for _, r in rounds_of])),
+        "accept_rate": [float((flat >= j).mean()) for j in range(1, B)],
+        "anchors": int(every.size),
+        "tau_all_anchors": float((every + 1).mean()) if every.size else float("nan"),
+        "slot_accuracy": [float(h / c) if c else 0.0 for h, c in zip(slot_hit, slot_count)],
+        "seq_len": S, "truncated_samples": int((lengths > S).sum()), "max_new": max_new,
+        "seconds": time.time() - t0,
+    }
+    if per_sample:
+        out["per_sample"] = [{"id": refs[s].id, "accepted": r} for s, r in rounds_of]
+    return out
+
+
+def _pad(x: np.ndarray, n: int, value) -> np.ndarray:
+    """x padded along its first axis to n entries of `value`."""
+    if x.shape[0] == n:
+        return x
+    pad = np.full((n - x.shape[0],) + x.shape[1:], value, x.dtype)
+    return np.concatenate([x, pad])
