@@ -163,6 +163,7 @@ def _train_segment(t: Trainer, st: LoopState, seg: Segment, stop: int | None, st
 
 
 def _agree_stop(t: Trainer, st: LoopState) -> int | None:
+    """The agreed stop signal (agreed_stop), kept once any rank has asked: every rank stops after the same step."""
     st.stopping = st.stopping or agreed_stop(t.ctrl, t.world)
     return st.stopping
 

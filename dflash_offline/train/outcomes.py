@@ -28,6 +28,7 @@ def diverged_message(loss_flags, gnorm: float, step: int, out: Path, last_ckpt: 
 
 
 def stopped_message(signum: int, out: Path) -> str:
+    """The line a run stopped on request ends with: the checkpoint it resumes from, if any."""
     steps = list_checkpoints(out)
     if not steps:
         return (f"stopped on {signal_name(signum)} before the first checkpoint: nothing to resume from; "
