@@ -41,6 +41,7 @@ def write_zarr_cache(root: Path, lengths: list[int], n: int, H: int, seed: int, 
 
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore, new_manifest
+    from dflash_offline.cache.shards import publish_shard, shard_name, tmp_shard_rel
     from dflash_offline.cache.writer import ShardLayout, ShardWriter
 
     shards = [lengths[i:i + per_shard] for i in range(0, len(lengths), per_shard)]
@@ -53,16 +54,14 @@ def write_zarr_cache(root: Path, lengths: list[int], n: int, H: int, seed: int, 
     loc.makedirs("shards")
     sid = 0
     for j, lens in enumerate(shards):
-        name = f"shard-{j:06d}"
-        w = ShardWriter(loc, f"shards/{name}.zarr", ShardLayout(tokens=sum(lens), num_layers=n, hidden_size=H, topk=0,
-                                                                 chunk_tokens=1024, layer_ids=list(range(n))))
+        name = shard_name(j)
+        w = ShardWriter(loc, tmp_shard_rel(name), ShardLayout(tokens=sum(lens), num_layers=n, hidden_size=H, topk=0,
+                                                              chunk_tokens=1024, layer_ids=list(range(n))))
         for t in lens:
             ids, mask, h = sample_data(sid, t, n, H, seed)
             w.append(sid, ids, mask, h, None, None)
             sid += 1
-        entry = w.close(name)
-        entry["bytes"] = loc.du(f"shards/{name}.zarr")
-        store.commit_shard(entry)
+        publish_shard(store, w.close(name))
 
 
 def sample_data(sid: int, t: int, n: int, H: int, seed: int):

@@ -56,6 +56,7 @@ def make_cache(root: Path, target: Path, rows: int, seq_len: int, dev: str) -> N
 
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore, new_manifest
+    from dflash_offline.cache.shards import publish_shard, shard_name, tmp_shard_rel
     from dflash_offline.cache.writer import ShardLayout, ShardWriter
     from dflash_offline.target.folder import read_target
 
@@ -76,9 +77,9 @@ def make_cache(root: Path, target: Path, rows: int, seq_len: int, dev: str) -> N
     loc.makedirs("shards")
     H, n, sid = SHAPE["hidden_size"], len(LAYERS), 0
     for j, lens in enumerate(shards):
-        name = f"shard-{j:06d}"
-        w = ShardWriter(loc, f"shards/{name}.zarr", ShardLayout(tokens=sum(lens), num_layers=n, hidden_size=H, topk=0,
-                                                                 chunk_tokens=1024, layer_ids=LAYERS))
+        name = shard_name(j)
+        w = ShardWriter(loc, tmp_shard_rel(name), ShardLayout(tokens=sum(lens), num_layers=n, hidden_size=H, topk=0,
+                                                              chunk_tokens=1024, layer_ids=LAYERS))
         for t in lens:
             h = torch.randn(t, n, H, device=dev).bfloat16().view(torch.uint16).cpu().numpy()
             ids = rng.integers(0, SHAPE["vocab_size"], size=t).astype(np.int32)
@@ -86,9 +87,7 @@ def make_cache(root: Path, target: Path, rows: int, seq_len: int, dev: str) -> N
             mask[: t // 4] = 0
             w.append(sid, ids, mask, h, None, None)
             sid += 1
-        entry = w.close(name)
-        entry["bytes"] = loc.du(f"shards/{name}.zarr")
-        store.commit_shard(entry)
+        publish_shard(store, w.close(name))
 
 
 def main() -> None:

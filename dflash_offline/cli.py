@@ -93,7 +93,8 @@ def extract(ctx: click.Context, config_file, **options) -> None:
     made with another target, layer set, top-k, dtype, max length, shard plan or input is refused,
     naming the field.
     """
-    from dflash_offline.config import ExtractConfig, load_recipe, merge, parse_int_list
+    from dflash_offline.config import ExtractConfig
+    from dflash_offline.options import load_recipe, merge, parse_int_list
 
     given = _given(ctx, **options)
     if "layers" in given:
@@ -151,7 +152,8 @@ def extract(ctx: click.Context, config_file, **options) -> None:
 @click.pass_context
 def train(ctx: click.Context, config_file, **options) -> None:
     """Stage two: train a DFlash drafter from a committed cache (resumes from OUT's last checkpoint)."""
-    from dflash_offline.config import TrainConfig, load_recipe, merge, parse_int_list
+    from dflash_offline.config import TrainConfig
+    from dflash_offline.options import load_recipe, merge, parse_int_list
 
     given = _given(ctx, **options)
     for name in ("layers", "init_layers"):
@@ -207,7 +209,8 @@ def eval_(ctx: click.Context, config_file, **options) -> None:
     """Acceptance length of drafters: speculative decoding against the target (tau, acceptance per
     slot, tokens/s vs the target alone, output checked equal to its greedy decode), and/or the
     estimate from a held-out cache."""
-    from dflash_offline.config import EvalConfig, load_recipe, merge
+    from dflash_offline.config import EvalConfig
+    from dflash_offline.options import load_recipe, merge
 
     given = _given(ctx, **options)
     recipe = load_recipe(config_file, EvalConfig) if config_file else {}
@@ -240,8 +243,8 @@ def plan(ctx: click.Context, config_file, as_json: bool, **options) -> None:
     `--config stages/<deployment>/extract.toml` sizes what that recipe would extract."""
     import json as _json
 
-    from dflash_offline.config import ExtractConfig, load_recipe, merge, parse_int_list
-    from dflash_offline.config import PlanConfig
+    from dflash_offline.config import ExtractConfig, PlanConfig
+    from dflash_offline.options import load_recipe, merge, parse_int_list
     from dflash_offline.sizing import make_plan, report
 
     given = _given(ctx, **options)
@@ -351,7 +354,8 @@ def generate(ctx: click.Context, config_file, **options) -> None:
     0 on the prompt and 1 on the completion. Parts are committed in OUT/manifest.json; running the
     same command again resumes, and a different target or setting is refused, naming the field.
     """
-    from dflash_offline.config import GenerateConfig, load_recipe, merge, parse_int_list
+    from dflash_offline.config import GenerateConfig
+    from dflash_offline.options import load_recipe, merge, parse_int_list
 
     given = _given(ctx, **options)
     if "eos_token_ids" in given:

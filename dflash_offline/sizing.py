@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from dflash_offline.config import PlanConfig
-from dflash_offline.extract.launcher import bytes_per_token
+from dflash_offline.extract.plan import bytes_per_token
 from dflash_offline.target.folder import _safetensors_header, read_target
 from dflash_offline.target.folder import checkpoint_name
 

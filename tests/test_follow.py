@@ -155,7 +155,7 @@ def test_budget_refusal_and_pass_orders(tiny_dense, tiny_data, tmp_path):
     r = run_cli([*base, "--follow", "--epochs", "3"])
     assert r.returncode != 0 and "--epochs must be 1" in r.stderr and "--passes" in r.stderr
 
-    from dflash_offline.extract.launcher import make_plan
+    from dflash_offline.extract.plan import make_plan
 
     lengths = pq.read_table(tiny_data).column("input_ids").combine_chunks().value_lengths().to_numpy()
     # Windows of 16 rows: each pass's permutation puts other rows together (one window over all the

@@ -54,6 +54,7 @@ def test_layer_stats_and_outlier_channels(tmp_path):
     from dflash_offline import open_cache
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore, new_manifest
+    from dflash_offline.cache.shards import publish_shard, tmp_shard_rel
     from dflash_offline.cache.writer import ShardLayout, ShardWriter
 
     rng = np.random.default_rng(0)
@@ -66,8 +67,8 @@ def test_layer_stats_and_outlier_channels(tmp_path):
         capture={"layer_ids": layers, "topk": 0, "hidden_dtype": "bfloat16", "max_len": 64},
         source={"files": [], "rows": 6}, plan={"shard_tokens": 0, "sort_window": 0, "num_shards": 1}))
     loc.makedirs("shards")
-    w = ShardWriter(loc, "shards/shard-000000.zarr", ShardLayout(tokens=6 * 40, num_layers=2, hidden_size=H, topk=0,
-                                                                  chunk_tokens=64, layer_ids=layers))
+    w = ShardWriter(loc, tmp_shard_rel("shard-000000"), ShardLayout(tokens=6 * 40, num_layers=2, hidden_size=H,
+                                                                     topk=0, chunk_tokens=64, layer_ids=layers))
     values = []
     for sid in range(6):
         x = rng.standard_normal((40, 2, H)).astype(np.float32)
@@ -76,9 +77,7 @@ def test_layer_stats_and_outlier_channels(tmp_path):
         bits = (x.view(np.uint32) >> 16).astype(np.uint16)  # truncate to bf16
         values.append((bits.astype(np.uint32) << 16).view(np.float32))
         w.append(sid, rng.integers(0, 100, 40).astype(np.int32), np.ones(40, np.uint8), bits, None, None)
-    entry = w.close("shard-000000")
-    entry["bytes"] = loc.du("shards/shard-000000.zarr")
-    store.commit_shard(entry)
+    publish_shard(store, w.close("shard-000000"))
     allv = np.concatenate(values)
     stats = open_cache(str(tmp_path / "cache")).layer_stat_records(max_tokens=10_000)
     for j, r in enumerate(stats):

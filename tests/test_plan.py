@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_offline.extract.launcher import make_batches, make_plan
+from dflash_offline.extract.plan import make_batches, make_plan
 from dflash_offline.target.model import check_kernels, default_layer_ids
 from dflash_offline.target.folder import read_target
 

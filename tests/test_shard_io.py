@@ -26,6 +26,7 @@ from conftest import extract_args, run_cli, tree_digest
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore, new_manifest
 from dflash_offline.cache.reader import CacheReader, ChunkFiles, Shard
+from dflash_offline.cache.shards import publish_shard, tmp_shard_rel
 from dflash_offline.cache.writer import ShardLayout, ShardWriter
 
 T, N_LAYERS, H, K, C = 5000, 3, 48, 4, 512
@@ -47,8 +48,8 @@ def _write(root: str, name: str = "shard-000000", batches=(700, 2100, 1500, 700)
                                      plan={"num_shards": 1, "shard_tokens": 0, "sort_window": 0}))
     loc.makedirs("shards")
     h, ti, tl = _data()
-    w = ShardWriter(loc, f"shards/{name}.zarr", ShardLayout(tokens=T, num_layers=N_LAYERS, hidden_size=H, topk=K,
-                                                             chunk_tokens=C, layer_ids=[0, 1, 2]))
+    w = ShardWriter(loc, tmp_shard_rel(name), ShardLayout(tokens=T, num_layers=N_LAYERS, hidden_size=H, topk=K,
+                                                           chunk_tokens=C, layer_ids=[0, 1, 2]))
     pos, sid = 0, 0
     for n in batches:
         samples = []
@@ -58,8 +59,7 @@ def _write(root: str, name: str = "shard-000000", batches=(700, 2100, 1500, 700)
             pos += t
         w.append_batch(samples, h[pos - n:pos], ti[pos - n:pos], tl[pos - n:pos])
     entry = w.close(name)
-    entry["bytes"] = loc.du(f"shards/{name}.zarr")
-    store.commit_shard(entry)
+    publish_shard(store, entry)
     return {"entry": entry, "direct": w._direct_root is not None}
 
 

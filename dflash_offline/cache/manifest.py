@@ -27,10 +27,6 @@ IDENTITY_FIELDS = [
     ("plan", "shard_tokens"), ("plan", "sort_window"), ("plan", "num_shards"), ("plan", "passes"),
 ]
 
-def shard_name(j: int) -> str:
-    """Shard j of the plan (in plan order): the format names shards by their plan index."""
-    return f"shard-{j:06d}"
-
 
 HOW_TO_FIX = "point --cache at a new location, or run with the settings the cache was made with"
 
@@ -96,6 +92,26 @@ def create_or_check(loc: Location, wanted: dict, read, check) -> dict:
         return existing
 
 
+def replace_unbound(loc: Location, wanted: dict, read, binds_nothing, check, remove_debris) -> str | None:
+    """Under the location's lock, with the run lock held: a manifest that `binds_nothing` (an
+    earlier attempt that failed before its first commit) and that `check` refuses is replaced by
+    `wanted`, after `remove_debris()` deleted that attempt's uncommitted files; the rerun its error
+    advised is then not refused. Shared by the cache and the output of `generate`. Returns the
+    first difference in words when it replaced the manifest, else None."""
+    with loc.lock():
+        m = read()
+        if m is None or not binds_nothing(m):
+            return None
+        try:
+            check(m)
+            return None
+        except UserError as e:
+            differs = str(e).split(": ", 1)[-1].split("; ")[0]
+        remove_debris()
+        loc.write_json_atomic(MANIFEST, wanted)
+    return differs
+
+
 class ManifestStore:
     def __init__(self, loc: Location):
         self.loc = loc
@@ -122,8 +138,17 @@ class ManifestStore:
 
     def init_or_check(self, wanted: dict) -> dict:
         """Create the manifest if absent, else refuse an incompatible run. Returns the manifest."""
-        return create_or_check(self.loc, wanted, self.read,
-                               lambda existing: check_compatible(existing, wanted, self.loc.url(MANIFEST)))
+        return create_or_check(self.loc, wanted, self.read, self._refuser(wanted))
+
+    def replace_unbound(self, wanted: dict) -> str | None:
+        """A manifest that binds nothing and was made with other settings is replaced by `wanted`,
+        its shard debris removed (nothing there is committed). Returns what differed, or None."""
+        return replace_unbound(self.loc, wanted, self.read, binds_nothing, self._refuser(wanted),
+                               lambda: self.loc.rmtree("shards"))
+
+    def _refuser(self, wanted: dict):
+        """The check that refuses an existing manifest made with settings other than `wanted`'s."""
+        return lambda existing: check_compatible(existing, wanted, self.loc.url(MANIFEST))
 
     def commit_shard(self, entry: dict) -> dict:
         """Add one complete, renamed shard; mark the cache complete when the plan is fulfilled."""
@@ -245,6 +270,13 @@ class ManifestStore:
 def committed_names(m: dict) -> set[str]:
     """Shards that have been committed: on storage (`shards`) or consumed and deleted (`released`)."""
     return {s["name"] for s in m["shards"]} | {s["name"] for s in m.get("released", [])}
+
+
+def binds_nothing(m: dict) -> bool:
+    """A manifest that holds no work: no shard committed (or consumed and released) and no trainer
+    following it, as an earlier attempt leaves that failed before its first commit (a bad row or
+    option found in a worker, a target that does not load). Its settings do not bind the cache."""
+    return not committed_names(m) and not m.get("consumers") and not m.get("releasing")
 
 
 def occupancy(m: dict) -> int:

@@ -13,10 +13,11 @@ import google_crc32c
 import numpy as np
 import zarr
 
-from dflash_offline.runtime.errors import UserError
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore
+from dflash_offline.cache.shards import shard_rel
 from dflash_offline.cache.writer import CHECKSUM_ARRAYS, checksum_algorithm, combine_digests, new_digest
+from dflash_offline.runtime.errors import UserError
 
 
 def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
@@ -57,9 +58,9 @@ class Shard:
         self.entry = entry
         self.name = entry["name"]
         try:
-            self.group = zarr.open_group(store=loc.url(f"shards/{self.name}.zarr"), mode="r", **loc.zarr_kwargs())
+            self.group = zarr.open_group(store=loc.url(shard_rel(self.name)), mode="r", **loc.zarr_kwargs())
             if not loc.remote:
-                self._check_chunk_files(loc.path(f"shards/{self.name}.zarr"))
+                self._check_chunk_files(loc.path(shard_rel(self.name)))
             self.offsets = self.group["sample_offsets"][:]
             self.ids = self.group["sample_ids"][:]
         except Exception as e:
@@ -139,7 +140,7 @@ class ChunkFiles:
         if key not in self._meta:
             import json
 
-            root = self.loc.path(f"shards/{shard}.zarr/{name}")
+            root = self.loc.path(f"{shard_rel(shard)}/{name}")
             with open(f"{root}/zarr.json", "rb") as f:
                 m = json.load(f)
             codecs = [(c["name"], (c.get("configuration") or {}).get("endian")) for c in m["codecs"]]
@@ -166,7 +167,7 @@ class ChunkFiles:
         C-contiguous array of the range's shape and dtype)."""
         m = self._array(shard, name)
         if m is None:
-            g = zarr.open_group(store=self.loc.url(f"shards/{shard}.zarr"), mode="r")
+            g = zarr.open_group(store=self.loc.url(shard_rel(shard)), mode="r")
             got = g[name][a:b]
             if out is None:
                 return got

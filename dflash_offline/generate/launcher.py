@@ -22,6 +22,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -50,6 +51,13 @@ class Job:
     rows_per_batch: int
     max_prompt_len: int
     compile: bool
+
+
+class Progress(NamedTuple):
+    """A worker's message to its launcher after each batch (the failure line is run_workers' own)."""
+
+    prompts: int  # prompts completed
+    tokens: int  # new tokens they got
 
 
 # ----------------------------------------------------------------------------------------------
@@ -293,8 +301,8 @@ def _launch_workers(job: Job, devices: list[str], todo_prompts: int, progress: b
                smoothing=0.1)
     done = {"prompts": 0, "tokens": 0, "t0": None, "first": 0}
 
-    def on_message(msg) -> None:
-        _, prompts, tokens = msg
+    def on_message(msg: Progress) -> None:
+        prompts, tokens = msg.prompts, msg.tokens
         if done["t0"] is None:  # the rate counts from the first finished batch, not the start-up
             done["t0"], done["first"] = time.time(), tokens
         done["prompts"] += prompts
@@ -406,7 +414,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
                 prompts_done += len(batch)
                 new_total += n_new
                 if q is not None:
-                    q.put(("progress", len(batch), n_new))
+                    q.put(Progress(len(batch), n_new))
                 if bar is not None:
                     bar.update(len(batch))
                     bar.set_postfix_str(f"{new_total / max(time.time() - t_start, 1e-9):,.0f} new tok/s")

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from dflash_offline.cache.location import Location
-from dflash_offline.cache.manifest import check_compatible, create_or_check
+from dflash_offline.cache.manifest import check_compatible, create_or_check, replace_unbound
 from dflash_offline.runtime.errors import UserError
 
 log = logging.getLogger("dflash.generate")
@@ -101,30 +101,28 @@ class OutputStore:
 
     def init_or_check(self, wanted: dict) -> dict:
         """Create the manifest if absent, else refuse a run with another target or settings."""
-        return create_or_check(self.loc, wanted, self.read, lambda existing: check_compatible(
-            existing, wanted, str(self.folder / MANIFEST), fmt=FORMAT, version=VERSION, fields=IDENTITY_FIELDS,
-            how_to_fix=HOW_TO_FIX, what="generate output"))
+        return create_or_check(self.loc, wanted, self.read, self._refuser(wanted))
 
     def replace_unbound(self, wanted: dict) -> None:
         """With the run lock held: a manifest that lists no part (an earlier attempt that failed
         before its first commit) and was made with other settings is replaced by this run's, and
         its part debris removed; the rerun that attempt's error advised is then not refused."""
-        with self.loc.lock():
-            m = self.read()
-            if m is None or m["parts"]:
-                return
-            try:
-                check_compatible(m, wanted, str(self.folder / MANIFEST), fmt=FORMAT, version=VERSION,
-                                 fields=IDENTITY_FIELDS, how_to_fix=HOW_TO_FIX, what="generate output")
-                return
-            except UserError as e:
-                differs = str(e).split(": ", 1)[-1].split("; ")[0]
-            for name in self.loc.listdir(""):
-                if name.startswith("part-"):
-                    os.remove(self.loc.path(name))
-            self.loc.write_json_atomic(MANIFEST, wanted)
-        log.warning("an earlier attempt on this output committed no part (%s): its manifest is replaced by this "
-                    "run's settings", differs)
+        differs = replace_unbound(self.loc, wanted, self.read, lambda m: not m["parts"], self._refuser(wanted),
+                                  self._remove_parts)
+        if differs is not None:
+            log.warning("an earlier attempt on this output committed no part (%s): its manifest is replaced by "
+                        "this run's settings", differs)
+
+    def _refuser(self, wanted: dict):
+        """The check that refuses an existing manifest made with another target or settings."""
+        return lambda existing: check_compatible(existing, wanted, str(self.folder / MANIFEST), fmt=FORMAT,
+                                                 version=VERSION, fields=IDENTITY_FIELDS, how_to_fix=HOW_TO_FIX,
+                                                 what="generate output")
+
+    def _remove_parts(self) -> None:
+        for name in self.loc.listdir(""):
+            if name.startswith("part-"):
+                os.remove(self.loc.path(name))
 
     def commit_part(self, entry: dict) -> dict:
         """List one complete, renamed part; mark the output complete when the plan is fulfilled."""

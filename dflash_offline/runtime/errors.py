@@ -1,20 +1,10 @@
 """Errors a user can act on: the one-line UserError, and a full device named as such."""
 
-
 from __future__ import annotations
-
-
 
 
 class UserError(Exception):
     """Bad input or configuration: the CLI prints the message as one line and exits with 2."""
-
-
-def is_no_space(text: str) -> bool:
-    """Whether an error line is a full device (ENOSPC, or the quota kind EDQUOT)."""
-    import errno
-
-    return any(f"[Errno {n}]" in text for n in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)))
 
 
 class NoRoom(RuntimeError):
@@ -22,16 +12,19 @@ class NoRoom(RuntimeError):
     output was removed: the message says what is intact and how to go on."""
 
 
-def no_room_reason(exc: BaseException) -> str | None:
-    """Why a failed write found no room, in words, or None when the error says otherwise. Native
-    writers (safetensors, torch.save) report it only in their message text."""
+def no_room_reason(err: BaseException | str) -> str | None:
+    """Why a failed write found no room (a full device, a quota, a file-size limit), in words, or
+    None when the error says otherwise. `err` is the exception, or its one-line text as a worker
+    process reports it to its launcher. Native writers (safetensors, torch.save) report it only in
+    their message text."""
     import errno
 
-    text = str(exc)
+    text = str(err)
     for code, words, marks in ((errno.ENOSPC, "the device is full", ("No space left",)),
                                (getattr(errno, "EDQUOT", errno.ENOSPC), "the disk quota is reached", ("quota",)),
                                (errno.EFBIG, "a file-size limit was reached (ulimit -f)", ("File too large",))):
-        if getattr(exc, "errno", None) == code or f"os error {code})" in text or any(m in text for m in marks):
+        if (getattr(err, "errno", None) == code or f"[Errno {code}]" in text or f"os error {code})" in text
+                or any(m in text for m in marks)):
             return words
     return None
 

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         a, b = _shards(ref), _shards(dut)
         return all(a.get(k) == v for k, v in b.items())
 
-    from dflash_offline.extract.launcher import make_plan
+    from dflash_offline.extract.plan import make_plan
 
     import pyarrow.parquet as pq
 

@@ -1,0 +1,156 @@
+"""Option values: TOML recipes read and checked, merged with the command line, and the range
+checks every stage's `validate()` runs.
+
+A recipe (`stages/<deployment>/<stage>.toml`) uses the config dataclass's field names; a wrong key
+or type is one line naming the file and the key, and a value out of range one line naming the
+command-line option, before any work starts. Command-line values win over the recipe, the recipe
+over the defaults (`merge`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from dflash_offline.runtime.errors import UserError
+
+# Sizes and counts beyond 2^50 are typos; numpy and torch would overflow on them mid-run.
+_LARGEST = 1 << 50
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _integer(cfg, name: str) -> int | None:
+    """The option's value, refused in one line unless it is an integer (or None)."""
+    v = getattr(cfg, name)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+        raise UserError(f"{_flag(name)} must be an integer, got {v!r}")
+    if v is not None and abs(v) > _LARGEST:
+        raise UserError(f"{_flag(name)} {v} is too large (at most 2^50 = {_LARGEST})")
+    return v
+
+
+def check_positive(cfg, *names: str) -> None:
+    """Each named integer option is > 0 (None, where an option allows it, means unset)."""
+    for name in names:
+        v = _integer(cfg, name)
+        if v is not None and v <= 0:
+            raise UserError(f"{_flag(name)} must be positive, got {v}")
+
+
+def check_at_least(cfg, name: str, low: int, why: str) -> None:
+    """An integer option >= low (None = unset); `why` says what the low end means."""
+    v = _integer(cfg, name)
+    if v is not None and v < low:
+        raise UserError(f"{_flag(name)} must be >= {low} ({why}), got {v}")
+
+
+def check_number(cfg, name: str, low: float, high: float = math.inf, *, open_low: bool = False,
+                 open_high: bool = False, must: str, why: str = "") -> None:
+    """A float option within [low, high] (ends open as asked; None = unset); NaN and non-numbers are
+    refused. `must` names the range in words ("positive", "in [0, 1)"), `why` what goes wrong outside."""
+    v = getattr(cfg, name)
+    if v is None:
+        return
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+    if not (ok and (v > low if open_low else v >= low) and (v < high if open_high else v <= high)):
+        raise UserError(f"{_flag(name)} must be {must}, got {v!r}" + (f" ({why})" if why else ""))
+
+
+def parse_int_list(text: str | list | None, option: str = "--layers") -> list[int] | None:
+    """`"1,9,17"` or `[1, 9, 17]` -> [1, 9, 17]; None or "" or "auto" -> None."""
+    if text is None or (isinstance(text, str) and text.strip() in ("", "auto")):
+        return None
+    if isinstance(text, list):
+        items = text
+    else:
+        items = [s for s in str(text).replace(" ", "").split(",") if s]
+    try:
+        return [int(s) for s in items]
+    except (TypeError, ValueError):
+        raise UserError(f"{option} {text!r}: expected comma-separated integers like 1,9,17,25,33") from None
+
+
+_KIND = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+         "list[int]": "a list of integers (or a string like \"1,2,3\")", "list[str]": "a string or a list of strings"}
+
+
+def _recipe_value(path: Path, key: str, value: Any, annotation: str) -> Any:
+    """`value` checked against the field's annotation (the dataclasses' string annotations: a few
+    plain forms), so a wrong type is one line naming the file and key here, not a TypeError in a
+    worker after the work began. Integers are accepted where a number is expected."""
+    kinds = [k.strip() for k in annotation.split("|") if k.strip() != "None"]
+    for kind in kinds:
+        if kind == "bool" and isinstance(value, bool):
+            return value
+        if isinstance(value, bool):
+            continue
+        if kind == "int" and isinstance(value, int):
+            return value
+        if kind == "float" and isinstance(value, (int, float)):
+            return float(value)
+        if kind == "str" and isinstance(value, str):
+            return value
+        if kind == "list[int]" and (isinstance(value, str) or (isinstance(value, list) and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value))):
+            return value
+        if kind == "list[str]" and (isinstance(value, str) or (isinstance(value, list) and all(
+                isinstance(v, str) for v in value))):
+            return value
+        if kind not in _KIND:  # a form this check does not know: leave it to the field's own validation
+            return value
+    want = " or ".join(_KIND[k] for k in kinds)
+    got = f"{type(value).__name__} {value!r}" if not isinstance(value, (dict, list)) or len(repr(value)) < 60 \
+        else type(value).__name__
+    raise UserError(f"--config {path}: key {key!r} must be {want}, got {got}")
+
+
+def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> dict[str, Any]:
+    """Read a TOML recipe into {field: value}; unknown keys are an error naming the key and file.
+    Keys that are fields of `ignore` (not of `cls`) are dropped: `plan` reads extract's recipe
+    (the only caller that passes `ignore`, with ExtractConfig)."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"--config {path}: file not found") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--config {path}: not a text file (not UTF-8); give a TOML recipe") from None
+    except OSError as e:
+        raise UserError(f"--config {path}: cannot read it ({e.strerror or e}); give a TOML recipe file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"--config {path}: not valid TOML ({e})") from None
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    skip = {f.name for f in dataclasses.fields(ignore)} if ignore is not None else set()
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name in skip and name not in fields:
+            continue
+        if name not in fields:
+            raise UserError(
+                f"--config {path}: unknown key {key!r}; known keys: {', '.join(sorted(fields))}"
+                + (" (and the other keys of an extract recipe, ignored)" if ignore is not None else "")
+            )
+        out[name] = _recipe_value(path, key, value, str(fields[name].type))
+    # Relative paths in a recipe are relative to the directory the command runs in, like CLI paths.
+    for name, value in out.items():  # one path where a list of paths is expected
+        if isinstance(value, str) and str(fields[name].type).startswith("list[str]"):
+            out[name] = [value]
+    for name in ("layers", "init_layers"):
+        if name in out:
+            out[name] = parse_int_list(out[name], option="--" + name.replace("_", "-"))
+    if "eos_token_ids" in out:
+        out["eos_token_ids"] = parse_int_list(out["eos_token_ids"], option="eos_token_ids")
+    return out
+
+
+def merge(cls: type, recipe: dict[str, Any], cli_given: dict[str, Any]):
+    """Defaults < recipe < values given on the command line."""
+    values = {**recipe, **cli_given}
+    return cls(**values)
