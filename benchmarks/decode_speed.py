@@ -90,10 +90,14 @@ def part1(args, device: str) -> dict:
     res: dict = {"prompts": len(prompts), "max_new_tokens": new, "dtype": args.dtype, "batch": args.batch_size}
     one = prompts[: args.batch1_prompts]
     session = TargetSession(model, [0])
+    # Every timed phase runs once untimed first (kernels, allocator, lazy initialisation), so the
+    # first measured phase does not pay for the ones after it.
+    greedy_decode(session, one[0], 16, eos)
     alone1, t_alone1 = timed(device, lambda: [greedy_decode(session, p, new, eos) for p in one])
     tok1 = sum(len(r.tokens) for r in alone1)
     res["batch1_alone"] = {"prompts": len(one), "tokens": tok1, "seconds": t_alone1, "tokens_per_s": tok1 / t_alone1}
     dec = BatchDecoder(model, args.batch_size, max(len(p) for p in prompts), new, eos, Sampling())
+    dec.decode(prompts[:args.batch_size], ids[:args.batch_size])
     alone_n, t_alone_n = timed(device, lambda: [r for k in range(0, len(prompts), args.batch_size)
                                                  for r in dec.decode(prompts[k:k + args.batch_size],
                                                                      ids[k:k + args.batch_size]).tokens])
@@ -104,6 +108,9 @@ def part1(args, device: str) -> dict:
         d = load_drafter(path, args.target)
         sess = TargetSession(model, d.cfg.target_layer_ids)
         prop = DFlashProposer(d, device, args.dtype)
+        speculative_decode(sess, prop, one[0], 32, eos)
+        batched_speculative_decode(model, BatchDFlashProposer(d, device, args.dtype), d.cfg.target_layer_ids,
+                                   prompts[:2], 32, eos, 2)
         spec1, t1 = timed(device, lambda: [speculative_decode(sess, prop, p, new, eos) for p in one])
         specn, tn = timed(device, lambda: batched_speculative_decode(
             model, BatchDFlashProposer(d, device, args.dtype), d.cfg.target_layer_ids, prompts, new, eos, args.batch_size))
@@ -142,6 +149,14 @@ def part2(args, device: str) -> dict:
     t0 = time.time()
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    # Random weights make a chaotic 64-layer stack: bf16 rounding differences between a one-token
+    # step and a block verify flip the greedy token, so even an oracle is refused. Shrinking every
+    # residual branch's output projection keeps the stream near its embeddings and the greedy
+    # choice stable; shapes, kernels and so the time per forward are unchanged.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+                p.mul_(0.02)
     print(f"ceiling: target built in {time.time() - t0:.0f}s", flush=True)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, shape["vocab_size"], (args.ceiling_prompt_len,), generator=g).tolist()
@@ -157,6 +172,7 @@ def part2(args, device: str) -> dict:
     res = {"shape": "tiny" if args.tiny else "qwen3.5-27b (random weights)", "dtype": str(dtype), "prompts": len(prompts),
            "prompt_len": args.ceiling_prompt_len, "new_tokens": new, "alone_tokens_per_s": tok / t_alone, "blocks": []}
     for B in args.block_sizes:
+        speculative_decode(session, Oracle(prompts[0] + alone[0].tokens, B), prompts[0], 2 * B, set())  # warm-up
         spec, t = timed(device, lambda: [speculative_decode(session, Oracle(p + r.tokens, B), p, new, set())
                                          for p, r in zip(prompts, alone)])
         s = summarize(spec, B)

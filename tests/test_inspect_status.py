@@ -192,7 +192,7 @@ def test_status_of_a_run_that_crashed(valid_cache, tiny_dense, tmp_path):
     assert "stopped before the end: run the same train command again to resume from step-2" in lines[0], r.stdout
     assert "checkpoints: step-2; export: no" in r.stdout
     assert "train-launcher" in r.stdout and "failed: InjectedFault: injected failure at train-step" in r.stdout
-    assert "last error: dflash_offline.runtime.InjectedFault: injected failure at train-step" in r.stdout
+    assert "last error: dflash_offline.runtime.faults.InjectedFault: injected failure at train-step" in r.stdout
     assert "train-launcher.log" in r.stdout
     # The traceback is in the log file, for whoever reads it later.
     assert "Traceback" in (out / "logs" / "train-launcher.log").read_text()

@@ -1,0 +1,144 @@
+"""The package layout keeps its promises: the stages meet only at the cache contract, nothing imports
+in a circle, no module grows past a page a reader can hold, and the code is lint-clean.
+
+Imports are read from the source (ast), inside functions too: a lazy import still ties two modules."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "dflash_offline"
+MAX_LINES = 500
+
+# package -> packages it must never import. Stage one (extract) and stage two (train) meet only at
+# the cache contract (cache/); the shared plumbing (runtime/) and the cache protocol (cache/) import
+# no stage at all, so either stage can run, and be tested, without the other's code.
+STAGES = ("extract", "generate", "train", "drafter", "evaluate")
+FORBIDDEN = {
+    "extract": {"train", "drafter", "evaluate"},
+    "generate": {"train", "drafter", "evaluate"},
+    "train": {"extract", "generate"},
+    "drafter": {"extract", "generate", "train", "evaluate"},
+    "cache": {"target", *STAGES},
+    "target": set(STAGES),
+    "runtime": {"cache", "target", *STAGES},
+}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every dflash_offline module this file imports, at the top or inside a function."""
+    tree = ast.parse(path.read_text())
+    me = module_name(path).split(".")
+    package = me if path.name == "__init__.py" else me[:-1]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("dflash_offline")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1])
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            if not mod.startswith("dflash_offline"):
+                continue
+            for a in node.names:  # `from pkg import module` imports the module
+                sub = f"{mod}.{a.name}"
+                out.add(sub if resolve(sub) else mod)
+    return {m for m in out if resolve(m)}
+
+
+def resolve(mod: str) -> Path | None:
+    p = ROOT.joinpath(*mod.split("."))
+    if p.with_suffix(".py").is_file():
+        return p.with_suffix(".py")
+    if (p / "__init__.py").is_file():
+        return p / "__init__.py"
+    return None
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(p): imports_of(p) - {module_name(p)} for p in sorted(PKG.rglob("*.py"))}
+
+
+def test_stages_meet_only_at_the_cache():
+    bad = []
+    for mod, deps in graph().items():
+        parts = mod.split(".")
+        if len(parts) < 3 or parts[1] not in FORBIDDEN:
+            continue
+        for dep in deps:
+            dparts = dep.split(".")
+            if len(dparts) > 1 and dparts[1] in FORBIDDEN[parts[1]]:
+                bad.append(f"{mod} imports {dep}")
+    assert not bad, "stage boundary crossed:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_circle():
+    g = graph()
+    # Tarjan's strongly connected components: any component of more than one module is a circle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_modules_stay_small():
+    big = {str(p.relative_to(ROOT)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not big, f"modules over {MAX_LINES} lines (split them by what they hold): {big}"
+
+
+def test_every_module_says_what_it_holds():
+    bare = [str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")
+            if p.name != "__main__.py" and not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not bare, f"modules without a docstring: {bare}"
+
+
+def test_ruff_is_clean():
+    ruff = shutil.which("ruff") or (Path(sys.executable).parent / "ruff")
+    if not Path(ruff).exists():
+        pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
+    r = subprocess.run([str(ruff), "check", "--no-cache", "dflash_offline", "tests", "benchmarks"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
