@@ -275,14 +275,18 @@ def _worker_failure(job: Job, rank: int, device: str, code: int, error: str | No
     """The launcher's one line for a failed worker: its own error, and for a full device what to do."""
     from dflash_offline.cache.location import Location
 
-    if error and no_room_reason(error):
+    reason = no_room_reason(error) if error else None
+    if reason:
         error = error.split("; see ")[0]  # the worker's pointer to its logs and its advice: said below
         loc = Location(job.cfg["cache"])
         m = ManifestStore(loc).read() or {"shards": [], "released": []}
         done = len(committed_names(m))
-        return (f"no space left on the device of {loc.path()}: {done}/{len(job.shards)} shards committed, none "
-                f"half-written; free space (or raise the quota), then run the same command again to resume "
-                f"(worker {rank}: {error})")
+        # A file-size limit is not a full device: say which, so the fix offered is the right one.
+        head, fix = ((f"a file-size limit (ulimit -f) stopped a write in {loc.path()}", "raise the limit")
+                     if error and "ulimit" in reason else
+                     (f"no space left on the device of {loc.path()}", "free space (or raise the quota)"))
+        return (f"{head}: {done}/{len(job.shards)} shards committed, none half-written; {fix}, then run the "
+                f"same command again to resume (worker {rank}: {error})")
     what = error or f"exited with code {code}"
     return f"worker {rank} ({device}) failed: {what}; see {log_path}. Run the same command again to resume."
 

@@ -170,7 +170,7 @@ def release_consumed(cfg: TrainConfig, plan: TrainPlan, window: int) -> None:
     after (a kill in between leaves folders that the next call deletes)."""
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore
-    from dflash_offline.cache.shards import shard_name
+    from dflash_offline.cache.shards import delete_released, shard_name
 
     n = min(window * cfg.follow_window, plan.follow.num_shards)
     if n == 0:
@@ -180,8 +180,6 @@ def release_consumed(cfg: TrainConfig, plan: TrainPlan, window: int) -> None:
     store = ManifestStore(loc)
     pending = store.record_consumed(plan.follow.consumer, finished, release=cfg.stream)
     fault_point("train-released")
-    for name in pending:
-        loc.rmtree(f"shards/{name}.zarr")
+    delete_released(store, pending)
     if pending:
-        store.deleted(pending)
         log.info("released %d shards (%s .. %s)", len(pending), pending[0], pending[-1])
