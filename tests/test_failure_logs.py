@@ -98,3 +98,18 @@ def test_train_failures_leave_log_traceback_and_phase(arith_cache, tiny_dense, b
         results = list(pool.map(one, [c for c, _, _ in TRAIN_CASES]))
     for (case, process, phase), (r, out, expect) in zip(TRAIN_CASES, results):
         check_failure(r, out / "logs", out, process, phase, expect)
+
+
+def test_the_rank_that_failed_first_is_named(arith_cache, tiny_dense, tmp_path):
+    """Two ranks; rank 1 fails at step 2 (DFLASH_OFFLINE_FAULT_RANK), rank 0 then fails in its
+    broken collective. The launcher's one line names rank 1 and its own error, not rank 0's
+    consequence (the launchers of both stages share one supervisor, runtime/supervise.py)."""
+    out = tmp_path / "run"
+    r = run_cli(["train", "--target", tiny_dense, "--cache", arith_cache, "--out", out, *TRAIN, "--epochs", "1",
+                 "--max-steps", "6", "--devices", "cpu,cpu"],
+                env={"DFLASH_OFFLINE_RAISE_AT": "train-step:2", "DFLASH_OFFLINE_FAULT_RANK": "1"})
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("failed: training rank 1 failed: ") and "injected failure at train-step" in last, r.stderr
+    assert f"see {out / 'logs' / 'train-rank1.log'}" in last, last
+    assert "Traceback" not in r.stderr

@@ -106,6 +106,7 @@ def test_extract_stops_after_the_shard_and_resumes(sig, group, devices, extract_
     assert f"{name} received: stopping at the next safe point" in (cache / "logs" / "extract-launcher.log").read_text()
     for w in workers:
         assert "stop requested by the launcher" in (cache / "logs" / f"{w}.log").read_text()
+        assert name in heartbeat(cache / "logs", w)["error"], w  # the launcher's signal, not another
     st = run_cli(["status", cache, "--json"])
     procs = {p["name"]: p["state"] for p in json.loads(st.stdout)["processes"]}
     assert procs["extract-launcher"] == "stopped" and all(procs[w] == "stopped" for w in workers), procs

@@ -3,7 +3,7 @@ ones between a worker and its shard writer processes (`sink.py`).
 
 NamedTuples: they pickle small (a batch message crosses a process queue per forward batch), and a
 receiver tells them apart by type rather than by a leading string. The worker's failure line is
-run_workers' own ("error", rank, line) and is not among them.
+run_workers' own WorkerError (runtime/supervise.py) and is not among them.
 """
 
 from __future__ import annotations

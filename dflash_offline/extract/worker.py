@@ -19,6 +19,7 @@ from dflash_offline.extract.messages import Paused, Progress
 from dflash_offline.extract.plan import Job, make_batches
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.logs import heartbeat, open_process_log, worker_outcome
+from dflash_offline.runtime.supervise import WorkerError
 from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
 from dflash_offline.runtime.units import human_bytes
 
@@ -42,7 +43,7 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     open_process_log(log_folder(ExtractConfig(**job.cfg), loc), f"extract-rank{rank}", console=True, claim=True)
     install_stop_handlers(launched=True)
     # ("error", rank, line) is run_workers' own message: it keeps the line for the failure report.
-    with worker_outcome(on_error=lambda line: q.put(("error", rank, line))):
+    with worker_outcome(on_error=lambda line: q.put(WorkerError(rank, line))):
         left = worker_run(rank, world, device, job, progress=q, show_bar=False, todo_tokens=0)
         if left:
             raise Stopped(stop_requested(), f"worker {rank}: stopped on {signal_name(stop_requested())} "

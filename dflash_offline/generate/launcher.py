@@ -332,13 +332,14 @@ def _launch_workers(job: Job, devices: list[str], todo_prompts: int, progress: b
 def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     """Spawned process: log file first, then torch, then the work."""
     from dflash_offline.runtime.logs import worker_outcome
+    from dflash_offline.runtime.supervise import WorkerError
     from dflash_offline.runtime.supervise import die_with_parent
 
     die_with_parent()
     open_process_log(job.cfg["log_dir"] or os.path.join(job.folder, "logs"), f"generate-rank{rank}",
                      claim=True)
     install_stop_handlers(launched=True)
-    with worker_outcome(on_error=lambda line: q.put(("error", rank, line))):
+    with worker_outcome(on_error=lambda line: q.put(WorkerError(rank, line))):
         left = worker_run(rank, world, device, job, q, False, 0)
         if left:
             raise Stopped(stop_requested(), f"worker {rank}: stopped on {signal_name(stop_requested())} after "

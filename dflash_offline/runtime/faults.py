@@ -36,8 +36,13 @@ def fault_point(name: str) -> None:
       DFLASH_OFFLINE_HOLD_AT=name:N   wait there until a stop is requested (at most 10 minutes),
                                       heartbeat phase "held at name": a signal lands mid-shard
                                       or mid-step, deterministically.
-    Unset, it costs five dict lookups.
+    DFLASH_OFFLINE_FAULT_RANK=R arms them only in the process whose RANK is R (a training rank;
+    a process without RANK counts as 0): one rank fails, the others follow in broken collectives.
+    Unset, it costs six dict lookups.
     """
+    only = os.environ.get("DFLASH_OFFLINE_FAULT_RANK")
+    if only is not None and os.environ.get("RANK", "0") != only:
+        return
     for var, action in FAULT_VARS.items():
         spec = os.environ.get(var)
         if not spec:

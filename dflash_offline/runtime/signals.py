@@ -18,11 +18,15 @@ log = logging.getLogger("dflash")
 # A process on its own (a launcher, a torchrun rank, a one-device run) takes SIGTERM and SIGINT.
 # A second signal this soon after the first is the same request arriving twice (a terminal's
 # Ctrl-C reaches every process of the group; torchrun forwards it as well); a later one stops at
-# once. A launcher's workers ignore both: the launcher passes each request on as FORWARD_SIGNAL,
-# which they count without any window (one: stop at the next safe point; two: stop now).
+# once. A launcher's workers ignore both: the launcher passes each request on as the forward
+# signal of the one it got, which they count without any window (one: stop at the next safe point;
+# two: stop now). One forward signal per stop signal, so that a worker's log, exit code and
+# heartbeat name the signal its launcher got.
 REPEAT_WINDOW_S = 2.0
-FORWARD_SIGNAL = signal.SIGUSR2  # SIGUSR1 is faulthandler's
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, FORWARD_SIGNAL)
+FORWARD_SIGNALS = {signal.SIGTERM: signal.SIGUSR2,  # SIGUSR1 is faulthandler's
+                   signal.SIGINT: signal.SIGRTMIN + 2}  # a real-time signal nothing else here uses
+_FORWARDED = {fwd: sig for sig, fwd in FORWARD_SIGNALS.items()}
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, *FORWARD_SIGNALS.values())
 STOP_CODES = {128 + signal.SIGINT, 128 + signal.SIGTERM}  # exit codes of a process that stopped on request
 
 
@@ -53,9 +57,10 @@ class _StopRequest:
         if self.abandoned:
             return
         now = time.monotonic()
-        name = "SIGTERM" if signum == FORWARD_SIGNAL else signal.Signals(signum).name  # what the launcher got
+        signum = _FORWARDED.get(signum, signum)  # what the launcher got
+        name = signal.Signals(signum).name
         if self.signum is None:
-            self.signum, self.at = (signal.SIGTERM if signum == FORWARD_SIGNAL else signum), now
+            self.signum, self.at = signum, now
             if self.launched:
                 log.info("stop requested by the launcher: stopping at the next safe point")
             else:
@@ -80,11 +85,12 @@ def install_stop_handlers(forward=None, launched: bool = False) -> None:
     """Route stop requests to the graceful stop (main thread only), then unblock the signals a
     launcher blocked around this process's start (see `spawning`). `forward(signum)`: a launcher
     passes each request on to its workers (forward_stop). `launched`: this process is such a
-    worker: SIGTERM and SIGINT are ignored (the launcher decides), FORWARD_SIGNAL counts."""
+    worker: SIGTERM and SIGINT are ignored (the launcher decides), the forward signals count."""
     _stop.forward, _stop.launched = forward, launched
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, signal.SIG_IGN if launched else _stop.handler)
-    signal.signal(FORWARD_SIGNAL, _stop.handler if launched else signal.SIG_IGN)
+    for s in FORWARD_SIGNALS.values():
+        signal.signal(s, _stop.handler if launched else signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 

@@ -8,10 +8,11 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 from dflash_offline.runtime.launch import RANK_WAIT_S, _UNSET, _launch_env
 from dflash_offline.runtime.logs import heartbeat, log
 from dflash_offline.runtime.signals import (
-    FORWARD_SIGNAL,
+    FORWARD_SIGNALS,
     STOP_CODES,
     install_stop_handlers,
     request_stop,
@@ -40,13 +41,15 @@ def failed_process(procs, allow=()) -> int | None:
     return next((r for r, p in enumerate(procs) if p.exitcode not in (None, 0, *allow)), None)
 
 
-def forward_stop(procs) -> None:
-    """A launcher passes a stop request on to its worker processes (FORWARD_SIGNAL): each finishes
-    its shard or step (the ranks agree on the step); a repeated request stops them at once."""
+def forward_stop(procs, signum: int | None = None) -> None:
+    """A launcher passes a stop request (`signum`, default the pending one) on to its worker
+    processes as that signal's forward signal: each finishes its shard or step (the ranks agree on
+    the step); a repeated request stops them at once."""
+    fwd = FORWARD_SIGNALS.get(signum or stop_requested() or signal.SIGTERM, FORWARD_SIGNALS[signal.SIGTERM])
     for p in procs:
         if p.is_alive():
             try:
-                os.kill(p.pid, FORWARD_SIGNAL)
+                os.kill(p.pid, fwd)
             except ProcessLookupError:
                 pass
 
@@ -72,11 +75,19 @@ def stop_processes(procs, failed: int | None, abandon: bool = False) -> None:
         p.join()
 
 
+class WorkerError(NamedTuple):
+    """A worker's own one-line error, sent to its launcher just before it exits (its log may sit on
+    a full device)."""
+
+    rank: int
+    line: str
+
+
 @dataclass
 class WorkersEnded:
     """How a launcher's worker processes ended (run_workers)."""
 
-    failed: int | None  # rank of the first worker that failed, else None
+    failed: int | None  # rank of the worker that failed first, else None
     error: str | None  # that worker's own one-line error, if it sent one
     exitcode: int | None  # that worker's exit code
     stopped: int | None  # the signal number when the run stopped on request, else None
@@ -85,16 +96,18 @@ class WorkersEnded:
 def run_workers(entry, devices: list[str], job, stage: str, on_message) -> WorkersEnded:
     """Start one spawned process per device, `entry(rank, world, device, job, queue)`, and
     supervise them to the end: each message a worker puts on the queue goes to `on_message`
-    (except ("error", rank, line), kept for the failure report); a stop request is passed on to
-    every worker; a worker stopped on its own (kill -TERM PID) stops the others; after a failure
-    the others are stopped (stop_processes)."""
+    (except WorkerError, kept for the failure report); a stop request is passed on to every
+    worker; a worker stopped on its own (kill -TERM PID) stops the others; after a failure the
+    others are stopped (stop_processes). The failure reported is the first one: the worker whose
+    error line came first (after it, ranks of one process group fail in broken collectives), else
+    the lowest rank that exited with an error."""
     import multiprocessing as mp
     import queue as queue_mod
 
     ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
     q = ctx.Queue()
     procs = []
-    install_stop_handlers(forward=lambda signum: forward_stop(procs))
+    install_stop_handlers(forward=lambda signum: forward_stop(procs, signum))
     with spawning():  # a request that comes meanwhile is forwarded once all are started
         for rank, dev in enumerate(devices):
             p = ctx.Process(target=entry, args=(rank, len(devices), dev, job, q), name=f"{stage}-rank{rank}")
@@ -103,21 +116,22 @@ def run_workers(entry, devices: list[str], job, stage: str, on_message) -> Worke
     log.info("started %d worker processes: %s", len(procs), ", ".join(f"{p.pid} on {d}" for p, d in zip(procs, devices)))
     heartbeat(phase=stage, workers=[p.pid for p in procs])
     failed = None
-    errors: dict[int, str] = {}  # rank -> its error line (sent before it exits)
+    errors: dict[int, str] = {}  # rank -> its error line, in the order they came
 
     def drain(timeout: float) -> bool:
         try:
             msg = q.get(timeout=timeout)
         except queue_mod.Empty:
             return False
-        if msg[0] == "error":
-            errors[msg[1]] = msg[2]
+        if isinstance(msg, WorkerError):
+            errors.setdefault(msg.rank, msg.line)
         else:
             on_message(msg)
         return True
 
     try:
         while True:
+            heartbeat(phase="stopping" if stop_requested() else stage)
             if drain(0.5):
                 continue
             failed = failed_process(procs, allow=STOP_CODES)
@@ -132,8 +146,9 @@ def run_workers(entry, devices: list[str], job, stage: str, on_message) -> Worke
         raise
     stop_processes(procs, failed)
     if failed is not None:
-        while drain(0.2):  # the failed worker's own error line, sent just before it exited
+        while drain(0.2):  # the failed workers' own error lines, sent just before they exited
             pass
+        failed = next(iter(errors), failed)
     return WorkersEnded(failed=failed, error=errors.get(failed) if failed is not None else None,
                         exitcode=procs[failed].exitcode if failed is not None else None,
                         stopped=stop_requested() if failed is None else None)

@@ -19,20 +19,17 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from pathlib import Path
+from typing import NamedTuple
 
 from dflash_offline.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.launch import join_ranks, torchrun_launch
 from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_process_log
 from dflash_offline.runtime.signals import (
-    STOP_CODES,
     Stopped,
     install_stop_handlers,
-    request_stop,
     signal_name,
-    spawning,
     stop_requested,
 )
 from dflash_offline.train.loop import train_worker
@@ -81,71 +78,50 @@ def run(cfg: TrainConfig) -> None:
     _spawn_ranks(cfg, plan, out)
 
 
-def _spawn_ranks(cfg: TrainConfig, plan: TrainPlan, out: Path) -> None:
-    """One process per device, supervised to the end: a stop request is passed on to every rank,
-    a rank stopped on its own stops the others, a failed rank stops the others and the run fails
-    with the first rank's error (the others' broken collectives follow from it)."""
-    import multiprocessing as mp
+class RankJob(NamedTuple):
+    """What a spawned rank is given: the run's options, preflight's plan, the rendezvous port."""
 
-    devices = plan.devices
+    cfg: TrainConfig
+    plan: TrainPlan
+    port: int
+
+
+def _spawn_ranks(cfg: TrainConfig, plan: TrainPlan, out: Path) -> None:
+    """One process per device, supervised to the end by the same supervisor as extract's workers
+    (runtime/supervise.py): a stop request is passed on to every rank, a rank stopped on its own
+    stops the others, a failed rank stops the others and the run fails with the error of the rank
+    that failed first (the others' broken collectives follow from it)."""
+    from dflash_offline.runtime.supervise import run_workers
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    from dflash_offline.runtime.supervise import failed_process, forward_stop, stop_processes
 
-    ctx = mp.get_context("spawn")
-    procs = []
-    errq = ctx.Queue()  # each failing rank's error line (its log may sit on a full disk)
-    install_stop_handlers(forward=lambda signum: forward_stop(procs))
-    with spawning():  # a request that comes meanwhile is forwarded once all are started
-        for rank, dev in enumerate(devices):
-            p = ctx.Process(target=_spawned, args=(rank, len(devices), dev, cfg, plan, port, errq),
-                            name=f"train-rank{rank}")
-            p.start()
-            procs.append(p)
-    failed = None
-    try:
-        while any(p.is_alive() for p in procs) and failed is None:
-            heartbeat(phase="stopping" if stop_requested() else "train", ranks=[p.pid for p in procs])
-            time.sleep(0.5)
-            failed = failed_process(procs, allow=STOP_CODES)
-            if not stop_requested() and any(p.exitcode in STOP_CODES for p in procs):
-                request_stop(next(p.exitcode for p in procs if p.exitcode in STOP_CODES) - 128)
-    except BaseException:  # a second signal (stop now), or an error in this loop
-        stop_processes(procs, failed, abandon=True)
-        raise
-    stop_processes(procs, failed)
-    bad = [r for r, p in enumerate(procs) if p.exitcode != 0 and not (stop_requested() and p.exitcode in STOP_CODES)]
-    if not bad and stop_requested():
-        raise Stopped(stop_requested(), stopped_message(stop_requested(), out))
-    if bad:
-        errors = {}
-        while True:
-            try:
-                r, line = errq.get(timeout=0.2)
-            except Exception:  # queue.Empty
-                break
-            errors[r] = line
-        # The first rank to fail is the cause; the others' errors (a broken collective) follow from it.
-        first = min(errors, key=lambda r: errors[r][0]) if errors else bad[0]
-        what = errors[first][1] if errors else f"exited with code {procs[first].exitcode}"
-        diverged = f"{TrainingDiverged.__name__}: "
-        if what.startswith(diverged):  # every rank stopped at the same step: the line says what to do
-            raise TrainingDiverged(what[len(diverged):])
-        raise RuntimeError(f"training rank {first} failed: {what}; see {out / 'logs' / f'train-rank{first}.log'}. "
-                           "Run the same command again to resume.")
+    def on_message(msg) -> None:  # ranks send nothing but their error lines
+        raise TypeError(f"unexpected message from a training rank: {msg!r}")
+
+    ended = run_workers(_spawned, plan.devices, RankJob(cfg, plan, port), "train", on_message)
+    if ended.failed is None:
+        if ended.stopped:
+            raise Stopped(ended.stopped, stopped_message(ended.stopped, out))
+        return
+    what = ended.error or f"exited with code {ended.exitcode}"
+    diverged = f"{TrainingDiverged.__name__}: "
+    if what.startswith(diverged):  # every rank stopped at the same step: the line says what to do
+        raise TrainingDiverged(what[len(diverged):])
+    raise RuntimeError(f"training rank {ended.failed} failed: {what}; see "
+                       f"{out / 'logs' / f'train-rank{ended.failed}.log'}. Run the same command again to resume.")
 
 
-def _spawned(rank: int, world: int, device: str, cfg: TrainConfig, plan: TrainPlan, port: int, errq) -> None:
-    """A spawned rank: its own log, the launcher's rendezvous, its error line on `errq` if it fails."""
-    from dflash_offline.runtime.supervise import die_with_parent
+def _spawned(rank: int, world: int, device: str, job: RankJob, q) -> None:
+    """A spawned rank: its own log, the launcher's rendezvous, its error line on `q` if it fails."""
+    from dflash_offline.runtime.logs import worker_outcome
+    from dflash_offline.runtime.supervise import WorkerError, die_with_parent
 
     die_with_parent()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    open_process_log(Path(cfg.out) / "logs", f"train-rank{rank}", claim=True)
+    open_process_log(Path(job.cfg.out) / "logs", f"train-rank{rank}", claim=True)
     install_stop_handlers(launched=True)
-    from dflash_offline.runtime.logs import worker_outcome
-
-    with worker_outcome(on_error=lambda line: errq.put((rank, (time.time(), line)))):
-        train_worker(rank, world, device, cfg, plan)
+    with worker_outcome(on_error=lambda line: q.put(WorkerError(rank, line))):
+        train_worker(rank, world, device, job.cfg, job.plan)
