@@ -331,13 +331,16 @@ class EvalConfig:
     batch_size: int = 1
     """Prompts decoded together. 1: one prompt at a time with a KV cache (any target); N > 1: N
     prompts per target forward, each round re-running the whole sequences without a cache
-    (batched_eval.py): exact, and much faster on a GPU for small targets."""
+    (evaluate/batched.py): exact, and much faster on a GPU for small targets."""
     parity: int | None = None
     """With `cache` (held-out, the target's own greedy completions): on its first N samples,
     compare the every-anchor estimate, the walk and real decoding, and name the likely cause when
-    walk and decoding disagree (parity.py); exit code 1 then."""
+    walk and decoding disagree (evaluate/parity.py); exit code 1 then."""
     json_path: str | None = None
     """Write the full report here as JSON."""
+    log_dir: str | None = None
+    """Where the process log goes; default RUN/logs when the (first) drafter is inside a training
+    run folder (export/, best/, step-N/), else ./dflash-logs: never a folder beside someone's model."""
     progress: bool = True
 
     def validate(self) -> None:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,18 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
 # Helpers
 
 
+def _cli_cwd() -> Path:
+    """The CLI's working folder when a test gives none: a scratch folder, so that a default that
+    writes into the working folder (eval's ./dflash-logs) never lands in the repository."""
+    global _CLI_CWD
+    if _CLI_CWD is None:
+        _CLI_CWD = Path(tempfile.mkdtemp(prefix="dflash-cli-cwd-"))
+    return _CLI_CWD
+
+
+_CLI_CWD: Path | None = None
+
+
 def run_cli(args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
     """Run `python -m dflash_offline *args` in a new session (its own process group, so a fault
     point's SIGKILL of the group never reaches pytest), capturing stdout/stderr as text.
@@ -64,7 +77,7 @@ def run_cli(args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProces
             full_env.pop(k, None)
         else:
             full_env[k] = str(v)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd or _cli_cwd(), env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

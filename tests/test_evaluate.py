@@ -423,6 +423,30 @@ def test_eval_refusals(tiny_dense, tiny_hybrid, tmp_path):
     assert r.returncode == 2 and "--prompts" in r.stderr
 
 
+def test_eval_of_a_downloaded_drafter_writes_no_folder_beside_it(tiny_dense, tmp_path):
+    """A drafter outside any training run (downloaded, copied): eval's log goes to ./dflash-logs
+    (or --log-dir), never into a new logs/ folder beside someone's model."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_offline.drafter.export import export_drafter
+
+    models, work = tmp_path / "models", tmp_path / "work"
+    work.mkdir()
+    export = export_drafter(random_drafter(tiny_dense), str(models / "drafter"))
+    prompts = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"input_ids": [[5, 6, 7, 8]]}), prompts)
+    args = ["eval", "--target", tiny_dense, "--drafter", export, "--prompts", prompts, "--max-new-tokens", "4",
+            "--no-progress"]
+    r = run_cli(args, cwd=work)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in models.iterdir()) == ["drafter"]
+    assert (work / "dflash-logs" / "eval.log").is_file()
+    r = run_cli([*args, "--log-dir", tmp_path / "mine"], cwd=work)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "mine" / "eval.log").is_file()
+
+
 # ----------------------------------------------------------------------------------------------
 # --reference: the lossless check against given greedy completions
 

@@ -189,6 +189,19 @@ def _check_cache_target(cache: str, target: str) -> None:
                         "of this target's completions (or the target the cache was made from)")
 
 
+def log_folder(cfg: EvalConfig) -> Path:
+    """--log-dir, else the logs/ of the training run the first drafter belongs to (a folder train
+    made), else ./dflash-logs: eval never creates a folder beside a model someone put there."""
+    if cfg.log_dir:
+        return Path(cfg.log_dir)
+    from dflash_offline.train.checkpoint import list_checkpoints
+
+    run = Path(cfg.drafters[0]).absolute().parent
+    if list_checkpoints(run) or (run / "metrics.jsonl").is_file() or (run / ".run.lock").is_file():
+        return run / "logs"
+    return Path("dflash-logs").absolute()
+
+
 def run(cfg: EvalConfig) -> dict:
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
     from dflash_offline.runtime.logs import open_process_log
@@ -201,8 +214,7 @@ def run(cfg: EvalConfig) -> dict:
     check_report_dest(cfg.json_path)
     if cfg.cache:
         _check_cache_target(cfg.cache, cfg.target)
-    first = Path(cfg.drafters[0]).absolute()
-    open_process_log(first.parent / "logs", "eval")
+    open_process_log(log_folder(cfg), "eval")
     devices = parse_devices(cfg.device)
     if len(devices) != 1:
         raise UserError(f"--device {cfg.device}: eval runs on one device (e.g. 0 or cpu)")
