@@ -182,6 +182,12 @@ def run_status(path: str) -> dict:
     last, damaged = last_metrics(out / "metrics.jsonl")
     procs = processes(out / "logs", stage="train-") if (out / "logs").is_dir() else []
     total = next((p["total_steps"] for p in procs if p.get("total_steps")), None)
+    if last is not None:
+        # A heartbeat is written at most every 2 s, so a killed rank's may name an older step than
+        # the metrics line rank 0 wrote after the last step all ranks took together: the later wins.
+        for p in procs:
+            if isinstance(p.get("step"), int) and p["step"] < last["step"]:
+                p["step"] = last["step"]
     running = [p for p in procs if p["state"] == "running"]
     failed = [p for p in procs if p["state"] in ("failed", "died", "interrupted", "stopped")]
     export = (out / "export" / "config.json").is_file()

@@ -198,6 +198,22 @@ def test_status_of_a_run_that_crashed(valid_cache, tiny_dense, tmp_path):
     assert "Traceback" in (out / "logs" / "train-launcher.log").read_text()
 
 
+def test_status_of_a_killed_run_names_its_last_step(valid_cache, tiny_dense, tmp_path):
+    """SIGKILL right after step 5: the heartbeat (written at most every 2 s) may name an earlier
+    step; status shows the step the metrics prove was taken, for the run and for its process."""
+    out = tmp_path / "run"
+    r = run_cli(["train", "--target", tiny_dense, "--cache", valid_cache, "--out", out, "--seq-len", "128",
+                 "--num-anchors", "8", "--block-size", "8", "--global-batch-tokens", "128", "--mask-token-id", "1",
+                 "--num-layers", "1", "--checkpoint-every", "100", "--loader-workers", "0", "--no-progress"],
+                env={"DFLASH_OFFLINE_KILL_AT": "train-step:5"})
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    st = json.loads(run_cli(["status", out, "--json"]).stdout)
+    last = st["last_metrics"]["step"]
+    assert last >= 4, st  # the lines of the steps before the kill are whole
+    launcher = next(p for p in st["processes"] if p["name"] == "train-launcher")
+    assert launcher["state"] == "died" and launcher["step"] >= last, (launcher, last)
+
+
 def test_stage_after_stage_in_one_process_is_done_not_died(tiny_dense, tiny_data, tmp_path):
     """The demo runs extract, then train, in one process: opening the next stage's log finishes
     the previous stage's heartbeat as done (it returned), so status does not call it killed."""
