@@ -175,10 +175,14 @@ def _is_generated(p: Path) -> bool:
 
 
 def run_status(path: str) -> dict:
-    from dflash_offline.train.checkpoint import list_checkpoints
+    from dflash_offline.train.checkpoint import CHECKPOINT_PREFIX, checkpoint_damage, damaged_checkpoint, list_checkpoints
 
     out = Path(path)
     steps = list_checkpoints(out)
+    # Headers and sizes only (no tensors): what resume and export would refuse, said here first.
+    damage = {s: what for s in steps if (what := checkpoint_damage(out / f"{CHECKPOINT_PREFIX}{s}"))}
+    damage_notes = [damaged_checkpoint(out, s, what) for s, what in damage.items()]
+    intact = [s for s in steps if s not in damage]
     last, damaged = last_metrics(out / "metrics.jsonl")
     procs = processes(out / "logs", stage="train-") if (out / "logs").is_dir() else []
     total = next((p["total_steps"] for p in procs if p.get("total_steps")), None)
@@ -200,10 +204,13 @@ def run_status(path: str) -> dict:
         verdict = "finished (export written)"
     elif failed or steps or last is not None:
         verdict = "stopped before the end: run the same train command again to resume" + \
-                  (f" from step-{steps[-1]}" if steps else " (no checkpoint yet: from the start)")
+                  (f" from step-{intact[-1]}" if intact else " (no checkpoint yet: from the start)")
     else:
         verdict = "nothing recorded yet"
+    if damage_notes:
+        verdict += f"; DAMAGED checkpoint(s): {', '.join(f'step-{s}' for s in damage)}"
     return {"kind": "run", "path": str(path), "verdict": verdict, "checkpoints": steps,
+            "damaged_checkpoints": damage_notes,
             "last_metrics": last, "metrics_damaged": damaged, "total_steps": total, "export": export, "processes": procs,
             "last_error": last_error(out / "logs", "train-") if (out / "logs").is_dir() else None}
 
@@ -334,6 +341,8 @@ def format_status(st: dict) -> str:
                          f"tau {m['tau']:.2f}, {m['step_time']:.3f} s/step")
         if st.get("metrics_damaged"):
             lines.append(f"  note: {st['metrics_damaged']}")
+        for note in st.get("damaged_checkpoints") or []:
+            lines.append(f"  DAMAGED: {note}")
         lines.append(f"  checkpoints: {', '.join(f'step-{s}' for s in st['checkpoints']) or 'none'}; "
                      f"export: {'yes' if st['export'] else 'no'}")
     for p in st["processes"]:

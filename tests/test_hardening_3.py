@@ -435,3 +435,36 @@ def test_cache_folder_with_someone_elses_shards_folder_is_refused(tiny_dense, ti
     msg = _one_line(run_cli(extract_args(tiny_dense, tiny_data, cache)), 2, "error: ")
     assert "is not a cache" in msg and "README.txt" in msg
     assert sorted(os.listdir(cache / "shards")) == ["README.txt"] and not (cache / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("key, value, expect", [
+    ("vocab_size", "many", "vocab_size is 'many', not a positive integer"),
+    ("hidden_size", 0, "hidden_size is 0, not a positive integer"),
+    ("num_hidden_layers", 400, "transformers"),  # 400 layers but layer_types lists 4: its own check refuses
+], ids=["vocab-text", "hidden-zero", "layers-vs-layer-types"])
+def test_damaged_target_config_values_are_one_line(tiny_hybrid, tiny_data, tmp_path, key, value, expect):
+    t = tmp_path / "target"
+    shutil.copytree(tiny_hybrid, t)
+    cfg = json.loads((t / "config.json").read_text())
+    (cfg.get("text_config") or cfg)[key] = value
+    (t / "config.json").write_text(json.dumps(cfg))
+    msg = _one_line(run_cli(extract_args(t, tiny_data, tmp_path / "cache", "--layers", "1,2")), 2, "error: ")
+    assert str(t / "config.json") in msg and expect in msg, msg
+    assert not (tmp_path / "cache" / "manifest.json").exists()
+
+
+def test_status_names_a_damaged_checkpoint(straight_run, tmp_path):
+    """A checkpoint whose state.json was cut: status says so, with the fix, before resume or export
+    refuse it; the run folder is only read."""
+    run = tmp_path / "run"
+    shutil.copytree(straight_run("cpu"), run)
+    steps = sorted(int(p.name[5:]) for p in run.glob("step-*"))
+    state = run / f"step-{steps[-1]}" / "state.json"
+    state.write_text(state.read_text()[:12])
+    before = tree_digest(run)
+    r = run_cli(["status", run])
+    assert r.returncode == 0, r.stderr
+    assert f"DAMAGED: {state}: not valid JSON" in r.stdout and "the checkpoint is damaged: delete" in r.stdout, r.stdout
+    st = json.loads(run_cli(["status", run, "--json"]).stdout)
+    assert "DAMAGED checkpoint(s): step-" in st["verdict"] and len(st["damaged_checkpoints"]) == 1, st
+    assert tree_digest(run) == before

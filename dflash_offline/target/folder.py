@@ -143,6 +143,12 @@ def read_target(path: str) -> TargetInfo:
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if key not in text:
             raise UserError(f"{cfg_path}: missing {key!r}; is this a causal language model?")
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size", "max_position_embeddings"):
+        v = text.get(key)
+        if key in text and (v is not None or key != "max_position_embeddings") and (
+                isinstance(v, bool) or not isinstance(v, int) or (v < 1 and key != "num_hidden_layers")):
+            raise UserError(f"{cfg_path}: {key} is {v!r}, not a positive integer; the config is damaged: fix it or "
+                            "download the model again")
     if int(text["num_hidden_layers"]) < 1:
         raise UserError(f"{cfg_path}: num_hidden_layers is {text['num_hidden_layers']}: the target has no decoder "
                         "layers whose hidden states could be captured; point --target at a causal language model")

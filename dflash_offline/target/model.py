@@ -136,7 +136,14 @@ def route_cpu_tensors_to_torch_kernels(model) -> int:
 def _text_config(info: TargetInfo, keep_layers: int, need_head: bool):
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(info.path).get_text_config()
+    try:
+        config = AutoConfig.from_pretrained(info.path).get_text_config()
+    except Exception as e:  # transformers' own checks of the config's values (layer_types vs layers, ...)
+        import transformers
+
+        what = "; ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
+        raise UserError(f"{info.path / 'config.json'}: transformers {transformers.__version__} refuses it ({what[:300]}); "
+                        "fix the file or download the model again") from None
     if keep_layers < config.num_hidden_layers:
         config.num_hidden_layers = keep_layers
         if getattr(config, "layer_types", None):
