@@ -72,14 +72,8 @@ def part1(args, device: str) -> dict:
 
     from dflash_offline.evaluate.batched import BatchDFlashProposer, batched_speculative_decode
     from dflash_offline.evaluate.run import load_drafter, read_prompts
-    from dflash_offline.evaluate.speculative import (
-        DFlashProposer,
-        TargetSession,
-        greedy_decode,
-        load_target_for_decoding,
-        speculative_decode,
-        summarize,
-    )
+    from dflash_offline.evaluate.speculative import (DFlashProposer, TargetSession, greedy_decode,
+                                                     load_target_for_decoding, speculative_decode, summarize)
     from dflash_offline.generate.decoding import BatchDecoder, Sampling
     from dflash_offline.target.folder import eos_ids, read_target
 

@@ -11,14 +11,8 @@ import pytest
 import torch
 
 from dflash_offline.evaluate.batched import BatchDFlashProposer, batched_speculative_decode
-from dflash_offline.evaluate.speculative import (
-    DFlashProposer,
-    TargetSession,
-    greedy_decode,
-    load_target_for_decoding,
-    speculative_decode,
-    summarize,
-)
+from dflash_offline.evaluate.speculative import (DFlashProposer, TargetSession, greedy_decode,
+                                                 load_target_for_decoding, speculative_decode, summarize)
 from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.drafter.model import DFlashDrafter
 

@@ -14,14 +14,8 @@ import torch
 
 from conftest import fit_drafter_to_samples, run_cli
 from dflash_offline.evaluate.run import _decode_all, format_report, load_drafter, read_reference
-from dflash_offline.evaluate.speculative import (
-    DFlashProposer,
-    TargetSession,
-    greedy_decode,
-    load_target_for_decoding,
-    speculative_decode,
-    summarize,
-)
+from dflash_offline.evaluate.speculative import (DFlashProposer, TargetSession, greedy_decode,
+                                                 load_target_for_decoding, speculative_decode, summarize)
 from dflash_offline.evaluate.walk import cache_acceptance, cache_layer_columns, walk_acceptance, walk_rounds
 from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.drafter.model import DFlashDrafter

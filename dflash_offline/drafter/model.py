@@ -203,17 +203,9 @@ class DFlashDrafter(nn.Module):
     def load_frozen_from_target(self, target_dir: str) -> None:
         """Copy the target's embedding and LM head (exactly, in the checkpoint's dtype) from its
         safetensors; no other tensor is read and the target model is never built."""
-        from safetensors import safe_open
-
         info = read_target(target_dir)
         want = {"model.embed_tokens.weight"} | (set() if info.tie_word_embeddings else {"lm_head.weight"})
-        found: dict[str, Tensor] = {}
-        for f in info.weight_files:
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for key in sf.keys():
-                    name = checkpoint_name(key)
-                    if name in want and name not in found:
-                        found[name] = sf.get_tensor(key)
+        found = {name: sf.get_tensor(key) for name, sf, key in target_tensors(info, want)}
         missing = sorted(want - found.keys())
         if missing:
             raise UserError(f"--target {target_dir}: no {missing} in its safetensors")
@@ -306,7 +298,23 @@ class DFlashDrafter(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# Target layers as a start (--init-layers)
+# Target tensors: the frozen tables, and target layers as a start (--init-layers)
+
+
+def target_tensors(info, wanted: set[str]):
+    """(name, open safetensors file, its key) for the first tensor of each wanted name (names as
+    transformers' checkpoint conversion gives them) in the target's weight files; the caller reads
+    what it needs (the tensor, or only its shape) while the file is open."""
+    from safetensors import safe_open
+
+    seen: set[str] = set()
+    for f in info.weight_files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for key in sf.keys():
+                name = checkpoint_name(key)
+                if name in wanted and name not in seen:
+                    seen.add(name)
+                    yield name, sf, key
 
 
 def read_layer_tensors(target_dir: str, target_layers: list[int], drafter: "DFlashDrafter | None" = None,
@@ -315,8 +323,6 @@ def read_layer_tensors(target_dir: str, target_layers: list[int], drafter: "DFla
     target layer per drafter layer. Checks (one line each) that there is one id per drafter layer,
     that each exists, and that every tensor of the drafter's layer is in the target with its shape;
     with `drafter=None` only the shapes are read (a preflight check: no tensor is loaded)."""
-    from safetensors import safe_open
-
     cfg = drafter.cfg if drafter is not None else cfg
     info = read_target(target_dir)
     flag = "--init-layers"
@@ -334,14 +340,10 @@ def read_layer_tensors(target_dir: str, target_layers: list[int], drafter: "DFla
         want[f"model.layers.{target_layers[int(i)]}.{rest}"] = name
     found: dict[str, Tensor] = {}
     got_shapes: dict[str, tuple] = {}
-    for f in info.weight_files:
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for key in sf.keys():
-                tkey = checkpoint_name(key)
-                if tkey in want and tkey not in got_shapes:
-                    got_shapes[tkey] = tuple(sf.get_slice(key).get_shape())
-                    if drafter is not None and got_shapes[tkey] == shapes[want[tkey]]:
-                        found[want[tkey]] = sf.get_tensor(key)
+    for tkey, sf, key in target_tensors(info, set(want)):
+        got_shapes[tkey] = tuple(sf.get_slice(key).get_shape())
+        if drafter is not None and got_shapes[tkey] == shapes[want[tkey]]:
+            found[want[tkey]] = sf.get_tensor(key)
     missing = sorted(k for k in want if k not in got_shapes)
     if missing:
         raise UserError(f"{flag}: the target has no {missing[0]} ({len(missing)} drafter tensors missing): its "

@@ -27,15 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from dflash_offline.config import EvalConfig
-from dflash_offline.evaluate.speculative import (
-    Decoded,
-    DFlashProposer,
-    TargetSession,
-    greedy_decode,
-    load_target_for_decoding,
-    speculative_decode,
-    summarize,
-)
+from dflash_offline.evaluate.speculative import (Decoded, DFlashProposer, TargetSession,
+                                                 greedy_decode, load_target_for_decoding, speculative_decode, summarize)
 from dflash_offline.evaluate.walk import cache_acceptance, walk_acceptance
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.paths import REPORT_FORMAT, check_report_dest, require_kind
