@@ -136,12 +136,17 @@ def route_cpu_tensors_to_torch_kernels(model) -> int:
 def _text_config(info: TargetInfo, keep_layers: int, need_head: bool):
     from transformers import AutoConfig
 
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     try:
         config = AutoConfig.from_pretrained(info.path).get_text_config()
     except Exception as e:  # transformers' own checks of the config's values (layer_types vs layers, ...)
         import transformers
 
         what = "; ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
+        if info.model_type not in CONFIG_MAPPING:  # not a damaged file: a model transformers does not know
+            raise UserError(f"--target {info.path}: transformers {transformers.__version__} cannot build it as a "
+                            f"causal language model ({what[:200]}); point --target at a decoder-only causal LM") from None
         raise UserError(f"{info.path / 'config.json'}: transformers {transformers.__version__} refuses it ({what[:300]}); "
                         "fix the file or download the model again") from None
     if keep_layers < config.num_hidden_layers:
