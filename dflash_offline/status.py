@@ -17,6 +17,7 @@ from pathlib import Path
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.logs import HEARTBEAT_SUFFIX
 from dflash_offline.runtime.paths import require_kind
+from dflash_offline.train.run_folder import is_run_folder
 
 STALE_S = 120.0  # a live process whose heartbeat is older than this is reported as not advancing
 HUNG = ("a process is alive but has not advanced for minutes (hung?): read its log; `kill -USR1 PID` writes "
@@ -244,10 +245,6 @@ def last_metrics(path: Path) -> tuple[dict | None, str | None]:
                  + (f"the last whole one is step {rec['step']}" if rec else "no whole line before them"))
 
 
-def _is_run(p: Path) -> bool:
-    return p.is_dir() and ((p / "metrics.jsonl").exists() or any(p.glob("step-*")) or any((p / "logs").glob("train-*")))
-
-
 def _is_cache(p: Path) -> bool:
     from dflash_offline.cache.manifest import FORMAT
 
@@ -276,7 +273,7 @@ def folder_hint(path: str, command: str) -> str | None:
         if sub.is_dir() and not sub.name.startswith("."):  # .tmp-* folders are half-written exports
             if _is_cache(sub):
                 caches.append(os.path.join(path, sub.name))
-            elif _is_run(sub):
+            elif is_run_folder(sub):
                 runs.append(os.path.join(path, sub.name))
             elif _is_generated(sub):
                 generated.append(os.path.join(path, sub.name))
@@ -300,7 +297,7 @@ def status(path: str) -> dict:
         return generate_status(path)
     if "://" in str(path) or (p / "manifest.json").is_file() or any((p / "logs").glob("extract-*")):
         return cache_status(path)
-    if _is_run(p):
+    if is_run_folder(p):
         return run_status(path)
     raise UserError(folder_hint(path, "status") or
                     f"{path}: neither a cache (manifest.json) nor a training run folder (metrics.jsonl, step-N/, logs/)")

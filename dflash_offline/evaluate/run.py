@@ -187,10 +187,10 @@ def log_folder(cfg: EvalConfig) -> Path:
     made), else ./dflash-logs: eval never creates a folder beside a model someone put there."""
     if cfg.log_dir:
         return Path(cfg.log_dir)
-    from dflash_offline.train.checkpoint import list_checkpoints
+    from dflash_offline.train.run_folder import is_run_folder
 
     run = Path(cfg.drafters[0]).absolute().parent
-    if list_checkpoints(run) or (run / "metrics.jsonl").is_file() or (run / ".run.lock").is_file():
+    if is_run_folder(run):
         return run / "logs"
     return Path("dflash-logs").absolute()
 

@@ -1,14 +1,13 @@
 """Fault points: the crash tests kill, fail or stall a process at a named point through the environment."""
 
-
 from __future__ import annotations
 
 import os
 import signal
 import time
+
 from dflash_offline.runtime.logs import heartbeat, log
 from dflash_offline.runtime.signals import stop_requested
-
 
 
 # --------------------------------------------------------------------------------------------

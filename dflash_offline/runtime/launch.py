@@ -1,15 +1,14 @@
 """How a stage was launched (one process per device, or torchrun ranks), its devices, and the
 rendezvous of the ranks."""
 
-
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass
+
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.logs import heartbeat, log
-
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ This module imports nothing heavy (no torch, no zarr): it runs first in every pr
 process that dies while importing torch or loading weights has already written its log header and
 armed faulthandler. The earlier pipeline this project replaces died without a single log line."""
 
-
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +16,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.signals import Stopped
 

@@ -2,14 +2,13 @@
 
 Nothing the tool did not create is ever overwritten: each destination is checked here first."""
 
-
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from dflash_offline.runtime.errors import UserError
 
+from dflash_offline.runtime.errors import UserError
 
 
 def require_kind(path, option: str, folder: bool, what: str) -> None:

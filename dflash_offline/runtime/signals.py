@@ -1,6 +1,5 @@
 """Stop requests: the first SIGINT/SIGTERM stops at the next unit boundary, a second one at once."""
 
-
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +8,6 @@ import signal
 import time
 
 log = logging.getLogger("dflash")
-
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Supervising worker processes: a failed one stops the others; the launcher exits with its code."""
 
-
 from __future__ import annotations
 
 import os
@@ -9,6 +8,7 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
+
 from dflash_offline.runtime.launch import RANK_WAIT_S, _UNSET, _launch_env
 from dflash_offline.runtime.logs import heartbeat, log
 from dflash_offline.runtime.signals import (
@@ -19,7 +19,6 @@ from dflash_offline.runtime.signals import (
     spawning,
     stop_requested,
 )
-
 
 
 def die_with_parent() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.paths import refuse_foreign_folder
-from dflash_offline.train.checkpoint import list_checkpoints
+from dflash_offline.train.checkpoint import CHECKPOINT_PREFIX, list_checkpoints
 
 EXPORT = "export"
 BEST = "best"
@@ -21,6 +21,12 @@ CONSUMED = "consumed.jsonl"  # --follow: the windows trained
 # else there was not made by train, and is never written into.
 RUN_OWN_ENTRIES = {"logs", ".run.lock", "metrics.jsonl", "heldout.jsonl", "consumed.jsonl", "tensorboard", "profile",
                    EXPORT, "best", "best.json", "best.json.tmp"}
+
+
+def is_run_folder(p: Path) -> bool:
+    """A folder `train` made: its metrics, a checkpoint, or a training process's log."""
+    return p.is_dir() and ((p / "metrics.jsonl").exists() or any(p.glob(f"{CHECKPOINT_PREFIX}*"))
+                           or any((p / "logs").glob("train-*")))
 
 
 def refuse_foreign_run(out: Path) -> None:
