@@ -3,9 +3,10 @@
 Part 1, a real target and trained drafters (the pycode fixture by default), greedy, on one device:
   batch 1   the target alone (one prompt at a time, KV cache: `evaluate.greedy_decode`) against
             speculative decoding with each drafter (`evaluate.speculative_decode`, KV cache);
-  batch N   the target alone batched (`decoding.BatchDecoder`, the KV-cache decoder of
-            `generate`) against batched speculative decoding (`eval --batch-size N`:
-            `batched_eval`, whole sequences re-run per round, no KV cache).
+  batch N   the target alone batched, twice: `generate`'s decoder (`decoding.BatchDecoder`,
+            StaticCache) and eval's KV-cache batches with block size 1 (`kv_batch.NoDrafts`),
+            against batched speculative decoding (`eval --batch-size N`: `kv_batch`, KV caches;
+            with --with-rerun also `batched`, whole sequences re-run per round, hybrid targets' path).
   Reported: new tokens/s, the speed-up over the target alone at the same batch, tau (pooled),
   and how many outputs equal the target-alone decode (in bf16 a near-tie can flip).
 Part 2 (--ceiling), a Qwen3.5-27B-shaped target with random weights and an oracle drafter that
@@ -71,6 +72,7 @@ def part1(args, device: str) -> dict:
     import torch
 
     from dflash_offline.evaluate.batched import BatchDFlashProposer, batched_speculative_decode
+    from dflash_offline.evaluate.kv_batch import KVBatchDFlashProposer, NoDrafts, kv_batched_decode
     from dflash_offline.evaluate.run import load_drafter, read_prompts
     from dflash_offline.evaluate.speculative import (DFlashProposer, TargetSession, greedy_decode,
                                                      load_target_for_decoding, speculative_decode, summarize)
@@ -96,28 +98,49 @@ def part1(args, device: str) -> dict:
                                                  for r in dec.decode(prompts[k:k + args.batch_size],
                                                                      ids[k:k + args.batch_size]).tokens])
     tok_n = sum(len(t) for t in alone_n)
-    res["batched_alone"] = {"tokens": tok_n, "seconds": t_alone_n, "tokens_per_s": tok_n / t_alone_n}
+    res["batched_alone"] = {"decoder": "generate (StaticCache)", "tokens": tok_n, "seconds": t_alone_n,
+                            "tokens_per_s": tok_n / t_alone_n}
+    # The target alone through eval's KV-cache batches (block size 1): eval's own baseline.
+    kv_batched_decode(model, NoDrafts(), [], prompts[:2], 16, eos, 2)
+    alone_kv, t_alone_kv = timed(device, lambda: kv_batched_decode(model, NoDrafts(), [], prompts, new, eos,
+                                                                    args.batch_size))
+    tok_kv = sum(len(r.tokens) for r in alone_kv)
+    res["batched_alone_kv"] = {"decoder": "eval kv-cache, block 1", "tokens": tok_kv, "seconds": t_alone_kv,
+                               "tokens_per_s": tok_kv / t_alone_kv,
+                               "equal_to_generate": sum(a.tokens == b for a, b in zip(alone_kv, alone_n))}
+    fastest_alone = max(res["batched_alone"]["tokens_per_s"], res["batched_alone_kv"]["tokens_per_s"])
     res["drafters"] = []
     for path in args.drafter:
         d = load_drafter(path, args.target)
         sess = TargetSession(model, d.cfg.target_layer_ids)
         prop = DFlashProposer(d, device, args.dtype)
+        layers = d.cfg.target_layer_ids
         speculative_decode(sess, prop, one[0], 32, eos)
-        batched_speculative_decode(model, BatchDFlashProposer(d, device, args.dtype), d.cfg.target_layer_ids,
-                                   prompts[:2], 32, eos, 2)
+        kv_batched_decode(model, KVBatchDFlashProposer(d, device, args.dtype), layers, prompts[:2], 32, eos, 2)
         spec1, t1 = timed(device, lambda: [speculative_decode(sess, prop, p, new, eos) for p in one])
-        specn, tn = timed(device, lambda: batched_speculative_decode(
-            model, BatchDFlashProposer(d, device, args.dtype), d.cfg.target_layer_ids, prompts, new, eos, args.batch_size))
+        specn, tn = timed(device, lambda: kv_batched_decode(
+            model, KVBatchDFlashProposer(d, device, args.dtype), layers, prompts, new, eos, args.batch_size))
         s1, sn = summarize(spec1, d.cfg.block_size), summarize(specn, d.cfg.block_size)
         k1, kn = sum(len(r.tokens) for r in spec1), sum(len(r.tokens) for r in specn)
-        res["drafters"].append({
+        row = {
             "path": str(path), "block_size": d.cfg.block_size,
             "batch1": {"tau": s1["tau"], "tokens_per_s": k1 / t1, "speedup": (k1 / t1) / res["batch1_alone"]["tokens_per_s"],
                        "equal_to_alone": sum(a.tokens == b.tokens for a, b in zip(spec1, alone1))},
-            "batched": {"tau": sn["tau"], "tokens_per_s": kn / tn, "speedup": (kn / tn) / res["batched_alone"]["tokens_per_s"],
-                        "equal_to_alone": sum(a.tokens == b for a, b in zip(specn, alone_n)), "seconds": tn},
-        })
-        print(json.dumps(res["drafters"][-1]), flush=True)
+            "batched_kv": {"tau": sn["tau"], "tokens_per_s": kn / tn, "seconds": tn,
+                           "speedup_vs_kv_alone": (kn / tn) / res["batched_alone_kv"]["tokens_per_s"],
+                           "speedup_vs_fastest_alone": (kn / tn) / fastest_alone,
+                           "equal_to_alone": sum(a.tokens == b for a, b in zip(specn, alone_n))},
+        }
+        if args.with_rerun:
+            batched_speculative_decode(model, BatchDFlashProposer(d, device, args.dtype), layers, prompts[:2], 32, eos, 2)
+            specr, tr = timed(device, lambda: batched_speculative_decode(
+                model, BatchDFlashProposer(d, device, args.dtype), layers, prompts, new, eos, args.batch_size))
+            kr = sum(len(r.tokens) for r in specr)
+            row["batched_rerun"] = {"tau": summarize(specr, d.cfg.block_size)["tau"], "tokens_per_s": kr / tr,
+                                    "seconds": tr, "speedup_vs_fastest_alone": (kr / tr) / fastest_alone,
+                                    "equal_to_alone": sum(a.tokens == b for a, b in zip(specr, alone_n))}
+        res["drafters"].append(row)
+        print(json.dumps(row), flush=True)
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return res
@@ -189,6 +212,7 @@ def main() -> int:
     ap.add_argument("--batch1-prompts", type=int, default=20, help="prompts decoded one at a time (batch 1)")
     ap.add_argument("--batch-size", type=int, default=200)
     ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--with-rerun", action="store_true", help="also the re-run batched decoder (hybrid targets' path)")
     ap.add_argument("--ceiling", action="store_true", help="also part 2: the 27B-shaped oracle ceiling")
     ap.add_argument("--ceiling-prompts", type=int, default=4)
     ap.add_argument("--ceiling-prompt-len", type=int, default=512)
@@ -218,6 +242,7 @@ def main() -> int:
         d = DFlashDrafter(DrafterConfig.from_target(args.target, [1, 3], block_size=4, num_layers=1, mask_token_id=1))
         args.drafter = [str(export_drafter(d, str(tmp / "drafter")))]
         args.dtype, args.max_new_tokens, args.batch1_prompts, args.batch_size = "float32", 12, 2, 4
+        args.with_rerun = True
         args.ignore_eos, args.ceiling_prompts, args.ceiling_prompt_len, args.ceiling_new_tokens = True, 2, 8, 12
     if args.drafter:
         out["pycode"] = part1(args, device)

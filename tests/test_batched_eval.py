@@ -1,8 +1,9 @@
-"""`eval --batch-size N`: batched speculative decoding (whole sequences re-run each round, rows
-right-padded) gives what the one-prompt KV-cache decoder gives, prompt for prompt: the same
-tokens (the target's greedy decode), the same rounds and accepted lengths, on dense and hybrid
-tiny targets, with the trained-drafter proposer and with oracle drafts (tau = block size) that
-are corrupted so that rounds accept every length."""
+"""`eval --batch-size N`: both batched speculative decoders (the KV-cache one for attention-only
+targets, and the one that re-runs whole sequences each round, rows right-padded, for any target)
+give what the one-prompt KV-cache decoder gives, prompt for prompt: the same tokens (the target's
+greedy decode), the same rounds and accepted lengths, on dense and hybrid tiny targets, with the
+trained-drafter proposer and with oracle drafts (tau = block size) that are corrupted so that
+rounds accept every length."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from dflash_offline.evaluate.batched import BatchDFlashProposer, batched_speculative_decode
+from dflash_offline.evaluate.kv_batch import KVBatchDFlashProposer, NoDrafts, kv_batched_decode
 from dflash_offline.evaluate.speculative import (DFlashProposer, TargetSession, greedy_decode,
                                                  load_target_for_decoding, speculative_decode, summarize)
 from dflash_offline.drafter.config import DrafterConfig
@@ -70,15 +72,48 @@ class BatchOracle:
         return torch.tensor(out)
 
 
+class KVBatchOracle(BatchOracle):
+    """The oracle for the KV-cache batched decoder (anchors and positions instead of contexts)."""
+
+    def start(self, feats, positions, valid):
+        pass
+
+    def observe(self, feats, positions, valid):
+        pass
+
+    def select(self, rows, slots):
+        pass
+
+    def propose(self, anchors, positions, seqs):
+        assert positions.tolist() == [len(s) - 1 for s in seqs] and anchors.tolist() == [s[-1] for s in seqs]
+        return BatchOracle.propose(self, None, positions, anchors, seqs)
+
+
+def kv_applies(model) -> bool:
+    """The KV-cache batched decoder takes attention-only targets; a hybrid one is refused."""
+    from dflash_offline.evaluate.kv_batch import unsupported_reason
+
+    return unsupported_reason(model) is None
+
+
+@pytest.mark.parametrize("decoder", ["rerun", "kv"])
 @pytest.mark.parametrize("corrupt", [False, True])
-def test_batched_equals_one_prompt_decoding_with_oracle_drafts(target, corrupt):
+def test_batched_equals_one_prompt_decoding_with_oracle_drafts(target, corrupt, decoder):
     folder, model, prompts, reference = target
     B = 8
     fulls = {i: list(p) + list(ref) for i, (p, ref) in enumerate(zip(prompts, reference))}
+    if decoder == "kv" and not kv_applies(model):
+        with pytest.raises(ValueError, match="cannot decode this target: its layers include linear_attention"):
+            kv_batched_decode(model, KVBatchOracle(fulls, B, corrupt), LAYERS, prompts, MAX_NEW, set(), batch_size=3)
+        return
     session = TargetSession(model, LAYERS)
     one = [speculative_decode(session, Oracle(fulls[i], B, corrupt), p, MAX_NEW, set()) for i, p in enumerate(prompts)]
-    batched = batched_speculative_decode(model, BatchOracle(fulls, B, corrupt), LAYERS, prompts, MAX_NEW, set(),
-                                         batch_size=3)
+    if decoder == "kv":
+        batched = kv_batched_decode(model, KVBatchOracle(fulls, B, corrupt), LAYERS, prompts, MAX_NEW, set(),
+                                    batch_size=3)
+    else:
+        batched = batched_speculative_decode(model, BatchOracle(fulls, B, corrupt), LAYERS, prompts, MAX_NEW, set(),
+                                             batch_size=3)
     assert [r.tokens for r in batched] == reference == [r.tokens for r in one]
     assert [r.accepted for r in batched] == [r.accepted for r in one]
     tau = summarize(batched, B)["tau"]
@@ -89,8 +124,11 @@ def test_batched_equals_one_prompt_decoding_with_oracle_drafts(target, corrupt):
         assert tau > 0.9 * B
 
 
-def test_batched_equals_one_prompt_decoding_with_a_drafter(target):
+@pytest.mark.parametrize("decoder", ["rerun", "kv"])
+def test_batched_equals_one_prompt_decoding_with_a_drafter(target, decoder):
     folder, model, prompts, reference = target
+    if decoder == "kv" and not kv_applies(model):
+        return  # refused, as the oracle test shows
     torch.manual_seed(0)
     cfg = DrafterConfig.from_target(str(folder), LAYERS, block_size=4, num_layers=2, mask_token_id=1)
     d = DFlashDrafter(cfg)
@@ -101,8 +139,15 @@ def test_batched_equals_one_prompt_decoding_with_a_drafter(target):
     want = [greedy_decode(session, p, MAX_NEW, eos).tokens for p in prompts]
     assert len(want[2]) <= 7 and want[2][-1] in eos
     one = [speculative_decode(session, DFlashProposer(d, "cpu"), p, MAX_NEW, eos) for p in prompts]
-    batched = batched_speculative_decode(model, BatchDFlashProposer(d, "cpu"), LAYERS, prompts, MAX_NEW, eos,
-                                         batch_size=4)
+    if decoder == "kv":
+        batched = kv_batched_decode(model, KVBatchDFlashProposer(d, "cpu"), LAYERS, prompts, MAX_NEW, eos,
+                                    batch_size=4)
+        alone = kv_batched_decode(model, NoDrafts(), LAYERS, prompts, MAX_NEW, eos, batch_size=4)
+        assert [r.tokens for r in alone] == want  # block size 1: the target alone, batched
+        assert all(r.accepted == [0] * (len(r.tokens) - 1) for r in alone)
+    else:
+        batched = batched_speculative_decode(model, BatchDFlashProposer(d, "cpu"), LAYERS, prompts, MAX_NEW, eos,
+                                             batch_size=4)
     assert [r.tokens for r in batched] == want == [r.tokens for r in one]
     assert [r.accepted for r in batched] == [r.accepted for r in one]
     assert 1.0 <= summarize(batched, 4)["tau"] < 1.2  # an untrained drafter: tau near 1
@@ -133,3 +178,24 @@ def test_eval_features_are_the_raw_layer_outputs_extraction_stores(tiny_dense, t
         with torch.no_grad():
             normed = model(input_ids=ids, output_hidden_states=True).hidden_states[8][0]
         assert (normed - stored[:, 64:]).abs().max() > 0.5  # the post-norm tensor is another feature
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kv_batched_decoding_on_cuda_equals_one_prompt(tiny_dense):
+    """On a GPU (fp32, grouped SDPA kernels, per-row positions and slot masks) the KV-cache batched
+    decoder gives the one-prompt decoder's tokens and rounds, and block size 1 the target alone."""
+    model, _ = load_target_for_decoding(str(tiny_dense), "cuda", "float32")
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in (3, 40, 11, 27, 8, 19)]
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig.from_target(str(tiny_dense), LAYERS, block_size=4, num_layers=2, mask_token_id=1))
+    d.load_frozen_from_target(str(tiny_dense))
+    d.eval()
+    session = TargetSession(model, LAYERS)
+    want = [greedy_decode(session, p, 40, set()).tokens for p in prompts]
+    one = [speculative_decode(session, DFlashProposer(d, "cuda"), p, 40, set()) for p in prompts]
+    batched = kv_batched_decode(model, KVBatchDFlashProposer(d, "cuda"), LAYERS, prompts, 40, set(), batch_size=4)
+    alone = kv_batched_decode(model, NoDrafts(), [], prompts, 40, set(), batch_size=6)
+    assert [r.tokens for r in batched] == want == [r.tokens for r in one] == [r.tokens for r in alone]
+    assert [r.accepted for r in batched] == [r.accepted for r in one]

@@ -112,12 +112,19 @@ class DFlashAttention(nn.Module):
         position and cached."""
         return self._kv(ctx, cos, sin)
 
-    def draft(self, h: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def draft(self, h: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor,
+              ctx_mask: Tensor | None = None) -> Tensor:
         """Inference: one block over the cached context. Every cached position lies before the
-        anchor and the block is bidirectional, so no mask is needed."""
+        anchor and the block is bidirectional, so no mask is needed; a batched decoder whose cache
+        has unused slots (rejected drafts, padding) passes `ctx_mask` [R, S] (True = a context
+        position)."""
         k, v = self._kv(h, cos, sin)
+        mask = None
+        if ctx_mask is not None:
+            R, Q = h.shape[0], h.shape[1]
+            mask = torch.cat([ctx_mask, ctx_mask.new_ones(R, Q)], dim=1)[:, None, None, :].expand(R, 1, Q, -1)
         return self._attend(h, torch.cat([ctx_k, k.to(ctx_k.dtype)], dim=2), torch.cat([ctx_v, v.to(ctx_v.dtype)], dim=2),
-                            cos, sin, None)
+                            cos, sin, mask)
 
 
 class DFlashMLP(nn.Module):
@@ -143,8 +150,9 @@ class DFlashLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def draft(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.self_attn.draft(self.input_layernorm(x), ctx_k, ctx_v, cos, sin)
+    def draft(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor,
+              ctx_mask: Tensor | None = None) -> Tensor:
+        x = x + self.self_attn.draft(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, ctx_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -286,14 +294,16 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
 
     @torch.no_grad()
-    def draft_hidden(self, kv: list[tuple[Tensor, Tensor]], block_ids: Tensor, block_positions: Tensor) -> Tensor:
+    def draft_hidden(self, kv: list[tuple[Tensor, Tensor]], block_ids: Tensor, block_positions: Tensor,
+                     ctx_mask: Tensor | None = None) -> Tensor:
         """Final-normed hidden states [R, B, H] of one block [anchor, MASK x (B-1)] over the cached
-        context `kv` (every cached position precedes the anchor). Equal to the training forward of
-        the same block under the training mask (tests/test_evaluate.py)."""
+        context `kv` (every cached position precedes the anchor; `ctx_mask` [R, S], if given, says
+        which cached slots hold context). Equal to the training forward of the same block under
+        the training mask (tests/test_evaluate.py)."""
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
         cos, sin = rope_cos_sin(block_positions, self.cfg.head_dim, self.cfg.rope_theta)
         for layer, (k, v) in zip(self.layers, kv):
-            x = layer.draft(x, k, v, cos, sin)
+            x = layer.draft(x, k, v, cos, sin, ctx_mask)
         return self.norm(x)
 
 

@@ -1,9 +1,10 @@
 """`dflash-offline eval`: how many tokens a drafter saves, measured two ways.
 
 1. **Speculative decoding against the target** (`--prompts`; evaluate.speculative, and
-   evaluate.batched with `--batch-size`): every output is checked against the target's own
+   with `--batch-size` evaluate.kv_batch, KV caches for attention-only targets, or evaluate.batched,
+   whole sequences re-run for hybrid ones): every output is checked against the target's own
    greedy decode of the same prompt (lossless), and decode speed is measured against that plain
-   decode, prompt by prompt, in one run. With `--reference` the outputs are checked against given
+   decode in one run (one prompt at a time, or batched through the same KV-cache batches). With `--reference` the outputs are checked against given
    greedy completions instead (the target-alone decode costs as much as the speculative one), and
    no speed-up is measured.
 2. **Acceptance from the cache** (`--cache`; evaluate.walk), without running the target: the
@@ -29,6 +30,7 @@ import numpy as np
 from dflash_offline.config import EvalConfig
 from dflash_offline.evaluate.speculative import (Decoded, DFlashProposer, TargetSession,
                                                  greedy_decode, load_target_for_decoding, speculative_decode, summarize)
+from dflash_offline.evaluate.kv_batch import KVBatchDFlashProposer, NoDrafts, kv_batched_decode, unsupported_reason
 from dflash_offline.evaluate.walk import cache_acceptance, walk_acceptance
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.paths import REPORT_FORMAT, check_report_dest, require_kind
@@ -280,13 +282,30 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     # Also in the log, every tenth of the prompts: a long decode without a progress bar
     # (--no-progress, a batch job) still shows how far it got.
     every = max(1, len(prompts) // 10)
+    # Batched decoding keeps KV caches when every target layer is softmax attention; a hybrid
+    # target's recurrent state cannot skip rejected drafts, so its rows are re-run each round.
+    kv_reason = unsupported_reason(model) if cfg.batch_size > 1 else None
+    kv = cfg.batch_size > 1 and kv_reason is None
+    report["batch_decoder"] = "kv-cache" if kv else ("re-run" if cfg.batch_size > 1 else "one prompt")
+    if cfg.batch_size > 1:
+        log.info("batched decoding, %d prompts per forward: %s", cfg.batch_size,
+                 "KV caches" if kv else f"sequences re-run each round, no KV cache ({kv_reason})")
     if baseline:
-        runs = []
-        for k, p in enumerate(tqdm(prompts, desc="target alone", unit="prompt", disable=not cfg.progress), 1):
-            runs.append(greedy_decode(any_session, p, cfg.max_new_tokens, eos))
-            if k % every == 0 or k == len(prompts):
-                log.info("target alone: %d/%d prompts, %.1f tokens/s", k, len(prompts),
-                         sum(len(r.tokens) for r in runs) / max(sum(r.seconds for r in runs), 1e-9))
+        if kv:
+            # The target alone through the same batches and caches: a like-for-like speed-up.
+            bar = tqdm(total=len(prompts), desc="target alone", unit="prompt", disable=not cfg.progress)
+            runs = kv_batched_decode(model, NoDrafts(), [], prompts, cfg.max_new_tokens, eos, cfg.batch_size,
+                                     on_batch=lambda new: bar.update(len(new)))
+            bar.close()
+            log.info("target alone, batched: %.1f tokens/s",
+                     sum(len(r.tokens) for r in runs) / max(sum(r.seconds for r in runs), 1e-9))
+        else:
+            runs = []
+            for k, p in enumerate(tqdm(prompts, desc="target alone", unit="prompt", disable=not cfg.progress), 1):
+                runs.append(greedy_decode(any_session, p, cfg.max_new_tokens, eos))
+                if k % every == 0 or k == len(prompts):
+                    log.info("target alone: %d/%d prompts, %.1f tokens/s", k, len(prompts),
+                             sum(len(r.tokens) for r in runs) / max(sum(r.seconds for r in runs), 1e-9))
         report["baseline"] = {k: v for k, v in summarize(runs, 2).items() if k in ("tokens", "seconds", "tokens_per_s", "target_forwards")}
         if reference is None:
             reference = [r.tokens for r in runs]
@@ -309,7 +328,11 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
                 log.info("speculative %s: %d/%d prompts, tau so far %.3f", path, len(done), len(prompts),
                          1 + np.mean(acc) if acc else float("nan"))
 
-        if cfg.batch_size > 1:
+        if kv:
+            runs = kv_batched_decode(model, KVBatchDFlashProposer(drafter, device, cfg.dtype),
+                                     drafter.cfg.target_layer_ids, prompts, cfg.max_new_tokens, eos,
+                                     cfg.batch_size, on_batch=progress)
+        elif cfg.batch_size > 1:
             from dflash_offline.evaluate.batched import BatchDFlashProposer, batched_speculative_decode
 
             runs = batched_speculative_decode(model, BatchDFlashProposer(drafter, device, cfg.dtype),
@@ -329,7 +352,8 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
             bad = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference)) if r.tokens != ref]
             e["lossless"] = not bad
             e["mismatched_prompt_ids"] = bad
-            if "baseline" in report and cfg.batch_size == 1:  # batched tokens/s against one-prompt: no like for like
+            # Batched re-run decoding against the one-prompt baseline would be no like for like.
+            if "baseline" in report and report["batch_decoder"] != "re-run":
                 e["speedup"] = e["tokens_per_s"] / report["baseline"]["tokens_per_s"]
             if bad:
                 log.error("%s: %d of %d outputs differ from the target's greedy decode%s (ids %s)", path, len(bad),
@@ -345,7 +369,8 @@ def format_report(report: dict) -> str:
                    else f"; lossless (against {against})" + ("" if base else ", no baseline decode (no speed-up)"))
         lines.append(f"speculative decoding: {report['num_prompts']} prompts, up to {report['max_new_tokens']} new tokens, "
                      f"{report['dtype']} on {report['device']}"
-                     + (f", {report['batch_size']} prompts per forward" if report.get("batch_size", 1) > 1 else "")
+                     + (f", {report['batch_size']} prompts per forward ({report.get('batch_decoder', 're-run')})"
+                        if report.get("batch_size", 1) > 1 else "")
                      + (f"; target alone {base['tokens_per_s']:.1f} tokens/s" if base else "") + checked)
         lines.append(f"{'drafter':<40} {'block':>5} {'tau':>6} {'/prompt':>7} {'rounds':>7} {'tok/s':>8} {'speedup':>7} "
                      f"{'lossless':>8}")
