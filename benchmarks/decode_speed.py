@@ -18,6 +18,7 @@ Part 2 (--ceiling), a Qwen3.5-27B-shaped target with random weights and an oracl
         --prompts ../shared/fixtures/pycode/prompts-eval.parquet --device 0 --out results/decode.json
     python benchmarks/decode_speed.py --ceiling --device 0 --out results/ceiling.json
     python benchmarks/decode_speed.py --tiny --out /tmp/decode.json      # CPU smoke run of the script
+    python benchmarks/decode_speed.py --drafter runs/pq/best --device 0 --profile   # where a batched round's time goes
 """
 
 from __future__ import annotations
@@ -146,6 +147,41 @@ def part1(args, device: str) -> dict:
     return res
 
 
+def profile_batched(args, device: str) -> None:
+    """--profile: torch.profiler over 32 new tokens of the batched target-alone decoders (generate's
+    and eval's KV-cache one with block size 1), and of eval's with the first drafter; prints each
+    one's top operators by device and host time, to see where a round's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflash_offline.evaluate.kv_batch import KVBatchDFlashProposer, NoDrafts, kv_batched_decode
+    from dflash_offline.evaluate.run import load_drafter, read_prompts
+    from dflash_offline.evaluate.speculative import load_target_for_decoding
+    from dflash_offline.generate.decoding import BatchDecoder, Sampling
+    from dflash_offline.target.folder import read_target
+
+    ids, prompts = read_prompts(args.prompts, read_target(args.target).vocab_size, args.max_prompts)
+    ids, prompts = ids[:args.batch_size], prompts[:args.batch_size]
+    model, _ = load_target_for_decoding(args.target, device, args.dtype)
+    dec = BatchDecoder(model, len(prompts), max(len(p) for p in prompts), 32, set(), Sampling())
+    runs = {"generate": lambda: dec.decode(prompts, ids),
+            "kv, block 1": lambda: kv_batched_decode(model, NoDrafts(), [], prompts, 32, set(), len(prompts))}
+    if args.drafter:
+        d = load_drafter(args.drafter[0], args.target)
+        runs["kv, drafter"] = lambda: kv_batched_decode(model, KVBatchDFlashProposer(d, device, args.dtype),
+                                                        d.cfg.target_layer_ids, prompts, 32, set(), len(prompts))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    for name, fn in runs.items():
+        fn()  # warm-up
+        _, seconds = timed(device, fn)
+        with profile(activities=acts) as prof:
+            fn()
+            sync(device)
+        print(f"== {name}: {seconds:.3f}s for 32 new tokens x {len(prompts)} prompts", flush=True)
+        key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=20), flush=True)
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15), flush=True)
+
+
 def part2(args, device: str) -> dict:
     """The 27B-shaped random target at batch 1 with an oracle drafter: speed-up per block size."""
     import torch
@@ -174,6 +210,10 @@ def part2(args, device: str) -> dict:
         for name, p in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
                 p.mul_(0.02)
+        # Even so, a random LM head over 248K entries leaves near-ties that bf16 rounding flips
+        # between a one-token step and a block verify; an LM head equal to the embedding makes the
+        # greedy choice a wide-margin one (the stream stays near its token's embedding).
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     print(f"ceiling: target built in {time.time() - t0:.0f}s", flush=True)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, shape["vocab_size"], (args.ceiling_prompt_len,), generator=g).tolist()
@@ -188,6 +228,14 @@ def part2(args, device: str) -> dict:
     print(f"ceiling: target alone {tok} tokens in {t_alone:.1f}s", flush=True)
     res = {"shape": "tiny" if args.tiny else "qwen3.5-27b (random weights)", "dtype": str(dtype), "prompts": len(prompts),
            "prompt_len": args.ceiling_prompt_len, "new_tokens": new, "alone_tokens_per_s": tok / t_alone, "blocks": []}
+    # Diagnostic: does a block verify (B tokens after the cached prompt) choose what one-token steps
+    # chose? If not, no draft can be accepted, whatever the drafter (an oracle's tau would be 1).
+    B = max(args.block_sizes)
+    logits0, _ = session.start(prompts[0], features=False)
+    verify, _ = session.forward(alone[0].tokens[:B], features=False)
+    res["verify_check"] = {"steps": alone[0].tokens[1:B + 1], "verify": verify.argmax(-1).tolist()[:B],
+                           "first_token_agrees": int(logits0[-1].argmax()) == alone[0].tokens[0]}
+    print(f"ceiling: verify check {json.dumps(res['verify_check'])}", flush=True)
     for B in args.block_sizes:
         speculative_decode(session, Oracle(prompts[0] + alone[0].tokens, B), prompts[0], 2 * B, set())  # warm-up
         spec, t = timed(device, lambda: [speculative_decode(session, Oracle(p + r.tokens, B), p, new, set())
@@ -213,6 +261,7 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=200)
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--with-rerun", action="store_true", help="also the re-run batched decoder (hybrid targets' path)")
+    ap.add_argument("--profile", action="store_true", help="only profile the batched decoders (32 new tokens)")
     ap.add_argument("--ceiling", action="store_true", help="also part 2: the 27B-shaped oracle ceiling")
     ap.add_argument("--ceiling-prompts", type=int, default=4)
     ap.add_argument("--ceiling-prompt-len", type=int, default=512)
@@ -244,6 +293,9 @@ def main() -> int:
         args.dtype, args.max_new_tokens, args.batch1_prompts, args.batch_size = "float32", 12, 2, 4
         args.with_rerun = True
         args.ignore_eos, args.ceiling_prompts, args.ceiling_prompt_len, args.ceiling_new_tokens = True, 2, 8, 12
+    if args.profile:
+        profile_batched(args, device)
+        return 0
     if args.drafter:
         out["pycode"] = part1(args, device)
     if args.ceiling:

@@ -199,3 +199,22 @@ def test_kv_batched_decoding_on_cuda_equals_one_prompt(tiny_dense):
     alone = kv_batched_decode(model, NoDrafts(), [], prompts, 40, set(), batch_size=6)
     assert [r.tokens for r in batched] == want == [r.tokens for r in one] == [r.tokens for r in alone]
     assert [r.accepted for r in batched] == [r.accepted for r in one]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hybrid_verify_forward_on_cuda_agrees_with_one_token_steps(tiny_hybrid):
+    """A hybrid target on a GPU (flash-linear-attention's kernels when installed): a block verify
+    (B tokens after a cached prefix) must choose the tokens that one-token steps choose, or every
+    draft is refused. Oracle drafts (the target's own greedy continuation) are then accepted in
+    full: tau = block size, output = the greedy decode."""
+    model, _ = load_target_for_decoding(str(tiny_hybrid), "cuda", "float32")
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in (5, 33, 70)]
+    session = TargetSession(model, LAYERS)
+    B = 8
+    for p in prompts:
+        want = greedy_decode(session, p, 40, set()).tokens
+        got = speculative_decode(session, Oracle(list(p) + want, B, False), p, 40, set())
+        assert got.tokens == want
+        assert got.accepted[:-1] == [B - 1] * (len(got.accepted) - 1)
