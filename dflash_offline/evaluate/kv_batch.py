@@ -177,11 +177,10 @@ class SlotCache:
         if slots is not None:
             self.valid = self.valid.gather(1, slots)
 
-    def packed_slots(self) -> torch.Tensor | None:
-        """Slot indices [R, S'] that move every row's committed slots to the front (in order),
-        S' = the most any row holds; None while holes are under half of the cache."""
-        counts = self.valid.sum(1)
-        width = int(counts.max())
+    def packed_slots(self, width: int) -> torch.Tensor | None:
+        """Slot indices [R, width] that move every row's committed slots to the front (in order),
+        `width` = the most committed slots any row holds (known on the host: no device sync);
+        None while holes are under half of the cache."""
         if 2 * width > self.valid.shape[1]:
             return None
         # A stable sort of "is a hole" puts the committed slots first, in their order.
@@ -211,6 +210,7 @@ def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prom
     pos = lens.clone()  # each row's anchor position
     seqs = [list(p) + [t] for p, t in zip(prompts, anchors.tolist())]
     outs = [s[len(p):] for s, p in zip(seqs, prompts)]
+    held = [len(p) for p in prompts]  # committed slots of each prompt (its anchor not yet among them)
     accepted: list[list[int]] = [[] for _ in prompts]
     forwards = [1] * n
     batch = list(range(n))  # prompt index of each row of the batch
@@ -225,7 +225,7 @@ def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prom
             proposer.select(keep, None)
             anchors, pos = anchors[keep], pos[keep]
             batch = [batch[i] for i in still]
-        slots = target.packed_slots()
+        slots = target.packed_slots(max(held[r] for r in batch))
         if slots is not None:
             target.select(None, slots)
             proposer.select(None, slots)
@@ -240,12 +240,14 @@ def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prom
         proposer.observe(feats, bpos, committed)
         anchors = best.gather(1, acc[:, None])[:, 0]
         pos = pos + acc + 1
-        d_host, b_host, a_host = draft.tolist(), best.tolist(), acc.tolist()
+        # One copy to the host per round (the drafts, the target's tokens, the accepted lengths).
+        host = torch.cat([draft, best, acc[:, None]], 1).tolist()
         for i, r in enumerate(batch):
-            a = a_host[i]
+            d_host, b_host, a = host[i][:B - 1], host[i][B - 1:2 * B - 1], host[i][-1]
             accepted[r].append(a)
             forwards[r] += 1
-            for t in d_host[i][:a] + [b_host[i][a]]:
+            held[r] += a + 1
+            for t in d_host[:a] + [b_host[a]]:
                 seqs[r].append(t)
                 outs[r].append(t)
                 if output_done(outs[r], max_new, eos):
