@@ -218,3 +218,25 @@ def test_hybrid_verify_forward_on_cuda_agrees_with_one_token_steps(tiny_hybrid):
         got = speculative_decode(session, Oracle(list(p) + want, B, False), p, 40, set())
         assert got.tokens == want
         assert got.accepted[:-1] == [B - 1] * (len(got.accepted) - 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hybrid_cached_forwards_on_cuda_match_cpu(tiny_hybrid):
+    """The cached paths a decoder takes (a prefill, one-token steps, a block after a cached
+    prefix), on the GPU's kernels against CPU's reference path, same tokens fed to both (fp32):
+    a recurrent state handed from one kernel to another in a different layout would show here as
+    logits far apart (GPU convolutions may round through TF32, hence the tolerance)."""
+    rng = np.random.default_rng(14)
+    prompt = rng.integers(2, 512, size=37).tolist()
+    cont = rng.integers(2, 512, size=12).tolist()
+    outs = {}
+    for dev in ("cpu", "cuda"):
+        model, _ = load_target_for_decoding(str(tiny_hybrid), dev, "float32")
+        s = TargetSession(model, LAYERS)
+        got = [s.start(prompt, features=False)[0][-1:]]
+        got += [s.forward([t], features=False)[0] for t in cont[:4]]  # one-token steps
+        got.append(s.forward(cont[4:], features=False)[0])  # a block after the cached prefix
+        outs[dev] = torch.cat(got).cpu()
+    scale = outs["cpu"].abs().max()
+    assert (outs["cuda"] - outs["cpu"]).abs().max() <= 2e-2 * scale
