@@ -157,6 +157,12 @@ class SlotCache:
         with RawLayerOutputs(self.model, self.layer_ids if features else []) as raw:
             out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=mask.long(), use_cache=True,
                                    **{self.cache_arg: self.cache})
+        if self.valid is None and any(type(layer).__name__ != "DynamicLayer" for layer in self.cache.layers):
+            # A model whose config names no layer types but whose cache holds other state
+            # (recurrent, sliding window) would be decoded wrongly: refuse rather than guess.
+            kinds = sorted({type(layer).__name__ for layer in self.cache.layers})
+            raise ValueError(f"the KV-cache batched decoder cannot decode this target: its cache holds {', '.join(kinds)} "
+                             "layers, not only plain key/value layers")
         # Until commit() says otherwise, the new slots count as committed (the block attends to itself).
         self.valid = mask
         return out.last_hidden_state, (raw.features() if features else None)
