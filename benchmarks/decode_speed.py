@@ -6,7 +6,7 @@ Part 1, a real target and trained drafters (the pycode fixture by default), gree
   batch N   the target alone batched, twice: `generate`'s decoder (`decoding.BatchDecoder`,
             StaticCache) and eval's KV-cache batches with block size 1 (`kv_batch.NoDrafts`),
             against batched speculative decoding (`eval --batch-size N`: `kv_batch`, KV caches;
-            with --with-rerun also `batched`, whole sequences re-run per round, hybrid targets' path).
+            with --with-rerun also `batched`, whole sequences re-run per round, sliding-window targets' path).
   Reported: new tokens/s, the speed-up over the target alone at the same batch, tau (pooled),
   and how many outputs equal the target-alone decode (in bf16 a near-tie can flip).
 Part 2 (--ceiling), a Qwen3.5-27B-shaped target with random weights and an oracle drafter that
@@ -260,7 +260,7 @@ def main() -> int:
     ap.add_argument("--batch1-prompts", type=int, default=20, help="prompts decoded one at a time (batch 1)")
     ap.add_argument("--batch-size", type=int, default=200)
     ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--with-rerun", action="store_true", help="also the re-run batched decoder (hybrid targets' path)")
+    ap.add_argument("--with-rerun", action="store_true", help="also the re-run batched decoder (sliding-window targets' path)")
     ap.add_argument("--profile", action="store_true", help="only profile the batched decoders (32 new tokens)")
     ap.add_argument("--ceiling", action="store_true", help="also part 2: the 27B-shaped oracle ceiling")
     ap.add_argument("--ceiling-prompts", type=int, default=4)

@@ -1,6 +1,6 @@
-"""`eval --batch-size N`: both batched speculative decoders (the KV-cache one for attention-only
-targets, and the one that re-runs whole sequences each round, rows right-padded, for any target)
-give what the one-prompt KV-cache decoder gives, prompt for prompt: the same tokens (the target's
+"""`eval --batch-size N`: both batched speculative decoders (the KV-cache one, with per-row
+recurrent-state rollback on hybrid targets, and the one that re-runs whole sequences each round,
+rows right-padded) give what the one-prompt KV-cache decoder gives, prompt for prompt: the same tokens (the target's
 greedy decode), the same rounds and accepted lengths, on dense and hybrid tiny targets, with the
 trained-drafter proposer and with oracle drafts (tau = block size) that are corrupted so that
 rounds accept every length."""
@@ -89,23 +89,12 @@ class KVBatchOracle(BatchOracle):
         return BatchOracle.propose(self, None, positions, anchors, seqs)
 
 
-def kv_applies(model) -> bool:
-    """The KV-cache batched decoder takes attention-only targets; a hybrid one is refused."""
-    from dflash_offline.evaluate.kv_batch import unsupported_reason
-
-    return unsupported_reason(model) is None
-
-
 @pytest.mark.parametrize("decoder", ["rerun", "kv"])
 @pytest.mark.parametrize("corrupt", [False, True])
 def test_batched_equals_one_prompt_decoding_with_oracle_drafts(target, corrupt, decoder):
     folder, model, prompts, reference = target
     B = 8
     fulls = {i: list(p) + list(ref) for i, (p, ref) in enumerate(zip(prompts, reference))}
-    if decoder == "kv" and not kv_applies(model):
-        with pytest.raises(ValueError, match="cannot decode this target: its layers include linear_attention"):
-            kv_batched_decode(model, KVBatchOracle(fulls, B, corrupt), LAYERS, prompts, MAX_NEW, set(), batch_size=3)
-        return
     session = TargetSession(model, LAYERS)
     one = [speculative_decode(session, Oracle(fulls[i], B, corrupt), p, MAX_NEW, set()) for i, p in enumerate(prompts)]
     if decoder == "kv":
@@ -127,8 +116,6 @@ def test_batched_equals_one_prompt_decoding_with_oracle_drafts(target, corrupt, 
 @pytest.mark.parametrize("decoder", ["rerun", "kv"])
 def test_batched_equals_one_prompt_decoding_with_a_drafter(target, decoder):
     folder, model, prompts, reference = target
-    if decoder == "kv" and not kv_applies(model):
-        return  # refused, as the oracle test shows
     torch.manual_seed(0)
     cfg = DrafterConfig.from_target(str(folder), LAYERS, block_size=4, num_layers=2, mask_token_id=1)
     d = DFlashDrafter(cfg)
@@ -151,6 +138,17 @@ def test_batched_equals_one_prompt_decoding_with_a_drafter(target, decoder):
     assert [r.tokens for r in batched] == want == [r.tokens for r in one]
     assert [r.accepted for r in batched] == [r.accepted for r in one]
     assert 1.0 <= summarize(batched, 4)["tau"] < 1.2  # an untrained drafter: tau near 1
+
+
+def test_kv_decoder_refuses_sliding_window_targets():
+    from types import SimpleNamespace
+
+    from dflash_offline.evaluate.kv_batch import unsupported_reason
+
+    model = SimpleNamespace(config=SimpleNamespace(layer_types=["sliding_attention", "full_attention"]))
+    assert "sliding_attention" in unsupported_reason(model)
+    for types in (["full_attention"], ["linear_attention", "full_attention"], None):
+        assert unsupported_reason(SimpleNamespace(config=SimpleNamespace(layer_types=types))) is None
 
 
 def test_eval_features_are_the_raw_layer_outputs_extraction_stores(tiny_dense, tmp_path):
@@ -182,15 +180,18 @@ def test_eval_features_are_the_raw_layer_outputs_extraction_stores(tiny_dense, t
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_kv_batched_decoding_on_cuda_equals_one_prompt(tiny_dense):
-    """On a GPU (fp32, grouped SDPA kernels, per-row positions and slot masks) the KV-cache batched
-    decoder gives the one-prompt decoder's tokens and rounds, and block size 1 the target alone."""
-    model, _ = load_target_for_decoding(str(tiny_dense), "cuda", "float32")
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_kv_batched_decoding_on_cuda_equals_one_prompt(kind, tiny_dense, tiny_hybrid):
+    """On a GPU (fp32, grouped SDPA kernels, per-row positions and slot masks; a hybrid target's
+    kernels and its per-row rollback) the KV-cache batched decoder gives the one-prompt decoder's
+    tokens and rounds, and block size 1 the target alone."""
+    folder = tiny_dense if kind == "qwen3" else tiny_hybrid
+    model, _ = load_target_for_decoding(str(folder), "cuda", "float32")
     rng = np.random.default_rng(12)
     prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in (3, 40, 11, 27, 8, 19)]
     torch.manual_seed(0)
-    d = DFlashDrafter(DrafterConfig.from_target(str(tiny_dense), LAYERS, block_size=4, num_layers=2, mask_token_id=1))
-    d.load_frozen_from_target(str(tiny_dense))
+    d = DFlashDrafter(DrafterConfig.from_target(str(folder), LAYERS, block_size=4, num_layers=2, mask_token_id=1))
+    d.load_frozen_from_target(str(folder))
     d.eval()
     session = TargetSession(model, LAYERS)
     want = [greedy_decode(session, p, 40, set()).tokens for p in prompts]

@@ -397,18 +397,18 @@ def test_eval_command_with_a_trained_drafter(kind, tiny_dense, tiny_hybrid, tmp_
     assert "speculative decoding: 3 prompts" in r.stdout and "lossless" in r.stdout
     assert (run / "logs" / "eval.log").is_file()
     # Batched (2 prompts per forward): the same rounds, so the same tau; the target alone is
-    # batched through the same KV caches (a speed-up) where the target has attention layers only.
+    # batched through the same caches, so there is a speed-up figure, for the hybrid target too.
     batched = tmp_path / "eval-batched.json"
     r = run_cli(["eval", "--target", folder, "--drafter", run / "export", "--drafter", run / "step-6",
                  "--prompts", prompts, "--max-new-tokens", "24", "--batch-size", "2", "--json", batched, "--no-progress"])
     assert r.returncode == 0, r.stderr
     bat = json.loads(batched.read_text())
-    assert bat["batch_decoder"] == ("re-run" if kind == "qwen3_5" else "kv-cache")
+    assert bat["batch_decoder"] == "kv-cache"
     assert f"2 prompts per forward ({bat['batch_decoder']})" in r.stdout
     assert bat["baseline"]["tokens"] == 3 * 24
     for one, e in zip(rep["drafters"], bat["drafters"]):
         assert e["lossless"] is True and e["rounds"] == one["rounds"] and e["tau"] == one["tau"]
-        assert ("speedup" in e) == (kind == "qwen3")
+        assert e["speedup"] > 0
 
 
 def test_eval_refusals(tiny_dense, tiny_hybrid, tmp_path):

@@ -1,9 +1,9 @@
-"""Batched speculative decoding with KV caches: `eval --batch-size N` on attention-only targets.
+"""Batched speculative decoding with KV caches: `eval --batch-size N`.
 
-Many prompts decode together, each at its own pace. The target keeps one transformers KV cache for
-the batch, laid out in *slots* shared by all rows (slot j of every row is written by the same
-forward); each row has its own positions and a slot mask that says which slots hold its committed
-tokens. A round:
+Many prompts decode together, each at its own pace. The target keeps one transformers cache for
+the batch, its keys/values laid out in *slots* shared by all rows (slot j of every row is written
+by the same forward); each row has its own positions and a slot mask that says which slots hold
+its committed tokens. A round:
 
   draft   the drafter drafts a block [anchor, MASK x (B-1)] for every row over its cached context
           keys/values (the same slot layout and mask as the target's);
@@ -17,14 +17,18 @@ tokens. A round:
 Nothing is cropped or copied per row; rows that finish leave the batch (their cache rows are
 dropped), and when holes make up most of the cache it is compacted (each row's committed slots
 gathered to the front, order kept). Attention is causal by slot and every committed slot of a row
-precedes its anchor's, so each position sees exactly the tokens before it: outputs, rounds and
-accepted lengths equal the one-prompt decoder's (tests/test_batched_eval.py), up to floating-point
-summation order.
+precedes its anchor's, so each position sees exactly the tokens before it.
 
-A Gated DeltaNet (or any recurrent) layer keeps one state per row that cannot hold holes: hybrid
-targets use the re-run decoder (evaluate.batched) instead. `block_size=1` with no drafter
-(`NoDrafts`) is the target alone, batched with the same cache: the baseline the speed-up is
-measured against.
+A hybrid target's Gated DeltaNet layers keep one recurrent state per row, which cannot hold holes:
+it is copied before each verify, and every row that rejected drafts is restored and run again over
+the tokens it kept (one forward per distinct kept length, over those rows alone). Prompts are left-
+padded, so the state stays zero until a row's first token.
+
+Outputs, rounds and accepted lengths equal the one-prompt decoder's (tests/test_batched_eval.py,
+dense and hybrid), up to floating-point summation order. A sliding-window target, whose window
+would count holes as positions, uses the re-run decoder (evaluate.batched). `block_size=1` with no
+drafter (`NoDrafts`) is the target alone, batched with the same cache: the baseline the speed-up
+is measured against.
 """
 
 from __future__ import annotations
@@ -43,10 +47,9 @@ log = logging.getLogger("dflash.eval")
 def unsupported_reason(model) -> str | None:
     """Why this target cannot use the KV-cache batched decoder (None: it can)."""
     types = getattr(model.config, "layer_types", None) or []
-    other = sorted({t for t in types if t not in ("full_attention",)})
+    other = sorted({t for t in types if t not in ("full_attention", "linear_attention")})
     if other:
-        return (f"its layers include {', '.join(other)} (a recurrent state per row cannot skip rejected drafts, "
-                "and a sliding window would count holes)")
+        return f"its layers include {', '.join(other)} (a sliding window would count holes as positions)"
     return None
 
 
@@ -130,8 +133,24 @@ class KVBatchDFlashProposer:
             self.valid = self.valid.gather(1, slots)
 
 
+# Cache layer classes of transformers whose state the slot cache knows how to keep: keys/values
+# by slot, and (hybrid targets) a recurrent state per row.
+_KNOWN_LAYERS = {"DynamicLayer", "LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer"}
+_STATE_ATTRS = ("conv_states", "recurrent_states")
+
+
+def _state_dicts(layer) -> list[dict]:
+    """A cache layer's recurrent-state dicts ({index: tensor [R, ...]}), none for attention layers."""
+    return [d for d in (getattr(layer, a, None) for a in _STATE_ATTRS) if isinstance(d, dict)]
+
+
+def _has_kv(layer) -> bool:
+    return isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.dim() == 4
+
+
 class SlotCache:
-    """The target's KV cache for a batch, by slot, with each row's slot mask (module docstring)."""
+    """The target's cache for a batch: keys/values by slot with each row's slot mask (module
+    docstring), and for a hybrid target each row's recurrent state, rolled back by `commit`."""
 
     def __init__(self, model, layer_ids: list[int]):
         from transformers import DynamicCache
@@ -147,37 +166,98 @@ class SlotCache:
         self.model, self.layer_ids = model, list(layer_ids)
         self.cache = DynamicCache(config=model.config)
         self.cache_arg = cache_argument(model)
+        self.recurrent = "linear_attention" in (getattr(model.config, "layer_types", None) or [])
         self.valid: torch.Tensor | None = None  # [R, S] bool: slot holds a committed token
+        self._snapshot: list[list[dict]] | None = None
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, valid_new: torch.Tensor, features: bool):
-        """Appends ids.shape[1] slots; -> (last hidden [R, T, H], features [R, T, n*H] or None)."""
+    def _run(self, cache, ids, positions, mask, features: bool):
         from dflash_offline.target.model import RawLayerOutputs
 
-        mask = valid_new if self.valid is None else torch.cat([self.valid, valid_new], 1)
         with RawLayerOutputs(self.model, self.layer_ids if features else []) as raw:
             out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=mask.long(), use_cache=True,
-                                   **{self.cache_arg: self.cache})
-        if self.valid is None and any(type(layer).__name__ != "DynamicLayer" for layer in self.cache.layers):
-            # A model whose config names no layer types but whose cache holds other state
-            # (recurrent, sliding window) would be decoded wrongly: refuse rather than guess.
-            kinds = sorted({type(layer).__name__ for layer in self.cache.layers})
-            raise ValueError(f"the KV-cache batched decoder cannot decode this target: its cache holds {', '.join(kinds)} "
-                             "layers, not only plain key/value layers")
+                                   **{self.cache_arg: cache})
+        return out.last_hidden_state, (raw.features() if features else None)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, valid_new: torch.Tensor, features: bool):
+        """Appends ids.shape[1] slots; -> (last hidden [R, T, H], features [R, T, n*H] or None).
+        After the first forward (the prefill), a hybrid target's recurrent states are copied
+        first, so that `commit` can roll them back."""
+        if self.valid is not None and self.recurrent:
+            self._snapshot = [[{k: t.clone() for k, t in d.items()} for d in _state_dicts(layer)]
+                              for layer in self.cache.layers]
+        mask = valid_new if self.valid is None else torch.cat([self.valid, valid_new], 1)
+        out = self._run(self.cache, ids, positions, mask, features)
+        if self.valid is None:
+            kinds = {type(layer).__name__ for layer in self.cache.layers}
+            if not kinds <= _KNOWN_LAYERS or (self.recurrent and not any(_state_dicts(x) for x in self.cache.layers)):
+                # A cache holding other state (a sliding window, a recurrent state stored another
+                # way by this transformers version) would be decoded wrongly: refuse, not guess.
+                raise ValueError("the KV-cache batched decoder cannot decode this target: its cache holds "
+                                 f"{', '.join(sorted(kinds))} layers")
         # Until commit() says otherwise, the new slots count as committed (the block attends to itself).
         self.valid = mask
-        return out.last_hidden_state, (raw.features() if features else None)
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden).float()
 
-    def commit(self, keep: torch.Tensor) -> None:
-        """keep [R, T]: which of the last forward's T slots hold committed tokens."""
-        self.valid[:, -keep.shape[1]:] = keep
+    def commit(self, keep: torch.Tensor, kept: list[int], ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """keep [R, T]: which of the last forward's T slots hold committed tokens (the first
+        kept[r] of row r; ids/positions [R, T] that forward's input).
+
+        Keys and values of rejected tokens just become holes. A recurrent state has absorbed every
+        token of the forward, so each row that kept fewer is restored from the copy taken before it
+        and run again over the tokens it kept: one forward per distinct kept length, over those
+        rows alone, attending to their committed slots; its keys and values are dropped (the
+        verify's are the same), only the recurrent states are kept."""
+        T = keep.shape[1]
+        pre = self.valid[:, :-T]
+        self.valid[:, -T:] = keep
+        if not self.recurrent:
+            return
+        groups: dict[int, list[int]] = {}
+        for r, n in enumerate(kept):
+            if n < T:
+                groups.setdefault(n, []).append(r)
+        dev = ids.device
+        for n, rows in groups.items():
+            idx = torch.tensor(rows, device=dev)
+            sub = self._sub_cache(idx)
+            mask = torch.cat([pre[idx], torch.zeros((len(rows), T), dtype=torch.bool, device=dev),
+                              torch.ones((len(rows), n), dtype=torch.bool, device=dev)], 1)
+            self._run(sub, ids[idx, :n], positions[idx, :n], mask, features=False)
+            for layer, sub_layer in zip(self.cache.layers, sub.layers):
+                for d, sd in zip(_state_dicts(layer), _state_dicts(sub_layer)):
+                    for k, t in d.items():
+                        if isinstance(t, torch.Tensor):
+                            t.index_copy_(0, idx, sd[k].to(t.dtype))
+
+    def _sub_cache(self, rows: torch.Tensor):
+        """A cache of `rows` alone: their keys/values (copies) and their recurrent states from the
+        copy taken before the last forward. Its layers are copies: nothing it appends reaches ours."""
+        import copy
+
+        sub = copy.copy(self.cache)
+        sub.layers = []
+        for layer, snap in zip(self.cache.layers, self._snapshot):
+            new = copy.copy(layer)
+            if _has_kv(layer):
+                new.keys, new.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+            for attr, d in zip([a for a in _STATE_ATTRS if isinstance(getattr(layer, a, None), dict)], snap):
+                setattr(new, attr, {k: (t.index_select(0, rows) if isinstance(t, torch.Tensor) else t) for k, t in d.items()})
+            sub.layers.append(new)
+        return sub
 
     def select(self, rows: torch.Tensor | None, slots: torch.Tensor | None) -> None:
         for layer in self.cache.layers:
-            layer.keys = gather_slots(layer.keys, rows, slots)
-            layer.values = gather_slots(layer.values, rows, slots)
+            if _has_kv(layer):
+                layer.keys = gather_slots(layer.keys, rows, slots)
+                layer.values = gather_slots(layer.values, rows, slots)
+            if rows is not None:
+                for d in _state_dicts(layer):
+                    for k, t in d.items():
+                        if isinstance(t, torch.Tensor):
+                            d[k] = t.index_select(0, rows)
         if rows is not None:
             self.valid = self.valid.index_select(0, rows)
         if slots is not None:
@@ -203,15 +283,16 @@ def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prom
     B, n = proposer.block_size, len(prompts)
     target = SlotCache(model, layer_ids)
     P = max(len(p) for p in prompts)
+    # Left padding: a Gated DeltaNet's state stays exactly zero over masked (zeroed) inputs until
+    # a row's first token, and every row's last prompt token sits in the last slot.
     ids = torch.full((n, P), pad_id, dtype=torch.long)
     for r, p in enumerate(prompts):
-        ids[r, :len(p)] = torch.tensor(p)
+        ids[r, P - len(p):] = torch.tensor(p)
     lens = torch.tensor([len(p) for p in prompts], device=dev)
-    positions = torch.arange(P, device=dev).expand(n, P)
-    valid = positions < lens[:, None]
+    valid = torch.arange(P, device=dev)[None, :] >= (P - lens)[:, None]
+    positions = (valid.cumsum(-1) - 1).clamp(min=0)
     hidden, feats = target.forward(ids.to(dev), positions, valid, features=B > 1)
-    last = hidden.gather(1, (lens - 1)[:, None, None].expand(-1, 1, hidden.shape[-1]))
-    anchors = target.logits(last)[:, 0].argmax(-1)
+    anchors = target.logits(hidden[:, -1]).argmax(-1)
     proposer.start(feats, positions, valid)
     pos = lens.clone()  # each row's anchor position
     seqs = [list(p) + [t] for p, t in zip(prompts, anchors.tolist())]
@@ -241,13 +322,13 @@ def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prom
         hidden, feats = target.forward(block, bpos, torch.ones_like(block, dtype=torch.bool), features=B > 1)
         best = target.logits(hidden).argmax(-1)  # best[:, j]: the target's token after block position j
         acc = (draft == best[:, :B - 1]).long().cumprod(-1).sum(-1)
+        # One copy to the host per round (the drafts, the target's tokens, the accepted lengths).
+        host = torch.cat([draft, best, acc[:, None]], 1).tolist()
         committed = steps[None, :] <= acc[:, None]  # the anchor and the accepted drafts
-        target.commit(committed)
+        target.commit(committed, [h[-1] + 1 for h in host], block, bpos)
         proposer.observe(feats, bpos, committed)
         anchors = best.gather(1, acc[:, None])[:, 0]
         pos = pos + acc + 1
-        # One copy to the host per round (the drafts, the target's tokens, the accepted lengths).
-        host = torch.cat([draft, best, acc[:, None]], 1).tolist()
         for i, r in enumerate(batch):
             d_host, b_host, a = host[i][:B - 1], host[i][B - 1:2 * B - 1], host[i][-1]
             accepted[r].append(a)

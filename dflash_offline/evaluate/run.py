@@ -1,8 +1,8 @@
 """`dflash-offline eval`: how many tokens a drafter saves, measured two ways.
 
 1. **Speculative decoding against the target** (`--prompts`; evaluate.speculative, and
-   with `--batch-size` evaluate.kv_batch, KV caches for attention-only targets, or evaluate.batched,
-   whole sequences re-run for hybrid ones): every output is checked against the target's own
+   with `--batch-size` evaluate.kv_batch, KV caches and per-row recurrent-state rollback, or
+   evaluate.batched, whole sequences re-run, for sliding-window targets): every output is checked against the target's own
    greedy decode of the same prompt (lossless), and decode speed is measured against that plain
    decode in one run (one prompt at a time, or batched through the same KV-cache batches). With `--reference` the outputs are checked against given
    greedy completions instead (the target-alone decode costs as much as the speculative one), and
@@ -282,8 +282,8 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     # Also in the log, every tenth of the prompts: a long decode without a progress bar
     # (--no-progress, a batch job) still shows how far it got.
     every = max(1, len(prompts) // 10)
-    # Batched decoding keeps KV caches when every target layer is softmax attention; a hybrid
-    # target's recurrent state cannot skip rejected drafts, so its rows are re-run each round.
+    # Batched decoding keeps KV caches (and, for a hybrid target, per-row recurrent states that
+    # are rolled back); only a sliding-window target's rows are re-run whole each round.
     kv_reason = unsupported_reason(model) if cfg.batch_size > 1 else None
     kv = cfg.batch_size > 1 and kv_reason is None
     report["batch_decoder"] = "kv-cache" if kv else ("re-run" if cfg.batch_size > 1 else "one prompt")
