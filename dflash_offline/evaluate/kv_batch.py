@@ -39,7 +39,7 @@ from typing import Protocol
 
 import torch
 
-from dflash_offline.evaluate.speculative import Decoded, output_done
+from dflash_offline.evaluate.speculative import Decoded, in_length_batches, output_done
 
 log = logging.getLogger("dflash.eval")
 
@@ -346,12 +346,5 @@ def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prom
 def kv_batched_decode(model, proposer: KVBatchProposer, layer_ids: list[int], prompts: list[list[int]],
                       max_new: int, eos: set[int], batch_size: int, on_batch=None) -> list[Decoded]:
     """All prompts in batches of `batch_size`, grouped by length (less padding); results in input order."""
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    results: list[Decoded | None] = [None] * len(prompts)
-    for k in range(0, len(order), batch_size):
-        part = order[k:k + batch_size]
-        for i, d in zip(part, decode_batch_kv(model, proposer, layer_ids, [prompts[i] for i in part], max_new, eos)):
-            results[i] = d
-        if on_batch is not None:
-            on_batch([results[i] for i in part])
-    return results  # type: ignore[return-value]
+    return in_length_batches(prompts, batch_size,
+                             lambda part: decode_batch_kv(model, proposer, layer_ids, part, max_new, eos), on_batch)

@@ -223,6 +223,20 @@ def output_done(out: list[int], max_new: int, eos: set[int]) -> bool:
     return len(out) >= max_new or (bool(out) and out[-1] in eos)
 
 
+def in_length_batches(prompts: list[list[int]], batch_size: int, decode_batch, on_batch=None) -> list[Decoded]:
+    """decode_batch(prompts of one batch) -> their Decoded, over batches of `batch_size` prompts
+    grouped by length (less padding); results in input order, each batch reported to on_batch."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: list[Decoded | None] = [None] * len(prompts)
+    for k in range(0, len(order), batch_size):
+        part = order[k:k + batch_size]
+        for i, d in zip(part, decode_batch([prompts[i] for i in part])):
+            results[i] = d
+        if on_batch is not None:
+            on_batch([results[i] for i in part])
+    return results  # type: ignore[return-value]
+
+
 def greedy_decode(target: TargetSession, prompt: list[int], max_new: int, eos: set[int]) -> Decoded:
     """The target alone, one token per forward: the reference output and the baseline speed."""
     t0 = time.perf_counter()
