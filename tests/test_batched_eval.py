@@ -241,3 +241,15 @@ def test_hybrid_cached_forwards_on_cuda_match_cpu(tiny_hybrid):
         outs[dev] = torch.cat(got).cpu()
     scale = outs["cpu"].abs().max()
     assert (outs["cuda"] - outs["cpu"]).abs().max() <= 2e-2 * scale
+
+
+def test_a_batch_out_of_device_memory_names_the_setting():
+    from types import SimpleNamespace
+
+    from dflash_offline.evaluate.run import batch_fits
+    from dflash_offline.runtime.errors import UserError
+
+    cfg = SimpleNamespace(batch_size=512, max_new_tokens=384)
+    with pytest.raises(UserError, match=r"--batch-size 512: .* does not fit in the memory of cuda:0; lower --batch-size"):
+        with batch_fits(cfg, "cuda:0"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -294,8 +295,9 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
         if kv:
             # The target alone through the same batches and caches: a like-for-like speed-up.
             bar = tqdm(total=len(prompts), desc="target alone", unit="prompt", disable=not cfg.progress)
-            runs = kv_batched_decode(model, NoDrafts(), [], prompts, cfg.max_new_tokens, eos, cfg.batch_size,
-                                     on_batch=lambda new: bar.update(len(new)))
+            with batch_fits(cfg, device):
+                runs = kv_batched_decode(model, NoDrafts(), [], prompts, cfg.max_new_tokens, eos, cfg.batch_size,
+                                         on_batch=lambda new: bar.update(len(new)))
             bar.close()
             log.info("target alone, batched: %.1f tokens/s",
                      sum(len(r.tokens) for r in runs) / max(sum(r.seconds for r in runs), 1e-9))
@@ -329,15 +331,17 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
                          1 + np.mean(acc) if acc else float("nan"))
 
         if kv:
-            runs = kv_batched_decode(model, KVBatchDFlashProposer(drafter, device, cfg.dtype),
-                                     drafter.cfg.target_layer_ids, prompts, cfg.max_new_tokens, eos,
-                                     cfg.batch_size, on_batch=progress)
+            with batch_fits(cfg, device):
+                runs = kv_batched_decode(model, KVBatchDFlashProposer(drafter, device, cfg.dtype),
+                                         drafter.cfg.target_layer_ids, prompts, cfg.max_new_tokens, eos,
+                                         cfg.batch_size, on_batch=progress)
         elif cfg.batch_size > 1:
             from dflash_offline.evaluate.batched import BatchDFlashProposer, batched_speculative_decode
 
-            runs = batched_speculative_decode(model, BatchDFlashProposer(drafter, device, cfg.dtype),
-                                              drafter.cfg.target_layer_ids, prompts, cfg.max_new_tokens, eos,
-                                              cfg.batch_size, on_batch=progress)
+            with batch_fits(cfg, device):
+                runs = batched_speculative_decode(model, BatchDFlashProposer(drafter, device, cfg.dtype),
+                                                  drafter.cfg.target_layer_ids, prompts, cfg.max_new_tokens, eos,
+                                                  cfg.batch_size, on_batch=progress)
         else:
             proposer = DFlashProposer(drafter, device, cfg.dtype)
             session = sessions[tuple(drafter.cfg.target_layer_ids)]
@@ -359,6 +363,19 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
                 log.error("%s: %d of %d outputs differ from the target's greedy decode%s (ids %s)", path, len(bad),
                           len(runs), f" in {cfg.reference}" if cfg.reference else "", bad[:10])
         log.info("%s: tau %.3f over %d rounds, %.1f tokens/s", path, e["tau"], e["rounds"], e["tokens_per_s"])
+
+
+@contextmanager
+def batch_fits(cfg: EvalConfig, device: str):
+    """A batch that runs out of device memory is a setting to change, not a crash to read."""
+    import torch
+
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise UserError(f"--batch-size {cfg.batch_size}: a batch of that many prompts (cache: the longest prompt + "
+                        f"--max-new-tokens {cfg.max_new_tokens} + drafted blocks per row) does not fit in the memory of "
+                        f"{device}; lower --batch-size") from None
 
 
 def format_report(report: dict) -> str:
