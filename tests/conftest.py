@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+import _zygote
 
 # One compute thread per process, here and in every CLI process the tests start (they inherit the
 # environment): two test processes (xdist -n 2) share the 2 cores, and a tiny model's forward in a
@@ -61,22 +64,37 @@ def _cli_cwd() -> Path:
 _CLI_CWD: Path | None = None
 
 
+def _base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
 def run_cli(args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProcess:
     """Run `python -m dflash_offline *args` in a new session (its own process group, so a fault
     point's SIGKILL of the group never reaches pytest), capturing stdout/stderr as text.
+
+    The process is forked from a zygote that has imported torch and transformers (tests/_zygote.py:
+    the same command, its own process, without 4-7 s of imports); an environment that changes how
+    the interpreter or those libraries start takes a cold `python -m` instead, as does every call
+    under DFLASH_TEST_COLD_CLI=1.
 
     `env`: variables layered over this process's environment (a value of None removes one).
     On timeout the whole process group (the CLI and its workers) is killed and TimeoutExpired is
     raised with what it had printed.
     """
     cmd = [sys.executable, "-m", "dflash_offline", *[str(a) for a in args]]
-    full_env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    full_env = _base_env()
     for k, v in (env or {}).items():
         if v is None:
             full_env.pop(k, None)
         else:
             full_env[k] = str(v)
+    zygote = _zygote.get(_base_env())
+    if zygote is not None and zygote.fits(full_env):
+        done = zygote.run(cmd, [str(a) for a in args], cwd or _cli_cwd(), full_env, timeout)
+        if done is not None:
+            return done
     proc = subprocess.Popen(cmd, cwd=cwd or _cli_cwd(), env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -201,7 +219,20 @@ def valid_cache(tmp_path_factory, tiny_dense, tiny_data) -> Path:
     r = run_cli(extract_args(tiny_dense, tiny_data, cache), timeout=300)
     assert r.returncode == 0, f"extract failed ({r.returncode}):\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     assert (cache / "manifest.json").is_file()
+    # Before any test runs a command against it (valid_cache_as_made).
+    _AS_MADE["valid_cache"] = tmp_path_factory.mktemp("valid-as-made") / "cache"
+    shutil.copytree(cache, _AS_MADE["valid_cache"])
     return cache
+
+
+_AS_MADE: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="session")
+def valid_cache_as_made(valid_cache) -> Path:
+    """valid_cache as its extract left it, logs included (the shared one also logs the refused runs
+    of other tests). Tests must not modify it: copy it first."""
+    return _AS_MADE["valid_cache"]
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@
 - SIGKILL of the whole extract (launcher and workers) at exact points (mid-shard, after a shard's
   rename but before its commit, after the manifest's temporary file but before its replace, right
   after a commit), then the same command again: the cache equals an uninterrupted run's, sample for
-  sample (same shard checksums), with no duplicates, no missing rows and no debris.
+  sample (same shard checksums), with no duplicates, no missing rows and no debris; the killed run
+  leaves no shared-memory segment behind.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,6 +55,24 @@ def test_two_workers_equal_one(extract_reference, tiny_dense, tiny_data, tmp_pat
     assert b.verify() == []
 
 
+def _mapped(segment: str) -> bool:
+    """Whether a live process maps /dev/shm/SEGMENT."""
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            if f"/dev/shm/{segment}" in maps.read_text():
+                return True
+        except OSError:  # the process ended meanwhile, or is not ours to read
+            continue
+    return False
+
+
+def _segments() -> set[str]:
+    try:
+        return {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
+    except FileNotFoundError:
+        return set()
+
+
 # Mid-shard kills of one worker (a half-written temporary shard on disk) are covered by the
 # two-worker case below and by the random kills of tests/fault/campaign.py (test_crash_campaign.py).
 @pytest.mark.parametrize("point, devices", [
@@ -64,8 +84,13 @@ def test_two_workers_equal_one(extract_reference, tiny_dense, tiny_data, tmp_pat
 def test_sigkill_then_resume_equals_uninterrupted(point, devices, extract_reference, tiny_dense, tiny_data, tmp_path):
     cache = tmp_path / "cache"
     env = {**os.environ, "DFLASH_OFFLINE_KILL_AT": point}
+    segments = _segments()
     r = extract(tiny_dense, tiny_data, cache, devices=devices, env=env)
     assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr)
+    # The killed processes (workers and their writers) leave no shared-memory segment behind. Tests
+    # run side by side (xdist): a segment another run holds is mapped by a live process; a leaked
+    # one is mapped by nobody.
+    assert {seg for seg in _segments() - segments if not _mapped(seg)} == set()
     m = json.loads((cache / "manifest.json").read_text())
     assert m["status"] == "extracting"
     before = len(m["shards"])
