@@ -50,5 +50,11 @@ def test_decode_speed_smoke(tmp_path):
     _run(["benchmarks/decode_speed.py", "--tiny", "--ceiling", "--out", str(out)], tmp_path)
     res = json.loads(out.read_text())
     (d,) = res["pycode"]["drafters"]
-    assert d["batched"]["equal_to_alone"] == res["pycode"]["prompts"]  # fp32: batched spec == the target alone
+    n = res["pycode"]["prompts"]
+    # fp32: both batched speculative decoders and eval's block-1 batches give the target alone's tokens
+    assert d["batched_kv"]["equal_to_alone"] == d["batched_rerun"]["equal_to_alone"] == n
+    assert res["pycode"]["batched_alone_kv"]["equal_to_generate"] == n
+    check = res["ceiling"]["verify_check"]  # a block verify chooses what one-token steps chose
+    k = min(len(check["steps"]), len(check["verify"]))
+    assert k > 0 and check["verify"][:k] == check["steps"][:k]
     assert [b["tau"] for b in res["ceiling"]["blocks"]] and all(b["equal_to_alone"] == 2 for b in res["ceiling"]["blocks"])

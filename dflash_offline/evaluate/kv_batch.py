@@ -39,7 +39,7 @@ from typing import Protocol
 
 import torch
 
-from dflash_offline.evaluate.speculative import Decoded, in_length_batches, output_done
+from dflash_offline.evaluate.speculative import COUNTER_ATTRS, Decoded, in_length_batches, output_done
 
 log = logging.getLogger("dflash.eval")
 
@@ -241,6 +241,9 @@ class SlotCache:
         sub.layers = []
         for layer, snap in zip(self.cache.layers, self._snapshot):
             new = copy.copy(layer)
+            for a in COUNTER_ATTRS:  # a length counter updated in place: the copy gets its own
+                if isinstance(t := getattr(layer, a, None), torch.Tensor):
+                    setattr(new, a, t.clone())
             if _has_kv(layer):
                 new.keys, new.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
             for attr, d in zip([a for a in _STATE_ATTRS if isinstance(getattr(layer, a, None), dict)], snap):
@@ -262,6 +265,12 @@ class SlotCache:
             self.valid = self.valid.index_select(0, rows)
         if slots is not None:
             self.valid = self.valid.gather(1, slots)
+            # The cache's length (the next forward's slots) may be read from a linear layer's
+            # token counter (transformers >= 5.25) rather than from the keys: keep them equal.
+            for layer in self.cache.layers:
+                for a in COUNTER_ATTRS:
+                    if isinstance(t := getattr(layer, a, None), torch.Tensor):
+                        t.fill_(slots.shape[1])
 
     def packed_slots(self, width: int) -> torch.Tensor | None:
         """Slot indices [R, width] that move every row's committed slots to the front (in order),

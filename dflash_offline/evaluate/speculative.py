@@ -94,6 +94,9 @@ class TargetSession:
 
 
 _STATE_ATTRS = ("conv_states", "recurrent_states")
+# transformers >= 5.25 counts the tokens a linear-attention layer has seen in a tensor of its own,
+# and a hybrid cache's length (hence the next positions) is read from it: it is state to restore.
+COUNTER_ATTRS = ("cumulative_length_linear",)
 
 
 def _snapshot(cache) -> list[dict]:
@@ -109,7 +112,8 @@ def _snapshot(cache) -> list[dict]:
                 entry[attr] = {k: (t.clone() if isinstance(t, torch.Tensor) else None) for k, t in states.items()}
                 found = found or any(isinstance(t, torch.Tensor) for t in states.values())
         if isinstance(getattr(layer, "keys", None), torch.Tensor):
-            entry["length"] = layer.get_seq_length()
+            entry["length"] = layer.keys.shape[-2]
+        entry["counters"] = {a: t.clone() for a in COUNTER_ATTRS if isinstance(t := getattr(layer, a, None), torch.Tensor)}
         snap.append(entry)
     if not found:
         raise RuntimeError(f"{type(cache).__name__}: found no recurrent states to snapshot in a hybrid target's cache; "
@@ -130,9 +134,18 @@ def _restore(cache, snap: list[dict]) -> None:
                 else:
                     states[k] = saved
         if "length" in entry:
-            drop = layer.get_seq_length() - entry["length"]
+            drop = layer.keys.shape[-2] - entry["length"]
             if drop > 0:
-                layer.crop(-drop)
+                _crop_keys(layer, entry["length"])
+        for a, saved in entry.get("counters", {}).items():
+            getattr(layer, a).copy_(saved)
+
+
+def _crop_keys(layer, length: int) -> None:
+    """Keep a layer's first `length` key/value positions (and nothing else of it: a hybrid layer's
+    own crop would also move its recurrent state, which the snapshot restores)."""
+    layer.keys = layer.keys[..., :length, :]
+    layer.values = layer.values[..., :length, :]
 
 
 def load_target_for_decoding(target_dir: str, device: str, dtype: str):
