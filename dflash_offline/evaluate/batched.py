@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from dflash_offline.evaluate.speculative import Decoded, in_length_batches, output_done
+from dflash_offline.evaluate.speculative import Decoded, commit_round, in_length_batches, output_done
 
 log = logging.getLogger("dflash.eval")
 
@@ -130,12 +130,9 @@ def decode_batch(model, proposer: BatchProposer, layer_ids: list[int], prompts: 
             a = a_host[i]
             accepted[r].append(a)
             forwards[r] += 1
-            for t in d_host[i][:a] + [b_host[i][a]]:
-                tok[r, len(seqs[r])] = t
-                seqs[r].append(t)
-                outs[r].append(t)
-                if output_done(outs[r], max_new, eos):
-                    break
+            new = commit_round(outs[r], d_host[i], b_host[i], a, max_new, eos)
+            tok[r, len(seqs[r]):len(seqs[r]) + len(new)] = new
+            seqs[r] += new
             if not output_done(outs[r], max_new, eos):
                 still.append(r)
         rows = torch.full((n,), -1, dtype=torch.long, device=dev)

@@ -39,7 +39,8 @@ from typing import Protocol
 
 import torch
 
-from dflash_offline.evaluate.speculative import COUNTER_ATTRS, Decoded, in_length_batches, output_done
+from dflash_offline.evaluate.speculative import (COUNTER_ATTRS, STATE_ATTRS, Decoded, commit_round, in_length_batches,
+                                                 output_done, snapshot_states)
 
 log = logging.getLogger("dflash.eval")
 
@@ -136,12 +137,11 @@ class KVBatchDFlashProposer:
 # Cache layer classes of transformers whose state the slot cache knows how to keep: keys/values
 # by slot, and (hybrid targets) a recurrent state per row.
 _KNOWN_LAYERS = {"DynamicLayer", "LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer"}
-_STATE_ATTRS = ("conv_states", "recurrent_states")
 
 
 def _state_dicts(layer) -> list[dict]:
     """A cache layer's recurrent-state dicts ({index: tensor [R, ...]}), none for attention layers."""
-    return [d for d in (getattr(layer, a, None) for a in _STATE_ATTRS) if isinstance(d, dict)]
+    return [d for d in (getattr(layer, a, None) for a in STATE_ATTRS) if isinstance(d, dict)]
 
 
 def _has_kv(layer) -> bool:
@@ -168,7 +168,7 @@ class SlotCache:
         self.cache_arg = cache_argument(model)
         self.recurrent = "linear_attention" in (getattr(model.config, "layer_types", None) or [])
         self.valid: torch.Tensor | None = None  # [R, S] bool: slot holds a committed token
-        self._snapshot: list[list[dict]] | None = None
+        self._snapshot: list[dict] | None = None  # speculative.snapshot_states before the last forward
 
     def _run(self, cache, ids, positions, mask, features: bool):
         from dflash_offline.target.model import RawLayerOutputs
@@ -183,8 +183,7 @@ class SlotCache:
         After the first forward (the prefill), a hybrid target's recurrent states are copied
         first, so that `commit` can roll them back."""
         if self.valid is not None and self.recurrent:
-            self._snapshot = [[{k: t.clone() for k, t in d.items()} for d in _state_dicts(layer)]
-                              for layer in self.cache.layers]
+            self._snapshot = snapshot_states(self.cache)
         mask = valid_new if self.valid is None else torch.cat([self.valid, valid_new], 1)
         out = self._run(self.cache, ids, positions, mask, features)
         if self.valid is None:
@@ -246,8 +245,10 @@ class SlotCache:
                     setattr(new, a, t.clone())
             if _has_kv(layer):
                 new.keys, new.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
-            for attr, d in zip([a for a in _STATE_ATTRS if isinstance(getattr(layer, a, None), dict)], snap):
-                setattr(new, attr, {k: (t.index_select(0, rows) if isinstance(t, torch.Tensor) else t) for k, t in d.items()})
+            for attr in STATE_ATTRS:
+                if attr in snap:
+                    setattr(new, attr, {k: (t.index_select(0, rows) if isinstance(t, torch.Tensor) else t)
+                                        for k, t in snap[attr].items()})
             sub.layers.append(new)
         return sub
 
@@ -343,11 +344,7 @@ def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prom
             accepted[r].append(a)
             forwards[r] += 1
             held[r] += a + 1
-            for t in d_host[:a] + [b_host[a]]:
-                seqs[r].append(t)
-                outs[r].append(t)
-                if output_done(outs[r], max_new, eos):
-                    break
+            seqs[r] += commit_round(outs[r], d_host, b_host, a, max_new, eos)
     seconds = (time.perf_counter() - t0) / n  # the batch's wall time, shared by its prompts
     return [Decoded(outs[r], accepted[r], seconds, forwards[r]) for r in range(n)]
 

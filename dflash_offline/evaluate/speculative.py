@@ -62,7 +62,7 @@ class TargetSession:
     def forward(self, tokens: list[int], features: bool = True):
         """-> (logits [T, V] float32, features [T, n*H] or None) for T new positions."""
         with self.torch.inference_mode():
-            self._snapshot = _snapshot(self.cache) if self.recurrent else None
+            self._snapshot = snapshot_states(self.cache) if self.recurrent else None
         self._pending = list(tokens)
         return self._forward(tokens, features)
 
@@ -93,20 +93,20 @@ class TargetSession:
         return logits, (raw.features()[0] if features else None)
 
 
-_STATE_ATTRS = ("conv_states", "recurrent_states")
+STATE_ATTRS = ("conv_states", "recurrent_states")
 # transformers >= 5.25 counts the tokens a linear-attention layer has seen in a tensor of its own,
 # and a hybrid cache's length (hence the next positions) is read from it: it is state to restore.
 COUNTER_ATTRS = ("cumulative_length_linear",)
 
 
-def _snapshot(cache) -> list[dict]:
+def snapshot_states(cache) -> list[dict]:
     """Copies of every recurrent layer's states and the length of every attention layer."""
     import torch
 
     snap, found = [], False
     for layer in cache.layers:
         entry: dict = {}
-        for attr in _STATE_ATTRS:
+        for attr in STATE_ATTRS:
             states = getattr(layer, attr, None)
             if isinstance(states, dict):
                 entry[attr] = {k: (t.clone() if isinstance(t, torch.Tensor) else None) for k, t in states.items()}
@@ -125,7 +125,7 @@ def _restore(cache, snap: list[dict]) -> None:
     import torch
 
     for layer, entry in zip(cache.layers, snap):
-        for attr in _STATE_ATTRS:
+        for attr in STATE_ATTRS:
             for k, saved in entry.get(attr, {}).items():
                 states = getattr(layer, attr)
                 cur = states.get(k)
@@ -250,6 +250,18 @@ def in_length_batches(prompts: list[list[int]], batch_size: int, decode_batch, o
     return results  # type: ignore[return-value]
 
 
+def commit_round(out: list[int], draft: list[int], best: list[int], a: int, max_new: int, eos: set[int]) -> list[int]:
+    """The tokens a verify round commits (the a accepted drafts, then the target's own next
+    token), appended to `out` and cut where the output ends."""
+    new = []
+    for tok in draft[:a] + [best[a]]:
+        new.append(tok)
+        out.append(tok)
+        if output_done(out, max_new, eos):
+            break
+    return new
+
+
 def greedy_decode(target: TargetSession, prompt: list[int], max_new: int, eos: set[int]) -> Decoded:
     """The target alone, one token per forward: the reference output and the baseline speed."""
     t0 = time.perf_counter()
@@ -281,11 +293,7 @@ def speculative_decode(target: TargetSession, proposer, prompt: list[int], max_n
         accepted.append(a)
         target.keep(a + 1)
         proposer.observe(feats[: a + 1])
-        for tok in draft[:a] + [best[a]]:
-            seq.append(tok)
-            out.append(tok)
-            if output_done(out, max_new, eos):
-                break
+        seq += commit_round(out, draft, best, a, max_new, eos)
     return Decoded(out, accepted, time.perf_counter() - t0, target.forwards)
 
 
