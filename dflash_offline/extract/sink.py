@@ -21,8 +21,8 @@ idled while the forward queue was full).
 Slots (slots.py) are shared-memory blocks, each holding one batch (hidden states, top-k ids and
 log-probs).
 On CUDA they are page-locked with cudaHostRegister, so the copies run asynchronously on a copy
-stream. The segments are unlinked as soon as every writer has mapped them: a SIGKILL of the whole
-process tree leaves nothing behind in /dev/shm. Shard j goes to writer (j-th shard begun) % W, so
+stream. The segments are anonymous (slots.Segment): a SIGKILL of the whole process tree, at any
+moment, leaves nothing behind in /dev/shm. Shard j goes to writer (j-th shard begun) % W, so
 several writers write consecutive shards side by side; a shard is written by exactly one process.
 Back-pressure: when all slots are taken, `acquire` blocks the forward loop, so host memory stays at
 `slots x slot size` whatever the writers' speed.
@@ -35,11 +35,10 @@ import logging
 import os
 import queue
 import time
-from multiprocessing import shared_memory
 
 from dflash_offline.extract.messages import (Batch, Begin, Close, Closed, End, Free, Progress, Ready, ShardDone,
                                              WriterError)
-from dflash_offline.extract.slots import close_shm, slot_arrays, slot_bytes, slot_views
+from dflash_offline.extract.slots import Segment, close_shm, slot_arrays, slot_bytes, slot_views
 from dflash_offline.extract.writer_process import writer_main
 
 log = logging.getLogger("dflash.extract")
@@ -69,8 +68,8 @@ class ShardSink:
                                   layout_kw.get("hidden_dtype", "bfloat16"))
         size = slot_bytes(self.arrays)
         self.log_dir, self.log_name = log_dir, log_name
-        self.shms = [shared_memory.SharedMemory(create=True, size=size) for _ in range(slots)]
-        self._unlinked = False
+        self.shms = [Segment.create(size) for _ in range(slots)]
+        self._released = False
         self._np = [slot_views(s.buf, self.arrays) for s in self.shms]
         ctx = mp.get_context("spawn")  # never fork a process that holds CUDA
         self.outq = ctx.Queue()
@@ -94,7 +93,7 @@ class ShardSink:
             with spawning():  # the writers set their own signal dispositions first
                 for w in range(writers):
                     p = ctx.Process(target=writer_main, name=f"{log_name}-writer{w}", daemon=True,
-                                    args=(w, cache, layout_kw, [s.name for s in self.shms], self.arrays,
+                                    args=(w, cache, layout_kw, [s.handle for s in self.shms], self.arrays,
                                           self.inqs[w], self.outq, log_dir, f"{log_name}-writer{w}", discard))
                     p.start()
                     self.procs.append(p)
@@ -106,7 +105,7 @@ class ShardSink:
                     ready += 1
                 if time.time() > deadline:
                     raise WriterFailed(f"shard writers did not start within 300 s; see {log_dir}")
-            self._unlink()  # every writer has the segments mapped: nothing to leak from here on
+            self._release_handles()  # every writer has the segments mapped: no one else may attach
             if pin:
                 self._pin()
         except BaseException:
@@ -117,11 +116,11 @@ class ShardSink:
 
     # -- shared memory --------------------------------------------------------------------------
 
-    def _unlink(self) -> None:
-        if not self._unlinked:
+    def _release_handles(self) -> None:
+        if not self._released:
             for s in self.shms:
-                s.unlink()
-            self._unlinked = True
+                s.release_handle()
+            self._released = True
 
     def _pin(self) -> None:
         """Page-lock the slots so device-to-host copies into them run asynchronously."""
@@ -269,7 +268,7 @@ class ShardSink:
             for ptr in self._pinned:
                 cudart.cudaHostUnregister(ptr)
             self._pinned = []
-        self._unlink()
+        self._release_handles()
         self._np = []
         for s in self.shms:
             close_shm(s)

@@ -17,7 +17,7 @@ import numpy as np
 
 from dflash_offline.extract.messages import (Batch, Begin, Close, Closed, End, Free, Progress, Ready, ShardDone,
                                              WriterError)
-from dflash_offline.extract.slots import attach_shm, close_shm, slot_bytes, slot_views
+from dflash_offline.extract.slots import Segment, close_shm, slot_bytes, slot_views
 from dflash_offline.runtime.faults import fault_point
 
 log = logging.getLogger("dflash.extract")
@@ -47,7 +47,7 @@ def _next_message(inq):
             heartbeat()
 
 
-def writer_main(w: int, cache: str, layout_kw: dict, slot_names: list[str], arrays, inq, outq,
+def writer_main(w: int, cache: str, layout_kw: dict, slot_handles: list[str], arrays, inq, outq,
                 log_dir: str, log_name: str, discard: bool = False) -> None:
     """Entry of writer process w: log file first, then its loop (numpy and Zarr only)."""
     from dflash_offline.runtime.logs import open_process_log, reported_outcome
@@ -59,20 +59,20 @@ def writer_main(w: int, cache: str, layout_kw: dict, slot_names: list[str], arra
     open_process_log(log_dir, log_name, console=False, claim=True)
     try:
         with reported_outcome():
-            _writer_loop(w, cache, layout_kw, slot_names, arrays, inq, outq, discard)
+            _writer_loop(w, cache, layout_kw, slot_handles, arrays, inq, outq, discard)
     except BaseException as e:
         log.exception("shard writer %d failed", w)
         outq.put(WriterError(w, f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from None
 
 
-def _writer_loop(w, cache, layout_kw, slot_names, arrays, inq, outq, discard: bool) -> None:
+def _writer_loop(w, cache, layout_kw, slot_handles, arrays, inq, outq, discard: bool) -> None:
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore
 
     loc = Location(cache)
     store = ManifestStore(loc)
-    shms = [attach_shm(n) for n in slot_names]
+    shms = [Segment.attach(h, slot_bytes(arrays)) for h in slot_handles]
     try:
         _write_loop(w, loc, store, shms, arrays, layout_kw, inq, outq, discard)
     finally:
