@@ -53,6 +53,19 @@ def timed(device: str, fn):
     return out, time.perf_counter() - t0
 
 
+def kernel_ms(device: str, fn) -> float | None:
+    """Milliseconds the device spends in kernels during fn() (torch.profiler): a forward's cost
+    without the host's launch overhead, which CUDA graphs remove; None off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1000
+
+
 class Oracle:
     """Proposes the target's own greedy continuation of each prompt (known from a first decode)."""
 
@@ -203,17 +216,19 @@ def part2(args, device: str) -> dict:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     # Random weights make a chaotic 64-layer stack: bf16 rounding differences between a one-token
-    # step and a block verify flip the greedy token, so even an oracle is refused. Shrinking every
-    # residual branch's output projection keeps the stream near its embeddings and the greedy
-    # choice stable; shapes, kernels and so the time per forward are unchanged.
+    # step and a block verify (about 1e-3 relative per layer, measured) flip the greedy token
+    # wherever its margin is small, and a random LM head over 248K entries has small margins
+    # everywhere: even an oracle would be refused. So every residual branch's output projection is
+    # shrunk (the stream stays at its token's embedding) and the LM head is a permutation of the
+    # embedding: the greedy next token is then perm(current token), chosen by a wide margin, and
+    # the continuation walks a random permutation. Shapes, kernels and so the time per forward
+    # are those of the real model.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
-                p.mul_(0.02)
-        # Even so, a random LM head over 248K entries leaves near-ties that bf16 rounding flips
-        # between a one-token step and a block verify; an LM head equal to the embedding makes the
-        # greedy choice a wide-margin one (the stream stays near its token's embedding).
-        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+                p.mul_(1e-3)
+        perm = torch.randperm(shape["vocab_size"], generator=torch.Generator().manual_seed(2)).to(device)
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight[perm])
     print(f"ceiling: target built in {time.time() - t0:.0f}s", flush=True)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, shape["vocab_size"], (args.ceiling_prompt_len,), generator=g).tolist()
@@ -236,14 +251,25 @@ def part2(args, device: str) -> dict:
     res["verify_check"] = {"steps": alone[0].tokens[1:B + 1], "verify": verify.argmax(-1).tolist()[:B],
                            "first_token_agrees": int(logits0[-1].argmax()) == alone[0].tokens[0]}
     print(f"ceiling: verify check {json.dumps(res['verify_check'])}", flush=True)
+    # Kernel time of one forward after the cached prompt: 1 token (a step) and B tokens (a verify).
+    def one_forward(n):
+        session.start(prompts[0], features=False)
+        return kernel_ms(device, lambda: session.forward(alone[0].tokens[:n], features=False, rollback=False))
+    step_ms = one_forward(1)
+    res["kernel_ms_step"] = step_ms
     for B in args.block_sizes:
         speculative_decode(session, Oracle(prompts[0] + alone[0].tokens, B), prompts[0], 2 * B, set())  # warm-up
         spec, t = timed(device, lambda: [speculative_decode(session, Oracle(p + r.tokens, B), p, new, set())
                                          for p, r in zip(prompts, alone)])
         s = summarize(spec, B)
         k = sum(len(r.tokens) for r in spec)
+        verify_ms = one_forward(B)
         res["blocks"].append({"block_size": B, "tau": s["tau"], "tokens_per_s": k / t, "speedup": (k / t) / (tok / t_alone),
-                              "equal_to_alone": sum(a.tokens == b.tokens for a, b in zip(spec, alone))})
+                              "equal_to_alone": sum(a.tokens == b.tokens for a, b in zip(spec, alone)),
+                              # The same rounds if a forward cost only its kernels (no host overhead):
+                              # tau tokens per verify against one token per step.
+                              "kernel_ms_verify": verify_ms,
+                              "kernel_bound_speedup": (s["tau"] * step_ms / verify_ms) if verify_ms else None})
         print(json.dumps(res["blocks"][-1]), flush=True)
     return res
 

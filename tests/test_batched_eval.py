@@ -198,8 +198,30 @@ def test_kv_batched_decoding_on_cuda_equals_one_prompt(kind, tiny_dense, tiny_hy
     one = [speculative_decode(session, DFlashProposer(d, "cuda"), p, 40, set()) for p in prompts]
     batched = kv_batched_decode(model, KVBatchDFlashProposer(d, "cuda"), LAYERS, prompts, 40, set(), batch_size=4)
     alone = kv_batched_decode(model, NoDrafts(), [], prompts, 40, set(), batch_size=6)
-    assert [r.tokens for r in batched] == want == [r.tokens for r in one] == [r.tokens for r in alone]
-    assert [r.accepted for r in batched] == [r.accepted for r in one]
+    if kind == "qwen3":
+        assert [r.tokens for r in batched] == want == [r.tokens for r in one] == [r.tokens for r in alone]
+        assert [r.accepted for r in batched] == [r.accepted for r in one]
+        return
+    # flash-linear-attention's chunked kernel multiplies in TF32 even for fp32 inputs (about 1e-3
+    # relative to an fp64 reference, against fp32's 1e-6 for its one-token kernel): a different
+    # split of the same tokens into forwards (padded batches, blocks, rollbacks) may flip a near-tie.
+    # So: equal, or parting at a token the target's fp32 logits barely prefer (top-2 gap under
+    # 1% of the largest logit), never at a clear choice; most prompts equal throughout.
+    equal = 0
+    for i, (p, w) in enumerate(zip(prompts, want)):
+        for name, got in (("batched", batched[i].tokens), ("one-prompt", one[i].tokens), ("alone", alone[i].tokens)):
+            equal += got == w
+            if got != w:
+                j = next(k for k, (a, b) in enumerate(zip(got, w)) if a != b)
+                with torch.inference_mode():
+                    logits = model(input_ids=torch.tensor([p + w[:j]], device="cuda")).logits[0, -1].float()
+                top = logits.topk(2).values
+                gap = float(top[0] - top[1]) / float(logits.abs().max())
+                assert gap < 1e-2, f"{name} decode of prompt {i} parts from greedy at token {j}, a clear choice (gap {gap:.1e})"
+    assert equal >= 3 * len(prompts) - 2
+    for b, o, w in zip(batched, one, want):
+        if b.tokens == o.tokens == w:
+            assert b.accepted == o.accepted
 
 
 @pytest.mark.gpu

@@ -182,7 +182,8 @@ class SlotCache:
         """Appends ids.shape[1] slots; -> (last hidden [R, T, H], features [R, T, n*H] or None).
         After the first forward (the prefill), a hybrid target's recurrent states are copied
         first, so that `commit` can roll them back."""
-        if self.valid is not None and self.recurrent:
+        # (A one-token forward is never rolled back: nothing to copy.)
+        if self.valid is not None and self.recurrent and ids.shape[1] > 1:
             self._snapshot = snapshot_states(self.cache)
         mask = valid_new if self.valid is None else torch.cat([self.valid, valid_new], 1)
         out = self._run(self.cache, ids, positions, mask, features)

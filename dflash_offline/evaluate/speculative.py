@@ -59,10 +59,12 @@ class TargetSession:
         self._pending, self._snapshot = [], None
         return self._forward(prompt, features)
 
-    def forward(self, tokens: list[int], features: bool = True):
-        """-> (logits [T, V] float32, features [T, n*H] or None) for T new positions."""
+    def forward(self, tokens: list[int], features: bool = True, rollback: bool = True):
+        """-> (logits [T, V] float32, features [T, n*H] or None) for T new positions.
+        rollback=False: no `keep` will follow (one-token greedy steps), so a hybrid target's
+        recurrent states are not copied first."""
         with self.torch.inference_mode():
-            self._snapshot = snapshot_states(self.cache) if self.recurrent else None
+            self._snapshot = snapshot_states(self.cache) if self.recurrent and rollback else None
         self._pending = list(tokens)
         return self._forward(tokens, features)
 
@@ -76,6 +78,8 @@ class TargetSession:
             if not self.recurrent:
                 self.cache.crop(-drop)
                 return
+            if self._snapshot is None:
+                raise ValueError("keep() after a forward made with rollback=False")
             _restore(self.cache, self._snapshot)
         self._forward(self._pending[:n], features=False)
 
@@ -269,7 +273,7 @@ def greedy_decode(target: TargetSession, prompt: list[int], max_new: int, eos: s
     logits, _ = target.start(prompt, features=False)
     out = [int(logits[-1].argmax())]
     while not output_done(out, max_new, eos):
-        logits, _ = target.forward([out[-1]], features=False)
+        logits, _ = target.forward([out[-1]], features=False, rollback=False)
         out.append(int(logits[-1].argmax()))
     return Decoded(out, seconds=time.perf_counter() - t0, target_forwards=target.forwards)
 
