@@ -201,7 +201,7 @@ def export(run_dir: str, step: int | None, dest: str | None) -> None:
 @click.option("--max-samples", type=int, help="Cache walk (decoding's blocks): use only the first N samples.  [default: all]")
 @click.option("--walk-batch-rows", type=int, help="Cache walk: rows of up to 512 anchors per drafter forward.  [default: 4]")
 @click.option("--parity", type=int, help="With --cache: on its first N samples compare the every-anchor estimate, the walk and real decoding; name the likely cause of a disagreement (exit 1).")
-@click.option("--batch-size", type=int, help="Prompts decoded together: 1 = one at a time; N > 1 = N per target forward, with KV caches (hybrid targets: recurrent states rolled back per row; the target-alone baseline is batched the same way) or, for sliding-window targets, whole sequences re-run each round. All exact.  [default: 1]")
+@click.option("--batch-size", type=int, help="Prompts decoded together: 1 = one at a time; N > 1 = N per target forward, with KV caches (hybrid targets: recurrent states rolled back per row; the target-alone baseline is batched the same way) or, for sliding-window targets, whole sequences re-run each round. All exact.  [default: 64 on a GPU, 1 on CPU]")
 @click.option("--json", "json_path", help="Write the full report here as JSON.")
 @click.option("--log-dir", help="Folder for the process log.  [default: RUN/logs for a drafter in a training run folder, else ./dflash-logs]")
 @click.option("--progress/--no-progress", default=None, help="Progress bars.  [default: on]")

@@ -19,6 +19,7 @@ tau = tokens committed per verify round = 1 + accepted drafts (dflash-method.md)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -38,6 +39,11 @@ from dflash_offline.runtime.paths import REPORT_FORMAT, check_report_dest, requi
 from dflash_offline.target.folder import eos_ids
 
 log = logging.getLogger("dflash.eval")
+# eval's default --batch-size on a GPU: one prompt at a time leaves it idle (launch-bound rounds),
+# and 64 rows of a 27B hybrid target (recurrent states in fp32 and their copy for rollback, about
+# 0.3 GB a row; keys/values of 1K-token sequences with holes, about 0.13 GB) fit beside its 54 GB
+# of bf16 weights on a 141 GB H200; out of memory, eval names the option.
+GPU_BATCH_SIZE = 64
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,6 +260,8 @@ def run(cfg: EvalConfig) -> dict:
 
 
 def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
+    if cfg.batch_size is None:
+        cfg = dataclasses.replace(cfg, batch_size=GPU_BATCH_SIZE if device.startswith("cuda") else 1)
     from tqdm import tqdm
 
     from dflash_offline.target.folder import read_target
