@@ -74,7 +74,6 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     info = read_target(cfg.target)
     layer_ids = target.resolve_layers(info, cfg.layers, cfg.num_layers)
     target.check_topk(info, cfg.topk)
-    target.check_weights(info, info.num_layers if cfg.topk > 0 else max(layer_ids) + 1, cfg.topk > 0)
     if launch is None:
         check_devices_exist(devices)
     if loc.remote and (len(devices) > 1 or (launch and launch.world_size > 1)):
@@ -87,6 +86,10 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     source = data.scan(cfg.data, info.vocab_size)
     log.info("input: %d files, %d rows, %d tokens (scanned in %.1fs)", len(source.files), source.rows,
              int(source.lengths.sum()), time.time() - t0)
+    # After the options, devices and data (building the model on the meta device costs seconds, the
+    # import of transformers: those refusals come first and fast), before the existing cache is
+    # compared with this run (a broken target is the cause to name, not the mismatch it makes).
+    target.check_weights(info, info.num_layers if cfg.topk > 0 else max(layer_ids) + 1, cfg.topk > 0)
     # make_plan's passes, built once and kept apart for the manifest's shards_per_pass.
     per_pass = [pass_plan(source.lengths, cfg.max_len, cfg.shard_tokens, cfg.sort_window, p) for p in range(cfg.passes)]
     shards = [s for plan in per_pass for s in plan]

@@ -117,7 +117,6 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
 
     devices = parse_devices(cfg.devices)
     info = read_target(cfg.target)
-    target.check_weights(info, info.num_layers, need_head=True)
     if launch is None:
         check_devices_exist(devices)
     compute_dtype = resolve_compute_dtype(cfg.compute_dtype, devices, launch)
@@ -149,6 +148,10 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     settings = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
                 "top_p": cfg.top_p if cfg.temperature > 0 else 1.0, "seed": cfg.seed if cfg.temperature > 0 else 0,
                 "eos_token_ids": eos, "compute_dtype": compute_dtype}
+    # After the options, devices and prompts (building the model on the meta device costs seconds,
+    # the import of transformers: those refusals come first and fast), before an existing output is
+    # compared with this run (a broken target is the cause to name, not the mismatch it makes).
+    target.check_weights(info, info.num_layers, need_head=True)
     wanted = parts.new_manifest(target=info.manifest_entry(), settings=settings, source=source.manifest_entry(),
                                 plan={"chunk_prompts": cfg.chunk_prompts, "num_parts": len(chunks)})
     existing = parts.OutputStore(folder).read() if folder.is_dir() else None
