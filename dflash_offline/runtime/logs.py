@@ -6,8 +6,10 @@ armed faulthandler. The earlier pipeline this project replaces died without a si
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
+import gc
 import json
 import logging
 import os
@@ -24,6 +26,7 @@ from dflash_offline.runtime.signals import Stopped
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
 
 log = logging.getLogger("dflash")
+_freeze_at_exit = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -50,6 +53,13 @@ def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = T
     # faulthandler writes tracebacks of all threads on SIGSEGV/SIGFPE/SIGABRT/SIGBUS/SIGILL, and
     # on SIGUSR1 on demand (`kill -USR1 PID` shows where a hung process is).
     faulthandler.enable(file=stream, all_threads=True)
+    global _freeze_at_exit
+    if not _freeze_at_exit:
+        # The interpreter's last garbage collection walks every object torch and transformers made
+        # (over a second per process, each worker, writer and rank); nothing of ours needs it (files,
+        # caches and processes are closed explicitly), so the objects are frozen out of it.
+        atexit.register(gc.freeze)
+        _freeze_at_exit = True
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True, chain=False)
     root = logging.getLogger("dflash")
