@@ -12,7 +12,9 @@ Part 1, a real target and trained drafters (the pycode fixture by default), gree
 Part 2 (--ceiling), a Qwen3.5-27B-shaped target with random weights and an oracle drafter that
   proposes the target's own greedy continuation (tau = block size): the speed-up ceiling of
   speculative decoding at batch 1 for each block size, without any drafter cost; no cache, no
-  training needed.
+  training needed. Reported twice: wall time (eager, launch-bound on most hosts) and kernel time
+  only (torch.profiler: one forward of 1 token vs B tokens after the cached prompt), the ceiling a
+  server that removes launch overhead (CUDA graphs) would see.
 
     python benchmarks/decode_speed.py --target ../shared/fixtures/pycode/target --drafter runs/pq/best \\
         --prompts ../shared/fixtures/pycode/prompts-eval.parquet --device 0 --out results/decode.json
