@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +67,18 @@ def _mapped(segment: str) -> bool:
     return False
 
 
+def _survivors(mark: str) -> list[int]:
+    """Live processes whose environment holds `mark`."""
+    found = []
+    for env in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"DFLASH_TEST_RUN_MARK={mark}".encode() in env.read_bytes():
+                found.append(int(env.parent.name))
+        except OSError:
+            continue
+    return found
+
+
 def _segments() -> set[str]:
     try:
         return {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
@@ -83,7 +96,8 @@ def _segments() -> set[str]:
 ])
 def test_sigkill_then_resume_equals_uninterrupted(point, devices, extract_reference, tiny_dense, tiny_data, tmp_path):
     cache = tmp_path / "cache"
-    env = {**os.environ, "DFLASH_OFFLINE_KILL_AT": point}
+    mark = f"kill-{uuid.uuid4().hex}"  # in the environment of every process of this run
+    env = {**os.environ, "DFLASH_OFFLINE_KILL_AT": point, "DFLASH_TEST_RUN_MARK": mark}
     segments = _segments()
     r = extract(tiny_dense, tiny_data, cache, devices=devices, env=env)
     assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr)
@@ -94,6 +108,9 @@ def test_sigkill_then_resume_equals_uninterrupted(point, devices, extract_refere
     # (multiprocessing's own queue semaphores, /dev/shm/sem.mp-*, do stay after a SIGKILL of the
     # group, its resource tracker included: 32 bytes each.)
     assert {seg for seg in _segments() - segments if not _mapped(seg)} == set()
+    # The slots are anonymous memory, freed with the last process that maps them: no process of
+    # the killed run may survive it.
+    assert _survivors(mark) == []
     m = json.loads((cache / "manifest.json").read_text())
     assert m["status"] == "extracting"
     before = len(m["shards"])

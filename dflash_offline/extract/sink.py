@@ -22,7 +22,7 @@ Slots (slots.py) are shared-memory blocks, each holding one batch (hidden states
 log-probs).
 On CUDA they are page-locked with cudaHostRegister, so the copies run asynchronously on a copy
 stream. The segments are anonymous (slots.Segment): a SIGKILL of the whole process tree, at any
-moment, leaves nothing behind in /dev/shm. Shard j goes to writer (j-th shard begun) % W, so
+moment, leaves no slot behind (multiprocessing's queue semaphores, 32 bytes each, do stay). Shard j goes to writer (j-th shard begun) % W, so
 several writers write consecutive shards side by side; a shard is written by exactly one process.
 Back-pressure: when all slots are taken, `acquire` blocks the forward loop, so host memory stays at
 `slots x slot size` whatever the writers' speed.
@@ -68,9 +68,9 @@ class ShardSink:
                                   layout_kw.get("hidden_dtype", "bfloat16"))
         size = slot_bytes(self.arrays)
         self.log_dir, self.log_name = log_dir, log_name
-        self.shms = [Segment.create(size) for _ in range(slots)]
+        self.shms: list[Segment] = []
         self._released = False
-        self._np = [slot_views(s.buf, self.arrays) for s in self.shms]
+        self._np: list[dict] = []
         ctx = mp.get_context("spawn")  # never fork a process that holds CUDA
         self.outq = ctx.Queue()
         self.inqs = [ctx.Queue() for _ in range(writers)]
@@ -90,6 +90,9 @@ class ShardSink:
         from dflash_offline.runtime.signals import spawning
 
         try:
+            for _ in range(slots):
+                self.shms.append(Segment.create(size))
+            self._np = [slot_views(s.buf, self.arrays) for s in self.shms]
             with spawning():  # the writers set their own signal dispositions first
                 for w in range(writers):
                     p = ctx.Process(target=writer_main, name=f"{log_name}-writer{w}", daemon=True,
@@ -97,6 +100,7 @@ class ShardSink:
                                           self.inqs[w], self.outq, log_dir, f"{log_name}-writer{w}", discard))
                     p.start()
                     self.procs.append(p)
+            self._release_handles()  # each writer was started with its own copies of the descriptors
             ready = 0
             deadline = time.time() + 300
             while ready < writers:
@@ -105,7 +109,6 @@ class ShardSink:
                     ready += 1
                 if time.time() > deadline:
                     raise WriterFailed(f"shard writers did not start within 300 s; see {log_dir}")
-            self._release_handles()  # every writer has the segments mapped: no one else may attach
             if pin:
                 self._pin()
         except BaseException:

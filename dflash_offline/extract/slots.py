@@ -5,10 +5,11 @@ number of the batch whose copy has landed), the hidden states, their fp8 scales,
 log-probs. The worker creates the segments, every writer maps them (`Segment.attach`); both see them
 as numpy arrays (`slot_views`).
 
-The segments are anonymous (Linux memfd), not files in /dev/shm: the kernel frees one when the last
-process that maps it or holds its descriptor ends, so a SIGKILL at any moment, writers' start-up
-included, leaves nothing behind. A writer opens the worker's descriptor through /proc, which works
-while the worker keeps it open; the worker closes it once every writer has mapped the segment.
+The segments are anonymous (Linux memfd; an unlinked /dev/shm file where Python lacks memfd_create),
+not names in /dev/shm: the kernel frees one when the last process that maps it or holds its
+descriptor ends, so a SIGKILL at any moment, writers' start-up included, leaves nothing behind. A
+writer receives the descriptors with its start (multiprocessing passes them to the spawned child,
+`SegmentHandle`), so nothing is opened by name or through /proc.
 """
 
 from __future__ import annotations
@@ -19,40 +20,103 @@ import os
 import numpy as np
 
 
-class Segment:
-    """One anonymous shared-memory block: `buf` (a memoryview), `size`, `handle` (what a child
-    process passes to `attach`)."""
+def _anonymous_fd(size: int) -> int:
+    """A descriptor of `size` bytes of shared memory that no file name reaches."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("dflash-slot", os.MFD_CLOEXEC)
+    else:
+        fd = _libc_memfd()
+        if fd is None:  # some Python builds lack os.memfd_create (built on an older glibc)
+            fd = _unlinked_shm_file()
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
-    def __init__(self, mm: mmap.mmap, size: int, handle: str, fd: int | None):
-        self._mmap, self.size, self.handle, self._fd = mm, size, handle, fd
+
+def _libc_memfd() -> int | None:
+    import ctypes
+
+    try:
+        f = ctypes.CDLL(None, use_errno=True).memfd_create
+    except (AttributeError, OSError):
+        return None
+    fd = f(b"dflash-slot", 1)  # MFD_CLOEXEC
+    return fd if fd >= 0 else None
+
+
+def _unlinked_shm_file() -> int:
+    """A /dev/shm file unlinked as soon as it exists (named for microseconds, not for a run)."""
+    import secrets
+
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    if folder is None:
+        raise RuntimeError("extract's shared slots need Linux shared memory (memfd_create or /dev/shm); "
+                           "this system has neither")
+    path = os.path.join(folder, f"dflash-slot-{os.getpid()}-{secrets.token_hex(8)}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
+    os.unlink(path)
+    return fd
+
+
+class SegmentHandle:
+    """What a writer maps a segment from: its descriptor, which travels only as an argument of a
+    process being started (multiprocessing duplicates it into the child); the child's copy is
+    closed once mapped."""
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = fd, size
+
+    def __reduce__(self):
+        from multiprocessing import context, reduction
+
+        if context.get_spawning_popen() is None:
+            raise RuntimeError("a SegmentHandle can only be passed to a process being started")
+        return (SegmentHandle._received, (reduction.DupFd(self.fd), self.size))
+
+    @staticmethod
+    def _received(dup, size: int) -> "SegmentHandle":
+        return SegmentHandle(dup.detach(), size)
+
+
+class Segment:
+    """One anonymous shared-memory block: `buf` (a memoryview), `size`, and for the creator
+    `handle` (to give to a writer at its start) until `release_handle`."""
+
+    def __init__(self, mm: mmap.mmap, size: int, fd: int | None):
+        self._mmap, self.size, self._fd = mm, size, fd
         self.buf = memoryview(mm)
 
     @classmethod
     def create(cls, size: int) -> "Segment":
-        if not hasattr(os, "memfd_create"):
-            raise RuntimeError("extract's shared slots need Linux (memfd_create); this system has none")
-        fd = os.memfd_create("dflash-slot", os.MFD_CLOEXEC)
+        fd = _anonymous_fd(size)
         try:
-            os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
             raise
-        return cls(mm, size, f"/proc/{os.getpid()}/fd/{fd}", fd)
+        return cls(mm, size, fd)
+
+    @property
+    def handle(self) -> SegmentHandle:
+        if self._fd is None:
+            raise RuntimeError("this segment's descriptor is closed: no process can map it any more")
+        return SegmentHandle(self._fd, self.size)
 
     @classmethod
-    def attach(cls, handle: str, size: int) -> "Segment":
-        """Map a segment another process created (while it still holds its descriptor)."""
-        fd = os.open(handle, os.O_RDWR)
+    def attach(cls, handle: SegmentHandle) -> "Segment":
+        """Map the segment a handle received at this process's start names."""
         try:
-            mm = mmap.mmap(fd, size)
+            mm = mmap.mmap(handle.fd, handle.size)
         finally:
-            os.close(fd)  # the mapping keeps the memory
-        return cls(mm, size, handle, None)
+            os.close(handle.fd)  # the mapping keeps the memory
+        return cls(mm, handle.size, None)
 
     def release_handle(self) -> None:
-        """Close the creator's descriptor: no process can attach from now on, and the memory lives
-        exactly as long as the mappings."""
+        """Close the creator's descriptor: the memory lives exactly as long as the mappings (and
+        the descriptors the writers were started with)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

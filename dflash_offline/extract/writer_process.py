@@ -72,7 +72,7 @@ def _writer_loop(w, cache, layout_kw, slot_handles, arrays, inq, outq, discard: 
 
     loc = Location(cache)
     store = ManifestStore(loc)
-    shms = [Segment.attach(h, slot_bytes(arrays)) for h in slot_handles]
+    shms = [Segment.attach(h) for h in slot_handles]
     try:
         _write_loop(w, loc, store, shms, arrays, layout_kw, inq, outq, discard)
     finally:
