@@ -31,7 +31,8 @@ import numpy as np
 
 from dflash_offline.config import EvalConfig
 from dflash_offline.evaluate.speculative import (Decoded, DFlashProposer, TargetSession,
-                                                 greedy_decode, load_target_for_decoding, speculative_decode, summarize)
+                                                 greedy_decode, load_target_for_decoding, speculative_decode, summarize,
+                                                 tokens_per_s)
 from dflash_offline.evaluate.kv_batch import KVBatchDFlashProposer, NoDrafts, kv_batched_decode, unsupported_reason
 from dflash_offline.evaluate.walk import cache_acceptance, walk_acceptance
 from dflash_offline.runtime.errors import UserError
@@ -308,14 +309,14 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
                                          on_batch=lambda new: bar.update(len(new)))
             bar.close()
             log.info("target alone, batched: %.1f tokens/s",
-                     sum(len(r.tokens) for r in runs) / max(sum(r.seconds for r in runs), 1e-9))
+                     tokens_per_s(runs))
         else:
             runs = []
             for k, p in enumerate(tqdm(prompts, desc="target alone", unit="prompt", disable=not cfg.progress), 1):
                 runs.append(greedy_decode(any_session, p, cfg.max_new_tokens, eos))
                 if k % every == 0 or k == len(prompts):
                     log.info("target alone: %d/%d prompts, %.1f tokens/s", k, len(prompts),
-                             sum(len(r.tokens) for r in runs) / max(sum(r.seconds for r in runs), 1e-9))
+                             tokens_per_s(runs))
         report["baseline"] = {k: v for k, v in summarize(runs, 2).items() if k in ("tokens", "seconds", "tokens_per_s", "target_forwards")}
         if reference is None:
             reference = [r.tokens for r in runs]

@@ -301,6 +301,11 @@ def speculative_decode(target: TargetSession, proposer, prompt: list[int], max_n
     return Decoded(out, accepted, time.perf_counter() - t0, target.forwards)
 
 
+def tokens_per_s(runs: list[Decoded]) -> float:
+    """New tokens over decode seconds, summed over the runs."""
+    return sum(len(r.tokens) for r in runs) / max(sum(r.seconds for r in runs), 1e-9)
+
+
 def summarize(runs: list[Decoded], block_size: int) -> dict:
     acc = np.asarray([a for r in runs for a in r.accepted], np.int64)
     rounds = int(acc.shape[0])
@@ -310,7 +315,7 @@ def summarize(runs: list[Decoded], block_size: int) -> dict:
     # have none): the reference DFlash benchmark averages these, where `tau` pools all rounds.
     per_prompt = [float(np.mean(np.asarray(r.accepted) + 1)) for r in runs if r.accepted]
     return {
-        "rounds": rounds, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
+        "rounds": rounds, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens_per_s(runs),
         "tau": float((acc + 1).mean()) if rounds else float("nan"),
         "tau_per_prompt_mean": float(np.mean(per_prompt)) if per_prompt else float("nan"),
         "tau_per_prompt": per_prompt,

@@ -69,7 +69,6 @@ class ShardSink:
         size = slot_bytes(self.arrays)
         self.log_dir, self.log_name = log_dir, log_name
         self.shms: list[Segment] = []
-        self._released = False
         self._np: list[dict] = []
         ctx = mp.get_context("spawn")  # never fork a process that holds CUDA
         self.outq = ctx.Queue()
@@ -120,10 +119,8 @@ class ShardSink:
     # -- shared memory --------------------------------------------------------------------------
 
     def _release_handles(self) -> None:
-        if not self._released:
-            for s in self.shms:
-                s.release_handle()
-            self._released = True
+        for s in self.shms:
+            s.release_handle()
 
     def _pin(self) -> None:
         """Page-lock the slots so device-to-host copies into them run asynchronously."""

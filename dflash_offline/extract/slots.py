@@ -51,11 +51,10 @@ def _unlinked_shm_file() -> int:
     """A /dev/shm file unlinked as soon as it exists (named for microseconds, not for a run)."""
     import secrets
 
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    if folder is None:
+    if not os.path.isdir("/dev/shm"):
         raise RuntimeError("extract's shared slots need Linux shared memory (memfd_create or /dev/shm); "
                            "this system has neither")
-    path = os.path.join(folder, f"dflash-slot-{os.getpid()}-{secrets.token_hex(8)}")
+    path = f"/dev/shm/dflash-slot-{os.getpid()}-{secrets.token_hex(8)}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
     os.unlink(path)
     return fd

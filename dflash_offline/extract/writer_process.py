@@ -17,7 +17,7 @@ import numpy as np
 
 from dflash_offline.extract.messages import (Batch, Begin, Close, Closed, End, Free, Progress, Ready, ShardDone,
                                              WriterError)
-from dflash_offline.extract.slots import Segment, close_shm, slot_bytes, slot_views
+from dflash_offline.extract.slots import Segment, SegmentHandle, close_shm, slot_bytes, slot_views
 from dflash_offline.runtime.faults import fault_point
 
 log = logging.getLogger("dflash.extract")
@@ -47,7 +47,7 @@ def _next_message(inq):
             heartbeat()
 
 
-def writer_main(w: int, cache: str, layout_kw: dict, slot_handles: list[str], arrays, inq, outq,
+def writer_main(w: int, cache: str, layout_kw: dict, slot_handles: list[SegmentHandle], arrays, inq, outq,
                 log_dir: str, log_name: str, discard: bool = False) -> None:
     """Entry of writer process w: log file first, then its loop (numpy and Zarr only)."""
     from dflash_offline.runtime.logs import open_process_log, reported_outcome

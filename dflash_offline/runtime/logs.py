@@ -26,7 +26,6 @@ from dflash_offline.runtime.signals import Stopped
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
 
 log = logging.getLogger("dflash")
-_freeze_at_exit = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -53,13 +52,12 @@ def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = T
     # faulthandler writes tracebacks of all threads on SIGSEGV/SIGFPE/SIGABRT/SIGBUS/SIGILL, and
     # on SIGUSR1 on demand (`kill -USR1 PID` shows where a hung process is).
     faulthandler.enable(file=stream, all_threads=True)
-    global _freeze_at_exit
-    if not _freeze_at_exit:
-        # The interpreter's last garbage collection walks every object torch and transformers made
-        # (over a second per process, each worker, writer and rank); nothing of ours needs it (files,
-        # caches and processes are closed explicitly), so the objects are frozen out of it.
-        atexit.register(gc.freeze)
-        _freeze_at_exit = True
+    # The interpreter's last garbage collection walks every object torch and transformers made
+    # (over a second per process, each worker, writer and rank); nothing of ours needs it (files,
+    # caches and processes are closed explicitly), so the objects are frozen out of it. (Once per
+    # process, however many logs it opens.)
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True, chain=False)
     root = logging.getLogger("dflash")
