@@ -110,6 +110,11 @@ def _recipe_value(path: Path, key: str, value: Any, annotation: str) -> Any:
     raise UserError(f"--config {path}: key {key!r} must be {want}, got {got}")
 
 
+# Options whose recipe key is not their own name (the config field they fill): eval's --drafter
+# (repeatable, a list) and --json (a path, not the flag of `plan`/`status`).
+_RECIPE_KEY = {"drafter": "drafters", "json": "json_path"}
+
+
 def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> dict[str, Any]:
     """Read a TOML recipe into {field: value}; unknown keys are an error naming the key and file.
     Keys that are fields of `ignore` (not of `cls`) are dropped: `plan` reads extract's recipe
@@ -133,6 +138,9 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> dict
         if name in skip and name not in fields:
             continue
         if name not in fields:
+            if _RECIPE_KEY.get(name) in fields:
+                raise UserError(f"--config {path}: unknown key {key!r}: in a recipe the option --{name} is the key "
+                                f"{_RECIPE_KEY[name]!r}")
             raise UserError(
                 f"--config {path}: unknown key {key!r}; known keys: {', '.join(sorted(fields))}"
                 + (" (and the other keys of an extract recipe, ignored)" if ignore is not None else "")

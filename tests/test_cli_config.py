@@ -58,3 +58,21 @@ def test_every_option_is_a_config_field_with_the_default_its_help_states(name):
             assert stated == value, f"{name} --{p.name}: help says [default: {m.group(1)}], {cls.__name__} has {value!r}"
             checked += 1
     assert checked >= 2  # the test reads the defaults it means to check
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_a_recipe_key_spelled_as_its_option_names_the_right_key(name, tmp_path):
+    """Where an option's flag is not its config field's name (eval --drafter -> drafters), a recipe
+    that uses the flag's spelling is told the key, not just that the key is unknown."""
+    from dflash_offline.options import load_recipe
+    from dflash_offline.runtime.errors import UserError
+
+    cls = COMMANDS[name]
+    for p in cli.main.commands[name].params:
+        flag = p.opts[0].lstrip("-").replace("-", "_")
+        if p.name in NOT_FIELDS or flag == p.name:
+            continue
+        recipe = tmp_path / f"{flag}.toml"
+        recipe.write_text(f'{flag} = "x"\n')
+        with pytest.raises(UserError, match=f"the option --{flag} is the key '{p.name}'"):
+            load_recipe(recipe, cls)

@@ -5,12 +5,17 @@
 - Bytes per token on storage against bf16 at a 27B target's width: <= 0.52x.
 - extract --hidden-dtype fp8 of a tiny target: within the bound of the bf16 cache of the same
   target; it verifies, inspects, and trains (the loader ships bits and scales, the trainer
-  dequantises).
+  dequantises); the stand-alone checksum code of docs/cache-format.md (what outside checks copy)
+  accepts both caches.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -68,6 +73,16 @@ def test_bytes_per_token_at_27b_width(tmp_path):
     assert ratio <= 0.52, (ratio, sizes)
 
 
+def doc_checksum_code(cache: Path) -> str:
+    """The Python block of docs/cache-format.md that checks shards without this package, aimed at `cache`."""
+    text = (Path(__file__).parents[1] / "docs" / "cache-format.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "def shard_checksum" in b]
+    assert len(blocks) == 1, "docs/cache-format.md: the stand-alone checksum code is missing or doubled"
+    code = blocks[0].replace('cache = "runs/demo/cache"', f"cache = {str(cache)!r}")
+    assert str(cache) in code, "the snippet's cache path line changed: update this test"
+    return code
+
+
 def test_fp8_extraction_verifies_inspects_and_trains(tiny_dense, tiny_data, valid_cache, tmp_path):
     bf16, fp8 = valid_cache, tmp_path / "fp8"  # the session's bf16 cache, made with the same options
     r = run_cli(extract_args(tiny_dense, tiny_data, fp8, "--hidden-dtype", "fp8"))
@@ -88,6 +103,10 @@ def test_fp8_extraction_verifies_inspects_and_trains(tiny_dense, tiny_data, vali
     assert checked == len(list(b.samples())) > 0
     assert b.verify() == []
     assert run_cli(["verify", str(fp8)]).returncode == 0
+    for cache in (bf16, fp8):  # the documented checker, run without this package's help
+        r = subprocess.run([sys.executable, "-c", doc_checksum_code(cache)], capture_output=True, text=True, timeout=120)
+        lines = r.stdout.split("\n")[:-1]
+        assert r.returncode == 0 and lines and all(x.endswith(" True") for x in lines), (cache, r.stdout, r.stderr)
     r = run_cli(["inspect", str(fp8), "--sample", str(sa.sample_id)])
     assert r.returncode == 0, r.stderr
     out = tmp_path / "run"
