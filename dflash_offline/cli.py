@@ -3,6 +3,7 @@ only after its process log is open."""
 
 from __future__ import annotations
 
+import socket
 import sys
 
 import click
@@ -29,19 +30,14 @@ class ByteSize(click.ParamType):
     """A size in bytes: 123456, 64GB, 1.5T, 512MiB (k/M/G/T are powers of 1000, KiB/MiB/GiB/TiB of 1024)."""
 
     name = "SIZE"
-    UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-             "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int):
-            return value
-        import re
+        from dflash_offline.options import parse_size
 
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in self.UNITS:
-            self.fail(f"{value!r} is not a size (examples: 2000000000, 64GB, 1.5T, 512MiB)", param, ctx)
-        return int(float(m.group(1)) * self.UNITS[unit])
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -218,7 +214,9 @@ def eval_(ctx: click.Context, config_file, **options) -> None:
     from dflash_offline.evaluate import run as evaluate
 
     report = evaluate.run(merge(EvalConfig, recipe, given))
-    if any(not d["parity"]["agree"] for d in report["drafters"] if "parity" in d):
+    # A check that failed (outputs not equal to the target's, estimates that disagree) fails the
+    # command, after the report and its JSON: scripts and CI read the exit status.
+    if any(d.get("lossless") is False or not d.get("parity", {}).get("agree", True) for d in report["drafters"]):
         ctx.exit(1)
 
 
@@ -285,8 +283,14 @@ def verify(cache: str) -> None:
     if bad:
         for name, problem in bad.items():
             click.echo(f"damaged: {name}: {problem}", err=True)
-        click.echo(f"{len(bad)} damaged shard(s): delete them from manifest.json (or re-extract into a new cache)",
-                   err=True)
+        denied = [n for n, p in bad.items() if "PermissionError" in p]
+        if denied:  # nothing is damaged there: deleting the entries would throw away good data
+            click.echo(f"{len(denied)} shard(s) cannot be read for lack of permission ({', '.join(denied[:5])}): give "
+                       "this user read access to their files, then verify again", err=True)
+        if len(denied) < len(bad):
+            click.echo(f"{len(bad) - len(denied)} damaged shard(s): to re-make them, delete their entries from "
+                       "manifest.json's shards (keep a copy) and run the extract command that made the cache again "
+                       "(it re-makes exactly those); or extract into a new cache", err=True)
         sys.exit(1)
 
 
@@ -305,9 +309,9 @@ def inspect(cache: str, sample_id: int | None, stats: bool, max_tokens: int) -> 
     if hint:
         raise UserError(hint)
     view = open_cache(cache)
+    s = view.sample(sample_id) if sample_id is not None else None  # an unknown id, before the statistics' reads
     click.echo(view.summary(stats=stats, max_tokens=max_tokens))
-    if sample_id is not None:
-        s = view.sample(sample_id)
+    if s is not None:
         click.echo(f"sample {s.sample_id} ({s.shard}): {len(s)} tokens, {int(s.loss_mask.sum())} in the response")
         click.echo(f"  input_ids: {s.input_ids[:24].tolist()}{' ...' if len(s) > 24 else ''}")
         for lid, n in s.norms().items():
@@ -382,8 +386,11 @@ def entry() -> None:
     from dflash_offline.runtime.signals import Stopped
 
     try:
-        main(standalone_mode=False)
+        # Outside standalone mode click returns ctx.exit()'s code instead of exiting with it.
+        code = main(standalone_mode=False)
         finish_heartbeat("done")
+        if isinstance(code, int) and code != 0:
+            sys.exit(code)
     except UserError as e:
         record_failure(e)
         click.echo(f"error: {e}", err=True)
@@ -398,6 +405,9 @@ def entry() -> None:
         finish_heartbeat("interrupted", "interrupted (Ctrl-C or SIGINT)")
         click.echo("interrupted: committed work is kept; run the same command again to resume", err=True)
         sys.exit(130)
+    except getattr(click.exceptions, "NoArgsIsHelpError", ()) as e:  # no command given: the help, as help
+        click.echo(e.format_message(), err=True)
+        sys.exit(e.exit_code)
     except click.UsageError as e:
         # One line, as every other refusal: the option and what is wrong with it, where the help is.
         where = e.ctx.command_path if e.ctx is not None else "dflash-offline"
@@ -408,6 +418,19 @@ def entry() -> None:
         sys.exit(e.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
+    except (socket.gaierror, ConnectionRefusedError) as e:
+        # A storage URL (--cache ftp://..., s3://...) or a rendezvous address that cannot be reached.
+        record_failure(e)
+        click.echo(f"error: a network address cannot be resolved or reached ({type(e).__name__}: {e}); check the "
+                   "URL given (--cache, --data) or MASTER_ADDR, and the network", err=True)
+        sys.exit(2)
+    except PermissionError as e:
+        # A file or folder this user may not read or write (a model folder, a manifest): the path
+        # and the fix in one line; the traceback is in the process log.
+        record_failure(e)
+        click.echo(f"error: {e.filename or e}: permission denied; give this user access to it, or choose another "
+                   "path", err=True)
+        sys.exit(2)
     except Exception as e:
         # One line on the terminal; the traceback and the phase are in the process log.
         record_failure(e)

@@ -221,6 +221,9 @@ class TrainConfig:
             raise UserError(f"--verify {self.verify!r}: choose quick or full")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise UserError(f"--precision {self.precision!r}: choose auto, bf16 or fp32")
+        if self.eval_every is not None and not self.eval_cache:
+            raise UserError("--eval-every sets how often --eval-cache is measured; give --eval-cache CACHE (a held-out "
+                            "cache of the target's own completions) or leave --eval-every out")
         if self.stream and not self.follow:
             raise UserError("--stream needs --follow (it releases shards of a cache that extraction is still filling)")
         if self.follow and self.epochs != 1:
@@ -360,6 +363,11 @@ class EvalConfig:
                        "max_prompts", "max_rows", "max_samples")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise UserError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
+        # As train's rule (anchors beyond a short row's positions are masked padding, up to the
+        # default count): a typo would allocate (anchors x block) tables after all the decoding.
+        if self.cache and self.num_anchors > max(self.seq_len, EvalConfig.num_anchors):
+            raise UserError(f"--num-anchors {self.num_anchors} exceeds --seq-len {self.seq_len}: the cache estimate's "
+                            "anchors are distinct positions of a row; lower --num-anchors")
 
 
 @dataclass
@@ -410,6 +418,9 @@ class GenerateConfig:
         check_number(self, "temperature", 0, open_high=True, must=">= 0 and finite", why="0 = greedy")
         check_number(self, "top_p", 0, 1, open_low=True, must="in (0, 1]",
                      why="the probability mass of the tokens sampling keeps")
+        if self.top_p < 1 and self.temperature == 0:
+            raise UserError(f"--top-p {self.top_p} applies to sampling, but --temperature is 0 (greedy); give "
+                            "--temperature > 0 to sample, or leave --top-p out")
         if self.eos_token_ids is not None and any(i < 0 for i in self.eos_token_ids):
             raise UserError(f"--eos-token-ids {self.eos_token_ids}: token ids are >= 0")
         if self.compute_dtype not in ("auto", "bfloat16", "float16", "float32"):

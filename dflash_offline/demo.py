@@ -23,14 +23,33 @@ from dflash_offline.runtime.errors import UserError
 
 TRAIN_PROMPTS, EVAL_PROMPTS, NEW_TOKENS = 512, 32, 64
 OURS = {"tiny-target", "prompts-train.parquet", "prompts-eval.parquet", "generated", "cache", "train", "eval.json"}
+MARK = ".dflash-demo"  # written first into a folder the demo makes or finds empty: "this folder is a demo's"
+
+
+def _check_out(root: Path) -> None:
+    """--out must be new, empty, or a demo's own folder: the demo writes files by fixed names, and a
+    user's file of one of those names must never be replaced."""
+    if root.exists() and not root.is_dir():
+        raise UserError(f"--out {root}: exists and is not a folder; choose a new folder")
+    if not root.is_dir() or (root / MARK).exists():
+        return
+    names = {p.name for p in root.iterdir()}
+    # A folder an earlier version of the demo made (before the mark): only the demo's names, and
+    # its trained target.
+    legacy = names <= OURS | {".tiny-target.tmp"} and (root / "tiny-target" / "config.json").is_file()
+    if names and not legacy:
+        raise UserError(f"--out {root}: the folder exists, is not empty and is not a demo's (no {MARK} in it); "
+                        "choose a new or empty folder (nothing was changed)")
 
 
 def run(out: str, devices: str = "cpu") -> dict:
+    from dflash_offline.runtime.launch import check_devices_exist, parse_devices
+
     root = Path(out)
-    if root.is_dir() and any(root.iterdir()) and not OURS & {p.name for p in root.iterdir()}:
-        raise UserError(f"--out {out}: the folder exists, is not empty and holds no demo; choose a new folder "
-                        "(nothing is overwritten)")
+    _check_out(root)
+    check_devices_exist(parse_devices(devices))  # before minutes of work, not after the target is trained
     root.mkdir(parents=True, exist_ok=True)
+    (root / MARK).touch()
     target = root / "tiny-target"
     if not (target / "config.json").exists():
         from dflash_offline.tiny import make_tiny_target, train_tiny_target

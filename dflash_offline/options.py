@@ -110,6 +110,24 @@ def _recipe_value(path: Path, key: str, value: Any, annotation: str) -> Any:
     raise UserError(f"--config {path}: key {key!r} must be {want}, got {got}")
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value) -> int:
+    """A size in bytes: 123456, 64GB, 1.5T, 512MiB (k/M/G/T are powers of 1000, KiB/MiB/GiB/TiB of
+    1024); ValueError naming the examples otherwise. The command line and recipes read the same."""
+    import re
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{value!r} is not a size (examples: 2000000000, 64GB, 1.5T, 512MiB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
 # Options whose recipe key is not their own name (the config field they fill): eval's --drafter
 # (repeatable, a list) and --json (a path, not the flag of `plan`/`status`).
 _RECIPE_KEY = {"drafter": "drafters", "json": "json_path"}
@@ -145,6 +163,11 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> dict
                 f"--config {path}: unknown key {key!r}; known keys: {', '.join(sorted(fields))}"
                 + (" (and the other keys of an extract recipe, ignored)" if ignore is not None else "")
             )
+        if name == "max_bytes" and isinstance(value, str):  # "64GB", as --max-bytes takes it
+            try:
+                value = parse_size(value)
+            except ValueError as e:
+                raise UserError(f"--config {path}: key {key!r}: {e}") from None
         out[name] = _recipe_value(path, key, value, str(fields[name].type))
     # Relative paths in a recipe are relative to the directory the command runs in, like CLI paths.
     for name, value in out.items():  # one path where a list of paths is expected

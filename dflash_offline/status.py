@@ -99,7 +99,7 @@ def last_error(log_dir: Path, stage: str = "") -> dict | None:
 
 def cache_status(path: str) -> dict:
     from dflash_offline.cache.location import Location
-    from dflash_offline.cache.manifest import ManifestStore, committed_names, occupancy
+    from dflash_offline.cache.manifest import ManifestStore, committed_names, edited_problem, occupancy
 
     loc = Location(path)
     m = ManifestStore(loc).read()
@@ -118,8 +118,11 @@ def cache_status(path: str) -> dict:
     released = {s["name"] for s in m.get("released", [])}
     missing = sorted(n for n in committed if f"{n}.zarr" not in on_storage and n not in released)
     running = [p for p in procs if p["state"] == "running"]
+    edited = edited_problem(m)
     if m["status"] == "not created" and not running:
         verdict = "no manifest yet: the extraction ended before it created one (see the last error)"
+    elif edited is not None:
+        verdict = f"damaged: manifest.json: {edited}"
     else:
         verdict = _verdict(m["status"], procs, "extracting", "extract")
     return {"kind": "cache", "path": str(path), "status": m["status"], "verdict": verdict,

@@ -76,3 +76,17 @@ def test_a_recipe_key_spelled_as_its_option_names_the_right_key(name, tmp_path):
         recipe.write_text(f'{flag} = "x"\n')
         with pytest.raises(UserError, match=f"the option --{flag} is the key '{p.name}'"):
             load_recipe(recipe, cls)
+
+
+def test_a_recipe_size_reads_like_the_option(tmp_path):
+    """`max_bytes = "64GB"` in a recipe is what `--max-bytes 64GB` is; a non-size is one line."""
+    from dflash_offline.options import load_recipe
+    from dflash_offline.runtime.errors import UserError
+
+    for text, want in (('"64GB"', 64 * 10**9), ('"1.5T"', 15 * 10**11), ('"512MiB"', 512 * 2**20), ("1000", 1000)):
+        (tmp_path / "r.toml").write_text(f"max_bytes = {text}\n")
+        assert load_recipe(tmp_path / "r.toml", ExtractConfig) == {"max_bytes": want}
+        assert cli.ByteSize().convert(text.strip('"'), None, None) == want
+    (tmp_path / "r.toml").write_text('max_bytes = "64 apples"\n')
+    with pytest.raises(UserError, match="key 'max_bytes': '64 apples' is not a size"):
+        load_recipe(tmp_path / "r.toml", ExtractConfig)

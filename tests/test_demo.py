@@ -31,3 +31,27 @@ def test_demo_drafter_speeds_up_real_decoding(tmp_path):
     st = run_cli(["status", out / "cache", "--json"])
     states = {p["name"]: p["state"] for p in json.loads(st.stdout)["processes"]}
     assert set(states.values()) == {"done"} and "extract-launcher" in states, states
+    assert (out / ".dflash-demo").is_file()
+    # Run again into its own folder: every stage says it is complete, the figures are the same run's.
+    again = run_cli(["demo", "--out", str(out)], timeout=900)
+    assert again.returncode == 0 and "(trained earlier)" in again.stdout, again.stderr[-3000:]
+
+
+def test_demo_refuses_a_folder_it_did_not_make_before_any_work(tmp_path):
+    """A folder holding a user's file, even one named like the demo's, is refused and left as it
+    was; so are a file given as --out and a GPU that is not there (before the target is trained)."""
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "prompts-train.parquet").write_text("my precious data")
+    (user / "README.md").write_text("notes")
+    r = run_cli(["demo", "--out", user])
+    assert r.returncode == 2 and "is not a demo's" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert sorted(p.name for p in user.iterdir()) == ["README.md", "prompts-train.parquet"]
+    assert (user / "prompts-train.parquet").read_text() == "my precious data"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    r = run_cli(["demo", "--out", afile])
+    assert r.returncode == 2 and "exists and is not a folder" in r.stderr and afile.read_text() == "x", r.stderr
+    fresh = tmp_path / "fresh"
+    r = run_cli(["demo", "--out", fresh, "--devices", "99"])
+    assert r.returncode == 2 and "--devices asks for GPU 99" in r.stderr and not fresh.exists(), r.stderr

@@ -7,13 +7,14 @@ target's own greedy completions, `--reference` checks outputs against given comp
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import fit_drafter_to_samples, run_cli
-from dflash_offline.evaluate.run import _decode_all, format_report, load_drafter, read_reference
+from dflash_offline.evaluate.run import read_reference
 from dflash_offline.evaluate.speculative import (DFlashProposer, TargetSession, greedy_decode,
                                                  load_target_for_decoding, speculative_decode, summarize)
 from dflash_offline.evaluate.walk import cache_acceptance, cache_layer_columns, walk_acceptance, walk_rounds
@@ -411,7 +412,7 @@ def test_eval_command_with_a_trained_drafter(kind, tiny_dense, tiny_hybrid, tmp_
         assert e["speedup"] > 0
 
 
-def test_eval_refusals(tiny_dense, tiny_hybrid, tmp_path):
+def test_eval_refusals(tiny_dense, tiny_hybrid, arith_cache, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -428,6 +429,47 @@ def test_eval_refusals(tiny_dense, tiny_hybrid, tmp_path):
     assert r.returncode == 2 and "neither a drafter export" in r.stderr, r.stderr
     r = run_cli(["eval", "--target", tiny_dense, "--drafter", export])
     assert r.returncode == 2 and "--prompts" in r.stderr
+    # Cache-estimate settings that cannot work are refused before any decoding (one line, exit 2).
+    prompts = tmp_path / "ok.parquet"
+    pq.write_table(pa.table({"input_ids": [[5, 6, 7]]}), prompts)
+    for opts, says in ((["--seq-len", "16", "--num-anchors", "100000"], "--num-anchors 100000 exceeds --seq-len 16"),
+                       (["--seq-len", "8"], "--seq-len 8 must exceed the drafter's block size (8)")):
+        r = run_cli(["eval", "--target", tiny_dense, "--drafter", export, "--prompts", prompts, "--cache", arith_cache,
+                     *opts, "--no-progress"])
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "speculative" not in r.stdout  # nothing decoded
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    r = run_cli(["eval", "--target", tiny_dense, "--drafter", export, "--prompts", prompts, "--log-dir", afile])
+    assert r.returncode == 2 and f"--log-dir {afile}: cannot write the log folder there" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and afile.read_text() == "x"
+
+
+@pytest.mark.parametrize("table, says", [
+    ({"input_ids": [["1", "2"]]}, "column 'input_ids' must be a list of integers (token ids), found list<element: string>"),
+    ({"input_ids": [1, 2]}, "column 'input_ids' must be a list of integers (token ids), found int64"),
+    ({"input_ids": [[[1], [2]]]}, "column 'input_ids' must be a list of integers (token ids), found list<element: list"),
+    ({"id": ["a"], "input_ids": [[1, 2]]}, "column 'id' must be an integer, found string"),
+    ({"id": [1.5, 2.5], "input_ids": [[1], [2]]}, "column 'id' must be an integer, found double"),
+    ({"id": [None, 1], "input_ids": [[1], [2]]}, "row 0 has a null id"),
+    ({"id": [7, 7], "input_ids": [[1], [2]]}, "id 7 occurs twice"),
+    ({"input_ids": [[1], None]}, "row 1 is null"),
+])
+def test_eval_prompt_file_refusals(table, says, tmp_path):
+    """Each malformed --prompts file is one UserError naming the file and the problem, not a
+    TypeError from deep inside the decoder."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_offline.evaluate.run import read_prompts
+    from dflash_offline.runtime.errors import UserError
+
+    types = {"id": pa.int64() if table.get("id") and None in table["id"] else None,
+             "input_ids": pa.list_(pa.int64()) if None in table["input_ids"] else None}
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({k: pa.array(v, types[k]) for k, v in table.items()}), path)
+    with pytest.raises(UserError, match=re.escape(f"--prompts {path}: {says}")):
+        read_prompts(str(path), 512)
 
 
 def test_eval_of_a_downloaded_drafter_writes_no_folder_beside_it(tiny_dense, tmp_path):
@@ -508,7 +550,6 @@ def test_eval_with_reference_and_cache_walk(own_cache, tiny_dense, tmp_path):
     run's `--cache` prints and records the walk beside the random-anchor estimate."""
     import pyarrow.parquet as pq
 
-    from dflash_offline.config import EvalConfig
     from dflash_offline.drafter.export import export_drafter
 
     cache, data, prompts = own_cache
@@ -535,14 +576,12 @@ def test_eval_with_reference_and_cache_walk(own_cache, tiny_dense, tmp_path):
     changed["input_ids"][len(prompts[102]) + 5] = (changed["input_ids"][len(prompts[102]) + 5] + 1) % 500 + 2
     bad_token = write_rows(tmp_path / "changed.parquet", [x["id"] for x in rows], [x["input_ids"] for x in rows],
                            [x["loss_mask"] for x in rows])
-    # In-process (the command's decoding step, without a second process start-up).
-    cfg = EvalConfig(target=str(tiny_dense), drafters=[str(export)], prompts=str(prompt_file), reference=str(bad_token),
-                     max_new_tokens=WALK_NEW, ignore_eos=True, progress=False)
-    rep = {"device": "cpu", "dtype": "float32", "drafters": [{"path": str(export), "block_size": WALK_B}]}
-    _decode_all(cfg, [(str(export), load_drafter(str(export), str(tiny_dense)))], "cpu", rep)
-    e = rep["drafters"][0]
+    # Not lossless: the report and its JSON say which prompt, and the command fails (exit 1).
+    r = run_cli(common + ["--reference", bad_token, "--json", report])
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    e = json.loads(report.read_text())["drafters"][0]
     assert e["lossless"] is False and e["mismatched_prompt_ids"] == [102]
-    assert "NO (1)" in format_report(rep)
+    assert "NO (1)" in r.stdout and "1 of" in r.stderr and "differ from the target's greedy decode" in r.stderr
 
     other = {**prompts, 103: prompts[103][:-1] + [prompts[103][-1] % 500 + 2]}
     bad_prompt = write_rows(tmp_path / "other.parquet", ids, [other[i] for i in ids])

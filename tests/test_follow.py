@@ -204,3 +204,29 @@ def test_follow_resume_after_sigkill_equals_straight_run(tiny_dense, valid_cache
     for k in wa:
         np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
     assert (straight / "consumed.jsonl").read_text() == (resumed / "consumed.jsonl").read_text()
+
+
+def test_follow_says_on_the_terminal_when_extraction_is_gone(tiny_dense, tiny_data, tmp_path):
+    """A follower waiting for shards that no live extract process will write says so on the
+    terminal (the periodic waiting lines go to the log only), instead of waiting in silence."""
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    ext = ["extract", "--target", str(tiny_dense), "--data", str(tiny_data), "--cache", str(cache),
+           *EXTRACT[:EXTRACT.index("--passes")]]
+    r = run_cli(ext, env={**os.environ, "DFLASH_OFFLINE_KILL_AT": "shard-committed:2"})
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    m = json.loads((cache / "manifest.json").read_text())
+    assert m["status"] != "complete" and len(m["shards"]) < m["plan"]["num_shards"]
+    opts = [x for x in TRAIN if x not in ("--stream",)]
+    opts[opts.index("--follow-window") + 1] = "1"
+    log = tmp_path / "train.txt"
+    p = _start(["train", "--target", str(tiny_dense), "--cache", str(cache), "--out", str(out), *opts], log)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and "no extract process of" not in log.read_text() and p.poll() is None:
+            time.sleep(0.5)
+        text = log.read_text()
+        assert "no extract process of" in text and "run the extract command again (it resumes)" in text, text[-3000:]
+        assert "died" in text
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(timeout=120)

@@ -78,6 +78,10 @@ BAD = [
     (_plan(max_bytes=0), "--max-bytes must be positive"),
     (_eval(max_prompts=0), "--max-prompts must be positive"),
     (_eval(walk_batch_rows=0), "--walk-batch-rows must be positive"),
+    # Options that would otherwise be ignored without a word.
+    (_train(eval_every=5), "--eval-every sets how often --eval-cache is measured"),
+    (_generate(top_p=0.5), "--top-p 0.5 applies to sampling, but --temperature is 0 (greedy)"),
+    (_eval(cache="c", seq_len=16, num_anchors=100000), "--num-anchors 100000 exceeds --seq-len 16"),
 ]
 
 

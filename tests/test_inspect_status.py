@@ -125,6 +125,8 @@ def test_inspect_command(valid_cache):
     assert "sample 5 (shard-" in r.stdout and "layer   5: norm mean" in r.stdout
     r = run_cli(["inspect", valid_cache.parent])
     assert r.returncode == 2 and "no manifest.json" in r.stderr
+    r = run_cli(["inspect", valid_cache, "--sample", "999999"])  # refused before the summary and its reads
+    assert r.returncode == 2 and r.stdout == "" and "no committed sample with id 999999" in r.stderr, r.stderr
 
 
 def test_status_of_a_complete_cache(tiny_dense, tiny_data, valid_cache_as_made, tmp_path):
@@ -298,3 +300,69 @@ def test_notebook_finds_the_demo_cache_from_docs(valid_cache, tmp_path, monkeypa
                                 resources={"metadata": {"path": str(tmp_path)}}).execute()
     assert "no cache at runs/demo/cache or ../runs/demo/cache" in str(e.value)
     assert "dflash-offline demo --out runs/demo" in str(e.value) and "DFLASH_CACHE" in str(e.value)
+
+
+def test_a_complete_manifest_edited_by_hand_is_named_not_read_in_part(valid_cache, tmp_path):
+    """verify's advice for a damaged shard is to delete its entry and extract again; a manifest
+    that still says complete without that entry (or with totals that are not its shards' sums) is
+    refused by every reader, and status calls it damaged, instead of training on part of the cache."""
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.runtime.errors import UserError
+
+    cache = tmp_path / "cache"
+    shutil.copytree(valid_cache, cache)
+    path = cache / "manifest.json"
+    m = json.loads(path.read_text())
+    assert m["status"] == "complete" and len(m["shards"]) >= 2
+    edited = {**m, "shards": m["shards"][1:]}
+    path.write_text(json.dumps(edited))
+    says = f"lists {len(m['shards']) - 1} of the {m['plan']['num_shards']} planned shards"
+    r = run_cli(["verify", cache])
+    assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    st = json.loads(run_cli(["status", cache, "--json"]).stdout)
+    assert st["verdict"].startswith("damaged: manifest.json: it says complete") and says in st["verdict"], st
+    path.write_text(json.dumps({**m, "totals": {**m["totals"], "samples": m["totals"]["samples"] + 1}}))
+    with pytest.raises(UserError, match="are not the sums of its shards"):
+        CacheReader(str(cache))
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda m: m.update(totals={}), "totals lacks integer samples, tokens and bytes"),
+    (lambda m: m.update(shards="x"), "shards is not a list"),
+    (lambda m: m["shards"][0].pop("name"), "shards[0] has no name"),
+    (lambda m: m["shards"][0].pop("checksum"), "lacks integer samples, tokens, bytes, a checksum or its sample_ids"),
+    (lambda m: m.pop("capture"), "no capture"),
+    (lambda m: m["plan"].update(num_shards="5"), "plan.num_shards is not an integer"),
+])
+def test_a_malformed_manifest_is_one_line_not_a_key_error(valid_cache, tmp_path, edit, says):
+    """Valid JSON of the wrong shape is named as a damaged manifest by every command that reads it."""
+    cache = tmp_path / "cache"
+    shutil.copytree(valid_cache, cache)
+    m = json.loads((cache / "manifest.json").read_text())
+    edit(m)
+    (cache / "manifest.json").write_text(json.dumps(m))
+    every = (["verify", cache], ["status", cache], ["inspect", cache, "--no-stats"])
+    for cmd in every if "totals" in says else every[:1]:  # the same read for all three: all once
+        r = run_cli(cmd)
+        assert r.returncode == 2 and "damaged or not a dflash-offline manifest" in r.stderr and says in r.stderr, \
+            (cmd, r.stderr)
+
+
+def test_a_file_this_user_may_not_read_is_one_line(valid_cache, tmp_path):
+    """Permission denied (here on manifest.json) is one line naming the path, exit 2, not an
+    exception name. As root, file permissions bind only without the override capabilities."""
+    cache = tmp_path / "cache"
+    shutil.copytree(valid_cache, cache)
+    (cache / "manifest.json").chmod(0)
+    cmd = [sys.executable, "-m", "dflash_offline", "status", str(cache)]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: permissions cannot bind")
+        cmd = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+               "--bounding-set=-dac_override,-dac_read_search", *cmd]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if "Operation not permitted" in r.stderr and "setpriv" in r.stderr:
+        pytest.skip("setpriv may not drop capabilities here")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == f"error: {cache / 'manifest.json'}: permission denied; give this user access to it, " \
+                               "or choose another path"

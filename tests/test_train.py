@@ -248,3 +248,17 @@ def test_human_count():
 
     assert [human_count(n) for n in (7, 999, 1234, 999_999, 1_230_000, 2.1e9, 1.84e9)] == \
         ["7", "999", "1.23K", "1.00M", "1.23M", "2.10B", "1.84B"]
+
+
+def test_settings_that_would_be_adjusted_or_ignored_are_said_on_the_terminal(arith_cache, tiny_dense, tmp_path):
+    """A global batch that is not whole rows per rank is rounded, and a profile window past the
+    run's last step writes nothing: both are warnings on the terminal, not only a log line."""
+    out = tmp_path / "run"
+    args = list(TRAIN)
+    args[args.index("--global-batch-tokens") + 1] = "300"  # rows of 256 tokens: 2 per step, 512 tokens
+    r = run_cli(["train", "--target", str(tiny_dense), "--cache", str(arith_cache), "--out", str(out), *args,
+                 "--max-steps", "3", "--profile-steps", "2"], timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "--global-batch-tokens 300 is not a multiple of 1 rank(s) x --seq-len 256: each step takes 512" in r.stderr
+    assert "--profile-steps 2: the profile covers steps 6..7" in r.stderr and "past this run's last step 3" in r.stderr
+    assert not (out / "profile").exists() and len(metrics(out)) == 3

@@ -129,11 +129,14 @@ class ManifestStore:
             raise UserError(f"{self.loc.path()}: a generate output (the target's completions as Parquet parts), not a "
                             f"cache: extract it with `dflash-offline extract --data {self.loc.path()}`, or see "
                             f"`dflash-offline status {self.loc.path()}`")
-        missing = [k for k in ("format", "status", "plan", "shards", "totals") if k not in m] if isinstance(m, dict) \
-            else ["(not an object)"]
+        missing = [k for k in ("format", "status", "capture", "plan", "shards", "totals") if k not in m] \
+            if isinstance(m, dict) else ["(not an object)"]
         if missing:
             raise UserError(f"{self.loc.url(MANIFEST)}: damaged or not a dflash-offline manifest (no "
                             f"{', '.join(missing)}); {fix}")
+        wrong = _malformed(m)
+        if wrong:
+            raise UserError(f"{self.loc.url(MANIFEST)}: damaged or not a dflash-offline manifest ({wrong}); {fix}")
         return m
 
     def init_or_check(self, wanted: dict) -> dict:
@@ -270,6 +273,49 @@ class ManifestStore:
 def committed_names(m: dict) -> set[str]:
     """Shards that have been committed: on storage (`shards`) or consumed and deleted (`released`)."""
     return {s["name"] for s in m["shards"]} | {s["name"] for s in m.get("released", [])}
+
+
+def _malformed(m: dict) -> str | None:
+    """The first field every reader relies on that has the wrong shape (a hand edit, another
+    program's file), or None: named in one line rather than met as a KeyError deep in a reader."""
+    def ints(d, keys) -> bool:
+        return isinstance(d, dict) and all(isinstance(d.get(k), int) and not isinstance(d.get(k), bool) for k in keys)
+
+    if not isinstance(m["capture"], dict):
+        return "capture is not an object"
+    if not ints(m["plan"], ("num_shards",)):
+        return "plan.num_shards is not an integer"
+    if not ints(m["totals"], ("samples", "tokens", "bytes")):
+        return "totals lacks integer samples, tokens and bytes"
+    for key in ("shards", "released"):
+        entries = m.get(key, [])
+        if not isinstance(entries, list):
+            return f"{key} is not a list"
+        for i, e in enumerate(entries):
+            if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+                return f"{key}[{i}] has no name"
+    for i, e in enumerate(m["shards"]):
+        if not ints(e, ("samples", "tokens", "bytes")) or not isinstance(e.get("checksum"), str) \
+                or not isinstance(e.get("sample_ids"), list):
+            return f"shards[{i}] ({e['name']}) lacks integer samples, tokens, bytes, a checksum or its sample_ids"
+    return None
+
+
+def edited_problem(m: dict) -> str | None:
+    """Why a manifest that says `complete` cannot be what extract committed (an entry removed or a
+    figure changed by hand), or None. A reader would otherwise train on part of the cache without
+    a word; extract itself re-makes what is missing, so it does not use this check."""
+    if m.get("status") != "complete":
+        return None
+    have, planned = len(committed_names(m)), m["plan"]["num_shards"]
+    rerun = "run the extract command that made it again (it re-makes the missing shards)"
+    if have != planned:
+        return f"it says complete but lists {have} of the {planned} planned shards (an entry removed by hand?); {rerun}"
+    sums = {k: sum(int(s[k]) for s in m["shards"]) for k in ("samples", "tokens", "bytes")}
+    stated = {k: m["totals"].get(k) for k in sums}
+    if sums != stated:
+        return f"its totals {stated} are not the sums of its shards {sums} (edited by hand?); restore manifest.json"
+    return None
 
 
 def binds_nothing(m: dict) -> bool:

@@ -69,14 +69,30 @@ def _read_table(option: str, path: str, columns: tuple[str, ...], fix: str):
 
 def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None) -> tuple[list[int], list[list[int]]]:
     """(ids, prompts) from a Parquet file with `input_ids` (and optional `id`); one line per problem."""
+    import pyarrow as pa
+
     table = _read_table("--prompts", path, ("input_ids",), "expected a Parquet file with an input_ids column")
+    # The column types first: a wrong one would otherwise surface as a TypeError mid-loop.
+    t = table.schema.field("input_ids").type
+    if not ((pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)):
+        raise UserError(f"--prompts {path}: column 'input_ids' must be a list of integers (token ids), found {t}")
+    if "id" in table.column_names and not pa.types.is_integer(table.schema.field("id").type):
+        raise UserError(f"--prompts {path}: column 'id' must be an integer, found {table.schema.field('id').type}")
     prompts = table.column("input_ids").to_pylist()
     ids = table.column("id").to_pylist() if "id" in table.column_names else list(range(len(prompts)))
+    if None in ids:
+        raise UserError(f"--prompts {path}: row {ids.index(None)} has a null id; every row needs one")
+    if len(set(ids)) < len(ids):
+        seen: set[int] = set()
+        dup = next(i for i in ids if i in seen or seen.add(i))
+        raise UserError(f"--prompts {path}: id {dup} occurs twice; ids must be unique (outputs are reported by id)")
     if max_prompts is not None:
         prompts, ids = prompts[:max_prompts], ids[:max_prompts]
     if not prompts:
         raise UserError(f"--prompts {path}: the file holds no rows; give at least one prompt")
     for row, toks in enumerate(prompts):
+        if toks is None:
+            raise UserError(f"--prompts {path}: row {row} is null; every prompt needs at least one token")
         if not toks:
             raise UserError(f"--prompts {path}: row {row} is empty; every prompt needs at least one token")
         if None in toks:
@@ -217,18 +233,30 @@ def run(cfg: EvalConfig) -> dict:
     check_report_dest(cfg.json_path)
     if cfg.cache:
         _check_cache_target(cfg.cache, cfg.target)
-    open_process_log(log_folder(cfg), "eval")
+    try:
+        open_process_log(log_folder(cfg), "eval")
+    except OSError as e:  # one line naming the folder, before any work
+        if cfg.log_dir:
+            raise UserError(f"--log-dir {cfg.log_dir}: cannot write the log folder there ({e.strerror or e}); "
+                            "choose a writable folder") from None
+        raise UserError(f"cannot write the log folder {log_folder(cfg)} ({e.strerror or e}); choose a writable "
+                        "one with --log-dir") from None
     devices = parse_devices(cfg.device)
     if len(devices) != 1:
         raise UserError(f"--device {cfg.device}: eval runs on one device (e.g. 0 or cpu)")
     device = devices[0]
-    check_devices_exist(devices)
+    check_devices_exist(devices, option="--device")
     import torch
 
     from dflash_offline.runtime.launch import single_thread_compute
 
     single_thread_compute()
     drafters = [(p, load_drafter(p, cfg.target)) for p in cfg.drafters]  # all refused before any decoding
+    if cfg.cache:
+        widest = max(d.cfg.block_size for _, d in drafters)
+        if cfg.seq_len <= widest:
+            raise UserError(f"--seq-len {cfg.seq_len} must exceed the drafter's block size ({widest}): the cache "
+                            "estimate's rows hold an anchor and its drafted tokens; raise --seq-len")
     report: dict = {"format": REPORT_FORMAT, "target": str(Path(cfg.target).absolute()), "device": device, "dtype": cfg.dtype,
                     "torch": torch.__version__,
                     "drafters": [{"path": str(p), "block_size": d.cfg.block_size} for p, d in drafters]}

@@ -176,6 +176,9 @@ def run(cfg: ExtractConfig) -> dict:
     try:
         log_path = open_process_log(log_folder(cfg, loc), name)
     except OSError as e:  # before anything else: no log, no cache, one line
+        if cfg.log_dir:
+            raise UserError(f"--log-dir {cfg.log_dir}: cannot write the log folder there ({e.strerror or e}); "
+                            "choose a writable folder") from None
         raise UserError(f"--cache {cfg.cache}: cannot write its log folder {log_folder(cfg, loc)} "
                         f"({e.strerror or e}); choose a writable location (or --log-dir)") from None
     install_stop_handlers()  # SIGTERM/SIGINT: finish the shards being written, commit them, exit

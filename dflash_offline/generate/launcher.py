@@ -218,6 +218,9 @@ def run(cfg: GenerateConfig) -> dict:
     try:
         open_process_log(log_dir, name)
     except OSError as e:
+        if cfg.log_dir:
+            raise UserError(f"--log-dir {cfg.log_dir}: cannot write the log folder there ({e.strerror or e}); "
+                            "choose a writable folder") from None
         raise UserError(f"--out {cfg.out}: cannot write its log folder {log_dir} ({e.strerror or e}); choose a "
                         "writable location (or --log-dir)") from None
     install_stop_handlers()

@@ -126,7 +126,7 @@ def parse_devices(spec: str) -> list[str]:
     return out
 
 
-def check_devices_exist(devices: list[str]) -> None:
+def check_devices_exist(devices: list[str], option: str = "--devices") -> None:
     """Refuse GPU indices the machine does not have (torch imported here, no weights loaded)."""
     gpus = [int(d.split(":")[1]) for d in devices if d.startswith("cuda")]
     if not gpus:
@@ -137,8 +137,8 @@ def check_devices_exist(devices: list[str]) -> None:
     missing = [g for g in gpus if g >= count]
     if missing:
         raise UserError(
-            f"--devices asks for GPU {','.join(map(str, missing))} but this machine has {count} CUDA "
-            f"device(s){' (torch sees no CUDA)' if count == 0 else ''}; use --devices cpu to run on the CPU"
+            f"{option} asks for GPU {','.join(map(str, missing))} but this machine has {count} CUDA "
+            f"device(s){' (torch sees no CUDA)' if count == 0 else ''}; use {option} cpu to run on the CPU"
         )
 
 

@@ -58,6 +58,21 @@ class FollowPosition:
     tokens_before: int = 0
 
 
+def extraction_gone(cache: str) -> str | None:
+    """When the processes that fill `cache` have all ended (their heartbeats in the cache's log
+    folder say done, failed, died...), their states; None while one runs, or when nothing can be
+    known (a remote cache, logs kept elsewhere with --log-dir)."""
+    from dflash_offline.cache.location import Location
+    from dflash_offline.status import processes
+
+    loc = Location(cache)
+    logs = None if loc.remote else Path(loc.path("logs"))
+    procs = processes(logs, stage="extract-") if logs is not None and logs.is_dir() else []
+    if not procs or any(p["state"] in ("running", "stale") for p in procs):
+        return None
+    return ", ".join(f"{p['name']} {p['state']}" for p in procs)
+
+
 def epoch_segments(plan: TrainPlan, step: int, stop: int):
     """The epochs from the one holding `step` to the one holding step `stop`."""
     ep = plan.epochs
@@ -109,7 +124,7 @@ def follow_segments(cfg: TrainConfig, plan: TrainPlan, rank: int, world: int, de
     prev = None
     while window * G < N:
         names = [shard_name(i) for i in range(window * G, min((window + 1) * G, N))]
-        t0, last_log = time.time(), 0.0
+        t0, last_log, told = time.time(), 0.0, None
         while True:
             if rank == 0:
                 m = store.read()
@@ -132,6 +147,12 @@ def follow_segments(cfg: TrainConfig, plan: TrainPlan, rank: int, world: int, de
                                  missing[0], window, len(names) - len(missing), len(names), len(have), N,
                                  "; extraction is paused for space" if blocked else "")
                         last_log = time.time()
+                        gone = extraction_gone(cfg.cache)
+                        if gone is not None and gone != told:  # on the terminal: this wait has no end by itself
+                            log.warning("waiting for %s, but no extract process of %s is running (%s): run the "
+                                        "extract command again (it resumes), or stop this run", missing[0],
+                                        cfg.cache, gone)
+                        told = gone
                 flag.fill_(code)
             if world > 1:
                 dist.broadcast(flag, 0)

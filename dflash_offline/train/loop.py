@@ -70,6 +70,10 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tra
     recompiles0 = masks.count_recompiles()
     t_run = time.perf_counter()
     prof = StepProfiler(out, rank, t.cuda, cfg.profile_steps, st.step) if cfg.profile_steps else None
+    if prof is not None and rank == 0 and stop is not None and prof.begin + prof.steps - 1 > stop:
+        log.warning("--profile-steps %d: the profile covers steps %d..%d (after %d warm-up steps), past this run's last "
+                    "step %d: no profile will be written; raise --max-steps or lower --profile-steps", prof.steps,
+                    prof.begin, prof.begin + prof.steps - 1, prof.begin - st.step - 1, stop)
     held_out = HeldOut(cfg, out, t.drafter, device, rank, world) if cfg.eval_cache else None
     if t.follow:
         start = FollowPosition(**resumed_state.get("follow", {}))

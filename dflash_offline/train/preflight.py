@@ -25,12 +25,24 @@ from dflash_offline.train.run_folder import BEST, EXPORT
 log = logging.getLogger("dflash.train")
 
 
+def step_accumulation(cfg: TrainConfig, world: int) -> int:
+    """Micro-batches per rank and step; said on the terminal when that rounds --global-batch-tokens
+    (a step is whole rows of --seq-len on every rank)."""
+    from dflash_offline.train.packing import accumulation
+
+    accum = accumulation(cfg.global_batch_tokens, cfg.seq_len, world)
+    if accum * world * cfg.seq_len != cfg.global_batch_tokens:
+        log.warning("--global-batch-tokens %d is not a multiple of %d rank(s) x --seq-len %d: each step takes %d "
+                    "tokens (%d micro-batches per rank)", cfg.global_batch_tokens, world, cfg.seq_len,
+                    accum * world * cfg.seq_len, accum)
+    return accum
+
 def preflight(cfg: TrainConfig) -> TrainPlan:
     from dflash_offline.cache.reader import CacheReader
     from dflash_offline.drafter.config import DrafterConfig
     from dflash_offline.drafter.export import check_export_dest
     from dflash_offline.drafter.model import read_layer_tensors
-    from dflash_offline.train.packing import accumulation, manifest_fingerprint, pack_rows, epoch_order, steps_per_epoch
+    from dflash_offline.train.packing import manifest_fingerprint, pack_rows, epoch_order, steps_per_epoch
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
     from dflash_offline.runtime.paths import require_kind
 
@@ -95,7 +107,7 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     if cfg.init_layers:
         read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg)  # shapes only: one line if they do not fit
     world = _world(devices)
-    accum = accumulation(cfg.global_batch_tokens, cfg.seq_len, world)
+    accum = step_accumulation(cfg, world)
     # Rows per epoch vary a little with the order; every epoch runs as many steps as the
     # shortest one has, so a step never meets a missing row.
     rows = min(len(pack_rows(lengths, epoch_order(len(refs), cfg.seed, e), cfg.seq_len)) for e in range(cfg.epochs))
@@ -197,7 +209,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     from dflash_offline.cache.manifest import ManifestStore, committed_names
     from dflash_offline.drafter.config import DrafterConfig
     from dflash_offline.drafter.model import read_layer_tensors
-    from dflash_offline.train.packing import accumulation, follow_fingerprint
+    from dflash_offline.train.packing import follow_fingerprint
 
     store = ManifestStore(Location(cfg.cache))
     t0 = last = time.time()
@@ -235,7 +247,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     if cfg.eval_cache:
         _check_eval_cache(cfg, layer_ids, m)
     world = _world(devices)
-    accum = accumulation(cfg.global_batch_tokens, cfg.seq_len, world)
+    accum = step_accumulation(cfg, world)
     # An estimate for the progress bar and the log: windows pack separately and fill their last
     # step with empty rows, so a run takes more steps. The learning rate follows the tokens
     # trained, not this count (`schedule.lr_at`).
