@@ -374,23 +374,25 @@ def generate(ctx: click.Context, config_file, **options) -> None:
 @main.command()
 @click.option("--out", default="runs/demo", show_default=True, help="Folder for the tiny target, data and cache.")
 @click.option("--devices", default="cpu", show_default=True, help="Devices for the extract stage.")
-def demo(out: str, devices: str) -> None:
+@click.pass_context
+def demo(ctx: click.Context, out: str, devices: str) -> None:
     """Run the main job end to end on an embedded default: a tiny target and data made on the fly."""
     from dflash_offline import demo as demo_mod
 
-    demo_mod.run(out, devices)
+    report = demo_mod.run(out, devices)
+    if not all(d.get("lossless", True) for d in report["drafters"]):  # as eval: a failed check fails the command
+        ctx.exit(1)
 
 
 def entry() -> None:
     from dflash_offline.runtime.logs import current_log, finish_heartbeat, record_failure
     from dflash_offline.runtime.signals import Stopped
 
+    code = None
     try:
         # Outside standalone mode click returns ctx.exit()'s code instead of exiting with it.
         code = main(standalone_mode=False)
         finish_heartbeat("done")
-        if isinstance(code, int) and code != 0:
-            sys.exit(code)
     except UserError as e:
         record_failure(e)
         click.echo(f"error: {e}", err=True)
@@ -428,8 +430,9 @@ def entry() -> None:
         # A file or folder this user may not read or write (a model folder, a manifest): the path
         # and the fix in one line; the traceback is in the process log.
         record_failure(e)
-        click.echo(f"error: {e.filename or e}: permission denied; give this user access to it, or choose another "
-                   "path", err=True)
+        log_path = current_log()
+        click.echo(f"error: {e.filename if e.filename else e}: permission denied; give this user access to it, or "
+                   "choose another path" + (f" (traceback in {log_path})" if log_path else ""), err=True)
         sys.exit(2)
     except Exception as e:
         # One line on the terminal; the traceback and the phase are in the process log.
@@ -439,6 +442,12 @@ def entry() -> None:
         click.echo(f"failed: {what}" + (f" (traceback in {log_path})" if log_path and
                                         not isinstance(e, RuntimeError) else ""), err=True)
         sys.exit(1)
+    except SystemExit:  # a command's own exit status (verify's 1): not a failure to record
+        raise
     except BaseException as e:
         record_failure(e)
         raise
+    # A check the command ran failed (eval: outputs not lossless, --parity disagreement): its
+    # report is written and its heartbeat says done; the exit status says the check failed.
+    if isinstance(code, int) and code != 0:
+        sys.exit(code)

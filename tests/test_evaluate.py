@@ -577,8 +577,11 @@ def test_eval_with_reference_and_cache_walk(own_cache, tiny_dense, tmp_path):
     bad_token = write_rows(tmp_path / "changed.parquet", [x["id"] for x in rows], [x["input_ids"] for x in rows],
                            [x["loss_mask"] for x in rows])
     # Not lossless: the report and its JSON say which prompt, and the command fails (exit 1).
-    r = run_cli(common + ["--reference", bad_token, "--json", report])
+    r = run_cli(common + ["--reference", bad_token, "--json", report, "--log-dir", tmp_path / "lg"])
     assert r.returncode == 1, (r.returncode, r.stderr)
+    # A failed check is not a crash: the process ended as done, no traceback in its log.
+    assert json.loads((tmp_path / "lg" / "eval.heartbeat.json").read_text())["state"] == "done"
+    assert "Traceback" not in (tmp_path / "lg" / "eval.log").read_text()
     e = json.loads(report.read_text())["drafters"][0]
     assert e["lossless"] is False and e["mismatched_prompt_ids"] == [102]
     assert "NO (1)" in r.stdout and "1 of" in r.stderr and "differ from the target's greedy decode" in r.stderr

@@ -191,7 +191,7 @@ def _check_cache_target(cache: str, target: str) -> None:
     """--cache must hold the completions of --target, the model whose features it stores: another
     target's cache would score the drafter on features it never sees when serving."""
     from dflash_offline.cache.location import Location
-    from dflash_offline.cache.manifest import ManifestStore
+    from dflash_offline.cache.manifest import ManifestStore, edited_problem
     from dflash_offline.target.folder import read_target
 
     try:
@@ -202,6 +202,9 @@ def _check_cache_target(cache: str, target: str) -> None:
         raise UserError(f"--cache {cache}: unreadable manifest ({type(e).__name__}: {e})") from None
     if m is None:
         raise UserError(f"--cache {cache}: no cache there (no manifest.json); extract the held-out completions into it")
+    edited = edited_problem(m)  # before any decoding, not when the walk opens it
+    if edited is not None:
+        raise UserError(f"--cache {cache}: manifest.json: {edited}")
     info = read_target(target)
     if m.get("target", {}).get("weights_fingerprint") != info.weights_fingerprint:
         raise UserError(f"--cache {cache} was extracted from another target than --target {target}; give the cache "

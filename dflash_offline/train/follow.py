@@ -58,18 +58,46 @@ class FollowPosition:
     tokens_before: int = 0
 
 
-def extraction_gone(cache: str) -> str | None:
-    """When the processes that fill `cache` have all ended (their heartbeats in the cache's log
-    folder say done, failed, died...), their states; None while one runs, or when nothing can be
-    known (a remote cache, logs kept elsewhere with --log-dir)."""
+def extraction_gone(cache: str, fresh_s: float = 120.0) -> str | None:
+    """When the processes that fill `cache` have all ended, their states; None while one may still
+    run, or when nothing can be known. Read from the cache's log folder: heartbeats (running or
+    stale counts as running), the last start line of each extract log (a launcher that starts
+    again writes its log at once but claims its heartbeat only after its preflight: a live pid on
+    this host, or a log written within `fresh_s` on another, counts as running); and heartbeats
+    older than the manifest's last commit belong to an earlier run (this one logs elsewhere, with
+    --log-dir): unknown. A remote cache: unknown."""
+    import os
+    import re
+    import socket
+
     from dflash_offline.cache.location import Location
-    from dflash_offline.status import processes
+    from dflash_offline.status import _pid_alive, processes
 
     loc = Location(cache)
     logs = None if loc.remote else Path(loc.path("logs"))
     procs = processes(logs, stage="extract-") if logs is not None and logs.is_dir() else []
     if not procs or any(p["state"] in ("running", "stale") for p in procs):
         return None
+    now, host = time.time(), socket.gethostname()
+    for f in logs.glob("extract-*.log"):
+        try:
+            with open(f, "rb") as fh:
+                fh.seek(max(0, os.fstat(fh.fileno()).st_size - 65536))
+                tail = fh.read().decode("utf-8", "replace")
+            mtime = os.stat(f).st_mtime
+        except OSError:
+            continue
+        starts = re.findall(r"started: pid (\d+) on (\S+),", tail)
+        if starts:
+            pid, on = int(starts[-1][0]), starts[-1][1]
+            if (on == host and _pid_alive(pid)) or (on != host and now - mtime < fresh_s):
+                return None
+    try:
+        committed_at = os.stat(loc.path("manifest.json")).st_mtime
+    except OSError:
+        return None
+    if committed_at > max(float(p.get("updated", 0)) for p in procs) + 60:
+        return None  # a commit after every logged process ended: the writer logs elsewhere
     return ", ".join(f"{p['name']} {p['state']}" for p in procs)
 
 
