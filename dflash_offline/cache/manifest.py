@@ -139,6 +139,16 @@ class ManifestStore:
             raise UserError(f"{self.loc.url(MANIFEST)}: damaged or not a dflash-offline manifest ({wrong}); {fix}")
         return m
 
+    def read_committed(self) -> dict | None:
+        """As `read`, for readers (train, eval, inspect, verify): a complete manifest that cannot be
+        what extract committed (`edited_problem`) is refused. Extract itself uses `read`: it
+        re-makes what is missing."""
+        m = self.read()
+        problem = edited_problem(m) if m is not None else None
+        if problem is not None:
+            raise UserError(f"{self.loc.url(MANIFEST)}: {problem}")
+        return m
+
     def init_or_check(self, wanted: dict) -> dict:
         """Create the manifest if absent, else refuse an incompatible run. Returns the manifest."""
         return create_or_check(self.loc, wanted, self.read, self._refuser(wanted))

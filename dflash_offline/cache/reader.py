@@ -14,7 +14,7 @@ import numpy as np
 import zarr
 
 from dflash_offline.cache.location import Location
-from dflash_offline.cache.manifest import ManifestStore, edited_problem
+from dflash_offline.cache.manifest import ManifestStore
 from dflash_offline.cache.shards import shard_rel
 from dflash_offline.cache.writer import CHECKSUM_ARRAYS, checksum_algorithm, combine_digests, new_digest
 from dflash_offline.runtime.errors import UserError
@@ -211,12 +211,9 @@ class ChunkFiles:
 class CacheReader:
     def __init__(self, root: str):
         self.loc = Location(root)
-        manifest = ManifestStore(self.loc).read()
+        manifest = ManifestStore(self.loc).read_committed()
         if manifest is None:
             raise UserError(f"{root}: no manifest.json; not a dflash-offline cache (or nothing committed yet)")
-        problem = edited_problem(manifest)
-        if problem is not None:
-            raise UserError(f"{root}/manifest.json: {problem}")
         self.manifest = manifest
         self._shards: dict[str, Shard] = {}
 

@@ -191,20 +191,17 @@ def _check_cache_target(cache: str, target: str) -> None:
     """--cache must hold the completions of --target, the model whose features it stores: another
     target's cache would score the drafter on features it never sees when serving."""
     from dflash_offline.cache.location import Location
-    from dflash_offline.cache.manifest import ManifestStore, edited_problem
+    from dflash_offline.cache.manifest import ManifestStore
     from dflash_offline.target.folder import read_target
 
     try:
-        m = ManifestStore(Location(cache)).read()
+        m = ManifestStore(Location(cache)).read_committed()  # an edited one: before any decoding
     except UserError:
         raise
     except Exception as e:
         raise UserError(f"--cache {cache}: unreadable manifest ({type(e).__name__}: {e})") from None
     if m is None:
         raise UserError(f"--cache {cache}: no cache there (no manifest.json); extract the held-out completions into it")
-    edited = edited_problem(m)  # before any decoding, not when the walk opens it
-    if edited is not None:
-        raise UserError(f"--cache {cache}: manifest.json: {edited}")
     info = read_target(target)
     if m.get("target", {}).get("weights_fingerprint") != info.weights_fingerprint:
         raise UserError(f"--cache {cache} was extracted from another target than --target {target}; give the cache "
@@ -226,7 +223,7 @@ def log_folder(cfg: EvalConfig) -> Path:
 
 def run(cfg: EvalConfig) -> dict:
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
-    from dflash_offline.runtime.logs import open_process_log
+    from dflash_offline.runtime.logs import log_dir_refusal, open_process_log
 
     cfg.validate()
     require_kind(cfg.cache, "--cache", True, "a cache folder (the one with manifest.json)")
@@ -239,9 +236,8 @@ def run(cfg: EvalConfig) -> dict:
     try:
         open_process_log(log_folder(cfg), "eval")
     except OSError as e:  # one line naming the folder, before any work
-        if cfg.log_dir:
-            raise UserError(f"--log-dir {cfg.log_dir}: cannot write the log folder there ({e.strerror or e}); "
-                            "choose a writable folder") from None
+        if refusal := log_dir_refusal(cfg.log_dir, e):
+            raise refusal from None
         raise UserError(f"cannot write the log folder {log_folder(cfg)} ({e.strerror or e}); choose a writable "
                         "one with --log-dir") from None
     devices = parse_devices(cfg.device)

@@ -30,7 +30,7 @@ from dflash_offline.extract.plan import Job, bytes_per_token, pass_plan, reserve
 from dflash_offline.extract.worker import log_folder, worker_entry, worker_run
 from dflash_offline.runtime.errors import UserError, no_room_reason
 from dflash_offline.runtime.launch import Launch, join_ranks, torchrun_launch
-from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_process_log
+from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, log_dir_refusal, open_process_log
 from dflash_offline.runtime.paths import refuse_foreign_folder
 from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
 from dflash_offline.runtime.supervise import wait_for_other_ranks
@@ -176,9 +176,8 @@ def run(cfg: ExtractConfig) -> dict:
     try:
         log_path = open_process_log(log_folder(cfg, loc), name)
     except OSError as e:  # before anything else: no log, no cache, one line
-        if cfg.log_dir:
-            raise UserError(f"--log-dir {cfg.log_dir}: cannot write the log folder there ({e.strerror or e}); "
-                            "choose a writable folder") from None
+        if refusal := log_dir_refusal(cfg.log_dir, e):
+            raise refusal from None
         raise UserError(f"--cache {cfg.cache}: cannot write its log folder {log_folder(cfg, loc)} "
                         f"({e.strerror or e}); choose a writable location (or --log-dir)") from None
     install_stop_handlers()  # SIGTERM/SIGINT: finish the shards being written, commit them, exit

@@ -30,7 +30,7 @@ from dflash_offline.config import GenerateConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.launch import Launch, join_ranks, torchrun_launch
-from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_process_log
+from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, log_dir_refusal, open_process_log
 from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
 from dflash_offline.runtime.supervise import wait_for_other_ranks
 
@@ -218,9 +218,8 @@ def run(cfg: GenerateConfig) -> dict:
     try:
         open_process_log(log_dir, name)
     except OSError as e:
-        if cfg.log_dir:
-            raise UserError(f"--log-dir {cfg.log_dir}: cannot write the log folder there ({e.strerror or e}); "
-                            "choose a writable folder") from None
+        if refusal := log_dir_refusal(cfg.log_dir, e):
+            raise refusal from None
         raise UserError(f"--out {cfg.out}: cannot write its log folder {log_dir} ({e.strerror or e}); choose a "
                         "writable location (or --log-dir)") from None
     install_stop_handlers()

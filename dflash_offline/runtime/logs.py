@@ -32,6 +32,15 @@ log = logging.getLogger("dflash")
 # Logs
 
 
+def log_dir_refusal(log_dir_option: str | None, e: OSError) -> UserError | None:
+    """The one line for a `--log-dir` folder that cannot hold a log; None when no --log-dir was
+    given (the caller names its own default folder)."""
+    if not log_dir_option:
+        return None
+    return UserError(f"--log-dir {log_dir_option}: cannot write the log folder there ({e.strerror or e}); choose a "
+                     "writable folder")
+
+
 def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = True, claim: bool = False) -> Path:
     """Create `log_dir/name.log`, point the `dflash` logger at it and arm faulthandler on it.
 

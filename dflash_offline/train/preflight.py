@@ -37,6 +37,7 @@ def step_accumulation(cfg: TrainConfig, world: int) -> int:
                     accum * world * cfg.seq_len, accum)
     return accum
 
+
 def preflight(cfg: TrainConfig) -> TrainPlan:
     from dflash_offline.cache.reader import CacheReader
     from dflash_offline.drafter.config import DrafterConfig
@@ -271,11 +272,13 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
 
 def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], m: dict) -> None:
     """--eval-cache, before any process starts: complete, from the same target, with the layers."""
-    from dflash_offline.cache.manifest import ManifestStore, edited_problem
+    from dflash_offline.cache.manifest import ManifestStore
     from dflash_offline.cache.location import Location
 
     try:
-        held = ManifestStore(Location(cfg.eval_cache)).read()
+        held = ManifestStore(Location(cfg.eval_cache)).read_committed()  # an edited one: before training
+    except UserError:
+        raise
     except Exception as e:
         raise UserError(f"--eval-cache {cfg.eval_cache}: unreadable manifest ({type(e).__name__}: {e})") from None
     if held is None:
@@ -283,9 +286,6 @@ def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], m: dict) -> None:
                         "completions into it first")
     if held["status"] != "complete":
         raise UserError(f"--eval-cache {cfg.eval_cache}: extraction is not complete; finish it first")
-    edited = edited_problem(held)  # before training, not at the first held-out measurement
-    if edited is not None:
-        raise UserError(f"--eval-cache {cfg.eval_cache}: manifest.json: {edited}")
     if held["target"].get("weights_fingerprint") != m["target"].get("weights_fingerprint"):
         raise UserError(f"--eval-cache {cfg.eval_cache} was extracted from another target than --cache {cfg.cache}")
     missing = [i for i in layer_ids if i not in held["capture"]["layer_ids"]]
