@@ -340,6 +340,10 @@ class EvalConfig:
     """With `cache` (held-out, the target's own greedy completions): on its first N samples,
     compare the every-anchor estimate, the walk and real decoding, and name the likely cause when
     walk and decoding disagree (evaluate/parity.py); exit code 1 then."""
+    show: int = 0
+    """After decoding, print the first N prompts and each drafter's outputs as text (the target's
+    tokenizer.json), each verify round's accepted drafts marked (colour on a terminal, else {{ }});
+    0 = off."""
     json_path: str | None = None
     """Write the full report here as JSON."""
     log_dir: str | None = None
@@ -359,6 +363,9 @@ class EvalConfig:
                             "completions: their prompts are decoded and compared with the walk)")
         if self.reference and not self.prompts:
             raise UserError("eval: --reference checks the outputs of --prompts; give the prompts it completes too")
+        if self.show < 0 or (self.show and not self.prompts):
+            raise UserError(f"eval: --show {self.show} prints the first N decoded prompts: give N >= 0 (0 = off) and "
+                            "--prompts")
         check_positive(self, "max_new_tokens", "seq_len", "num_anchors", "walk_batch_rows", "batch_size",
                        "max_prompts", "max_rows", "max_samples")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -404,11 +411,21 @@ class GenerateConfig:
     rows). Off by default: on the H200 the eager step with the grouped attention decoded the pycode
     target 4x faster at 2048-row batches (docs/benchmarks.md), and compiling a 64-layer hybrid takes
     minutes."""
+    turns: str = "all"
+    """Conversation prompts (a `prepare` output): `all` regenerates every assistant turn in order,
+    each from the conversation with the target's own earlier replies; `last` only the final one."""
+    reasoning: str = "keep"
+    """What rows keep of the target's thinking (<think>...</think>): `keep` trains it; `strip`
+    drops it, the reply as the template renders it in history."""
     log_dir: str | None = None
     """Where process logs go; default OUT/logs (OUT.parts/logs for a .parquet output)."""
     progress: bool = True
 
     def validate(self) -> None:
+        if self.turns not in ("all", "last"):
+            raise UserError(f"--turns {self.turns!r}: choose all or last")
+        if self.reasoning not in ("keep", "strip"):
+            raise UserError(f"--reasoning {self.reasoning!r}: choose keep or strip")
         for name in ("target", "out"):
             if not getattr(self, name):
                 raise UserError(f"generate: --{name} is required (or set `{name}` in --config)")
@@ -425,3 +442,59 @@ class GenerateConfig:
             raise UserError(f"--eos-token-ids {self.eos_token_ids}: token ids are >= 0")
         if self.compute_dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise UserError(f"--compute-dtype {self.compute_dtype!r}: choose auto, bfloat16, float16 or float32")
+
+
+@dataclass
+class PrepareConfig:
+    target: str = ""
+    """The target's Hugging Face folder: its tokenizer, chat template, context length."""
+    data: list[str] = field(default_factory=list)
+    """Conversation files (.jsonl, .json, .parquet), folders, globs, `datasets` save_to_disk folders."""
+    out: str = ""
+    """Output folder: OUT/train/ and OUT/eval/, Parquet parts each committed in its manifest.json."""
+    format: str = "auto"
+    """auto (detected per file), messages, sharegpt, pair, turns or text."""
+    chat_template: str | None = None
+    """A Jinja chat template file to use instead of the tokenizer's own."""
+    thinking: str | None = None
+    """on / off: passed to templates that read `enable_thinking`; None = the template's default."""
+    system: str | None = None
+    """A system prompt added to conversations that have none."""
+    responses: str = "regenerate"
+    """regenerate: write prompts (and the conversation) for `generate`; keep: the dataset's replies
+    are the training rows (completions for `extract`)."""
+    train_turns: str = "all"
+    """keep: train every assistant reply (`all`) or only each conversation's last (`last`)."""
+    eval_fraction: float = 0.0
+    """Share of conversations put into OUT/eval/ (chosen by a hash of the id: stable across runs)."""
+    max_len: int | None = None
+    """Rows (keep) or prompts (regenerate) longer than this many tokens are dropped (or cut with
+    --truncate); None = the target's context, where a longer row is an error."""
+    truncate: bool = False
+    """Cut rows longer than --max-len to it instead of dropping them."""
+    dedup: bool = True
+    """Drop conversations whose normalised content (case and whitespace folded) was seen before."""
+    chunk_records: int = 4096
+    """Conversations per part file (the unit of commit and of resume)."""
+    log_dir: str | None = None
+    """Where the process log goes; default OUT/logs."""
+    progress: bool = True
+
+    def validate(self) -> None:
+        for name in ("target", "out"):
+            if not getattr(self, name):
+                raise UserError(f"prepare: --{name} is required (or set `{name}` in --config)")
+        if not self.data:
+            raise UserError("prepare: give --data PATH (conversation files or folders)")
+        if self.format not in ("auto", "messages", "sharegpt", "pair", "turns", "text"):
+            raise UserError(f"--format {self.format!r}: choose auto, messages, sharegpt, pair, turns or text")
+        if self.thinking is not None and self.thinking not in ("on", "off"):
+            raise UserError(f"--thinking {self.thinking!r}: choose on or off")
+        if self.responses not in ("regenerate", "keep"):
+            raise UserError(f"--responses {self.responses!r}: choose regenerate or keep")
+        if self.train_turns not in ("all", "last"):
+            raise UserError(f"--train-turns {self.train_turns!r}: choose all or last")
+        check_number(self, "eval_fraction", 0, 1, open_high=True, must="in [0, 1)")
+        check_positive(self, "max_len", "chunk_records")
+        if self.truncate and self.max_len is None:
+            raise UserError("--truncate cuts rows to --max-len: give --max-len too")

@@ -51,6 +51,8 @@ class Job:
     rows_per_batch: int
     max_prompt_len: int
     compile: bool
+    chat: dict | None = None  # conversation prompts (a prepare output): its chat settings and template
+    max_positions: int | None = None
 
 
 class Progress(NamedTuple):
@@ -122,6 +124,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     compute_dtype = resolve_compute_dtype(cfg.compute_dtype, devices, launch)
     source = data.scan(cfg.prompts, info.vocab_size, option="--prompts", need_mask=False)
     lengths = source.lengths
+    chat = _conversation_mode(cfg, source)
     if info.max_positions is not None:
         over = np.flatnonzero(lengths + cfg.max_new_tokens > info.max_positions)
         if over.size:
@@ -144,16 +147,24 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
         raise UserError(f"--batch-tokens {cfg.batch_tokens} cannot hold one row of {per_row} positions (the longest "
                         f"prompt, {max_prompt} tokens, + --max-new-tokens {cfg.max_new_tokens}); raise --batch-tokens")
     rows = min(cfg.batch_tokens // per_row, cfg.chunk_prompts, source.rows)
+    if chat is not None:
+        if compile:
+            raise UserError("--compile needs one static prompt length; conversation prompts grow turn by turn: "
+                            "leave --compile out")
+        # Later turns' prompts are longer: each round's batches are sized by the budget then.
+        rows = min(cfg.batch_tokens // (int(lengths.min()) + cfg.max_new_tokens), cfg.chunk_prompts, source.rows)
     chunks = make_chunks(source.rows, cfg.chunk_prompts)
     settings = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
                 "top_p": cfg.top_p if cfg.temperature > 0 else 1.0, "seed": cfg.seed if cfg.temperature > 0 else 0,
                 "eos_token_ids": eos, "compute_dtype": compute_dtype}
+    if chat is not None:
+        settings.update(turns=cfg.turns, reasoning=cfg.reasoning)
     # After the options, devices and prompts (building the model on the meta device costs seconds,
     # the import of transformers: those refusals come first and fast), before an existing output is
     # compared with this run (a broken target is the cause to name, not the mismatch it makes).
     target.check_weights(info, info.num_layers, need_head=True)
     wanted = parts.new_manifest(target=info.manifest_entry(), settings=settings, source=source.manifest_entry(),
-                                plan={"chunk_prompts": cfg.chunk_prompts, "num_parts": len(chunks)})
+                                plan={"chunk_prompts": cfg.chunk_prompts, "num_parts": len(chunks)}, chat=chat)
     existing = parts.OutputStore(folder).read() if folder.is_dir() else None
     if existing is not None:
         from dflash_offline.cache.manifest import check_compatible
@@ -193,8 +204,26 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     job = Job(cfg=asdict(cfg), folder=str(folder), target_path=str(info.path),
               source=source.state(),
               chunks=chunks, compute_dtype=compute_dtype, eos=eos, rows_per_batch=rows, max_prompt_len=max_prompt,
-              compile=compile)
+              compile=compile, chat=chat, max_positions=info.max_positions)
     return job, wanted, devices, todo_prompts
+
+
+def _conversation_mode(cfg: GenerateConfig, source) -> dict | None:
+    """The chat settings (with the template) when the prompts are conversations written by
+    `prepare` (a `messages` column in every file); None for plain prompts."""
+    import pyarrow.parquet as pq
+
+    from dflash_offline.generate.parts import chat_settings_of
+
+    with_messages = ["messages" in pq.read_schema(f.path).names for f in source.files]
+    if not any(with_messages):
+        return None
+    chat = chat_settings_of([p for p in cfg.prompts if Path(p).is_dir()])
+    if not all(with_messages) or chat is None or not chat.get("template"):
+        raise UserError("--prompts: conversation prompts (a `messages` column) are regenerated turn by turn with the "
+                        "chat settings `dflash-offline prepare` records: give prepare's output folders (OUT/train), "
+                        "all of them conversations")
+    return chat
 
 
 # ----------------------------------------------------------------------------------------------
@@ -388,8 +417,16 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
     fault_point("load-target")
     model = load_target(info, device, job.compute_dtype, info.num_layers, need_head=True)
     log.info("loaded target in %.1fs", time.time() - t0)
-    decoder = BatchDecoder(model, job.rows_per_batch, job.max_prompt_len, cfg.max_new_tokens, set(job.eos),
+    # Conversation prompts grow turn by turn: any prompt that fits the context may come.
+    longest = job.max_prompt_len if job.chat is None else max(
+        job.max_prompt_len, (job.max_positions or 1 << 20) - cfg.max_new_tokens)
+    decoder = BatchDecoder(model, job.rows_per_batch, longest, cfg.max_new_tokens, set(job.eos),
                            Sampling(cfg.temperature, cfg.top_p, cfg.seed), compile=job.compile)
+    chat = None
+    if job.chat is not None:
+        from dflash_offline.generate.turns import ChatJob
+
+        chat = ChatJob.start(job, cfg, src)
     bar = None
     if show_bar:
         from tqdm import tqdm
@@ -406,6 +443,24 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
                          parts.part_name(j))
                 return len(mine) - i
             rows = job.chunks[j]
+            if chat is not None:
+                def on_batch(n_turns, n_new, res):  # progress counts conversations: they count when all is written
+                    nonlocal new_total
+                    new_total += n_new
+                    _batch_done(q, bar, 0, n_new, res, new_total, t_start, parts.part_name(j))
+
+                entry = chat.part(folder, parts.part_name(j), rows, decoder, on_batch)
+                entry["ids"] = id_ranges(entry.pop("row_ids"))
+                prompts_done += len(rows)
+                if q is not None:
+                    q.put(Progress(len(rows), 0))
+                if bar is not None:
+                    bar.update(len(rows))
+                fault_point("part-renamed")
+                store.commit_part(entry)
+                log.info("committed %s: %d rows, %d new tokens", entry["name"], entry["rows"], entry["new_tokens"])
+                fault_point("part-committed")
+                continue
             prompts = [reader.row(int(r))[0].tolist() for r in rows]
             ids = [int(src.ids[int(r)]) for r in rows]
             new: list[list[int] | None] = [None] * len(rows)
@@ -419,13 +474,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
                          res.seconds, res.prefill_s, res.steps)
                 prompts_done += len(batch)
                 new_total += n_new
-                if q is not None:
-                    q.put(Progress(len(batch), n_new))
-                if bar is not None:
-                    bar.update(len(batch))
-                    bar.set_postfix_str(f"{new_total / max(time.time() - t_start, 1e-9):,.0f} new tok/s")
-                heartbeat(phase="generate", part=parts.part_name(j), prompts_done=prompts_done, tokens_done=new_total)
-                fault_point("generate-batch")
+                _batch_done(q, bar, len(batch), n_new, res, new_total, t_start, parts.part_name(j), prompts_done)
             entry = _write_part(folder, parts.part_name(j), ids, prompts, new, eos_end)
             entry["ids"] = id_ranges(ids)
             fault_point("part-renamed")
@@ -439,6 +488,19 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
     log.info("worker %d done: %d prompts, %d new tokens in %.1fs (%.0f new tokens/s)", rank, prompts_done, new_total,
              dt, new_total / max(dt, 1e-9))
     return 0
+
+
+def _batch_done(q, bar, n: int, n_new: int, res, new_total: int, t_start: float, part: str,
+                prompts_done: int | None = None) -> None:
+    """After each decoded batch: progress to the launcher (or this process's bar), heartbeat."""
+    if q is not None:
+        q.put(Progress(n, n_new))
+    if bar is not None:
+        bar.update(n)
+        bar.set_postfix_str(f"{new_total / max(time.time() - t_start, 1e-9):,.0f} new tok/s")
+    heartbeat(phase="generate", part=part, tokens_done=new_total,
+              **({"prompts_done": prompts_done} if prompts_done is not None else {}))
+    fault_point("generate-batch")
 
 
 def _write_part(folder: Path, name: str, ids, prompts, new, eos_end) -> dict:

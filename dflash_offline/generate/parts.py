@@ -31,13 +31,17 @@ log = logging.getLogger("dflash.generate")
 FORMAT = "dflash-offline/generated"
 VERSION = 1
 MANIFEST = "manifest.json"
+# The output of `prepare` (prepare/output.py) is a part folder of the same shape: prompts for
+# generate (kind "prompts") or completions for extract (kind "completions").
+PREPARED_FORMAT = "dflash-offline/prepared"
 
 # A run that differs in any of these would write other rows: the first that differs is named.
 IDENTITY_FIELDS = [
     ("target", "model_type"), ("target", "vocab_size"), ("target", "config_sha256"),
     ("target", "weights_fingerprint"),
     ("settings", "max_new_tokens"), ("settings", "temperature"), ("settings", "top_p"), ("settings", "seed"),
-    ("settings", "eos_token_ids"), ("settings", "compute_dtype"),
+    ("settings", "eos_token_ids"), ("settings", "compute_dtype"), ("settings", "turns"), ("settings", "reasoning"),
+    ("chat", "template_sha256"), ("chat", "thinking"), ("chat", "system"),
     ("source", "rows"), ("source", "files"),
     ("plan", "chunk_prompts"), ("plan", "num_parts"),
 ]
@@ -57,30 +61,56 @@ def read_manifest(folder: str | Path) -> dict | None:
         return None
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"{path}: unreadable ({e}); restore it from a copy, or generate into a new --out") from None
-    return m if isinstance(m, dict) and m.get("format") == FORMAT else None
+    return m if isinstance(m, dict) and m.get("format") in (FORMAT, PREPARED_FORMAT) else None
 
 
 def listed_parts(folder: str | Path) -> list[Path] | None:
-    """The part files of a complete generate folder, in plan order; None if the folder is not one.
-    Refuses a folder whose generation has not finished (its rows would be missing)."""
+    """The part files of a complete generate or prepare folder, in plan order; None if the folder
+    is not one. Refuses a folder whose writing has not finished (its rows would be missing)."""
     m = read_manifest(folder)
     if m is None:
         return None
     if m["status"] != "complete":
-        raise UserError(f"{folder}: generation not complete ({len(m['parts'])}/{m['plan']['num_parts']} parts); "
-                        "run the same `dflash-offline generate` command again to finish it")
+        cmd = "prepare" if m.get("format") == PREPARED_FORMAT else "generate"
+        raise UserError(f"{folder}: `{cmd}` not complete ({len(m['parts'])}/{m['plan']['num_parts']} parts); "
+                        f"run the same `dflash-offline {cmd}` command again to finish it")
     return [Path(folder) / p["file"] for p in m["parts"]]
 
 
-def new_manifest(target: dict, settings: dict, source: dict, plan: dict) -> dict:
+def chat_settings_of(paths) -> dict | None:
+    """The chat settings recorded by `prepare` (and carried by `generate`) in the manifests of the
+    part folders among `paths`: None when none records any. Folders that disagree are refused:
+    one cache, one way of rendering."""
+    found = {}
+    for p in paths:
+        m = read_manifest(p) if Path(p).is_dir() else None
+        if m is not None and m.get("chat"):
+            found[str(p)] = m["chat"]
+    values = list(found.values())
+    if any(v != values[0] for v in values[1:]):
+        a, b = list(found)[:2]
+        raise UserError(f"{a} and {b} were rendered with different chat settings (template, thinking or system "
+                        "prompt): give inputs prepared one way")
+    return values[0] if values else None
+
+
+def new_manifest(target: dict, settings: dict, source: dict, plan: dict, chat: dict | None = None) -> dict:
     return {"format": FORMAT, "version": VERSION, "status": "generating", "target": target, "settings": settings,
-            "source": source, "plan": plan, "parts": [],
+            "source": source, "plan": plan, "chat": chat, "parts": [],
             "totals": {"rows": 0, "tokens": 0, "new_tokens": 0, "ended_by_eos": 0},
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 class OutputStore:
-    """Read-modify-replace of an output folder's manifest under its lock; part files beside it."""
+    """Read-modify-replace of an output folder's manifest under its lock; part files beside it.
+    `prepare`'s output subclasses it with its own format, identity fields and totals."""
+
+    FORMAT = FORMAT
+    VERSION = VERSION
+    FIELDS = IDENTITY_FIELDS
+    HOW_TO_FIX = HOW_TO_FIX
+    WHAT = "generate output"
+    TOTALS = ("rows", "tokens", "new_tokens", "ended_by_eos")
 
     def __init__(self, folder: str | Path):
         self.loc = Location(str(folder))
@@ -93,10 +123,10 @@ class OutputStore:
         try:
             m = json.loads(text)
         except json.JSONDecodeError as e:
-            raise UserError(f"{self.folder / MANIFEST}: not valid JSON ({e}); restore it from a copy, or generate "
+            raise UserError(f"{self.folder / MANIFEST}: not valid JSON ({e}); restore it from a copy, or write "
                             "into a new --out") from None
         if not isinstance(m, dict) or any(k not in m for k in ("format", "status", "plan", "parts")):
-            raise UserError(f"{self.folder / MANIFEST}: not the manifest of a generate output; {HOW_TO_FIX}")
+            raise UserError(f"{self.folder / MANIFEST}: not the manifest of a {self.WHAT}; {self.HOW_TO_FIX}")
         return m
 
     def init_or_check(self, wanted: dict) -> dict:
@@ -115,9 +145,9 @@ class OutputStore:
 
     def _refuser(self, wanted: dict):
         """The check that refuses an existing manifest made with another target or settings."""
-        return lambda existing: check_compatible(existing, wanted, str(self.folder / MANIFEST), fmt=FORMAT,
-                                                 version=VERSION, fields=IDENTITY_FIELDS, how_to_fix=HOW_TO_FIX,
-                                                 what="generate output")
+        return lambda existing: check_compatible(existing, wanted, str(self.folder / MANIFEST), fmt=self.FORMAT,
+                                                 version=self.VERSION, fields=self.FIELDS,
+                                                 how_to_fix=self.HOW_TO_FIX, what=self.WHAT)
 
     def _remove_parts(self) -> None:
         for name in self.loc.listdir(""):
@@ -133,7 +163,7 @@ class OutputStore:
             if entry["name"] not in {p["name"] for p in m["parts"]}:
                 m["parts"].append(entry)
                 m["parts"].sort(key=lambda p: p["name"])
-                m["totals"] = {k: sum(p[k] for p in m["parts"]) for k in ("rows", "tokens", "new_tokens", "ended_by_eos")}
+                m["totals"] = {k: sum(p.get(k, 0) for p in m["parts"]) for k in self.TOTALS}
                 if len(m["parts"]) == m["plan"]["num_parts"]:
                     m["status"] = "complete"
                     m["completed"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

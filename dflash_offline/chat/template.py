@@ -1,0 +1,233 @@
+"""Chat templates: render conversations as the server renders them, and find what the model writes.
+
+A DFlash drafter is trained on what the target writes *in the context the server gives it*: at
+assistant turn k the server renders the conversation so far with the generation prompt (the
+template's `add_generation_prompt`), and the model writes the reply and its end-of-turn token.
+So a reply's trained span is found by rendering twice: `prefix` = messages[:a] + generation
+prompt, `full` = messages[:a + 1]; the reply is `full[len(prefix):]` up to and including the first
+end-of-turn token (what follows it, such as ChatML's newline, the model never writes). A template
+for which `full` does not start with `prefix` cannot be trained turn by turn: that conversation is
+dropped with the template's reason.
+
+Rows (`TextRow`): templates that render every earlier turn the way it was written (ChatML) give one
+row per conversation, every reply trained in place. Templates of the Qwen3 family drop the <think>
+content of earlier turns, so the context of turn k+1 is *not* the text that turn k was trained in:
+there a conversation gives one row per turn (turns merged only while the rendering stays a prefix
+of the next turn's), each row exactly what the server saw when it wrote that turn. docs/own-data.md
+states this for users.
+
+Masks use transformers' own rule for `return_assistant_tokens_mask`: a token is trained when its
+characters overlap a reply span, so rows equal that oracle on templates with `{% generation %}`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_offline.chat.formats import Message
+from dflash_offline.runtime.errors import UserError
+
+log = logging.getLogger("dflash.chat")
+
+THINKING = ("on", "off")
+
+
+class TemplateRefused(Exception):
+    """The template cannot render this conversation turn by turn (it raised, or a turn renders
+    unlike its own generation prompt): the conversation is dropped with this reason."""
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """How conversations were rendered: recorded in every manifest from `prepare` to the export, so
+    that a drafter served with another template or thinking mode is noticed."""
+
+    template_sha256: str
+    template_source: str  # "tokenizer" (the model folder's own) or the --chat-template file
+    thinking: str | None  # on | off | None (the template's default)
+    system: str | None  # the default system prompt added to conversations without one
+    reads_thinking: bool  # the template reads `enable_thinking`
+
+    def manifest_entry(self) -> dict:
+        return {"template_sha256": self.template_sha256, "template_source": self.template_source,
+                "thinking": self.thinking, "system": self.system, "reads_thinking": self.reads_thinking}
+
+    @classmethod
+    def from_entry(cls, d: dict) -> "ChatSettings":
+        return cls(d["template_sha256"], d["template_source"], d.get("thinking"), d.get("system"),
+                   bool(d.get("reads_thinking")))
+
+
+def differences(a: dict | None, b: dict | None) -> list[str]:
+    """What differs between two recorded chat settings, in words (empty when they agree or either
+    is unknown)."""
+    if not a or not b:
+        return []
+    out = []
+    if a.get("template_sha256") != b.get("template_sha256"):
+        out.append("chat template (sha256 %s... vs %s...)" % (str(a.get("template_sha256"))[:12],
+                                                             str(b.get("template_sha256"))[:12]))
+    if a.get("thinking") != b.get("thinking"):
+        out.append(f"thinking {a.get('thinking') or 'default'} vs {b.get('thinking') or 'default'}")
+    if a.get("system") != b.get("system"):
+        out.append("default system prompt")
+    return out
+
+
+@dataclass
+class TextRow:
+    """One training row as text: `spans` are the [start, end) character ranges the model wrote."""
+
+    text: str
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)  # assistant turn numbers (0-based) trained in this row
+
+
+def load_tokenizer(target: str, option: str = "--target"):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(target)
+    except Exception as e:  # missing files, unknown class: one line
+        raise UserError(f"{option} {target}: no usable tokenizer there ({type(e).__name__}: {str(e)[:200]}); the "
+                        "model folder needs its tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+
+
+class ChatTemplate:
+    """A tokenizer, its chat template and the chat settings, rendering `Message` lists."""
+
+    def __init__(self, tokenizer, template: str, settings: ChatSettings, end_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.template = template
+        self.settings = settings
+        self.end_ids = sorted(set(end_ids))
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self.end_strings = sorted({added[i].content for i in self.end_ids if i in added}, key=len, reverse=True)
+
+    @classmethod
+    def load(cls, target: str, chat_template: str | None = None, thinking: str | None = None,
+             system: str | None = None, end_ids: list[int] | None = None, tokenizer=None) -> "ChatTemplate":
+        """The target folder's tokenizer with its own template, or the template in `chat_template`
+        (a file). Refuses, in one line, a tokenizer without a template when none is given."""
+        tokenizer = tokenizer or load_tokenizer(target)
+        if chat_template:
+            try:
+                template = Path(chat_template).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise UserError(f"--chat-template {chat_template}: cannot read it ({e})") from None
+            source = str(chat_template)
+        else:
+            template = tokenizer.chat_template
+            if isinstance(template, dict):  # several named templates: the default one
+                template = template.get("default")
+            if not template:
+                raise UserError(f"--target {target}: its tokenizer has no chat template; give one with "
+                                "--chat-template FILE (a Jinja file, as in tokenizer_config.json's chat_template)")
+            source = "tokenizer"
+        if thinking is not None and thinking not in THINKING:
+            raise UserError(f"--thinking {thinking!r}: choose on or off")
+        reads = "enable_thinking" in template
+        if thinking is not None and not reads:
+            log.warning("--thinking %s: the chat template does not read `enable_thinking`; it renders the same "
+                        "either way", thinking)
+        settings = ChatSettings(hashlib.sha256(template.encode()).hexdigest(), source, thinking, system or None, reads)
+        ends = list(end_ids or [])
+        if tokenizer.eos_token_id is not None:
+            ends.append(tokenizer.eos_token_id)
+        return cls(tokenizer, template, settings, ends)
+
+    # ------------------------------------------------------------------------------------------
+    def prepared(self, messages: list[Message]) -> list[Message]:
+        """The conversation as it is rendered: the default system prompt added where there is none."""
+        if self.settings.system and (not messages or messages[0].role != "system"):
+            return [Message("system", self.settings.system)] + list(messages)
+        return list(messages)
+
+    def render(self, messages: list[Message], add_generation_prompt: bool) -> str:
+        # With thinking off, recorded reasoning is not rendered: the server's generation prompt
+        # holds an empty think block, and a reply with reasoning would not continue it.
+        keep_reasoning = self.settings.thinking != "off"
+        kwargs = {}
+        if self.settings.thinking is not None:
+            kwargs["enable_thinking"] = self.settings.thinking == "on"
+        try:
+            return self.tokenizer.apply_chat_template([m.as_template_dict(keep_reasoning) for m in messages],
+                                                      chat_template=self.template, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **kwargs)
+        except Exception as e:  # jinja's TemplateError, raise_exception(...) of the template itself
+            raise TemplateRefused(f"the chat template refused it ({type(e).__name__}: {str(e)[:120]})") from None
+
+    def reply_end(self, completion: str) -> int:
+        """Characters of `completion` the model writes: up to and including the first end-of-turn
+        token; the whole of it when the template writes none."""
+        best = None
+        for s in self.end_strings:
+            k = completion.find(s)
+            if k >= 0 and (best is None or k + len(s) < best):
+                best = k + len(s)
+        return best if best is not None else len(completion)
+
+    def prompt_text(self, messages: list[Message], upto: int) -> str:
+        """The server's prompt for the assistant turn at message index `upto`."""
+        return self.render(messages[:upto], add_generation_prompt=True)
+
+    def rows(self, messages: list[Message], train_turns: str = "all") -> list[TextRow]:
+        """Training rows of a conversation whose replies are kept as written (see the module doc)."""
+        msgs = self.prepared(messages)
+        assistant = [i for i, m in enumerate(msgs) if m.role == "assistant"]
+        chosen = assistant[-1:] if train_turns == "last" else assistant
+        rows: list[TextRow] = []
+        current: TextRow | None = None
+        for a in chosen:
+            prefix = self.render(msgs[:a], add_generation_prompt=True)
+            full = self.render(msgs[:a + 1], add_generation_prompt=False)
+            turn = assistant.index(a)
+            if not full.startswith(prefix):
+                raise TemplateRefused(f"assistant turn {turn} renders unlike its generation prompt (the template "
+                                      "writes the turn differently from what a server would prompt)")
+            span = (len(prefix), len(prefix) + self.reply_end(full[len(prefix):]))
+            if current is not None and prefix.startswith(current.text):
+                current.text = full
+                current.spans.append(span)
+                current.turns.append(turn)
+            else:
+                if current is not None:
+                    rows.append(current)
+                current = TextRow(full, [span], [turn])
+        if current is not None:
+            rows.append(current)
+        return rows
+
+    def tokenize(self, row: TextRow) -> tuple[list[int], list[int]]:
+        """(input_ids, loss_mask): the row's text tokenized once (as transformers tokenizes a rendered
+        chat: no special tokens added), a token trained when it overlaps a reply span."""
+        enc = self.tokenizer(row.text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        return ids, overlap_mask(offsets, row.spans)
+
+
+def overlap_mask(offsets, spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token whose character range overlaps a span (spans sorted, disjoint): the rule of
+    transformers' `return_assistant_tokens_mask`."""
+    mask = [0] * len(offsets)
+    k = 0
+    for t, (start, end) in enumerate(offsets):
+        while k < len(spans) and start >= spans[k][1]:
+            k += 1
+        if k == len(spans):
+            break
+        if end > spans[k][0]:
+            mask[t] = 1
+    return mask
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """A generated reply -> (reasoning, content): the text inside <think>...</think> (the opening tag
+    may sit in the generation prompt instead) and what follows it."""
+    if "</think>" not in text:
+        return None, text
+    head, _, tail = text.partition("</think>")
+    return head.split("<think>")[-1].strip("\n"), tail.lstrip("\n")

@@ -1,0 +1,192 @@
+"""Multi-turn regeneration: every assistant turn of a conversation written by the target, in order,
+each from the conversation as it stands with the target's own earlier replies (what a server
+would have been sent), batched across the conversations of a part.
+
+Round r takes the r-th reply slot of every conversation that has one: its prompt is the chat
+template's rendering of the conversation so far plus the generation prompt, tokenized as a server
+tokenizes it; the prompts of a round are decoded together (length-sorted batches within the token
+budget). The reply's text (its thinking split off, chat/template.py `split_reasoning`) becomes the
+assistant message the next round renders.
+
+Rows: the tokens of turn k's prompt followed by its reply, the loss mask 1 on the reply (end-of-turn
+token included). When turn k+1's prompt begins with the whole of the row so far (templates that
+render history as it was written), the turn is appended to the same row; otherwise (the Qwen3
+family drops earlier thinking) a new row begins, so each row is exactly what the server saw.
+Sampling noise is keyed by (conversation id, turn): the same reply whatever batch or worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dflash_offline.chat.formats import Message
+from dflash_offline.chat.template import ChatTemplate, split_reasoning
+
+log = logging.getLogger("dflash.generate")
+
+TURN_KEY = 1024  # sampling row key = conversation id * TURN_KEY + turn
+
+
+@dataclass
+class TurnRow:
+    input_ids: list[int]
+    loss_mask: list[int]
+    turns: list[int]
+    finish_reason: str = "length"
+
+
+@dataclass
+class Conversation:
+    id: int
+    messages: list[Message]
+    slots: list[int]  # message indices the target writes, in order
+    rows: list[TurnRow] = field(default_factory=list)
+    new_tokens: int = 0
+    stopped: str | None = None  # "context": a prompt no longer fits the target's context
+
+    def add(self, turn: int, prompt: list[int], reply: list[int], trained: list[int], finish: str) -> None:
+        """Append turn `turn` (its prompt and the reply tokens the row keeps) to the last row when
+        the prompt continues it, else start a new row."""
+        last = self.rows[-1] if self.rows else None
+        if last is not None and prompt[:len(last.input_ids)] == last.input_ids:
+            gap = len(prompt) - len(last.input_ids)
+            last.input_ids = prompt + trained
+            last.loss_mask = last.loss_mask + [0] * gap + [1] * len(trained)
+            last.turns.append(turn)
+            last.finish_reason = finish
+        else:
+            self.rows.append(TurnRow(prompt + trained, [0] * len(prompt) + [1] * len(trained), [turn], finish))
+        self.new_tokens += len(reply)
+
+
+def parse_conversation(conv_id: int, messages_json: str, last_only: bool) -> Conversation:
+    msgs = []
+    for d in json.loads(messages_json):
+        extra = {k: d[k] for k in ("name", "tool_call_id") if k in d}
+        msgs.append(Message(d["role"], d.get("content") or "", d.get("reasoning_content"), d.get("tool_calls"), extra))
+    # Tool-calling turns stay as written: the tool results after them answer those very calls.
+    slots = [i for i, m in enumerate(msgs) if m.role == "assistant" and not m.tool_calls]
+    return Conversation(conv_id, msgs, slots[-1:] if last_only else slots)
+
+
+def regenerate(convs: list[Conversation], tmpl: ChatTemplate, decoder, batch_tokens: int, max_positions: int | None,
+               strip_reasoning: bool, on_batch=None) -> None:
+    """Fill each conversation's rows, round by round (see the module doc)."""
+    tok = tmpl.tokenizer
+    for r in range(max((len(c.slots) for c in convs), default=0)):
+        todo: list[tuple[Conversation, list[int]]] = []
+        for c in convs:
+            if r >= len(c.slots) or c.stopped:
+                continue
+            prompt = tok(tmpl.prompt_text(c.messages, c.slots[r]), add_special_tokens=False)["input_ids"]
+            if max_positions is not None and len(prompt) + decoder.max_new > max_positions:
+                c.stopped = "context"
+                log.info("conversation %d: turn %d's prompt (%d tokens) + --max-new-tokens no longer fits the "
+                         "target's context (%d): its later turns are not generated", c.id, r, len(prompt),
+                         max_positions)
+                continue
+            todo.append((c, prompt))
+        if not todo:
+            break
+        lengths = np.asarray([len(p) for _, p in todo])
+        order = np.lexsort((np.arange(len(todo)), -lengths))
+        start = 0
+        while start < len(order):
+            rows = max(1, min(decoder.rows, batch_tokens // (int(lengths[order[start]]) + decoder.max_new)))
+            batch = order[start:start + rows]
+            start += len(batch)
+            items = [todo[k] for k in batch]
+            res = decoder.decode([p for _, p in items], [c.id * TURN_KEY + r for c, _ in items])
+            for (c, prompt), reply, ended in zip(items, res.tokens, res.ended_by_eos):
+                body = reply[:-1] if ended else reply
+                reasoning, content = split_reasoning(tok.decode(body, skip_special_tokens=False))
+                a = c.slots[r]
+                c.messages[a] = Message("assistant", content, reasoning, None, c.messages[a].extra)
+                kept = reply
+                if strip_reasoning and reasoning is not None:
+                    kept = tok(content, add_special_tokens=False)["input_ids"] + reply[len(body):]
+                c.add(r, prompt, reply, kept, "eos" if ended else "length")
+            if on_batch is not None:
+                on_batch(len(items), sum(len(t) for t in res.tokens), res)
+
+
+def messages_json(msgs: list[Message]) -> str:
+    return json.dumps([m.as_json() for m in msgs], ensure_ascii=False)
+
+
+class ChatJob:
+    """A worker's side of conversation mode: the chat template, the conversations of the input
+    files, and how a part of them is regenerated and written."""
+
+    def __init__(self, tmpl: ChatTemplate, src, cfg, max_positions: int | None):
+        self.tmpl, self.src, self.cfg, self.max_positions = tmpl, src, cfg, max_positions
+        self._messages: dict[int, list] = {}
+
+    @classmethod
+    def start(cls, job, cfg, src) -> "ChatJob":
+        from dflash_offline.chat.template import ChatSettings, load_tokenizer
+
+        chat = job.chat
+        tok = load_tokenizer(job.target_path)
+        settings = ChatSettings.from_entry(chat)
+        return cls(ChatTemplate(tok, chat["template"], settings, list(job.eos)), src, cfg, job.max_positions)
+
+    def _conversation_json(self, row: int) -> str:
+        import pyarrow.parquet as pq
+
+        fi, r = self.src.file_of_row(row)
+        if fi not in self._messages:
+            self._messages = {fi: pq.read_table(self.src.files[fi].path, columns=["messages"]).column(0).to_pylist()}
+        return self._messages[fi][r]
+
+    def part(self, folder, name: str, rows, decoder, on_batch) -> dict:
+        """Regenerate the conversations at these global rows; write and return the part's entry."""
+        convs = [parse_conversation(int(self.src.ids[int(r)]), self._conversation_json(int(r)),
+                                    self.cfg.turns == "last") for r in rows]
+        regenerate(convs, self.tmpl, decoder, self.cfg.batch_tokens, self.max_positions,
+                   self.cfg.reasoning == "strip", on_batch)
+        return write_chat_part(folder, name, convs)
+
+
+def write_chat_part(folder, name: str, convs: list[Conversation]) -> dict:
+    """Rows in the input contract (id, input_ids, loss_mask) plus where they came from. Row k > 0 of
+    a conversation split by its template takes the id `id + k * 2^40`, as `prepare` numbers them."""
+    import pyarrow as pa
+
+    from dflash_offline.extract.data import file_sha256
+    from dflash_offline.generate.parts import write_part
+
+    ROW_ID_STRIDE = 1 << 40
+    cols: dict[str, list] = {k: [] for k in ("id", "input_ids", "loss_mask", "finish_reason", "conversation_id",
+                                             "turns", "messages")}
+    ended = new_tokens = 0
+    for c in convs:
+        if len(c.rows) > 1 and c.id >= ROW_ID_STRIDE:
+            raise ValueError(f"conversation id {c.id} is too large for a conversation split into rows (ids below 2^40)")
+        for k, row in enumerate(c.rows):
+            cols["id"].append(c.id + k * ROW_ID_STRIDE)
+            cols["input_ids"].append(row.input_ids)
+            cols["loss_mask"].append(row.loss_mask)
+            cols["finish_reason"].append(row.finish_reason)
+            cols["conversation_id"].append(c.id)
+            cols["turns"].append(row.turns)
+            cols["messages"].append(messages_json(c.messages) if k == len(c.rows) - 1 else None)
+            ended += row.finish_reason == "eos"
+        new_tokens += c.new_tokens
+    table = pa.table({
+        "id": pa.array(cols["id"], type=pa.int64()),
+        "input_ids": pa.array(cols["input_ids"], type=pa.list_(pa.int32())),
+        "loss_mask": pa.array(cols["loss_mask"], type=pa.list_(pa.int8())),
+        "finish_reason": pa.array(cols["finish_reason"], type=pa.string()),
+        "conversation_id": pa.array(cols["conversation_id"], type=pa.int64()),
+        "turns": pa.array(cols["turns"], type=pa.list_(pa.int32())),
+        "messages": pa.array(cols["messages"], type=pa.string()),
+    })
+    file, nbytes = write_part(folder, name, table)
+    return {"name": name, "file": file, "rows": table.num_rows, "tokens": sum(len(s) for s in cols["input_ids"]),
+            "new_tokens": new_tokens, "ended_by_eos": ended, "bytes": nbytes, "sha256": file_sha256(folder / file),
+            "conversations": len(convs), "row_ids": cols["id"]}

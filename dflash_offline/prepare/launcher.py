@@ -1,0 +1,187 @@
+"""`dflash-offline prepare`: conversation datasets -> prompts for `generate` or rows for `extract`.
+
+Shape of a run (one process, CPU): log file -> the target folder (tokenizer, chat template,
+context) -> every record read and checked (a malformed one stops the run here, before anything is
+written) -> selection (select.py: drops, duplicates, ids, the train/eval split) -> every chunk
+rendered and tokenized (rows.py; a row longer than the context stops the run here too) -> only
+then the manifests and the parts, one part committed at a time (prepare/output.py).
+
+OUT/train/ and OUT/eval/ are part folders of the same kind as a `generate` output: `generate
+--prompts OUT/train`, `extract --data OUT/train` and `eval --prompts OUT/eval` read them. Running
+the same command again resumes after the last committed part; other settings or inputs are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+from dflash_offline.config import PrepareConfig
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.faults import fault_point
+from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, log_dir_refusal, open_process_log
+from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
+
+log = logging.getLogger("dflash.prepare")
+
+SPLITS = ("train", "eval")
+
+
+def _check_out(out: Path) -> None:
+    from dflash_offline.generate.parts import MANIFEST, read_manifest
+    from dflash_offline.runtime.paths import refuse_foreign_folder
+
+    if out.is_file():
+        raise UserError(f"--out {out}: is a file; give a folder")
+    ours = any((out / s / MANIFEST).is_file() and read_manifest(out / s) is not None for s in SPLITS)
+    if not ours:
+        refuse_foreign_folder(out, "--out", "a prepare output", "train/manifest.json", {"logs", ".run.lock", *SPLITS})
+
+
+def _limits(cfg: PrepareConfig, info):
+    from dflash_offline.prepare.rows import Limits
+
+    if cfg.max_len is not None:
+        return Limits(cfg.max_len, cfg.truncate, True, f"--max-len {cfg.max_len}")
+    ctx = info.max_positions or 1 << 62
+    return Limits(ctx, False, False, f"the target's context ({ctx} positions, max_position_embeddings)")
+
+
+def run(cfg: PrepareConfig) -> dict:
+    """The `prepare` command. Returns {split: manifest}."""
+    from dflash_offline.chat.records import read_records
+    from dflash_offline.chat.template import ChatTemplate, load_tokenizer
+    from dflash_offline.prepare import output, rows, select
+    from dflash_offline.target.folder import eos_ids, read_target
+
+    cfg.validate()
+    out = Path(cfg.out)
+    _check_out(out)
+    try:
+        open_process_log(cfg.log_dir or str(out / "logs"), "prepare")
+    except OSError as e:
+        if refusal := log_dir_refusal(cfg.log_dir, e):
+            raise refusal from None
+        raise UserError(f"--out {cfg.out}: cannot write its log folder ({e.strerror or e}); choose a writable "
+                        "location (or --log-dir)") from None
+    install_stop_handlers()
+    t0 = time.time()
+    heartbeat(phase="preflight")
+    info = read_target(cfg.target)
+    tokenizer = load_tokenizer(cfg.target)
+    heartbeat(phase="read")
+    records = list(read_records(cfg.data, cfg.format))
+    if not records:
+        raise UserError(f"--data {' '.join(cfg.data)}: no records")
+    chat = any(r.messages is not None for r in records)
+    tmpl = ChatTemplate.load(cfg.target, cfg.chat_template, cfg.thinking, cfg.system,
+                             end_ids=sorted(eos_ids(cfg.target)), tokenizer=tokenizer) if chat else None
+    sel = select.select(records, cfg.responses, cfg.eval_fraction, cfg.dedup)
+    from dflash_offline.chat.formats import cut_off_files
+
+    sel.cut_off = cut_off_files()
+    log.info("read %d records from %d input(s); %d train, %d eval after selection; dropped %s", sel.read,
+             len(cfg.data), len(sel.splits["train"]), len(sel.splits["eval"]), dict(sel.dropped) or "none")
+    limits = _limits(cfg, info)
+    heartbeat(phase="render")
+    chunks = {s: [sel.splits[s][a:a + cfg.chunk_records] for a in range(0, len(sel.splits[s]), cfg.chunk_records)]
+              for s in SPLITS}
+    settings = {"responses": cfg.responses, "train_turns": cfg.train_turns, "format": cfg.format,
+                "eval_fraction": cfg.eval_fraction, "max_len": cfg.max_len, "truncate": cfg.truncate,
+                "dedup": cfg.dedup}
+    source = output.source_entry(cfg.data)
+    stores = {s: output.PreparedStore(out / s) for s in SPLITS}
+    wanted = {s: output.new_manifest(
+        kind="completions" if cfg.responses == "keep" else "prompts", target=info.manifest_entry(),
+        chat=dict(tmpl.settings.manifest_entry(), template=tmpl.template) if tmpl else None, settings=settings,
+        source=source,
+        plan={"split": s, "chunk_records": cfg.chunk_records, "num_parts": len(chunks[s]),
+              "conversations": len(sel.splits[s])},
+        counts={"records_read": sel.read, "dropped": dict(sel.dropped), "cut_off_files": sel.cut_off})
+        for s in SPLITS}
+    for s in SPLITS:  # another run's output is refused before the rendering, not after it
+        stores[s].check(wanted[s])
+    committed = {s: stores[s].committed_names() for s in SPLITS}
+    tables: dict[str, list] = {s: [] for s in SPLITS}
+    from tqdm import tqdm
+
+    bar = tqdm(total=sum(len(c) for s in SPLITS for c in chunks[s]), unit="conv", desc="prepare",
+               disable=not cfg.progress, dynamic_ncols=True)
+    try:
+        for s in SPLITS:
+            for j, chunk in enumerate(chunks[s]):
+                if output.part_name(j) in committed[s]:
+                    tables[s].append(None)  # committed earlier: not rendered again
+                elif cfg.responses == "keep":
+                    tables[s].append(rows.keep_rows(chunk, tmpl, cfg.train_turns, limits, tokenizer))
+                else:
+                    tables[s].append(rows.prompt_rows(chunk, tmpl, limits))
+                bar.update(len(chunk))
+                heartbeat(phase="render", split=s, part=j)
+    finally:
+        bar.close()
+    made = sum(t.table.num_rows for s in SPLITS for t in tables[s] if t is not None)
+    if made == 0 and not any(committed.values()):
+        dropped = sel.dropped + sum((t.dropped for s in SPLITS for t in tables[s] if t is not None), Counter())
+        raise UserError(f"--data: no row is left after filtering ({sel.read} records read; dropped: "
+                        f"{', '.join(f'{n} {why}' for why, n in dropped.most_common()) or 'none'}); check --format, "
+                        "--max-len and --responses")
+    if stop_requested():
+        raise Stopped(stop_requested(), f"stopped on {signal_name(stop_requested())} before writing; nothing changed; "
+                      "run the same command again")
+    from dflash_offline.cache.location import Location
+
+    run_lock = Location(str(out)).try_run_lock()  # held until this process exits
+    if run_lock is None:
+        raise UserError(f"--out {cfg.out}: another prepare is writing this output (it holds {out / '.run.lock'}); "
+                        "wait for it or stop it, then run again")
+    claim_heartbeat()
+    heartbeat(phase="write")
+    manifests = {}
+    for s in SPLITS:
+        if not chunks[s]:
+            continue
+        stores[s].init_or_check(wanted[s])
+        for j, made_rows in enumerate(tables[s]):
+            if made_rows is None:
+                continue
+            if stop_requested():
+                raise Stopped(stop_requested(), f"stopped on {signal_name(stop_requested())}: committed parts are "
+                              "kept; run the same command again to resume")
+            stores[s].write_and_commit(output.part_name(j), made_rows, sel.splits[s][j * cfg.chunk_records:]
+                                       [:cfg.chunk_records])
+            fault_point("prepare-part-committed")
+        manifests[s] = stores[s].read()
+    _report(manifests, sel, out, time.time() - t0, cfg)
+    return manifests
+
+
+def _report(manifests: dict, sel, out: Path, seconds: float, cfg: PrepareConfig) -> None:
+    dropped = Counter(sel.dropped)
+    for m in manifests.values():
+        for p in m["parts"]:
+            dropped.update(p.get("dropped", {}))
+    lines = [f"prepared {out} in {seconds:.1f} s: {sel.read} records read"
+             + (f" ({', '.join(f'{f} cut off after {n} records' for f, n in sel.cut_off)})" if sel.cut_off else "")]
+    for s, m in manifests.items():
+        t = m["totals"]
+        what = "training rows" if m["kind"] == "completions" else "prompts"
+        lines.append(f"  {s}: {t['conversations']} conversations -> {t['rows']} {what}, {t['tokens']:,} tokens"
+                     + (f" ({t['trained_tokens']:,} trained, {t['truncated']} rows truncated)"
+                        if m["kind"] == "completions" else "") + f"  ({out / s})")
+    lines.append("  dropped: " + (", ".join(f"{n} {why}" for why, n in dropped.most_common()) or "none"))
+    if any(m["kind"] == "prompts" for m in manifests.values()):
+        lines.append(f"  next: dflash-offline generate --target {cfg.target} --prompts {out / 'train'} --out "
+                     f"{out}-generated")
+    else:
+        lines.append(f"  next: dflash-offline extract --target {cfg.target} --data {out / 'train'} --cache CACHE")
+    for line in lines:
+        log.info(line)
+        print(line, flush=True)
+
+
+def config_dict(cfg: PrepareConfig) -> dict:
+    return asdict(cfg)

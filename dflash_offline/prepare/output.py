@@ -1,0 +1,98 @@
+"""The output of `prepare`: OUT/train/ and OUT/eval/, each a part folder like `generate`'s (Parquet
+parts, `manifest.json` as the commit point), with the chat settings and the counts recorded.
+
+```
+OUT/train/manifest.json   format dflash-offline/prepared, kind prompts | completions, chat settings,
+                          counts (records read, dropped by reason), parts, totals
+OUT/train/part-00000.parquet
+OUT/eval/...              the same for the held-out conversations (--eval-fraction)
+OUT/logs/prepare.log
+```
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from dflash_offline.generate.parts import PREPARED_FORMAT, OutputStore, part_name, write_part
+
+__all__ = ["PreparedStore", "new_manifest", "part_name", "source_entry"]
+
+VERSION = 1
+IDENTITY_FIELDS = [
+    ("target", "model_type"), ("target", "vocab_size"), ("target", "config_sha256"),
+    ("chat", "template_sha256"), ("chat", "thinking"), ("chat", "system"),
+    ("settings", "responses"), ("settings", "train_turns"), ("settings", "format"), ("settings", "eval_fraction"),
+    ("settings", "max_len"), ("settings", "truncate"), ("settings", "dedup"),
+    ("source", "rows"), ("source", "files"),
+    ("plan", "chunk_records"), ("plan", "num_parts"), ("plan", "conversations"),
+]
+
+
+def new_manifest(kind: str, target: dict, chat: dict | None, settings: dict, source: dict, plan: dict,
+                 counts: dict) -> dict:
+    return {"format": PREPARED_FORMAT, "version": VERSION, "kind": kind, "status": "preparing", "target": target,
+            "chat": chat, "settings": settings, "source": source, "plan": plan, "counts": counts, "parts": [],
+            "totals": {k: 0 for k in PreparedStore.TOTALS},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def source_entry(paths: list[str]) -> dict:
+    """The inputs as identity: each file's bytes (sha256), so a changed file is noticed on resume."""
+    from dflash_offline.chat.formats import resolve_inputs
+    from dflash_offline.extract.data import file_sha256
+
+    files = []
+    for p in resolve_inputs(paths):
+        if p.is_file():
+            files.append({"path": str(p), "rows": 0, "sha256": file_sha256(p)})
+        elif p.is_dir():  # a datasets folder: its Arrow files
+            for f in sorted(p.rglob("*.arrow")):
+                files.append({"path": str(f), "rows": 0, "sha256": file_sha256(f)})
+        else:
+            files.append({"path": str(p), "rows": 0, "sha256": "hub:" + str(p)})
+    return {"files": files, "rows": len(files)}
+
+
+class PreparedStore(OutputStore):
+    FORMAT = PREPARED_FORMAT
+    VERSION = VERSION
+    FIELDS = IDENTITY_FIELDS
+    HOW_TO_FIX = "write into a new --out, or run with the target, settings and data the output was made with"
+    WHAT = "prepare output"
+    TOTALS = ("rows", "tokens", "trained_tokens", "conversations", "truncated")
+
+    def committed_names(self) -> set[str]:
+        m = self.read() if self.folder.is_dir() else None
+        return {p["name"] for p in m["parts"]} if m else set()
+
+    def check(self, wanted: dict) -> None:
+        """Refuse, before any work, an existing output made with other settings or inputs."""
+        m = self.read() if self.folder.is_dir() else None
+        if m is not None:
+            self._refuser(wanted)(m)
+
+    def write_and_commit(self, name: str, rows, conversations) -> None:
+        from dflash_offline.cache.manifest import id_ranges
+        from dflash_offline.extract.data import file_sha256
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.remove_debris({name})
+        file, nbytes = write_part(self.folder, name, rows.table)
+        t = rows.table
+        tokens = sum(len(x) for x in t.column("input_ids").to_pylist()) if t.num_rows else 0
+        trained = sum(sum(x) for x in t.column("loss_mask").to_pylist()) if "loss_mask" in t.column_names else 0
+        entry = {"name": name, "file": file, "rows": t.num_rows, "tokens": tokens, "trained_tokens": trained,
+                 "conversations": rows.conversations, "truncated": rows.truncated, "dropped": dict(rows.dropped),
+                 "bytes": nbytes, "sha256": file_sha256(self.folder / file),
+                 "ids": id_ranges(sorted(t.column("id").to_pylist()))}
+        self.commit_part(entry)
+
+
+def prepared_folder(path: str | Path) -> dict | None:
+    """The manifest of a prepare output folder (OUT/train), or None."""
+    from dflash_offline.generate.parts import read_manifest
+
+    m = read_manifest(path) if Path(path).is_dir() else None
+    return m if m is not None and m.get("format") == PREPARED_FORMAT else None

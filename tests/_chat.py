@@ -1,0 +1,79 @@
+"""Chat test material made here: a byte-level BPE tokenizer trained locally with `tokenizers`, the
+repository's test templates (tests/templates/), and random conversations of every shape the chat
+path must handle (system or not, 1-6 turns, tool calls and results, reasoning, empty content,
+non-ASCII, long)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+SPECIAL = ["<|endoftext|>", "<|MASK|>", "<|im_start|>", "<|im_end|>"]
+ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+_CORPUS = [
+    "def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.", "Grüße aus Köln — ça va?",
+    "数据 并行 训练", "for i in range(10):\n    print(i)\n", "user assistant system tool", "Ünïcödé ✓ 🙂",
+    "import numpy as np\nx = np.zeros(3)\n", "What is 2 + 2? It is 4.", "Let me think step by step.",
+]
+
+
+def make_tokenizer(folder: Path, template: str | None = "qwen3_style", vocab: int = 400) -> Path:
+    """A tokenizer folder (tokenizer.json + tokenizer_config.json, with `template`'s chat template
+    unless None) whose ids stay below `vocab`; returns the folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab - len(SPECIAL) - len(ADDED), special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   mask_token="<|MASK|>")
+    fast.add_tokens(ADDED)
+    if template is not None:
+        fast.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
+    fast.save_pretrained(folder)
+    return folder
+
+
+_WORDS = ["alpha", "beta", "def", "return", "x = 1", "Köln", "naïve", "数据", "🙂", "print('hi')", "\n", "  ",
+          "{", "}", "<", ">", "&", "\\n", "'", '"', "#", "tab\there"]
+
+
+def _text(rng: random.Random, long: bool = False) -> str:
+    n = rng.choice([0, 1, 3, 8, 20]) if not long else rng.randint(200, 400)
+    return " ".join(rng.choice(_WORDS) for _ in range(n)).strip(" ") if n else ""
+
+
+def random_conversation(rng: random.Random, tools: bool = True, reasoning: bool = True) -> list[dict]:
+    """OpenAI-style messages: an optional system turn, 1-6 user turns each answered by an assistant
+    (sometimes through tool calls and tool results), ending with an assistant turn."""
+    msgs: list[dict] = []
+    if rng.random() < 0.4:
+        msgs.append({"role": "system", "content": _text(rng) or "You are helpful."})
+    for _ in range(rng.randint(1, 6)):
+        msgs.append({"role": "user", "content": _text(rng, long=rng.random() < 0.05) or "?"})
+        if tools and rng.random() < 0.2:
+            call = {"type": "function", "function": {"name": "lookup", "arguments": {"q": _text(rng)}}}
+            msgs.append({"role": "assistant", "content": _text(rng), "tool_calls": [call]})
+            msgs.append({"role": "tool", "content": _text(rng) or "{}"})
+        reply = {"role": "assistant", "content": _text(rng, long=rng.random() < 0.05)}
+        if reasoning and rng.random() < 0.5:
+            reply["reasoning_content"] = _text(rng) or "hmm"
+        msgs.append(reply)
+    return msgs
+
+
+def to_sharegpt(msgs: list[dict]) -> list[dict]:
+    names = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
+    return [{"from": names[m["role"]], "value": m["content"]} for m in msgs]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
