@@ -46,12 +46,23 @@ def main() -> None:
     """Train DFlash speculative-decoding drafters from an offline hidden-state cache.
 
     \b
-    Stage one, `extract`: the frozen target writes hidden states of chosen layers (and top-k
-    log-probabilities) into a committed, resumable Zarr cache, one process per device.
-    Stage two, `train`: a DFlash drafter trains from that cache (DDP, one process per GPU),
-    resumable to the step; `export` writes it in the format serving engines load.
-    Around them: `eval` (acceptance length by speculative decoding, or from a cache),
-    `inspect` (what a cache holds), `status` (what is done, running or failed), `verify`.
+    The pipeline, in order:
+      prepare   chat datasets (JSONL, Parquet, HF datasets) -> tokenized prompts for `generate`,
+                or training rows for `extract`, rendered with the target's chat template
+      generate  the target completes the prompts: rows in the input contract (resumable)
+      extract   stage one: the frozen target writes chosen layers' hidden states and top-k
+                log-probabilities into a committed, resumable Zarr cache, one process per device
+      train     stage two: a DFlash drafter trains from the cache (DDP, one process per GPU),
+                resumable to the step; ends with an export
+      export    a checkpoint as config.json + model.safetensors (the reference DFlash layout)
+    Around them:
+      eval      acceptance length (tau) by speculative decoding against the target, checked
+                lossless, and speed; or estimated from a held-out cache
+      plan      size a run before it starts: cache bytes, whether they fit, hours per stage
+      inspect   what a cache holds: manifest, shards, per-layer statistics
+      status    what is done, running or failed: a cache, a run, a generate output (or a folder of them)
+      verify    re-read every committed shard of a cache against its checksum
+      demo      the whole job end to end on a tiny built-in target, on the CPU
 
     \b
     Quick start (CPU, tiny built-in recipe):
@@ -61,8 +72,47 @@ def main() -> None:
 
 @main.command()
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML recipe whose keys are these options (command-line values win).")
+@click.option("--target", help="Hugging Face model folder: its tokenizer, chat template and context length.")
+@click.option("--data", multiple=True, help="Conversation data: .jsonl/.json/.parquet files, folders, globs, or a `datasets` save_to_disk folder; repeat for several.")
+@click.option("--out", help="Output folder: OUT/train/ and OUT/eval/ (Parquet parts, each folder committed in its manifest.json).")
+@click.option("--format", type=click.Choice(["auto", "messages", "sharegpt", "pair", "turns", "text"]), help="Record format: messages (OpenAI), sharegpt (conversations of from/value), pair (prompt + response, or Alpaca instruction/input/output), turns (user messages only), text (every token trained).  [default: auto, per file]")
+@click.option("--chat-template", help="A Jinja chat template file to render with instead of the tokenizer's own.")
+@click.option("--thinking", type=click.Choice(["on", "off"]), help="enable_thinking for templates that read it (Qwen3 family).  [default: the template's default]")
+@click.option("--system", help="A system prompt for conversations that have none.")
+@click.option("--responses", type=click.Choice(["regenerate", "keep"]), help="regenerate: prompts for `generate` (the target writes the replies); keep: the dataset's replies become training rows for `extract`.  [default: regenerate]")
+@click.option("--train-turns", type=click.Choice(["all", "last"]), help="With --responses keep: train every assistant reply, or only the last of each conversation.  [default: all]")
+@click.option("--eval-fraction", type=float, help="Share of conversations held out into OUT/eval/ (by a hash of the id: stable).  [default: 0]")
+@click.option("--max-len", type=int, help="Drop rows (prompts, with regenerate) longer than this many tokens.  [default: the target's context; longer is an error]")
+@click.option("--truncate/--no-truncate", default=None, help="Cut rows longer than --max-len instead of dropping them.  [default: off]")
+@click.option("--dedup/--no-dedup", default=None, help="Drop conversations whose content (case and spacing folded) was seen before.  [default: on]")
+@click.option("--chunk-records", type=int, help="Conversations per part file, the unit of commit and resume.  [default: 4096]")
+@click.option("--log-dir", help="Folder for the process log.  [default: OUT/logs]")
+@click.option("--progress/--no-progress", default=None, help="Progress bar on the terminal.  [default: on]")
+@click.pass_context
+def prepare(ctx: click.Context, config_file, **options) -> None:
+    """Chat data in: render conversations with the target's chat template into prompts for
+    `generate` (default) or, with --responses keep, training rows whose loss mask is 1 exactly on
+    what the assistant writes (its reply and end-of-turn token).
+
+    Reads OpenAI `messages`, ShareGPT `conversations`, prompt/response pairs, Alpaca records and
+    plain `text`. Counts what it keeps and drops (and why), deduplicates, splits train/eval, and
+    records the chat settings (template hash, thinking mode, system prompt) that travel with the
+    data to the cache and the export. Running the same command again resumes.
+    """
+    from dflash_offline.config import PrepareConfig
+    from dflash_offline.options import load_recipe, merge
+
+    given = _given(ctx, **options)
+    recipe = load_recipe(config_file, PrepareConfig) if config_file else {}
+    from dflash_offline.prepare import launcher as stage
+
+    stage.run(merge(PrepareConfig, recipe, given))
+
+
+@main.command()
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML recipe whose keys are these options (command-line values win).")
 @click.option("--target", help="Hugging Face model folder (config.json + *.safetensors).")
-@click.option("--data", multiple=True, help="Parquet file or folder of *.parquet; repeat for several.")
+@click.option("--data", multiple=True, help="Parquet file or folder of *.parquet with input_ids and loss_mask (or prompt_len), optional id; or a `generate`/`prepare` output folder. Repeat for several.")
 @click.option("--cache", help="Cache location: a path (/dev/shm/..., NVMe) or an fsspec URL.")
 @click.option("--devices", help="GPU indices like 0,1,2,3,4 (one worker process each), or cpu / cpu,cpu.  [default: cpu]")
 @click.option("--layers", help="Target layer ids to capture, e.g. 1,9,17,25,33.  [default: the DFlash rule]")
@@ -167,7 +217,11 @@ def train(ctx: click.Context, config_file, **options) -> None:
 @click.option("--step", type=int, help="Checkpoint step to export.  [default: the latest]")
 @click.option("--to", "dest", help="Export folder.  [default: RUN/export]")
 def export(run_dir: str, step: int | None, dest: str | None) -> None:
-    """Write a checkpoint's drafter in the format serving engines load (config.json + model.safetensors)."""
+    """Write a checkpoint's drafter as config.json + model.safetensors in the reference DFlash layout.
+
+    Checked here: the export loads into the reference implementation (PyPI dflash==0.1.0,
+    dflash.model.DFlashDraftModel) and decodes as `eval` does; its config.json holds the keys
+    vLLM's and SGLang's DFlash loaders read, but no serving engine was run (docs/serving.md)."""
     from dflash_offline import export as export_mod
 
     path = export_mod.export_checkpoint(run_dir, step, dest)
@@ -198,6 +252,7 @@ def export(run_dir: str, step: int | None, dest: str | None) -> None:
 @click.option("--walk-batch-rows", type=int, help="Cache walk: rows of up to 512 anchors per drafter forward.  [default: 4]")
 @click.option("--parity", type=int, help="With --cache: on its first N samples compare the every-anchor estimate, the walk and real decoding; name the likely cause of a disagreement (exit 1).")
 @click.option("--batch-size", type=int, help="Prompts decoded together: 1 = one at a time; N > 1 = N per target forward, with KV caches (hybrid targets: recurrent states rolled back per row; the target-alone baseline is batched the same way) or, for sliding-window targets, whole sequences re-run each round. All exact.  [default: 64 on a GPU, 1 on CPU]")
+@click.option("--show", type=int, help="After decoding, print the first N prompts and each drafter's outputs as text (the target's tokenizer.json), each verify round's accepted drafts in green on a terminal (NO_COLOR: off), else between {{ and }}; the token the target adds each round unmarked.  [default: 0 = off]")
 @click.option("--json", "json_path", help="Write the full report here as JSON.")
 @click.option("--log-dir", help="Folder for the process log.  [default: RUN/logs for a drafter in a training run folder, else ./dflash-logs]")
 @click.option("--progress/--no-progress", default=None, help="Progress bars.  [default: on]")
@@ -263,35 +318,11 @@ def plan(ctx: click.Context, config_file, as_json: bool, **options) -> None:
 @click.argument("cache")
 def verify(cache: str) -> None:
     """Check every committed shard of CACHE against its checksum (reads the whole cache)."""
-    from tqdm import tqdm
+    from dflash_offline.inspect import verify_cache
 
-    from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.status import folder_hint
-
-    hint = folder_hint(cache, "verify")  # a folder that holds caches: name them
-    if hint:
-        raise UserError(hint)
-    reader = CacheReader(cache)
-    bad = {}
-    for name in tqdm(reader.shard_names, unit="shard", desc="verify"):
-        problem = reader.verify_shard(name)
-        if problem is not None:
-            bad[name] = problem
-    m = reader.manifest
-    click.echo(f"{len(reader.shard_names) - len(bad)}/{len(reader.shard_names)} shards match their checksums "
-               f"({m['status']}, {m['totals']['samples']} samples, {m['totals']['tokens']} tokens)")
-    if bad:
-        for name, problem in bad.items():
-            click.echo(f"damaged: {name}: {problem}", err=True)
-        denied = [n for n, p in bad.items() if "PermissionError" in p]
-        if denied:  # nothing is damaged there: deleting the entries would throw away good data
-            click.echo(f"{len(denied)} shard(s) cannot be read for lack of permission ({', '.join(denied[:5])}): give "
-                       "this user read access to their files, then verify again", err=True)
-        if len(denied) < len(bad):
-            click.echo(f"{len(bad) - len(denied)} damaged shard(s): to re-make them, delete their entries from "
-                       "manifest.json's shards (keep a copy) and run the extract command that made the cache again "
-                       "(it re-makes exactly those); or extract into a new cache", err=True)
-        sys.exit(1)
+    code = verify_cache(cache)
+    if code:  # damaged shards: the exit status says so (after the report)
+        sys.exit(code)
 
 
 @main.command()
@@ -300,37 +331,27 @@ def verify(cache: str) -> None:
 @click.option("--stats/--no-stats", default=True, show_default=True, help="Per-layer statistics (reads a bounded sample).")
 @click.option("--max-tokens", default=16384, show_default=True, type=click.IntRange(min=1),
               help="Tokens read for the statistics, >= 1 (--no-stats skips them).")
-def inspect(cache: str, sample_id: int | None, stats: bool, max_tokens: int) -> None:
-    """Summary of a cache: manifest, shards, per-layer statistics and outlier channels (no torch)."""
-    from dflash_offline.inspect import open_cache
-    from dflash_offline.status import folder_hint
+@click.option("--text", "as_text", is_flag=True, help="With --sample: print that sample as text instead of the summary, decoded with the target's tokenizer.json (special tokens shown); its trained spans (loss_mask 1) in green on a terminal, else between [[ and ]].")
+@click.option("--tokenizer", help="With --text: the model folder (or tokenizer.json) to decode with.  [default: the target folder the cache's manifest names]")
+@click.option("--color/--no-color", default=None, help="With --text: mark trained spans in colour (ANSI) or with [[ ]].  [default: colour on a terminal unless NO_COLOR is set]")
+def inspect(cache: str, sample_id: int | None, stats: bool, max_tokens: int, as_text: bool, tokenizer: str | None,
+            color: bool | None) -> None:
+    """Summary of a cache: manifest, shards, per-layer statistics and outlier channels (no torch);
+    for a folder holding caches (the demo's --out), of each of them."""
+    from dflash_offline.inspect import inspect_command
 
-    hint = folder_hint(cache, "inspect")  # a folder that holds caches: name them
-    if hint:
-        raise UserError(hint)
-    view = open_cache(cache)
-    s = view.sample(sample_id) if sample_id is not None else None  # an unknown id, before the statistics' reads
-    click.echo(view.summary(stats=stats, max_tokens=max_tokens))
-    if s is not None:
-        click.echo(f"sample {s.sample_id} ({s.shard}): {len(s)} tokens, {int(s.loss_mask.sum())} in the response")
-        click.echo(f"  input_ids: {s.input_ids[:24].tolist()}{' ...' if len(s) > 24 else ''}")
-        for lid, n in s.norms().items():
-            click.echo(f"  layer {lid:>3}: norm mean {n.mean():.2f}, min {n.min():.2f}, max {n.max():.2f} (position {int(n.argmax())})")
-        if s.topk_ids is not None:
-            click.echo(f"  top-{view.topk} at position 0: {s.topk_ids[0].tolist()}")
+    inspect_command(cache, sample_id, stats, max_tokens, as_text, tokenizer, color)
 
 
 @main.command()
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status(path: str, as_json: bool) -> None:
-    """What is done, running or failed, for a cache (extraction) or a run folder (training)."""
-    import json
+    """What is done, running or failed, for a cache (extraction), a run folder (training) or a
+    generate output; for a folder holding some of them (the demo's --out), for each of them."""
+    from dflash_offline.status import show
 
-    from dflash_offline import status as status_mod
-
-    st = status_mod.status(path)
-    click.echo(json.dumps(st, indent=1, default=str) if as_json else status_mod.format_status(st))
+    click.echo(show(path, as_json))
 
 
 @main.command()
@@ -349,6 +370,8 @@ def status(path: str, as_json: bool) -> None:
 @click.option("--chunk-prompts", type=int, help="Prompts per part file, the unit of commit and resume.  [default: 2048]")
 @click.option("--compute-dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), help="Target dtype; auto = bf16 on GPU, fp32 on CPU.")
 @click.option("--compile/--no-compile", default=None, help="CUDA graphs for the one-token step (GPU only; measured slower at large batches).  [default: off]")
+@click.option("--turns", type=click.Choice(["all", "last"]), help="Conversation prompts (a `prepare` output): regenerate every assistant turn in order, each from the target's own earlier replies, or only the last.  [default: all]")
+@click.option("--reasoning", type=click.Choice(["keep", "strip"]), help="What rows keep of the target's thinking: keep (trained) or strip (the reply as history renders it, thinking removed).  [default: keep]")
 @click.option("--log-dir", help="Folder for process logs.  [default: OUT/logs]")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on the terminal.  [default: on]")
 @click.pass_context

@@ -11,25 +11,30 @@ both imported only when asked for (`pip install 'dflash-offline[notebook]'`).
     s.hidden[16]                   # float32 [tokens, hidden] of captured layer 16
     cache.layer_stats()            # mean, std, absmax, rms and outlier channels per layer
     cache.plot_norms(s.sample_id); cache.plot_distributions()
+    print(s.text())                # the tokens as text (the target's tokenizer.json), trained spans in [[ ]]
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from dflash_offline.cache.reader import CacheReader, bf16_bits_to_float32
 from dflash_offline.runtime.errors import UserError
+from dflash_offline.text import TRAINED_MARKS, decode_spans, load_tokenizer, render, render_ansi, use_color
 
 # A channel is an outlier when its RMS over tokens exceeds this multiple of the layer's median
 # channel RMS (massive activations of LLM residual streams sit at 10-1000x).
 OUTLIER_RATIO = 6.0
 
 
-def open_cache(path: str) -> "CacheView":
-    """A read-only view of a committed (or still extracting) cache at a path or fsspec URL."""
-    return CacheView(path)
+def open_cache(path: str, tokenizer: str | None = None) -> "CacheView":
+    """A read-only view of a committed (or still extracting) cache at a path or fsspec URL.
+    `tokenizer`: the folder (or tokenizer.json) that decodes its tokens, when the target folder the
+    manifest names has moved."""
+    return CacheView(path, tokenizer)
 
 
 @dataclass
@@ -41,6 +46,7 @@ class SampleView:
     hidden: dict[int, np.ndarray]  # layer id -> float32 [t, H]
     topk_ids: np.ndarray | None  # int32 [t, k]
     topk_logprobs: np.ndarray | None  # float32 [t, k]
+    cache: "CacheView | None" = field(default=None, repr=False, compare=False)  # where its tokenizer comes from
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -49,10 +55,29 @@ class SampleView:
         """L2 norm over channels of each captured layer at every position: {layer: [t]}."""
         return {lid: np.linalg.norm(h, axis=-1) for lid, h in self.hidden.items()}
 
+    def spans(self, tokenizer=None) -> list[tuple[str, bool]]:
+        """[(text, trained)] for each maximal run of tokens with the same loss mask, each decoded on
+        its own with the target's tokenizer (special tokens shown). `tokenizer`: a folder, a
+        tokenizer.json or a `tokenizers.Tokenizer`; default the cache's (its manifest's target)."""
+        if self.cache is not None and (tokenizer is None or isinstance(tokenizer, (str, os.PathLike))):
+            tokenizer = self.cache.tokenizer(tokenizer)
+        elif tokenizer is None:
+            raise UserError(f"sample {self.sample_id}: no cache to take a tokenizer from; give tokenizer=DIR")
+        elif isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = load_tokenizer(tokenizer, "give the model folder that holds tokenizer.json")
+        return decode_spans(tokenizer, self.input_ids.tolist(), self.loss_mask.tolist())
+
+    def text(self, marks: tuple[str, str] | None = TRAINED_MARKS, tokenizer=None) -> str:
+        """The sample as text, each trained span (loss_mask 1) between marks[0] and marks[1]
+        (default [[ and ]]; None: no marks). `tokenizer` as for `spans`."""
+        return render(self.spans(tokenizer), marks)
+
 
 class CacheView:
-    def __init__(self, path: str):
+    def __init__(self, path: str, tokenizer: str | None = None):
         self.path = str(path)
+        self.tokenizer_path = tokenizer  # None: the target folder the manifest names
+        self._tokenizers: dict = {}
         self._reader = CacheReader(self.path)
         self.manifest = self._reader.manifest
         cap = self.manifest["capture"]
@@ -101,7 +126,18 @@ class CacheView:
         return SampleView(
             sample_id=int(sample_id), shard=got.shard, input_ids=got.input_ids, loss_mask=got.loss_mask,
             hidden={lid: h[:, j] for j, lid in enumerate(self.layer_ids)}, topk_ids=got.topk_ids,
-            topk_logprobs=None if got.topk_logprobs is None else got.topk_logprobs.astype(np.float32))
+            topk_logprobs=None if got.topk_logprobs is None else got.topk_logprobs.astype(np.float32), cache=self)
+
+    def tokenizer(self, where: str | None = None):
+        """The `tokenizers.Tokenizer` of the cache's target (tokenizer.json in the folder the
+        manifest names, or in `where` / open_cache's `tokenizer`), loaded once."""
+        where = str(where or self.tokenizer_path or self.manifest["target"]["path"])
+        if where not in self._tokenizers:
+            self._tokenizers[where] = load_tokenizer(
+                where, "give the model folder that holds tokenizer.json with --tokenizer DIR (in Python: "
+                "open_cache(path, tokenizer=DIR))",
+                "the target folder the cache's manifest names" if where == self.manifest["target"]["path"] else "")
+        return self._tokenizers[where]
 
     def _token_sample(self, max_tokens: int, seed: int) -> np.ndarray:
         """float32 [T, n, H] hidden states of whole samples drawn at random (seeded) across the
@@ -218,9 +254,110 @@ class CacheView:
         return "\n".join(lines)
 
 
+def sample_text(s: SampleView, color: bool | None = None) -> str:
+    """`inspect --sample ID --text`: a header line, then the sample as text, its trained spans in
+    colour (ANSI; None: when stdout is a terminal) or between TRAINED_MARKS."""
+    spans = s.spans()
+    color = use_color(color)
+    where = s.cache.tokenizer_path or s.cache.manifest["target"]["path"]
+    head = (f"sample {s.sample_id} of {s.cache.path} ({s.shard}): {len(s)} tokens, {int(s.loss_mask.sum())} trained "
+            + ("(in green)" if color else "(between {} and {})".format(*TRAINED_MARKS)) + f"; decoded with {where}")
+    return head + "\n" + (render_ansi(spans) if color else render(spans))
+
+
 def _frame(records: list[dict]):
     try:
         import pandas as pd
     except ImportError:
         raise UserError("tables need pandas: pip install 'dflash-offline[notebook]'") from None
     return pd.DataFrame.from_records(records)
+
+
+# ----------------------------------------------------------------------------------------------
+# The `inspect` and `verify` commands (cli.py parses their options)
+
+
+def inspect_command(cache: str, sample_id: int | None, stats: bool, max_tokens: int, as_text: bool,
+                    tokenizer: str | None, color: bool | None) -> None:
+    """Summary of a cache (or of each cache a folder holds), and one sample, as tables or as text."""
+    import click
+
+    from dflash_offline.status import folder_hint, held
+
+    caches = held(cache, kinds=("cache",))
+    if not caches:
+        hint = folder_hint(cache, "inspect")  # a folder that holds runs only: how to look at them
+        if hint:
+            raise UserError(hint)
+        caches = [cache]
+    if as_text and sample_id is None:
+        raise UserError("inspect --text shows one sample as text: give --sample ID")
+    views = [open_cache(c, tokenizer) for c in caches]
+    samples = [None] * len(views)
+    if sample_id is not None:  # an unknown id, before the statistics' reads
+        if len(views) == 1:
+            samples = [views[0].sample(sample_id)]
+        else:  # each cache that holds the id shows it; none holding it is refused
+            samples = [_sample_or_none(v, sample_id) for v in views]
+            if not any(s is not None for s in samples):
+                raise UserError(f"{cache}: no committed sample with id {sample_id} in {', '.join(caches)}")
+    for k, (view, s) in enumerate(zip(views, samples)):
+        if as_text:  # the sample as text, instead of the summary
+            if s is not None:
+                click.echo(("\n" if k else "") + sample_text(s, color), color=True)  # ANSI only if colour is on
+            continue
+        click.echo(("\n" if k else "") + view.summary(stats=stats, max_tokens=max_tokens))
+        if s is not None:
+            _echo_sample(view, s)
+
+
+def _sample_or_none(view, sample_id: int):
+    try:
+        return view.sample(sample_id)
+    except UserError:  # this cache does not hold it
+        return None
+
+
+def _echo_sample(view, s) -> None:
+    print(f"sample {s.sample_id} ({s.shard}): {len(s)} tokens, {int(s.loss_mask.sum())} in the response")
+    print(f"  input_ids: {s.input_ids[:24].tolist()}{' ...' if len(s) > 24 else ''}")
+    for lid, n in s.norms().items():
+        print(f"  layer {lid:>3}: norm mean {n.mean():.2f}, min {n.min():.2f}, max {n.max():.2f} (position {int(n.argmax())})")
+    if s.topk_ids is not None:
+        print(f"  top-{view.topk} at position 0: {s.topk_ids[0].tolist()}")
+
+
+def verify_cache(cache: str) -> int:
+    """Re-read every committed shard against its checksum; print what is damaged and how to re-make
+    it. Returns the exit status: 1 if any shard is damaged."""
+    import sys
+
+    from tqdm import tqdm
+
+    from dflash_offline.status import folder_hint
+
+    hint = folder_hint(cache, "verify")  # a folder that holds caches: name them
+    if hint:
+        raise UserError(hint)
+    reader = CacheReader(cache)
+    bad = {}
+    for name in tqdm(reader.shard_names, unit="shard", desc="verify"):
+        problem = reader.verify_shard(name)
+        if problem is not None:
+            bad[name] = problem
+    m = reader.manifest
+    print(f"{len(reader.shard_names) - len(bad)}/{len(reader.shard_names)} shards match their checksums "
+          f"({m['status']}, {m['totals']['samples']} samples, {m['totals']['tokens']} tokens)", flush=True)
+    if not bad:
+        return 0
+    for name, problem in bad.items():
+        print(f"damaged: {name}: {problem}", file=sys.stderr)
+    denied = [n for n, p in bad.items() if "PermissionError" in p]
+    if denied:  # nothing is damaged there: deleting the entries would throw away good data
+        print(f"{len(denied)} shard(s) cannot be read for lack of permission ({', '.join(denied[:5])}): give "
+              "this user read access to their files, then verify again", file=sys.stderr)
+    if len(denied) < len(bad):
+        print(f"{len(bad) - len(denied)} damaged shard(s): to re-make them, delete their entries from "
+              "manifest.json's shards (keep a copy) and run the extract command that made the cache again "
+              "(it re-makes exactly those); or extract into a new cache", file=sys.stderr)
+    return 1

@@ -1,6 +1,7 @@
-"""`dflash-offline status PATH`: for a cache or a training run, what is done, what is running, what
-failed. Reads manifest.json / checkpoints / metrics.jsonl, and the heartbeat and log file every
-process keeps in `logs/` (runtime.Heartbeat); no torch, nothing written.
+"""`dflash-offline status PATH`: for a cache, a training run or a generate output (or each of those a
+folder holds, the demo's --out), what is done, what is running, what failed. Reads manifest.json /
+checkpoints / metrics.jsonl, and the heartbeat and log file every process keeps in `logs/`
+(runtime.Heartbeat); no torch, nothing written.
 
 A heartbeat says `running` until its process ends; one whose process is gone (same host, pid not
 alive) was killed without a chance to say so (SIGKILL, OOM killer, power loss).
@@ -58,6 +59,8 @@ def processes(log_dir: Path, now: float | None = None, stage: str = "") -> list[
                 state = "died"
             elif age > STALE_S:
                 state = "stale"
+        elif state == "done":  # a heartbeat written before finish() set it names the last phase of the work
+            hb["phase"] = "done"
         out.append({**hb, "state": state, "age_s": age})
     return out
 
@@ -262,17 +265,11 @@ def _named(kind: str, paths: list[str]) -> str:
     return f"the {kind}{'s' if len(paths) > 1 else ''} {shown}"
 
 
-def folder_hint(path: str, command: str) -> str | None:
-    """For a local folder that is not what `command` takes (status: a cache or a run; verify,
-    inspect: a cache) but holds some in its subfolders (the demo's top folder): a one-line refusal
-    that names them and the command to type. None when there is nothing to point at."""
-    require_kind(path, command, True, "a cache folder (the one with manifest.json)" + (
-        ", a training run folder (OUT of train) or a generate output folder" if command == "status" else ""))
+def _contents(path: str) -> tuple[list[str], list[str], list[str]]:
+    """(caches, runs, generate outputs) among the subfolders of a local folder, each in name order."""
     p = Path(path)
-    if "://" in str(path) or not p.is_dir() or (p / "manifest.json").exists():
-        return None
     caches, runs, generated = [], [], []
-    for sub in sorted(p.iterdir()):
+    for sub in sorted(p.iterdir()) if p.is_dir() else ():
         if sub.is_dir() and not sub.name.startswith("."):  # .tmp-* folders are half-written exports
             if _is_cache(sub):
                 caches.append(os.path.join(path, sub.name))
@@ -280,30 +277,69 @@ def folder_hint(path: str, command: str) -> str | None:
                 runs.append(os.path.join(path, sub.name))
             elif _is_generated(sub):
                 generated.append(os.path.join(path, sub.name))
+    return caches, runs, generated
+
+
+def held(path: str, kinds: tuple[str, ...] = ("cache", "run", "generate")) -> list[str]:
+    """For a local folder that is none of what `status` reads but holds some in its subfolders
+    (the demo's --out): the paths of those of `kinds`, in that order (caches, then runs, then
+    generate outputs by default). [] otherwise."""
+    if "://" in str(path) or _kind(path) is not None:
+        return []
+    found = dict(zip(("cache", "run", "generate"), _contents(path)))
+    return [p for kind in kinds for p in found[kind]]
+
+
+def folder_hint(path: str, command: str) -> str | None:
+    """For a local folder that is not what `command` takes (status: a cache or a run; verify,
+    inspect: a cache) but holds some in its subfolders (the demo's top folder): a one-line refusal
+    that names them and the command to type. None when there is nothing to point at. (The CLI's
+    `status` and `inspect` show what such a folder holds instead, see `held`; `verify` refuses.)"""
+    require_kind(path, command, True, "a cache folder (the one with manifest.json)" + (
+        ", a training run folder (OUT of train) or a generate output folder" if command == "status" else ""))
+    if "://" in str(path) or (Path(path) / "manifest.json").exists():
+        return None
+    caches, runs, generated = _contents(path)
     if not caches and not runs and not (generated and command == "status"):
         return None
     shown = (("cache", caches), ("run", runs)) + ((("generate output", generated),) if command == "status" else ())
     named = [_named(kind, found) for kind, found in shown if found]
-    held = " and ".join(named) if len(named) < 3 else f"{named[0]}, {named[1]} and {named[2]}"
+    holds = " and ".join(named) if len(named) < 3 else f"{named[0]}, {named[1]} and {named[2]}"
     if command == "status":
-        return (f"{path}: not a cache, a run or a generate output; it holds {held}: dflash-offline status "
+        return (f"{path}: not a cache, a run or a generate output; it holds {holds}: dflash-offline status "
                 f"{(caches or runs or generated)[0]}")
     if caches:
-        return f"{path}: no manifest.json, not a cache; it holds {held}: dflash-offline {command} {caches[0]}"
-    return (f"{path}: no manifest.json, not a cache; it holds no cache but {held} (training runs): "
+        return f"{path}: no manifest.json, not a cache; it holds {holds}: dflash-offline {command} {caches[0]}"
+    return (f"{path}: no manifest.json, not a cache; it holds no cache but {holds} (training runs): "
             f"dflash-offline status {runs[0]}")
 
 
-def status(path: str) -> dict:
+def _kind(path: str) -> str | None:
+    """What `status` reads PATH as: "generate", "cache", "run", or None (none of them)."""
     p = Path(path)
     if _is_generated(p) or (p.suffix == ".parquet" and _is_generated(p.with_name(p.name + ".parts"))):
-        return generate_status(path)
+        return "generate"
     if "://" in str(path) or (p / "manifest.json").is_file() or any((p / "logs").glob("extract-*")):
-        return cache_status(path)
-    if is_run_folder(p):
-        return run_status(path)
+        return "cache"
+    return "run" if is_run_folder(p) else None
+
+
+def status(path: str) -> dict:
+    kind = _kind(path)
+    if kind is not None:
+        return {"generate": generate_status, "cache": cache_status, "run": run_status}[kind](path)
     raise UserError(folder_hint(path, "status") or
                     f"{path}: neither a cache (manifest.json) nor a training run folder (metrics.jsonl, step-N/, logs/)")
+
+
+def show(path: str, as_json: bool = False) -> str:
+    """What `dflash-offline status PATH` prints: PATH's status, or for a folder that holds caches,
+    runs or generate outputs (`held`), each one's in turn, blocks apart (--json: a list)."""
+    inside = held(path)
+    found = [status(p) for p in inside] if inside else status(path)
+    if as_json:
+        return json.dumps(found, indent=1, default=str)
+    return "\n\n".join(format_status(st) for st in found) if inside else format_status(found)
 
 
 def _age(s: float) -> str:
@@ -345,13 +381,17 @@ def format_status(st: dict) -> str:
             lines.append(f"  DAMAGED: {note}")
         lines.append(f"  checkpoints: {', '.join(f'step-{s}' for s in st['checkpoints']) or 'none'}; "
                      f"export: {'yes' if st['export'] else 'no'}")
+    # Columns as wide as the longest name and pid of this block: names like extract-rank0-writer0 would
+    # push the state column out of line.
+    name_w = max((len(p["name"]) for p in st["processes"]), default=0)
+    pid_w = max((len(str(p["pid"])) for p in st["processes"]), default=0)
     for p in st["processes"]:
         prog = ", ".join(f"{k} {p[k]}" for k in ("shard", "part", "prompts_done", "tokens_done", "step", "total_steps")
                          if k in p)
         state = p["state"]
         note = {"died": " (process gone without a word: killed?)", "stale": " (no heartbeat: hung?)"}.get(state, "")
         err = f": {p['error']}" if p.get("error") and state in ("failed", "interrupted", "stopped") else ""
-        lines.append(f"  {p['name']:<18} pid {p['pid']:<7} {state}{note}{err}; phase {p['phase']}"
+        lines.append(f"  {p['name']:<{name_w}} pid {p['pid']:<{pid_w}} {state}{note}{err}; phase {p['phase']}"
                      + (f", {prog}" if prog else "") + f"; last heartbeat {_age(p['age_s'])} ago")
     e = st["last_error"]
     lines.append(f"  last error: {e['error']} ({e['log']}, {e['time']})" if e else "  last error: none")

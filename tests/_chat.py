@@ -77,3 +77,34 @@ def to_sharegpt(msgs: list[dict]) -> list[dict]:
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     return path
+
+
+def make_chat_target(base: Path, out: Path, template: str | None = "qwen3_style") -> Path:
+    """A copy of a tiny target folder with a chat tokenizer (ids below the tiny vocabulary) and
+    <|im_end|> as its end-of-sequence token in generation_config.json."""
+    import shutil
+
+    out = Path(out)
+    shutil.copytree(base, out)
+    make_tokenizer(out, template)
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(out).convert_tokens_to_ids("<|im_end|>")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
+    return out
+
+
+def oracle(tok, template: str, msgs: list[dict], **kwargs) -> tuple[list[int], list[int]]:
+    """transformers' own rendering and assistant mask of `msgs` ({% generation %} spans)."""
+    out = tok.apply_chat_template(msgs, chat_template=template, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True, **kwargs)
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def read_parts(folder: Path) -> list[dict]:
+    """The rows of a part folder (prepare or generate output), in part order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = sorted(Path(folder).glob("part-*.parquet"))
+    return pa.concat_tables([pq.read_table(f) for f in files]).to_pylist() if files else []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -123,8 +124,8 @@ def test_inspect_command(valid_cache):
     assert f"complete, {len(m['shards'])}/{len(m['shards'])} shards, 48 samples" in r.stdout
     assert "shard-000000" in r.stdout and "outlier channels" in r.stdout
     assert "sample 5 (shard-" in r.stdout and "layer   5: norm mean" in r.stdout
-    r = run_cli(["inspect", valid_cache.parent])
-    assert r.returncode == 2 and "no manifest.json" in r.stderr
+    r = run_cli(["inspect", valid_cache.parent, "--no-stats"])  # the folder that holds it: its summary
+    assert r.returncode == 0 and r.stdout.startswith(f"<cache {valid_cache}: complete"), (r.stdout, r.stderr)
     r = run_cli(["inspect", valid_cache, "--sample", "999999"])  # refused before the summary and its reads
     assert r.returncode == 2 and r.stdout == "" and "no committed sample with id 999999" in r.stderr, r.stderr
 
@@ -243,37 +244,132 @@ def test_stage_after_stage_in_one_process_is_done_not_died(tiny_dense, tiny_data
     assert "died" not in r.stdout and " done;" in r.stdout, r.stdout
 
 
-def test_top_folder_points_at_its_caches_and_runs(valid_cache, tmp_path):
-    """The demo's top folder (cache/, train/, tiny-target/, data) is refused in one line that
-    names what it holds and the command to type."""
-    top = tmp_path / "demo"
+def _demo_like_folder(top, valid_cache):
+    """The demo's --out as `dflash-offline demo` leaves it: cache/, train/ (a run), generated/ (a
+    complete generate output), tiny-target/ and data, built from the session's cache."""
+    from dflash_offline.generate.parts import new_manifest
+
     top.mkdir()
     (top / "cache").symlink_to(valid_cache)
     (top / "train" / "step-3").mkdir(parents=True)
-    (top / "train" / "metrics.jsonl").write_text("")
+    (top / "train" / "metrics.jsonl").write_text(
+        json.dumps({"step": 3, "loss": 2.5, "acc_slot1": 0.25, "tau": 1.5, "step_time": 0.1}) + "\n")
     (top / "tiny-target").mkdir()
     (top / "tiny-target" / "config.json").write_text("{}")
+    (top / "prompts-train.parquet").write_bytes(b"")
     (top / "generated").mkdir()
-    (top / "generated" / "manifest.json").write_text(json.dumps({"format": "dflash-offline/generated"}))
+    m = new_manifest(target={}, settings={}, source={}, plan={"num_parts": 0})
+    (top / "generated" / "manifest.json").write_text(json.dumps({**m, "status": "complete"}))
+    return top
+
+
+def _without_ages(text: str) -> str:
+    return re.sub(r"last heartbeat \S+( min| h)? ago", "last heartbeat ... ago", text)
+
+
+def test_status_of_a_folder_shows_each_thing_it_holds(valid_cache, tmp_path):
+    """`status` of the demo's top folder (cache/, train/, generated/, tiny-target/, data) shows the
+    status of each cache, run and generate output, in that order, each block as `status` of that
+    folder prints it; --json gives the list."""
+    top = _demo_like_folder(tmp_path / "demo", valid_cache)
     r = run_cli(["status", top])
-    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert (f"{top}: not a cache, a run or a generate output; it holds the cache {top}/cache, the run {top}/train "
-            f"and the generate output {top}/generated: dflash-offline status {top}/cache") in r.stderr, r.stderr
-    for command in ("verify", "inspect"):
-        r = run_cli([command, top])
+    assert r.returncode == 0, r.stderr
+    blocks = r.stdout.rstrip("\n").split("\n\n")
+    assert [b.splitlines()[0].split(":")[0] for b in blocks] == \
+        [f"cache {top}/cache", f"run {top}/train", f"generated {top}/generated"], r.stdout
+    for sub, block in zip(("cache", "train", "generated"), blocks):
+        alone = run_cli(["status", top / sub])
+        assert alone.returncode == 0, alone.stderr
+        assert _without_ages(block) == _without_ages(alone.stdout.rstrip("\n")), (block, alone.stdout)
+    sts = json.loads(run_cli(["status", top, "--json"]).stdout)
+    assert [(st["kind"], st["path"]) for st in sts] == \
+        [("cache", f"{top}/cache"), ("run", f"{top}/train"), ("generate", f"{top}/generated")], sts
+    # A folder holding none of them stays an error, in one line.
+    for nothing in (top / "tiny-target", tmp_path / "empty"):
+        nothing.mkdir(exist_ok=True)
+        r = run_cli(["status", nothing])
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-        assert f"it holds the cache {top}/cache and the run {top}/train: dflash-offline {command} {top}/cache" \
-            in r.stderr, r.stderr
-    # Runs only: verify points at no cache, and says how to look at the runs.
+        assert "neither a cache (manifest.json) nor a training run folder" in r.stderr, r.stderr
+
+
+def test_inspect_of_a_folder_summarises_each_cache_and_verify_names_them(valid_cache, tmp_path):
+    top = _demo_like_folder(tmp_path / "demo", valid_cache)
+    (top / "cache2").symlink_to(valid_cache)
+    r = run_cli(["inspect", top, "--no-stats", "--sample", "5"])
+    assert r.returncode == 0, r.stderr
+    alone = run_cli(["inspect", top / "cache", "--no-stats", "--sample", "5"]).stdout
+    assert r.stdout == alone + "\n" + alone.replace(f"{top}/cache", f"{top}/cache2"), r.stdout
+    assert r.stdout.count("sample 5 (shard-") == 2
+    r = run_cli(["inspect", top, "--no-stats", "--sample", "999999"])  # in no cache: refused before any summary
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert f"no committed sample with id 999999 in {top}/cache, {top}/cache2" in r.stderr, r.stderr
+    # verify keeps its one-line pointer.
+    (top / "cache2").unlink()
+    r = run_cli(["verify", top])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"it holds the cache {top}/cache and the run {top}/train: dflash-offline verify {top}/cache" \
+        in r.stderr, r.stderr
+    # Runs only: no cache to inspect or verify; both say how to look at the runs.
     (top / "cache").unlink()
     (top / "train2").mkdir()
     (top / "train2" / "metrics.jsonl").write_text("")
-    r = run_cli(["verify", top])
-    assert r.returncode == 2 and f"holds no cache but the runs {top}/train, {top}/train2" in r.stderr, r.stderr
-    assert f"dflash-offline status {top}/train" in r.stderr
-    # A folder holding nothing of the kind keeps the plain refusal.
-    r = run_cli(["status", top / "tiny-target"])
-    assert r.returncode == 2 and "neither a cache (manifest.json) nor a training run folder" in r.stderr, r.stderr
+    for command in ("verify", "inspect"):
+        r = run_cli([command, top])
+        assert r.returncode == 2 and f"holds no cache but the runs {top}/train, {top}/train2" in r.stderr, r.stderr
+        assert f"dflash-offline status {top}/train" in r.stderr
+
+
+def _process_columns(text: str) -> list[tuple[int, int]]:
+    """(offset of `pid`, offset of the state) on each process line of a status block."""
+    found = [re.match(r"  \S+ +(pid) \d+ +(\S)", ln) for ln in text.splitlines()]
+    return [(f.start(1), f.start(2)) for f in found if f]
+
+
+def test_status_columns_line_up_whatever_the_names_and_pids(valid_cache):
+    """Process names longer than 18 characters (extract-rank0-writer0) and pids of any width keep
+    the pid and state columns aligned on every process line."""
+    from dflash_offline.status import format_status
+
+    procs = [{"name": name, "pid": pid, "state": state, "phase": "extract", "age_s": 1.0, "error": "OSError: x"}
+             for name, pid, state in [("extract-launcher", 8590, "done"), ("extract-rank0-writer0", 8592, "done"),
+                                      ("extract-rank0", 123456, "failed"), ("extract-rank12-writer3", 77, "died")]]
+    st = {"kind": "cache", "path": "c", "verdict": "complete", "shards_committed": 1, "shards_planned": 1,
+          "totals": {"samples": 1, "tokens": 1, "bytes": 1}, "debris": [], "processes": procs, "last_error": None}
+    cols = _process_columns(format_status(st))
+    assert len(cols) == 4 and len(set(cols)) == 1, format_status(st)
+    assert cols[0] == (2 + len("extract-rank12-writer3") + 1, 2 + len("extract-rank12-writer3") + 5 + 6 + 1)
+    # The real thing: the session's cache, with its launcher, rank and writer processes.
+    r = run_cli(["status", valid_cache])
+    cols = _process_columns(r.stdout)
+    assert len(cols) >= 3 and len(set(cols)) == 1, r.stdout
+
+
+def test_a_finished_process_is_in_phase_done(tmp_path):
+    """A run that finished shows `done; phase done`, not the last phase it beat (held-out
+    evaluation); a failed process keeps the phase it failed in. A heartbeat written before the
+    phase was reset reads as done too."""
+    from dflash_offline.runtime.logs import HEARTBEAT_SUFFIX, Heartbeat
+    from dflash_offline.status import format_status, run_status
+
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text(
+        json.dumps({"step": 4, "loss": 2.5, "acc_slot1": 0.25, "tau": 1.5, "step_time": 0.1}) + "\n")
+    for name, state in (("train-launcher", "done"), ("train-rank1", "failed")):
+        hb = Heartbeat(out / "logs" / f"{name}{HEARTBEAT_SUFFIX}", name, out / "logs" / f"{name}.log")
+        hb.beat("train", step=3)
+        hb.beat("held-out evaluation", step=4)
+        hb.finish(state, None if state == "done" else "RuntimeError: boom")
+    written = json.loads((out / "logs" / f"train-launcher{HEARTBEAT_SUFFIX}").read_text())
+    assert written["state"] == "done" and written["phase"] == "done", written
+    st = run_status(str(out))
+    assert {p["name"]: p["phase"] for p in st["processes"]} == \
+        {"train-launcher": "done", "train-rank1": "held-out evaluation"}, st["processes"]
+    text = format_status(st)
+    assert "done; phase done, step 4" in text and "failed: RuntimeError: boom; phase held-out evaluation" in text, text
+    # A heartbeat file as earlier versions left it: done, with the last phase of the work.
+    (out / "logs" / f"train-launcher{HEARTBEAT_SUFFIX}").write_text(json.dumps({**written, "phase": "held-out evaluation"}))
+    assert run_status(str(out))["processes"][0]["phase"] == "done"
 
 
 def test_notebook_finds_the_demo_cache_from_docs(valid_cache, tmp_path, monkeypatch):

@@ -20,10 +20,13 @@ MAX_LINES = 500
 # package -> packages it must never import. Stage one (extract) and stage two (train) meet only at
 # the cache contract (cache/); the shared plumbing (runtime/) and the cache protocol (cache/) import
 # no stage at all, so either stage can run, and be tested, without the other's code.
-STAGES = ("extract", "generate", "train", "drafter", "evaluate")
+STAGES = ("extract", "generate", "train", "drafter", "evaluate", "prepare")
 FORBIDDEN = {
+    # chat/ (conversation files, chat templates) serves prepare and generate; it imports no stage.
+    "chat": {"cache", *STAGES},
+    "prepare": {"extract", "train", "drafter", "evaluate"},
     "extract": {"train", "drafter", "evaluate"},
-    "generate": {"train", "drafter", "evaluate"},
+    "generate": {"train", "drafter", "evaluate", "prepare"},
     "train": {"extract", "generate"},
     "drafter": {"extract", "generate", "train", "evaluate"},
     "cache": {"target", *STAGES},

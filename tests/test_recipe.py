@@ -190,6 +190,10 @@ def test_held_out_walk_keeps_the_best_drafter(layer_caches, tiny_dense, tmp_path
 
     assert load_exported(str(out / "best"), str(tiny_dense)).cfg.target_layer_ids == [2, 4]
     assert "best held-out drafter: step" in r.stdout
+    # Finished: its processes are in phase done, not in the held-out evaluation they ended with.
+    st = json.loads(run_cli(["status", out, "--json"]).stdout)
+    assert st["processes"] and all(p["state"] == p["phase"] == "done" for p in st["processes"]), st["processes"]
+    assert "phase held-out evaluation" not in run_cli(["status", out]).stdout
     # A held-out cache without the drafter's layers: refused before training, in one line.
     r = _train(tiny_dense, superset, tmp_path / "bad", "--eval-cache", subset)
     assert r.returncode == 2 and "--eval-cache" in r.stderr and "not [1, 3, 5]" in r.stderr

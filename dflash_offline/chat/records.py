@@ -14,16 +14,18 @@ from dflash_offline.runtime.errors import UserError
 
 
 def detect_format(rec: object) -> str | None:
-    """The format a raw record is written in, or None."""
+    """The format a raw record is written in, or None. A key whose value is null counts as absent:
+    a Parquet file holding prompt/response rows and instruction/output rows has both sets of columns."""
     if not isinstance(rec, dict):
         return None
+    has = {k for k, v in rec.items() if v is not None}
     if isinstance(rec.get("messages"), list):
         return "messages"
     if isinstance(rec.get("conversations"), list) or isinstance(rec.get("conversation"), list):
         return "sharegpt"
-    if "prompt" in rec and any(k in rec for k in PAIR_RESPONSE_KEYS):
+    if "prompt" in has and has & set(PAIR_RESPONSE_KEYS):
         return "pair"
-    if "instruction" in rec and "output" in rec:
+    if "instruction" in has and "output" in has:
         return "pair"
     if isinstance(rec.get("turns"), list):
         return "turns"
@@ -125,9 +127,9 @@ def _sharegpt_record(rec: dict, where: str) -> list[Message]:
 
 
 def _pair_record(rec: dict, where: str) -> list[Message]:
-    if "prompt" in rec:
+    if rec.get("prompt") is not None:
         prompt = _string(rec["prompt"], "`prompt`", where)
-        key = next(k for k in PAIR_RESPONSE_KEYS if k in rec)
+        key = next(k for k in PAIR_RESPONSE_KEYS if rec.get(k) is not None)
         response = _string(rec[key], f"`{key}`", where)
     else:  # Alpaca: the instruction, then its input on the next lines when there is one
         prompt = _string(rec["instruction"], "`instruction`", where)

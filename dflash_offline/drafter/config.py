@@ -94,6 +94,10 @@ class DrafterConfig:
     target: dict | None = None
     """The target it was trained for: folder name, model type, config and weights fingerprints
     (target.folder.TargetInfo); `eval` warns when it decodes against another."""
+    chat: dict | None = None
+    """How its training conversations were rendered (chat template sha256, thinking mode, system
+    prompt; `prepare` records them, the cache carries them); `eval` warns when its prompts were
+    rendered another way: a drafter trained in one thinking mode loses much of its tau in the other."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -158,7 +162,8 @@ class DrafterConfig:
             # block_size twice: SGLang reads it from dflash_config, the reference from either place.
             "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
                               "block_size": self.block_size,
-                              **({"mask_token": self.mask_token} if self.mask_token is not None else {})},
+                              **({"mask_token": self.mask_token} if self.mask_token is not None else {}),
+                              **({"chat": self.chat} if self.chat else {})},
             **({"dflash_offline": {"target": self.target}} if self.target else {}),
         }
 
@@ -166,13 +171,14 @@ class DrafterConfig:
     def from_export_dict(cls, d: dict) -> "DrafterConfig":
         dc = d.get("dflash_config") or {}
         names = [f for f in cls.__dataclass_fields__
-                 if f not in ("target_layer_ids", "mask_token_id", "rope_theta", "mask_token", "target")]
+                 if f not in ("target_layer_ids", "mask_token_id", "rope_theta", "mask_token", "target", "chat")]
         missing = [n for n in names if n not in d] + [n for n in ("target_layer_ids", "mask_token_id") if dc.get(n) is None]
         if missing:
             raise UserError(f"drafter config.json: missing {missing}")
         return cls(**{n: d[n] for n in names}, rope_theta=config_rope_theta(d),
                    target_layer_ids=list(dc["target_layer_ids"]), mask_token_id=int(dc["mask_token_id"]),
-                   mask_token=dc.get("mask_token"), target=(d.get("dflash_offline") or {}).get("target"))
+                   mask_token=dc.get("mask_token"), target=(d.get("dflash_offline") or {}).get("target"),
+                   chat=dc.get("chat"))
 
 
 def target_identity(info) -> dict:

@@ -1,6 +1,7 @@
 """The drafter's serving export: config.json + model.safetensors (bf16, trainable weights only).
 
-The folder loads unchanged in the reference inference code (z-lab/dflash) and the serving engines;
+The folder loads unchanged in the reference inference code (z-lab/dflash; tests/test_reference_parity.py),
+and its config holds the keys vLLM's and SGLang's DFlash loaders read (no engine is run here: docs/serving.md);
 the frozen embedding and LM head are the target's and are not written. An export replaces only an
 earlier export or an empty folder, whole or not at all.
 """

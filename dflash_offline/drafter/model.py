@@ -4,7 +4,7 @@ Context features (n captured target layers, concatenated) are fused once, `hidde
 injected into *every* layer as extra keys/values beside the block's own (KV injection); they are
 never updated across layers. Token embedding and LM head are the target's, frozen. Layout and
 weight names follow the reference inference code (z-lab/dflash `dflash/model.py`), so an export
-loads there and in the serving engines unchanged; see `dflash-method.md`.
+loads there unchanged (tests/test_reference_parity.py; serving engines: docs/serving.md); see `dflash-method.md`.
 
 The drafter reads the target tensors it starts from here too: the frozen embedding and LM head,
 and with `train --init-layers` whole target layers (`read_layer_tensors`, which train's preflight

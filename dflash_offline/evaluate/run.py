@@ -38,6 +38,7 @@ from dflash_offline.evaluate.walk import cache_acceptance, walk_acceptance
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.paths import REPORT_FORMAT, check_report_dest, require_kind
 from dflash_offline.target.folder import eos_ids
+from dflash_offline.text import show_decoded, show_tokenizer
 
 log = logging.getLogger("dflash.eval")
 # eval's default --batch-size on a GPU: one prompt at a time leaves it idle (launch-bound rounds),
@@ -55,6 +56,17 @@ def _read_table(option: str, path: str, columns: tuple[str, ...], fix: str):
     """A Parquet table with `columns`, or one line naming the option, the file and the fix."""
     import pyarrow.parquet as pq
 
+    if Path(path).is_dir():  # a part folder (a prepare or generate output): its committed parts
+        from dflash_offline.generate.parts import listed_parts
+
+        parts = listed_parts(path)
+        if not parts:
+            raise UserError(f"{option} {path}: a folder, but not a prepare or generate output; {fix}")
+        import pyarrow as pa
+
+        tables = [pq.read_table(f, columns=[c for c in ("id", *columns) if c in pq.read_schema(f).names])
+                  for f in parts]
+        return pa.concat_tables(tables)
     if not Path(path).is_file():
         raise UserError(f"{option} {path}: no such file; {fix}")
     try:
@@ -208,6 +220,22 @@ def _check_cache_target(cache: str, target: str) -> None:
                         "of this target's completions (or the target the cache was made from)")
 
 
+def _warn_chat_mismatch(prompts: str, drafters) -> None:
+    """A drafter trained on text rendered one way (template, thinking mode, system prompt) and
+    measured on prompts rendered another: said loudly, since served that way it loses much of its
+    tau (the most reported DFlash pitfall). Known only for prompts from `prepare`."""
+    from dflash_offline.chat.template import differences
+    from dflash_offline.generate.parts import chat_settings_of
+
+    used = chat_settings_of([prompts]) if Path(prompts).is_dir() else None
+    for path, d in drafters:
+        diff = differences(d.cfg.chat, used)
+        if diff:
+            log.warning("--drafter %s was trained on conversations rendered another way than --prompts %s (%s): "
+                        "its tau here is not the tau it was trained for; prepare the prompts with the drafter's "
+                        "settings (its config.json dflash_config.chat)", path, prompts, "; ".join(diff))
+
+
 def log_folder(cfg: EvalConfig) -> Path:
     """--log-dir, else the logs/ of the training run the first drafter belongs to (a folder train
     made), else ./dflash-logs: eval never creates a folder beside a model someone put there."""
@@ -227,7 +255,8 @@ def run(cfg: EvalConfig) -> dict:
 
     cfg.validate()
     require_kind(cfg.cache, "--cache", True, "a cache folder (the one with manifest.json)")
-    require_kind(cfg.prompts, "--prompts", False, "a Parquet file with an input_ids column")
+    if not (cfg.prompts and Path(cfg.prompts).is_dir()):  # a folder: a prepare or generate output
+        require_kind(cfg.prompts, "--prompts", False, "a Parquet file with an input_ids column")
     require_kind(cfg.reference, "--reference", False, "a Parquet file of the target's greedy completions")
     require_kind(cfg.json_path, "--json", False, "a file name for the JSON report")
     check_report_dest(cfg.json_path)
@@ -251,6 +280,8 @@ def run(cfg: EvalConfig) -> dict:
 
     single_thread_compute()
     drafters = [(p, load_drafter(p, cfg.target)) for p in cfg.drafters]  # all refused before any decoding
+    if cfg.prompts:
+        _warn_chat_mismatch(cfg.prompts, drafters)
     if cfg.cache:
         widest = max(d.cfg.block_size for _, d in drafters)
         if cfg.seq_len <= widest:
@@ -304,6 +335,7 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
                         "positions); lower --max-new-tokens or leave out the longest prompts")
     eos = set() if cfg.ignore_eos else eos_ids(cfg.target)
     reference = read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos) if cfg.reference else None
+    tok = show_tokenizer(cfg.target, cfg.show)  # --show: the target's tokenizer.json, or one line now
     # With a reference the target-alone decode (as long as the speculative one) is needed only for
     # the speed-up figure, so it runs only when asked for.
     baseline = cfg.baseline if cfg.baseline is not None else not cfg.reference
@@ -311,7 +343,7 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     log.info("decoding %d prompts, up to %d new tokens, eos %s, %s on %s", len(prompts), cfg.max_new_tokens,
              sorted(eos), cfg.dtype, device)
     report.update({"prompts": str(cfg.prompts), "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
-                   "eos": sorted(eos), "hybrid_target": info.hybrid,
+                   "eos": sorted(eos), "hybrid_target": info.hybrid, "prompt_ids": ids,
                    "lossless_against": str(cfg.reference) if cfg.reference else ("baseline" if baseline else None)})
     layer_sets = {tuple(d.cfg.target_layer_ids) for _, d in drafters}
     sessions = {ls: TargetSession(model, list(ls)) for ls in layer_sets}
@@ -388,6 +420,8 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
         bar.close()
         e = report["drafters"][i]
         e.update(summarize(runs, drafter.cfg.block_size))
+        e["accepted_per_prompt"] = [r.accepted for r in runs]  # each round's accepted drafts, in prompt_ids' order
+        show_decoded(tok, path, ids, prompts, runs, cfg.show)  # --show N: where the drafter was right, as text
         if reference is not None:
             bad = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference)) if r.tokens != ref]
             e["lossless"] = not bad

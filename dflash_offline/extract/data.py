@@ -7,7 +7,6 @@ token range, ids. Workers later fetch only the rows of their own shards, one row
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.paths import file_sha256
 
 log = logging.getLogger("dflash.data")
 
@@ -48,14 +48,6 @@ def resolve_files(paths: list[str], option: str = "--data") -> list[Path]:
             raise UserError(f"{option}: {f} is given twice (rows would be read twice)")
         seen.add(f.resolve())
     return files
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @dataclass

@@ -106,6 +106,11 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
               "tokens": total_tokens,
               **({"passes": cfg.passes, "shards_per_pass": [len(plan) for plan in per_pass]} if cfg.passes > 1 else {})},
     )
+    from dflash_offline.generate.parts import chat_settings_of
+
+    chat = chat_settings_of([p for p in cfg.data if os.path.isdir(p)])
+    if chat is not None:  # how the text was rendered (prepare's record): travels on to the export
+        wanted["chat"] = {k: v for k, v in chat.items() if k != "template"}
     existing = ManifestStore(loc).read()
     if existing is not None:
         try:

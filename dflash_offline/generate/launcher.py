@@ -124,7 +124,9 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     compute_dtype = resolve_compute_dtype(cfg.compute_dtype, devices, launch)
     source = data.scan(cfg.prompts, info.vocab_size, option="--prompts", need_mask=False)
     lengths = source.lengths
-    chat = _conversation_mode(cfg, source)
+    from dflash_offline.generate.turns import conversation_settings
+
+    chat = conversation_settings(cfg.prompts, source)
     if info.max_positions is not None:
         over = np.flatnonzero(lengths + cfg.max_new_tokens > info.max_positions)
         if over.size:
@@ -206,24 +208,6 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
               chunks=chunks, compute_dtype=compute_dtype, eos=eos, rows_per_batch=rows, max_prompt_len=max_prompt,
               compile=compile, chat=chat, max_positions=info.max_positions)
     return job, wanted, devices, todo_prompts
-
-
-def _conversation_mode(cfg: GenerateConfig, source) -> dict | None:
-    """The chat settings (with the template) when the prompts are conversations written by
-    `prepare` (a `messages` column in every file); None for plain prompts."""
-    import pyarrow.parquet as pq
-
-    from dflash_offline.generate.parts import chat_settings_of
-
-    with_messages = ["messages" in pq.read_schema(f.path).names for f in source.files]
-    if not any(with_messages):
-        return None
-    chat = chat_settings_of([p for p in cfg.prompts if Path(p).is_dir()])
-    if not all(with_messages) or chat is None or not chat.get("template"):
-        raise UserError("--prompts: conversation prompts (a `messages` column) are regenerated turn by turn with the "
-                        "chat settings `dflash-offline prepare` records: give prepare's output folders (OUT/train), "
-                        "all of them conversations")
-    return chat
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,7 +293,7 @@ def _finish(store, merged: Path | None, launch: Launch | None) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dflash_offline.extract.data import file_sha256
+    from dflash_offline.runtime.paths import file_sha256
     from dflash_offline.generate.parts import write_parquet_atomic
 
     m = store.read()
@@ -475,7 +459,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
                 prompts_done += len(batch)
                 new_total += n_new
                 _batch_done(q, bar, len(batch), n_new, res, new_total, t_start, parts.part_name(j), prompts_done)
-            entry = _write_part(folder, parts.part_name(j), ids, prompts, new, eos_end)
+            entry = parts.write_completions(folder, parts.part_name(j), ids, prompts, new, eos_end)
             entry["ids"] = id_ranges(ids)
             fault_point("part-renamed")
             store.commit_part(entry)
@@ -501,23 +485,3 @@ def _batch_done(q, bar, n: int, n_new: int, res, new_total: int, t_start: float,
     heartbeat(phase="generate", part=part, tokens_done=new_total,
               **({"prompts_done": prompts_done} if prompts_done is not None else {}))
     fault_point("generate-batch")
-
-
-def _write_part(folder: Path, name: str, ids, prompts, new, eos_end) -> dict:
-    import pyarrow as pa
-
-    from dflash_offline.extract.data import file_sha256
-    from dflash_offline.generate.parts import write_part
-
-    seqs = [p + t for p, t in zip(prompts, new)]
-    masks = [[0] * len(p) + [1] * len(t) for p, t in zip(prompts, new)]
-    table = pa.table({
-        "id": pa.array(ids, type=pa.int64()),
-        "input_ids": pa.array(seqs, type=pa.list_(pa.int32())),
-        "loss_mask": pa.array(masks, type=pa.list_(pa.int8())),
-        "finish_reason": pa.array(["eos" if e else "length" for e in eos_end], type=pa.string()),
-    })
-    file, nbytes = write_part(folder, name, table)
-    return {"name": name, "file": file, "rows": len(ids), "tokens": sum(len(s) for s in seqs),
-            "new_tokens": sum(len(t) for t in new), "ended_by_eos": int(sum(eos_end)), "bytes": nbytes,
-            "sha256": file_sha256(folder / file)}

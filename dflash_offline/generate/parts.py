@@ -210,3 +210,23 @@ def write_part(folder: Path, name: str, table) -> tuple[str, int]:
 
     final = folder / f"{name}.parquet"
     return final.name, write_parquet_atomic(table, final, on_written=lambda: fault_point("part-written"))
+
+
+def write_completions(folder: Path, name: str, ids, prompts, new, eos_end) -> dict:
+    """One part of prompt + completion rows in the input contract; returns its manifest entry."""
+    import pyarrow as pa
+
+    from dflash_offline.runtime.paths import file_sha256
+
+    seqs = [p + t for p, t in zip(prompts, new)]
+    masks = [[0] * len(p) + [1] * len(t) for p, t in zip(prompts, new)]
+    table = pa.table({
+        "id": pa.array(ids, type=pa.int64()),
+        "input_ids": pa.array(seqs, type=pa.list_(pa.int32())),
+        "loss_mask": pa.array(masks, type=pa.list_(pa.int8())),
+        "finish_reason": pa.array(["eos" if e else "length" for e in eos_end], type=pa.string()),
+    })
+    file, nbytes = write_part(folder, name, table)
+    return {"name": name, "file": file, "rows": len(ids), "tokens": sum(len(s) for s in seqs),
+            "new_tokens": sum(len(t) for t in new), "ended_by_eos": int(sum(eos_end)), "bytes": nbytes,
+            "sha256": file_sha256(folder / file)}

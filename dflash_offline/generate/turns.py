@@ -20,11 +20,13 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from dflash_offline.chat.formats import Message
 from dflash_offline.chat.template import ChatTemplate, split_reasoning
+from dflash_offline.runtime.errors import UserError
 
 log = logging.getLogger("dflash.generate")
 
@@ -61,6 +63,24 @@ class Conversation:
         else:
             self.rows.append(TurnRow(prompt + trained, [0] * len(prompt) + [1] * len(trained), [turn], finish))
         self.new_tokens += len(reply)
+
+
+def conversation_settings(prompts: list[str], source) -> dict | None:
+    """The chat settings (with the template) when the prompts are conversations written by
+    `prepare` (a `messages` column in every file); None for plain prompts."""
+    import pyarrow.parquet as pq
+
+    from dflash_offline.generate.parts import chat_settings_of
+
+    with_messages = ["messages" in pq.read_schema(f.path).names for f in source.files]
+    if not any(with_messages):
+        return None
+    chat = chat_settings_of([p for p in prompts if Path(p).is_dir()])
+    if not all(with_messages) or chat is None or not chat.get("template"):
+        raise UserError("--prompts: conversation prompts (a `messages` column) are regenerated turn by turn with the "
+                        "chat settings `dflash-offline prepare` records: give prepare's output folders (OUT/train), "
+                        "all of them conversations")
+    return chat
 
 
 def parse_conversation(conv_id: int, messages_json: str, last_only: bool) -> Conversation:
@@ -157,7 +177,7 @@ def write_chat_part(folder, name: str, convs: list[Conversation]) -> dict:
     a conversation split by its template takes the id `id + k * 2^40`, as `prepare` numbers them."""
     import pyarrow as pa
 
-    from dflash_offline.extract.data import file_sha256
+    from dflash_offline.runtime.paths import file_sha256
     from dflash_offline.generate.parts import write_part
 
     ROW_ID_STRIDE = 1 << 40

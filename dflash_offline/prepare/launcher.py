@@ -121,6 +121,7 @@ def run(cfg: PrepareConfig) -> dict:
                     tables[s].append(rows.prompt_rows(chunk, tmpl, limits))
                 bar.update(len(chunk))
                 heartbeat(phase="render", split=s, part=j)
+                fault_point("prepare-render")
     finally:
         bar.close()
     made = sum(t.table.num_rows for s in SPLITS for t in tables[s] if t is not None)

@@ -41,7 +41,7 @@ def new_manifest(kind: str, target: dict, chat: dict | None, settings: dict, sou
 def source_entry(paths: list[str]) -> dict:
     """The inputs as identity: each file's bytes (sha256), so a changed file is noticed on resume."""
     from dflash_offline.chat.formats import resolve_inputs
-    from dflash_offline.extract.data import file_sha256
+    from dflash_offline.runtime.paths import file_sha256
 
     files = []
     for p in resolve_inputs(paths):
@@ -75,7 +75,7 @@ class PreparedStore(OutputStore):
 
     def write_and_commit(self, name: str, rows, conversations) -> None:
         from dflash_offline.cache.manifest import id_ranges
-        from dflash_offline.extract.data import file_sha256
+        from dflash_offline.runtime.paths import file_sha256
 
         self.folder.mkdir(parents=True, exist_ok=True)
         self.remove_debris({name})

@@ -70,6 +70,9 @@ def problem(rec: Record, responses: str) -> str | None:
         return "starts with an assistant turn"
     if responses == "keep" and not any(m.role == "assistant" for m in msgs):
         return "no assistant reply to keep"
+    if responses == "regenerate" and not any(m.role == "assistant" and not m.tool_calls
+                                             for m in with_reply_slots(msgs)):
+        return "no reply to regenerate (it ends in a tool call)"
     return None
 
 

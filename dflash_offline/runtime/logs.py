@@ -146,7 +146,11 @@ class Heartbeat:
             self._write()
 
     def finish(self, state: str, error: str | None = None) -> None:
-        self.data.update(state=state, updated=time.time(), error=error)
+        # A process that finished its work is in no phase any more: its last one (held-out
+        # evaluation, extract) would read as still under way. A failed or stopped one keeps the
+        # phase it ended in: that is where to look.
+        phase = "done" if state == "done" else self.data["phase"]
+        self.data.update(state=state, phase=phase, updated=time.time(), error=error)
         self._write()
 
     def claim(self) -> None:

@@ -111,3 +111,14 @@ def ordinary_mode(*paths: str | os.PathLike) -> None:
     mode = 0o666 & ~umask()
     for path in paths:
         os.chmod(path, mode)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes (inputs and parts are identified by content, not by path)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()

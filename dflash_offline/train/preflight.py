@@ -105,6 +105,7 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     topk = _check_soft_targets(cfg, m)
     dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
                                      num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
+    dcfg.chat = m.get("chat")  # how the training text was rendered: carried into the export
     if cfg.init_layers:
         read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg)  # shapes only: one line if they do not fit
     world = _world(devices)
@@ -243,6 +244,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     topk = _check_soft_targets(cfg, m)
     dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
                                      num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
+    dcfg.chat = m.get("chat")  # how the training text was rendered: carried into the export
     if cfg.init_layers:
         read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg)  # shapes only: one line if they do not fit
     if cfg.eval_cache:

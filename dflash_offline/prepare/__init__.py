@@ -1,0 +1,1 @@
+"""`dflash-offline prepare`: conversation datasets -> prompts for `generate` or training rows for `extract`."""
