@@ -85,6 +85,7 @@ def main() -> None:
 @click.option("--max-len", type=int, help="Drop rows (prompts, with regenerate) longer than this many tokens.  [default: the target's context; longer is an error]")
 @click.option("--truncate/--no-truncate", default=None, help="Cut rows longer than --max-len instead of dropping them.  [default: off]")
 @click.option("--dedup/--no-dedup", default=None, help="Drop conversations whose content (case and spacing folded) was seen before.  [default: on]")
+@click.option("--drop-unanswered", is_flag=True, default=None, help="With --responses keep: drop (and count) conversations that end with a user turn instead of refusing the dataset.")
 @click.option("--chunk-records", type=int, help="Conversations per part file, the unit of commit and resume.  [default: 4096]")
 @click.option("--log-dir", help="Folder for the process log.  [default: OUT/logs]")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on the terminal.  [default: on]")

@@ -415,8 +415,7 @@ class GenerateConfig:
     """Conversation prompts (a `prepare` output): `all` regenerates every assistant turn in order,
     each from the conversation with the target's own earlier replies; `last` only the final one."""
     reasoning: str = "keep"
-    """What rows keep of the target's thinking (<think>...</think>): `keep` trains it; `strip`
-    drops it, the reply as the template renders it in history."""
+    """What rows keep of the target's <think> block: `keep` trains it; `strip` drops it (history's form)."""
     log_dir: str | None = None
     """Where process logs go; default OUT/logs (OUT.parts/logs for a .parquet output)."""
     progress: bool = True
@@ -461,19 +460,20 @@ class PrepareConfig:
     system: str | None = None
     """A system prompt added to conversations that have none."""
     responses: str = "regenerate"
-    """regenerate: write prompts (and the conversation) for `generate`; keep: the dataset's replies
-    are the training rows (completions for `extract`)."""
+    """regenerate: prompts (and conversations) for `generate`; keep: the dataset's replies as rows for `extract`."""
     train_turns: str = "all"
     """keep: train every assistant reply (`all`) or only each conversation's last (`last`)."""
     eval_fraction: float = 0.0
     """Share of conversations put into OUT/eval/ (chosen by a hash of the id: stable across runs)."""
     max_len: int | None = None
-    """Rows (keep) or prompts (regenerate) longer than this many tokens are dropped (or cut with
-    --truncate); None = the target's context, where a longer row is an error."""
+    """Rows (keep) or prompts (regenerate) longer than this are dropped (or cut: --truncate); None = the
+    target's context, where a longer row is an error."""
     truncate: bool = False
     """Cut rows longer than --max-len to it instead of dropping them."""
     dedup: bool = True
     """Drop conversations whose normalised content (case and whitespace folded) was seen before."""
+    drop_unanswered: bool = False
+    """keep: drop (and count) conversations that end with a user or tool turn, instead of refusing them."""
     chunk_records: int = 4096
     """Conversations per part file (the unit of commit and of resume)."""
     log_dir: str | None = None

@@ -10,10 +10,10 @@ import re
 import pytest
 
 from dflash_offline import cli
-from dflash_offline.config import EvalConfig, ExtractConfig, GenerateConfig, PlanConfig, TrainConfig
+from dflash_offline.config import EvalConfig, ExtractConfig, GenerateConfig, PlanConfig, PrepareConfig, TrainConfig
 
 COMMANDS = {"train": TrainConfig, "extract": ExtractConfig, "eval": EvalConfig, "generate": GenerateConfig,
-            "plan": PlanConfig}
+            "plan": PlanConfig, "prepare": PrepareConfig}
 NOT_FIELDS = {"config_file", "as_json"}  # the recipe file itself; plan's output format
 
 

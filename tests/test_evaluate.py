@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import fit_drafter_to_samples, run_cli
-from dflash_offline.evaluate.run import read_reference
+from dflash_offline.evaluate.inputs import read_reference
 from dflash_offline.evaluate.speculative import (DFlashProposer, TargetSession, greedy_decode,
                                                  load_target_for_decoding, speculative_decode, summarize)
 from dflash_offline.evaluate.walk import cache_acceptance, cache_layer_columns, walk_acceptance, walk_rounds
@@ -461,7 +461,7 @@ def test_eval_prompt_file_refusals(table, says, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dflash_offline.evaluate.run import read_prompts
+    from dflash_offline.evaluate.inputs import read_prompts
     from dflash_offline.runtime.errors import UserError
 
     types = {"id": pa.int64() if table.get("id") and None in table["id"] else None,

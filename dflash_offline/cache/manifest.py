@@ -61,8 +61,8 @@ def check_compatible(existing: dict, wanted: dict, where: str, *, fmt: str = FOR
         raise UserError(f"{where}: {what} format version {existing.get('version')} but this tool writes {version}; "
                         f"see docs/{'cache-format' if what == 'cache' else 'generate'}.md")
     for section, key in fields:
-        a = existing.get(section, {}).get(key)
-        b = wanted.get(section, {}).get(key)
+        a = (existing.get(section) or {}).get(key)  # an optional section may be null (chat)
+        b = (wanted.get(section) or {}).get(key)
         if section == "source" and key == "files":
             # Paths may move between machines; the bytes may not.
             a = [(f["rows"], f["sha256"]) for f in a or []]

@@ -4,7 +4,6 @@ mapped, Alpaca's instruction and input joined)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterator
 
@@ -94,16 +93,12 @@ def _messages_record(rec: dict, where: str) -> list[Message]:
 
 
 def _tool_call(call, at: str) -> dict:
+    """A tool call, checked for shape and passed to the template as written (arguments as JSON text
+    or as an object: templates handle both, and the text the model wrote is the one to train on)."""
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict) or "name" not in call["function"]:
         raise UserError(f"{at}: expected {{\"type\": \"function\", \"function\": {{\"name\": ..., \"arguments\": "
-                        "...}}}}")
-    fn = dict(call["function"])
-    if isinstance(fn.get("arguments"), str):  # OpenAI sends arguments as JSON text; templates expect a mapping
-        try:
-            fn["arguments"] = json.loads(fn["arguments"])
-        except json.JSONDecodeError:
-            pass
-    return {**call, "function": fn}
+                        "...}}")
+    return call
 
 
 def _sharegpt_record(rec: dict, where: str) -> list[Message]:

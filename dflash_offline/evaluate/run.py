@@ -33,6 +33,7 @@ from dflash_offline.config import EvalConfig
 from dflash_offline.evaluate.speculative import (Decoded, DFlashProposer, TargetSession,
                                                  greedy_decode, load_target_for_decoding, speculative_decode, summarize,
                                                  tokens_per_s)
+from dflash_offline.evaluate.inputs import check_prompts_path, read_prompts, read_reference, warn_chat_mismatch
 from dflash_offline.evaluate.kv_batch import KVBatchDFlashProposer, NoDrafts, kv_batched_decode, unsupported_reason
 from dflash_offline.evaluate.walk import cache_acceptance, walk_acceptance
 from dflash_offline.runtime.errors import UserError
@@ -49,113 +50,7 @@ GPU_BATCH_SIZE = 64
 
 
 # ----------------------------------------------------------------------------------------------
-# Inputs
-
-
-def _read_table(option: str, path: str, columns: tuple[str, ...], fix: str):
-    """A Parquet table with `columns`, or one line naming the option, the file and the fix."""
-    import pyarrow.parquet as pq
-
-    if Path(path).is_dir():  # a part folder (a prepare or generate output): its committed parts
-        from dflash_offline.generate.parts import listed_parts
-
-        parts = listed_parts(path)
-        if not parts:
-            raise UserError(f"{option} {path}: a folder, but not a prepare or generate output; {fix}")
-        import pyarrow as pa
-
-        tables = [pq.read_table(f, columns=[c for c in ("id", *columns) if c in pq.read_schema(f).names])
-                  for f in parts]
-        return pa.concat_tables(tables)
-    if not Path(path).is_file():
-        raise UserError(f"{option} {path}: no such file; {fix}")
-    try:
-        table = pq.read_table(path)
-    except Exception as e:  # pyarrow raises several types for a file that is not Parquet
-        raise UserError(f"{option} {path}: not a readable Parquet file ({type(e).__name__}: {e}); {fix}") from None
-    need = [c for c in columns if c not in table.column_names]
-    if need:
-        raise UserError(f"{option} {path}: no {', '.join(need)} column (columns: {', '.join(table.column_names)}); {fix}")
-    return table
-
-
-def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None) -> tuple[list[int], list[list[int]]]:
-    """(ids, prompts) from a Parquet file with `input_ids` (and optional `id`); one line per problem."""
-    import pyarrow as pa
-
-    table = _read_table("--prompts", path, ("input_ids",), "expected a Parquet file with an input_ids column")
-    # The column types first: a wrong one would otherwise surface as a TypeError mid-loop.
-    t = table.schema.field("input_ids").type
-    if not ((pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)):
-        raise UserError(f"--prompts {path}: column 'input_ids' must be a list of integers (token ids), found {t}")
-    if "id" in table.column_names and not pa.types.is_integer(table.schema.field("id").type):
-        raise UserError(f"--prompts {path}: column 'id' must be an integer, found {table.schema.field('id').type}")
-    prompts = table.column("input_ids").to_pylist()
-    ids = table.column("id").to_pylist() if "id" in table.column_names else list(range(len(prompts)))
-    if None in ids:
-        raise UserError(f"--prompts {path}: row {ids.index(None)} has a null id; every row needs one")
-    if len(set(ids)) < len(ids):
-        seen: set[int] = set()
-        dup = next(i for i in ids if i in seen or seen.add(i))
-        raise UserError(f"--prompts {path}: id {dup} occurs twice; ids must be unique (outputs are reported by id)")
-    if max_prompts is not None:
-        prompts, ids = prompts[:max_prompts], ids[:max_prompts]
-    if not prompts:
-        raise UserError(f"--prompts {path}: the file holds no rows; give at least one prompt")
-    for row, toks in enumerate(prompts):
-        if toks is None:
-            raise UserError(f"--prompts {path}: row {row} is null; every prompt needs at least one token")
-        if not toks:
-            raise UserError(f"--prompts {path}: row {row} is empty; every prompt needs at least one token")
-        if None in toks:
-            raise UserError(f"--prompts {path}: row {row} of column input_ids holds a null element (position "
-                            f"{toks.index(None)}); every entry must be a token id: fix or drop that row")
-        bad = next((t for t in toks if not 0 <= int(t) < vocab_size), None)
-        if bad is not None:
-            raise UserError(f"--prompts {path}: row {row} holds token id {bad}, outside the target's vocabulary "
-                            f"(0..{vocab_size - 1}); tokenize with the target's tokenizer")
-    return [int(i) for i in ids], [[int(t) for t in toks] for toks in prompts]
-
-
-def read_reference(path: str, ids: list[int], prompts: list[list[int]], max_new: int, eos: set[int]) -> list[list[int]]:
-    """The output the target's greedy decode would give for each prompt, from a Parquet file of
-    its greedy completions (input contract: `id`, `input_ids` = prompt + completion, `loss_mask`
-    0 on the prompt and 1 on the completion; `dflash-offline generate` writes it): the completion
-    cut where `greedy_decode` stops, after max_new tokens or at its first end-of-sequence token.
-    Refused in one line, before anything decodes: a prompt id without a row, a row whose prompt
-    part is not that prompt, a completion that ends before max_new tokens without an
-    end-of-sequence token (the decode would go on where the reference has nothing to compare)."""
-    fix = "give the target's greedy completions of these --prompts (dflash-offline generate)"
-    table = _read_table("--reference", path, ("id", "input_ids", "loss_mask"), fix)
-    rows: dict[int, tuple[list[int], list[int]]] = {}
-    for rid, toks, mask in zip(table.column("id").to_pylist(), table.column("input_ids").to_pylist(),
-                               table.column("loss_mask").to_pylist()):
-        if rid in rows:
-            raise UserError(f"--reference {path}: id {rid} occurs twice; ids must be unique")
-        rows[rid] = (toks or [], mask or [])
-    missing = [i for i in ids if i not in rows]
-    if missing:
-        raise UserError(f"--reference {path}: no row for prompt id(s) {missing[:10]} ({len(missing)} of {len(ids)}); {fix}")
-    want = []
-    for i, prompt in zip(ids, prompts):
-        toks, mask = rows[i]
-        n = next((k for k, v in enumerate(mask) if v), len(mask))
-        if len(mask) != len(toks) or any(not v for v in mask[n:]):
-            raise UserError(f"--reference {path}: id {i}: loss_mask is not 0 on a prompt then 1 on the completion "
-                            f"({len(toks)} tokens, {len(mask)} mask entries); {fix}")
-        if toks[:n] != prompt:
-            k = next((k for k, (a, b) in enumerate(zip(toks[:n], prompt)) if a != b), min(n, len(prompt)))
-            raise UserError(f"--reference {path}: id {i}: its prompt ({n} tokens) differs from the --prompts row "
-                            f"({len(prompt)} tokens) from token {k} on; {fix}")
-        completion = toks[n:]
-        stop = next((k + 1 for k, t in enumerate(completion[:max_new]) if t in eos), max_new)
-        if len(completion) < stop:
-            raise UserError(f"--reference {path}: id {i}: its completion ends after {len(completion)} tokens without an "
-                            f"end-of-sequence token, before --max-new-tokens {max_new}; lower --max-new-tokens or "
-                            "generate the reference with at least as many new tokens")
-        want.append([int(t) for t in completion[:stop]])
-    return want
-
+# Inputs (evaluate/inputs.py reads and checks the prompt and reference files)
 
 def load_drafter(path: str, target_dir: str):
     """A drafter from an export folder (config.json) or a training checkpoint (step-N/), with the
@@ -220,22 +115,6 @@ def _check_cache_target(cache: str, target: str) -> None:
                         "of this target's completions (or the target the cache was made from)")
 
 
-def _warn_chat_mismatch(prompts: str, drafters) -> None:
-    """A drafter trained on text rendered one way (template, thinking mode, system prompt) and
-    measured on prompts rendered another: said loudly, since served that way it loses much of its
-    tau (the most reported DFlash pitfall). Known only for prompts from `prepare`."""
-    from dflash_offline.chat.template import differences
-    from dflash_offline.generate.parts import chat_settings_of
-
-    used = chat_settings_of([prompts]) if Path(prompts).is_dir() else None
-    for path, d in drafters:
-        diff = differences(d.cfg.chat, used)
-        if diff:
-            log.warning("--drafter %s was trained on conversations rendered another way than --prompts %s (%s): "
-                        "its tau here is not the tau it was trained for; prepare the prompts with the drafter's "
-                        "settings (its config.json dflash_config.chat)", path, prompts, "; ".join(diff))
-
-
 def log_folder(cfg: EvalConfig) -> Path:
     """--log-dir, else the logs/ of the training run the first drafter belongs to (a folder train
     made), else ./dflash-logs: eval never creates a folder beside a model someone put there."""
@@ -255,8 +134,7 @@ def run(cfg: EvalConfig) -> dict:
 
     cfg.validate()
     require_kind(cfg.cache, "--cache", True, "a cache folder (the one with manifest.json)")
-    if not (cfg.prompts and Path(cfg.prompts).is_dir()):  # a folder: a prepare or generate output
-        require_kind(cfg.prompts, "--prompts", False, "a Parquet file with an input_ids column")
+    check_prompts_path(cfg.prompts)
     require_kind(cfg.reference, "--reference", False, "a Parquet file of the target's greedy completions")
     require_kind(cfg.json_path, "--json", False, "a file name for the JSON report")
     check_report_dest(cfg.json_path)
@@ -281,7 +159,7 @@ def run(cfg: EvalConfig) -> dict:
     single_thread_compute()
     drafters = [(p, load_drafter(p, cfg.target)) for p in cfg.drafters]  # all refused before any decoding
     if cfg.prompts:
-        _warn_chat_mismatch(cfg.prompts, drafters)
+        warn_chat_mismatch(cfg.prompts, drafters)
     if cfg.cache:
         widest = max(d.cfg.block_size for _, d in drafters)
         if cfg.seq_len <= widest:

@@ -71,8 +71,8 @@ def listed_parts(folder: str | Path) -> list[Path] | None:
     if m is None:
         return None
     if m["status"] != "complete":
-        cmd = "prepare" if m.get("format") == PREPARED_FORMAT else "generate"
-        raise UserError(f"{folder}: `{cmd}` not complete ({len(m['parts'])}/{m['plan']['num_parts']} parts); "
+        cmd, what = ("prepare", "preparation") if m.get("format") == PREPARED_FORMAT else ("generate", "generation")
+        raise UserError(f"{folder}: {what} not complete ({len(m['parts'])}/{m['plan']['num_parts']} parts); "
                         f"run the same `dflash-offline {cmd}` command again to finish it")
     return [Path(folder) / p["file"] for p in m["parts"]]
 

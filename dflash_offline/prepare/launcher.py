@@ -79,7 +79,7 @@ def run(cfg: PrepareConfig) -> dict:
     chat = any(r.messages is not None for r in records)
     tmpl = ChatTemplate.load(cfg.target, cfg.chat_template, cfg.thinking, cfg.system,
                              end_ids=sorted(eos_ids(cfg.target)), tokenizer=tokenizer) if chat else None
-    sel = select.select(records, cfg.responses, cfg.eval_fraction, cfg.dedup)
+    sel = select.select(records, cfg.responses, cfg.eval_fraction, cfg.dedup, cfg.drop_unanswered)
     from dflash_offline.chat.formats import cut_off_files
 
     sel.cut_off = cut_off_files()
@@ -91,7 +91,7 @@ def run(cfg: PrepareConfig) -> dict:
               for s in SPLITS}
     settings = {"responses": cfg.responses, "train_turns": cfg.train_turns, "format": cfg.format,
                 "eval_fraction": cfg.eval_fraction, "max_len": cfg.max_len, "truncate": cfg.truncate,
-                "dedup": cfg.dedup}
+                "dedup": cfg.dedup, "drop_unanswered": cfg.drop_unanswered}
     source = output.source_entry(cfg.data)
     stores = {s: output.PreparedStore(out / s) for s in SPLITS}
     wanted = {s: output.new_manifest(

@@ -24,7 +24,7 @@ IDENTITY_FIELDS = [
     ("target", "model_type"), ("target", "vocab_size"), ("target", "config_sha256"),
     ("chat", "template_sha256"), ("chat", "thinking"), ("chat", "system"),
     ("settings", "responses"), ("settings", "train_turns"), ("settings", "format"), ("settings", "eval_fraction"),
-    ("settings", "max_len"), ("settings", "truncate"), ("settings", "dedup"),
+    ("settings", "max_len"), ("settings", "truncate"), ("settings", "dedup"), ("settings", "drop_unanswered"),
     ("source", "rows"), ("source", "files"),
     ("plan", "chunk_records"), ("plan", "num_parts"), ("plan", "conversations"),
 ]

@@ -65,12 +65,12 @@ def keep_rows(chunk: list[Conversation], tmpl: ChatTemplate | None, train_turns:
             if len(toks) > limits.max_len:
                 _too_long(conv, len(toks), limits, "a row")
                 if not limits.truncate:
-                    dropped["longer than --max-len"] += 1
+                    dropped["rows longer than --max-len"] += 1
                     continue
                 toks, mask = toks[:limits.max_len], mask[:limits.max_len]
                 truncated += 1
             if not any(mask):
-                dropped["nothing to train (empty replies, or cut before them)"] += 1
+                dropped["rows with nothing to train (empty replies, or cut before them)"] += 1
                 continue
             if k and conv.id >= ROW_ID_STRIDE:
                 raise UserError(f"{rec.where}: id {conv.id} is too large for a conversation split into rows by its "

@@ -88,7 +88,8 @@ def with_reply_slots(msgs: list[Message]) -> list[Message]:
     return out
 
 
-def select(records: list[Record], responses: str, eval_fraction: float, dedup: bool) -> Selection:
+def select(records: list[Record], responses: str, eval_fraction: float, dedup: bool,
+           drop_unanswered: bool = False) -> Selection:
     """Drop unusable records and duplicates, give ids, split."""
     sel = Selection({"train": [], "eval": []}, read=len(records))
     seen: set[str] = set()
@@ -97,12 +98,15 @@ def select(records: list[Record], responses: str, eval_fraction: float, dedup: b
         if rec.text is not None and responses == "regenerate":
             raise UserError(f"{rec.where}: a plain `text` record has no turns to regenerate; use --responses keep "
                             "(every token of the text is trained)")
+        unanswered = False
         if rec.messages is not None and responses == "keep":
             last = next((m for m in reversed(rec.messages) if m.role != "system"), None)
-            if last is not None and last.role in ("user", "tool"):
+            unanswered = last is not None and last.role in ("user", "tool")
+            if unanswered and not drop_unanswered:
                 raise UserError(f"{rec.where}: the conversation ends with a {last.role} turn, so its last reply is "
                                 "missing; with --responses keep every conversation ends with the assistant (drop the "
-                                "final turn, or use --responses regenerate)")
+                                "final turn, use --responses regenerate, or --drop-unanswered to drop such "
+                                "conversations)")
         conv_id = rec.own_id if rec.own_id is not None else rec.index
         if conv_id < 0:
             raise UserError(f"{rec.where}: id {conv_id} is negative; ids must be >= 0")
@@ -110,7 +114,7 @@ def select(records: list[Record], responses: str, eval_fraction: float, dedup: b
             raise UserError(f"{rec.where}: id {conv_id} was already used by {ids[conv_id]}; ids must be unique "
                             "across all input files")
         ids[conv_id] = rec.where
-        why = problem(rec, responses)
+        why = "ends with the user (unanswered)" if unanswered else problem(rec, responses)
         if why is not None:
             sel.dropped[why] += 1
             continue
