@@ -18,7 +18,7 @@ the device's kernels):
    rendered. Sources: `completions-*.parquet` (prompt + the pycode target's own greedy completion,
    up to 512 tokens: longer replies) and `prompts-train-40k.parquet` (128 tokens of real source: short
    replies). Held-out conversations come only from `completions-eval.parquet` (held-out files).
-3. `--write-files DIR` (default benchmarks/chat_fixture): the committed material: tokenizer files,
+3. `--write-files DIR` (the repository's copy: benchmarks/chat_fixture): the committed material: tokenizer files,
    the template, generation_config.json, and 300 train + 100 eval conversations in three formats
    (OpenAI `messages` JSONL with `reasoning_content`, ShareGPT JSON with the think block inline,
    single-turn prompt/response JSONL). It does not train and touches no model.
@@ -447,6 +447,9 @@ def finetune(args) -> dict:
     t_start = time.time()
     fixture = Path(args.fixture).absolute()
     out = Path(args.out).absolute()
+    if out.exists() and any(out.iterdir()) and not (out / "fixture.json").is_file():
+        raise SystemExit(f"--out {out}: the folder holds something other than a chat fixture target (replaced "
+                         "when made again); give a new or empty folder")
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -458,12 +461,13 @@ def finetune(args) -> dict:
 
     src = Source(fixture, args.seed)
     rng = random.Random(f"{args.seed}:finetune")
-    # The pool: every completions-train row and as many prompts-train-40k rows as asked, shuffled.
-    long_rows = src.rows("completions-train.parquet", 2 if args.smoke else None)
-    short_rows = src.rows("prompts-train-40k.parquet", max(0, args.conversations - len(long_rows)))
+    # The pool: --long-share of it from completions-train (longer replies), the rest from
+    # prompts-train-40k (short real-source replies), shuffled.
+    n_long = 0 if args.smoke else min(4000, round(args.conversations * args.long_share))
+    long_rows = src.rows("completions-train.parquet", n_long)
+    short_rows = src.rows("prompts-train-40k.parquet", args.conversations - n_long)
     convs = [r["messages"] for r in src.make("completions-train.parquet", long_rows)
              + src.make("prompts-train-40k.parquet", short_rows)]
-    convs = convs[:args.conversations]
     rng.shuffle(convs)
     eval_recs = src.make("completions-eval.parquet", src.rows("completions-eval.parquet", args.heldout),
                          EVAL_ID_BASE)
@@ -537,7 +541,7 @@ def finetune(args) -> dict:
     print(f"sample greedy reply to held-out conversation {eval_recs[0]['id']} ({eval_recs[0]['source']}):\n"
           f"{sample}\n", flush=True)
 
-    if out.exists():
+    if out.exists():  # checked at the start: a chat target made earlier, or an empty folder
         shutil.rmtree(out)
     out.mkdir(parents=True)
     model.to(torch.bfloat16)
@@ -575,9 +579,12 @@ def main() -> int:
     ap.add_argument("--min-lr", type=float, default=0.1, help="the cosine ends at this share of --lr")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--conversations", type=int, default=32000,
-                    help="conversations made for the fine-tune (all 4000 completions-train rows, then prompts-train-40k)")
+                    help="conversations made for the fine-tune (from completions-train and prompts-train-40k)")
+    ap.add_argument("--long-share", type=float, default=0.125,
+                    help="share of the conversations made from completions-train (at most its 4000 rows)")
     ap.add_argument("--heldout", type=int, default=200, help="completions-eval rows for the held-out loss")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="rendering processes")
+    ap.add_argument("--threads", type=int, default=1, help="CPU compute threads (--device cpu)")
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--sample-tokens", type=int, default=160)
     ap.add_argument("--write-files", metavar="DIR", default=None,
@@ -589,7 +596,7 @@ def main() -> int:
         print(json.dumps(counts, indent=1))
         return 0
     if args.smoke:
-        args.device, args.steps, args.batch, args.conversations, args.heldout = "cpu", 10, 2, 16, 4
+        args.device, args.steps, args.batch, args.conversations, args.heldout = "cpu", 10, 2, 16, 2
         args.workers, args.log_every, args.sample_tokens = 0, 2, 48
         if args.out is None:
             args.out = tempfile.mkdtemp(prefix="chat-fixture-smoke-") + "/target"
@@ -598,7 +605,9 @@ def main() -> int:
     if args.device.startswith("cpu"):
         import torch
 
-        torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
+        # One compute thread by default: on a shared machine several OpenMP threads that spin while
+        # other processes hold the cores were measured 15x slower than one.
+        torch.set_num_threads(args.threads)
     finetune(args)
     return 0
 

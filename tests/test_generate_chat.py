@@ -73,7 +73,8 @@ def brute_force(target, prompts_folder, last_only: bool = False) -> list[dict]:
         slots = [k for k, m in enumerate(msgs) if m["role"] == "assistant" and not m.get("tool_calls")]
         slots = slots[-1:] if last_only else slots
         conv_rows: list[dict] = []
-        for turn, a in enumerate(slots):
+        for a in slots:
+            turn = sum(m["role"] == "assistant" for m in msgs[:a])  # assistant turns counted from 0
             text = tok.apply_chat_template(msgs[:a], tokenize=False, add_generation_prompt=True)
             prompt = tok(text, add_special_tokens=False)["input_ids"]
             if len(prompt) + NEW > 1024:
@@ -85,6 +86,8 @@ def brute_force(target, prompts_folder, last_only: bool = False) -> list[dict]:
             if "</think>" in body:
                 head, _, tail = body.partition("</think>")
                 reasoning, content = head.split("<think>")[-1].strip("\n"), tail.lstrip("\n")
+            elif body.lstrip().startswith("<think>"):  # never closed: all reasoning
+                reasoning, content = body.split("<think>", 1)[1].strip("\n"), ""
             msgs[a] = {"role": "assistant", "content": content, **({"reasoning_content": reasoning} if reasoning else {})}
             finish = "eos" if ended else "length"
             last = conv_rows[-1] if conv_rows else None
@@ -131,7 +134,11 @@ def test_last_turn_only(chat_targets, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     got = _output(out)
     assert got == brute_force(target, prompts, last_only=True)
-    assert all(r["turns"] == [0] for r in got)
+    prompts_by_id = {p["id"]: json.loads(p["messages"]) for p in _chat.read_parts(prompts)}
+    for r in got:  # the final reply's turn number, counted as prepare counts turns
+        msgs = prompts_by_id[r["conversation_id"]]
+        last = max(k for k, m in enumerate(msgs) if m["role"] == "assistant" and not m.get("tool_calls"))
+        assert r["turns"] == [sum(m["role"] == "assistant" for m in msgs[:last])]
 
 
 @pytest.mark.parametrize("point,devices", [("generate-batch:2", "cpu"), ("part-written:1", "cpu,cpu"),

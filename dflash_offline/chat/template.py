@@ -226,8 +226,11 @@ def overlap_mask(offsets, spans: list[tuple[int, int]]) -> list[int]:
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
     """A generated reply -> (reasoning, content): the text inside <think>...</think> (the opening tag
-    may sit in the generation prompt instead) and what follows it."""
+    may sit in the generation prompt instead) and what follows it. A think block the reply never
+    closed (cut off by the length limit) is all reasoning, no content."""
     if "</think>" not in text:
+        if text.lstrip().startswith("<think>"):
+            return text.split("<think>", 1)[1].strip("\n"), ""
         return None, text
     head, _, tail = text.partition("</think>")
     return head.split("<think>")[-1].strip("\n"), tail.lstrip("\n")

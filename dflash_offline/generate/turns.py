@@ -48,11 +48,17 @@ class Conversation:
     slots: list[int]  # message indices the target writes, in order
     rows: list[TurnRow] = field(default_factory=list)
     new_tokens: int = 0
+    eos_turns: int = 0  # regenerated turns that ended with an end-of-sequence token
     stopped: str | None = None  # "context": a prompt no longer fits the target's context
 
     def add(self, turn: int, prompt: list[int], reply: list[int], trained: list[int], finish: str) -> None:
         """Append turn `turn` (its prompt and the reply tokens the row keeps) to the last row when
-        the prompt continues it, else start a new row."""
+        the prompt continues it, else start a new row. A turn that keeps nothing (a reply that was
+        all thinking, stripped) trains nothing and makes no row."""
+        self.new_tokens += len(reply)
+        self.eos_turns += finish == "eos"
+        if not trained:
+            return
         last = self.rows[-1] if self.rows else None
         if last is not None and prompt[:len(last.input_ids)] == last.input_ids:
             gap = len(prompt) - len(last.input_ids)
@@ -62,7 +68,11 @@ class Conversation:
             last.finish_reason = finish
         else:
             self.rows.append(TurnRow(prompt + trained, [0] * len(prompt) + [1] * len(trained), [turn], finish))
-        self.new_tokens += len(reply)
+
+    def turn_of(self, a: int) -> int:
+        """The assistant turn number of message `a`, counted from 0 over every assistant message (as
+        `prepare` numbers the turns it trains)."""
+        return sum(m.role == "assistant" for m in self.messages[:a])
 
 
 def conversation_settings(prompts: list[str], source) -> dict | None:
@@ -120,16 +130,16 @@ def regenerate(convs: list[Conversation], tmpl: ChatTemplate, decoder, batch_tok
             batch = order[start:start + rows]
             start += len(batch)
             items = [todo[k] for k in batch]
-            res = decoder.decode([p for _, p in items], [c.id * TURN_KEY + r for c, _ in items])
+            res = decoder.decode([p for _, p in items], [c.id * TURN_KEY + c.turn_of(c.slots[r]) for c, _ in items])
             for (c, prompt), reply, ended in zip(items, res.tokens, res.ended_by_eos):
                 body = reply[:-1] if ended else reply
                 reasoning, content = split_reasoning(tok.decode(body, skip_special_tokens=False))
                 a = c.slots[r]
                 c.messages[a] = Message("assistant", content, reasoning, None, c.messages[a].extra)
                 kept = reply
-                if strip_reasoning and reasoning is not None:
-                    kept = tok(content, add_special_tokens=False)["input_ids"] + reply[len(body):]
-                c.add(r, prompt, reply, kept, "eos" if ended else "length")
+                if strip_reasoning and reasoning is not None:  # the reply as history renders it
+                    kept = (tok(content, add_special_tokens=False)["input_ids"] + reply[len(body):]) if content else []
+                c.add(c.turn_of(a), prompt, reply, kept, "eos" if ended else "length")
             if on_batch is not None:
                 on_batch(len(items), sum(len(t) for t in res.tokens), res)
 
@@ -183,7 +193,8 @@ def write_chat_part(folder, name: str, convs: list[Conversation]) -> dict:
     ROW_ID_STRIDE = 1 << 40
     cols: dict[str, list] = {k: [] for k in ("id", "input_ids", "loss_mask", "finish_reason", "conversation_id",
                                              "turns", "messages")}
-    ended = new_tokens = 0
+    ended = sum(c.eos_turns for c in convs)
+    new_tokens = 0
     for c in convs:
         if len(c.rows) > 1 and c.id >= ROW_ID_STRIDE:
             raise ValueError(f"conversation id {c.id} is too large for a conversation split into rows (ids below 2^40)")
@@ -195,7 +206,6 @@ def write_chat_part(folder, name: str, convs: list[Conversation]) -> dict:
             cols["conversation_id"].append(c.id)
             cols["turns"].append(row.turns)
             cols["messages"].append(messages_json(c.messages) if k == len(c.rows) - 1 else None)
-            ended += row.finish_reason == "eos"
         new_tokens += c.new_tokens
     table = pa.table({
         "id": pa.array(cols["id"], type=pa.int64()),

@@ -156,16 +156,18 @@ def run(cfg: PrepareConfig) -> dict:
                                        [:cfg.chunk_records])
             fault_point("prepare-part-committed")
         manifests[s] = stores[s].read()
-    _report(manifests, sel, out, time.time() - t0, cfg)
+    fresh = any(t is not None for sp in SPLITS for t in tables[sp])
+    _report(manifests, sel, out, time.time() - t0, cfg, info, fresh)
     return manifests
 
 
-def _report(manifests: dict, sel, out: Path, seconds: float, cfg: PrepareConfig) -> None:
+def _report(manifests: dict, sel, out: Path, seconds: float, cfg: PrepareConfig, info, fresh: bool) -> None:
     dropped = Counter(sel.dropped)
     for m in manifests.values():
         for p in m["parts"]:
             dropped.update(p.get("dropped", {}))
-    lines = [f"prepared {out} in {seconds:.1f} s: {sel.read} records read"
+    lines = [(f"prepared {out} in {seconds:.1f} s" if fresh else f"already complete: {out}; nothing to do")
+             + f": {sel.read} records read"
              + (f" ({', '.join(f'{f} cut off after {n} records' for f, n in sel.cut_off)})" if sel.cut_off else "")]
     for s, m in manifests.items():
         t = m["totals"]
@@ -175,13 +177,23 @@ def _report(manifests: dict, sel, out: Path, seconds: float, cfg: PrepareConfig)
                         if m["kind"] == "completions" else "") + f"  ({out / s})")
     lines.append("  dropped: " + (", ".join(f"{n} {why}" for why, n in dropped.most_common()) or "none"))
     if any(m["kind"] == "prompts" for m in manifests.values()):
+        longest = max((len(x) for m in manifests.values() for p in m["parts"]
+                       for x in _column(out / m["plan"]["split"] / p["file"], "input_ids")), default=0)
+        room = (info.max_positions or 4096) - longest  # generate's default 2048 may not fit the context
+        new = f" --max-new-tokens {min(2048, room // 64 * 64)}" if room < 2048 and room >= 64 else ""
         lines.append(f"  next: dflash-offline generate --target {cfg.target} --prompts {out / 'train'} --out "
-                     f"{out}-generated")
+                     f"{out}-generated{new}")
     else:
         lines.append(f"  next: dflash-offline extract --target {cfg.target} --data {out / 'train'} --cache CACHE")
     for line in lines:
         log.info(line)
         print(line, flush=True)
+
+
+def _column(path: Path, name: str) -> list:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path, columns=[name]).column(0).to_pylist()
 
 
 def config_dict(cfg: PrepareConfig) -> dict:
