@@ -72,6 +72,9 @@ def run(cfg: PrepareConfig) -> dict:
     heartbeat(phase="preflight")
     info = read_target(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
+    if len(tokenizer) > info.vocab_size:  # ids past the embedding: another model's tokenizer
+        raise UserError(f"--target {cfg.target}: its tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
+                        f"is {info.vocab_size}; the folder mixes a tokenizer and a model that do not belong together")
     heartbeat(phase="read")
     records = list(read_records(cfg.data, cfg.format))
     if not records:
