@@ -71,7 +71,8 @@ def brute_force(target, prompts_folder, last_only: bool = False) -> list[dict]:
     for p in _chat.read_parts(prompts_folder):
         msgs = json.loads(p["messages"])
         slots = [k for k, m in enumerate(msgs) if m["role"] == "assistant" and not m.get("tool_calls")]
-        slots = slots[-1:] if last_only else slots
+        if last_only:  # the final reply, and earlier replies the dataset lacks (prepare's empty slots)
+            slots = [k for k in slots[:-1] if not msgs[k]["content"] and not msgs[k].get("reasoning_content")] + slots[-1:]
         conv_rows: list[dict] = []
         for a in slots:
             turn = sum(m["role"] == "assistant" for m in msgs[:a])  # assistant turns counted from 0
@@ -135,10 +136,14 @@ def test_last_turn_only(chat_targets, tmp_path):
     got = _output(out)
     assert got == brute_force(target, prompts, last_only=True)
     prompts_by_id = {p["id"]: json.loads(p["messages"]) for p in _chat.read_parts(prompts)}
-    for r in got:  # the final reply's turn number, counted as prepare counts turns
-        msgs = prompts_by_id[r["conversation_id"]]
-        last = max(k for k, m in enumerate(msgs) if m["role"] == "assistant" and not m.get("tool_calls"))
-        assert r["turns"] == [sum(m["role"] == "assistant" for m in msgs[:last])]
+    turns: dict[int, list[int]] = {}
+    for r in got:
+        turns.setdefault(r["conversation_id"], []).extend(r["turns"])
+    for conv_id, trained in turns.items():  # turn numbers counted as prepare counts them
+        msgs = prompts_by_id[conv_id]
+        slots = [k for k, m in enumerate(msgs) if m["role"] == "assistant" and not m.get("tool_calls")]
+        want = [k for k in slots[:-1] if not msgs[k]["content"] and not msgs[k].get("reasoning_content")] + slots[-1:]
+        assert sorted(trained) == [sum(m["role"] == "assistant" for m in msgs[:k]) for k in want]
 
 
 @pytest.mark.parametrize("point,devices", [("generate-batch:2", "cpu"), ("part-written:1", "cpu,cpu"),
@@ -156,3 +161,29 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(chat_targets, tmp_path, 
     assert r.returncode == 0, r.stderr[-3000:]
     digest = {k: v for k, v in tree_digest(out).items() if k.startswith("part-")}
     assert digest == {k: v for k, v in tree_digest(tmp_path / "straight").items() if k.startswith("part-")}
+
+
+def test_a_later_turn_the_template_refuses_cuts_the_conversation_short(chat_targets, tmp_path):
+    """prepare renders only the first prompt; a template that raises on a later turn (here: on tool
+    turns) stops that conversation there, counted, and the others are written."""
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(chat_targets["dense"], target)
+    strict = (_chat.TEMPLATES / "chatml.jinja").read_text().replace(
+        "{%- for message in messages -%}",
+        "{%- for message in messages -%}{%- if message.role == 'tool' -%}{{ raise_exception('no tool role') }}"
+        "{%- endif -%}", 1)
+    (target / "strict.jinja").write_text(strict)
+    convs = [{"id": 1, "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                    {"role": "tool", "content": "42"}, {"role": "user", "content": "c"}]},
+             {"id": 2, "messages": [{"role": "user", "content": "x"}]}]
+    data = _chat.write_jsonl(tmp_path / "c.jsonl", convs)
+    r = run_cli(["prepare", "--target", target, "--data", data, "--out", tmp_path / "p", "--chat-template",
+                 target / "strict.jinja", "--no-progress"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_cli(["generate", "--target", target, "--prompts", tmp_path / "p" / "train", "--out", tmp_path / "g", *GEN])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "conversations cut short: 1 (template refused)" in r.stdout, r.stdout
+    rows = _chat.read_parts(tmp_path / "g")
+    assert sorted((x["conversation_id"], x["turns"]) for x in rows) == [(1, [0]), (2, [0])]

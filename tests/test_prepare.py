@@ -139,6 +139,21 @@ def _bad(tmp_path):
     cases["empty after filtering"] = (_chat.write_jsonl(p / "f.jsonl", [{"messages": []}]), [],
                                       "no row is left after filtering")
     cases["text regenerated"] = (_chat.write_jsonl(p / "t.jsonl", [{"text": "abc"}]), [], "--responses keep")
+    pair = {"prompt": "a", "response": "b"}
+    cases["id too large"] = (_chat.write_jsonl(p / "big.jsonl", [{"id": 2**41, **pair}]), [], "below 2^40")
+    cases["id beyond int64"] = (_chat.write_jsonl(p / "huge.jsonl", [{"id": 2**70, **pair}]), [], "below 2^40")
+    mixed_ids = p / "ids"
+    mixed_ids.mkdir()
+    _chat.write_jsonl(mixed_ids / "a.jsonl", [{"id": k, "prompt": str(k), "response": "b"} for k in range(1, 6)])
+    _chat.write_jsonl(mixed_ids / "b.jsonl", [{"id": "s0", **pair}])
+    cases["position id taken"] = (mixed_ids, [], "its id 's0' is not an integer, so it takes its position 5")
+    cases["messages as text"] = (_chat.write_jsonl(p / "s.jsonl", [{"messages": "[]"}]), [], "is a string")
+    cases["unknown text part"] = (_chat.write_jsonl(p / "part.jsonl", [{"messages": [
+        {"role": "user", "content": [{"type": "refusal", "text": "x"}]}]}]), [], "is not a text part")
+    bad_jinja = p / "bad.jinja"
+    bad_jinja.write_text("{% for m in messages %}{{ m.content }")
+    cases["invalid template"] = (_chat.write_jsonl(p / "ok2.jsonl", [pair]), ["--chat-template", bad_jinja],
+                                 "not valid Jinja")
     return cases
 
 
@@ -163,6 +178,23 @@ def test_bad_input_is_one_line_exit_2_nothing_written(chat_target, plain_target,
     r = _prepare(chat_target, ok, foreign)
     assert r.returncode == 2 and "nothing is overwritten" in r.stderr
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
+
+
+def test_byte_order_mark_and_content_parts_are_read(chat_target, tmp_path):
+    from transformers import AutoTokenizer
+
+    rec = {"id": 1, "messages": [{"role": "user", "content": [{"type": "input_text", "text": "Hi "},
+                                                               {"type": "image_url", "image_url": {"url": "x"}},
+                                                               {"type": "text", "text": "there"}]},
+                                 {"role": "assistant", "content": [{"type": "output_text", "text": "Hello"}]}]}
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + (json.dumps(rec) + "\r\n\r\n").encode())
+    r = _prepare(chat_target, f, tmp_path / "out", "--responses", "keep")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = _chat.read_parts(tmp_path / "out" / "train")
+    tok = AutoTokenizer.from_pretrained(chat_target)
+    want = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello"}]
+    assert (row["input_ids"], row["loss_mask"]) == _chat.oracle(tok, tok.chat_template, want)
 
 
 def _digest(out) -> dict:

@@ -65,8 +65,14 @@ def check_compatible(existing: dict, wanted: dict, where: str, *, fmt: str = FOR
         b = (wanted.get(section) or {}).get(key)
         if section == "source" and key == "files":
             # Paths may move between machines; the bytes may not.
-            a = [(f["rows"], f["sha256"]) for f in a or []]
-            b = [(f["rows"], f["sha256"]) for f in b or []]
+            fa, fb = a or [], b or []
+            a = [(f["rows"], f["sha256"]) for f in fa]
+            b = [(f["rows"], f["sha256"]) for f in fb]
+            if a != b and len(a) == len(b):  # the same number of files: name the one that changed
+                k = next(k for k in range(len(a)) if a[k] != b[k])
+                raise UserError(f"{where}: the {what} was made with other source.files: input file {k} ({fb[k]['path']}) "
+                                f"has other bytes (sha256 {str(fa[k]['sha256'])[:12]}... then, "
+                                f"{str(fb[k]['sha256'])[:12]}... now); {how_to_fix}")
         if a != b:
             raise UserError(
                 f"{where}: the {what} was made with {section}.{key} = {_describe(a)} but this run has "

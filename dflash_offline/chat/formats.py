@@ -131,7 +131,7 @@ def _is_datasets_folder(path: Path) -> bool:
 
 def _decode(raw: bytes, path: Path, where: str) -> str:
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not part of the data
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: {where}: invalid UTF-8 at byte {e.start} ({raw[e.start:e.start + 4]!r}); "
                         "convert the file to UTF-8") from None
@@ -168,11 +168,15 @@ def _iter_json(path: Path) -> Iterator[tuple[str, object]]:
     text = _decode(path.read_bytes(), path, "file")
     dec = json.JSONDecoder()
     i = len(text) - len(text.lstrip())
+    if i == len(text):  # an empty file: no records (counted, as an empty .jsonl)
+        return
     if text[i:i + 1] == "{":
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); expected an array of records")
+            hint = (" (one JSON record per line? then name the file .jsonl)" if e.msg == "Extra data" else "")
+            raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); expected an array of records"
+                            + hint) from None
         data = obj.get("data") if isinstance(obj, dict) else None
         if not isinstance(data, list):
             raise UserError(f"{path}: a JSON object without a `data` list; expected an array of records (or "
@@ -199,7 +203,12 @@ def _iter_json(path: Path) -> Iterator[tuple[str, object]]:
         try:
             rec, i = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            if len(text) - i < 1 << 20 and text.rstrip()[-1:] != "]":  # the last record, cut off
+            # Cut off at the end (the file stops inside its last record): the parser fails at the end
+            # of the text, or inside a string that no quote closes before it ends.
+            end = len(text.rstrip())
+            cut = text.rstrip()[-1:] != "]" and (e.pos >= end - 1 or (
+                e.msg.startswith("Unterminated string") and '"' not in text[e.pos + 1:]))
+            if cut:
                 logging.getLogger("dflash.prepare").warning(
                     "%s: the file ends in the middle of record %d (cut off?): %d complete records are kept, the "
                     "incomplete one is dropped", path, n, n)

@@ -41,7 +41,7 @@ def _string(value, what: str, where: str, allow_none: bool = False) -> str:
     if value is None and allow_none:
         return ""
     if not isinstance(value, str):
-        shown = "missing" if value is None else f"a {type(value).__name__}"
+        shown = "missing or null" if value is None else f"a {type(value).__name__}"
         raise UserError(f"{where}: {what} is {shown}, not text; fix or remove that record")
     return value
 
@@ -71,10 +71,17 @@ def _messages_record(rec: dict, where: str) -> list[Message]:
         if role is None:
             raise UserError(f"{at}: unknown role {m['role']!r}; expected system, user, assistant or tool")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: the text parts joined
-            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type", "text") == "text"]
-            if any(not isinstance(p, str) for p in parts):
-                raise UserError(f"{at}: a content part without text; only text parts are supported")
+        if isinstance(content, list):  # content parts: the text parts joined (Chat and Responses API names)
+            parts = []
+            for p in content:
+                kind = p.get("type", "text") if isinstance(p, dict) else None
+                if kind in ("text", "input_text", "output_text"):
+                    if not isinstance(p.get("text"), str):
+                        raise UserError(f"{at}: a {kind} content part without text")
+                    parts.append(p["text"])
+                elif isinstance(p, dict) and "text" in p:  # a text-carrying part of an unknown kind: not dropped silently
+                    raise UserError(f"{at}: content part of type {kind!r} carries text but is not a text part "
+                                    "(text, input_text, output_text); convert it to one")
             content = "".join(parts)
         if "content" not in m and not m.get("tool_calls"):
             raise UserError(f"{at}: no `content`; every message needs one (\"\" for an empty reply)")
@@ -158,6 +165,11 @@ def read_records(paths: list[str], fmt: str = "auto", option: str = "--data") ->
             if fmt != "auto":
                 if found != fmt and not (fmt == "text" and isinstance(raw, dict) and "text" in raw):
                     raise UserError(f"{where}: not a {fmt!r} record (keys: {_keys(raw)}); check --format")
+            elif found is None and isinstance(raw, dict) and any(isinstance(raw.get(k), str) for k in (
+                    "messages", "conversations")):
+                key = next(k for k in ("messages", "conversations") if isinstance(raw.get(k), str))
+                raise UserError(f"{where}: `{key}` is a string (JSON text?), not a list of turns; store it as a list "
+                                "(decode it before writing the file)")
             elif found is None:
                 raise UserError(f"{where}: unknown record format (keys: {_keys(raw)}); expected `messages`, "
                                 "`conversations` (ShareGPT), `prompt` + `response`, `instruction` + `output`, or "

@@ -133,6 +133,7 @@ class ChatTemplate:
         if thinking is not None and not reads:
             log.warning("--thinking %s: the chat template does not read `enable_thinking`; it renders the same "
                         "either way", thinking)
+        _check_syntax(tokenizer, template, "--chat-template " + source if chat_template else f"--target {target}")
         settings = ChatSettings(hashlib.sha256(template.encode()).hexdigest(), source, thinking, system or None, reads)
         ends = list(end_ids or [])
         if tokenizer.eos_token_id is not None:
@@ -158,7 +159,7 @@ class ChatTemplate:
                                                       chat_template=self.template, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as e:  # jinja's TemplateError, raise_exception(...) of the template itself
-            raise TemplateRefused(f"the chat template refused it ({type(e).__name__}: {str(e)[:120]})") from None
+            raise TemplateRefused(str(e)[:160] or type(e).__name__) from None
 
     def reply_end(self, completion: str) -> int:
         """Characters of `completion` the model writes: up to and including the first end-of-turn
@@ -186,8 +187,8 @@ class ChatTemplate:
             full = self.render(msgs[:a + 1], add_generation_prompt=False)
             turn = assistant.index(a)
             if not full.startswith(prefix):
-                raise TemplateRefused(f"assistant turn {turn} renders unlike its generation prompt (the template "
-                                      "writes the turn differently from what a server would prompt)")
+                raise TemplateRefused("an assistant turn renders unlike its generation prompt (the template writes "
+                                      "the turn differently from what a server would prompt)")
             span = (len(prefix), len(prefix) + self.reply_end(full[len(prefix):]))
             if current is not None and prefix.startswith(current.text):
                 current.text = full
@@ -207,6 +208,20 @@ class ChatTemplate:
         enc = self.tokenizer(row.text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
         return ids, overlap_mask(offsets, row.spans)
+
+
+def _check_syntax(tokenizer, template: str, where: str) -> None:
+    """A template that is not valid Jinja is refused at once, with jinja's line and reason (not as
+    every conversation dropped later). Errors the template raises on purpose are left to rendering."""
+    import jinja2
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template, tokenize=False,
+                                      add_generation_prompt=True)
+    except jinja2.TemplateSyntaxError as e:
+        raise UserError(f"{where}: the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
+    except Exception:  # raise_exception(...), a role rule: the template's own business
+        pass
 
 
 def overlap_mask(offsets, spans: list[tuple[int, int]]) -> list[int]:

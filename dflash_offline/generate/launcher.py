@@ -281,6 +281,12 @@ def run(cfg: GenerateConfig) -> dict:
     if launch is None or launch.rank == 0:
         line = (f"generated: {t['rows']} rows, {t['new_tokens']} new tokens ({t['ended_by_eos']} ended by "
                 f"end-of-sequence) in {len(manifest['parts'])} parts, {time.time() - t0:.1f} s; output: {merged or folder}")
+        cut: dict[str, int] = {}
+        for p in manifest["parts"]:
+            for why, n in (p.get("cut_short") or {}).items():
+                cut[why] = cut.get(why, 0) + n
+        if cut:  # conversations whose later turns were not written: said, not only logged
+            line += "; conversations cut short: " + ", ".join(f"{n} ({why})" for why, n in sorted(cut.items()))
         log.info(line)
         print(line, flush=True)
     return manifest

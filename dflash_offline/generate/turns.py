@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_offline.chat.formats import Message
-from dflash_offline.chat.template import ChatTemplate, split_reasoning
+from dflash_offline.chat.template import ChatTemplate, TemplateRefused, split_reasoning
 from dflash_offline.runtime.errors import UserError
 
 log = logging.getLogger("dflash.generate")
@@ -49,7 +49,7 @@ class Conversation:
     rows: list[TurnRow] = field(default_factory=list)
     new_tokens: int = 0
     eos_turns: int = 0  # regenerated turns that ended with an end-of-sequence token
-    stopped: str | None = None  # "context": a prompt no longer fits the target's context
+    stopped: str | None = None  # why its later turns were not written: the context is full, the template refused
 
     def add(self, turn: int, prompt: list[int], reply: list[int], trained: list[int], finish: str) -> None:
         """Append turn `turn` (its prompt and the reply tokens the row keeps) to the last row when
@@ -100,7 +100,9 @@ def parse_conversation(conv_id: int, messages_json: str, last_only: bool) -> Con
         msgs.append(Message(d["role"], d.get("content") or "", d.get("reasoning_content"), d.get("tool_calls"), extra))
     # Tool-calling turns stay as written: the tool results after them answer those very calls.
     slots = [i for i, m in enumerate(msgs) if m.role == "assistant" and not m.tool_calls]
-    return Conversation(conv_id, msgs, slots[-1:] if last_only else slots)
+    if last_only:  # the final reply, and any earlier reply the dataset lacks (a server never shows an empty one)
+        slots = [i for i in slots[:-1] if not msgs[i].content and not msgs[i].reasoning] + slots[-1:]
+    return Conversation(conv_id, msgs, slots)
 
 
 def regenerate(convs: list[Conversation], tmpl: ChatTemplate, decoder, batch_tokens: int, max_positions: int | None,
@@ -112,12 +114,19 @@ def regenerate(convs: list[Conversation], tmpl: ChatTemplate, decoder, batch_tok
         for c in convs:
             if r >= len(c.slots) or c.stopped:
                 continue
-            prompt = tok(tmpl.prompt_text(c.messages, c.slots[r]), add_special_tokens=False)["input_ids"]
+            try:
+                text = tmpl.prompt_text(c.messages, c.slots[r])
+            except TemplateRefused as e:  # a later turn the template cannot render (roles out of order...)
+                c.stopped = "template refused"
+                log.warning("conversation %d: %s at turn %d: its later turns are not generated", c.id, e,
+                            c.turn_of(c.slots[r]))
+                continue
+            prompt = tok(text, add_special_tokens=False)["input_ids"]
             if max_positions is not None and len(prompt) + decoder.max_new > max_positions:
-                c.stopped = "context"
-                log.info("conversation %d: turn %d's prompt (%d tokens) + --max-new-tokens no longer fits the "
-                         "target's context (%d): its later turns are not generated", c.id, r, len(prompt),
-                         max_positions)
+                c.stopped = "context full"
+                log.warning("conversation %d: turn %d's prompt (%d tokens) + --max-new-tokens no longer fits the "
+                            "target's context (%d): its later turns are not generated", c.id, c.turn_of(c.slots[r]),
+                            len(prompt), max_positions)
                 continue
             todo.append((c, prompt))
         if not todo:
@@ -217,6 +226,10 @@ def write_chat_part(folder, name: str, convs: list[Conversation]) -> dict:
         "messages": pa.array(cols["messages"], type=pa.string()),
     })
     file, nbytes = write_part(folder, name, table)
+    cut: dict[str, int] = {}
+    for c in convs:
+        if c.stopped:
+            cut[c.stopped] = cut.get(c.stopped, 0) + 1
     return {"name": name, "file": file, "rows": table.num_rows, "tokens": sum(len(s) for s in cols["input_ids"]),
             "new_tokens": new_tokens, "ended_by_eos": ended, "bytes": nbytes, "sha256": file_sha256(folder / file),
-            "conversations": len(convs), "row_ids": cols["id"]}
+            "conversations": len(convs), "cut_short": cut, "row_ids": cols["id"]}

@@ -172,14 +172,22 @@ def _report(manifests: dict, sel, out: Path, seconds: float, cfg: PrepareConfig,
     lines = [(f"prepared {out} in {seconds:.1f} s" if fresh else f"already complete: {out}; nothing to do")
              + f": {sel.read} records read"
              + (f" ({', '.join(f'{f} cut off after {n} records' for f, n in sel.cut_off)})" if sel.cut_off else "")]
-    for s, m in manifests.items():
+    for s in SPLITS:
+        if s not in manifests:
+            if s == "train" or sel.splits["eval"]:
+                lines.append(f"  {s}: 0 conversations" + (" (all went to eval: lower --eval-fraction)"
+                                                            if s == "train" else ""))
+            continue
+        m = manifests[s]
         t = m["totals"]
         what = "training rows" if m["kind"] == "completions" else "prompts"
         lines.append(f"  {s}: {t['conversations']} conversations -> {t['rows']} {what}, {t['tokens']:,} tokens"
                      + (f" ({t['trained_tokens']:,} trained, {t['truncated']} rows truncated)"
                         if m["kind"] == "completions" else "") + f"  ({out / s})")
     lines.append("  dropped: " + (", ".join(f"{n} {why}" for why, n in dropped.most_common()) or "none"))
-    if any(m["kind"] == "prompts" for m in manifests.values()):
+    if "train" not in manifests:
+        pass
+    elif any(m["kind"] == "prompts" for m in manifests.values()):
         longest = max((len(x) for m in manifests.values() for p in m["parts"]
                        for x in _column(out / m["plan"]["split"] / p["file"], "input_ids")), default=0)
         room = (info.max_positions or 4096) - longest  # generate's default 2048 may not fit the context

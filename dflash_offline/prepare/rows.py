@@ -57,7 +57,7 @@ def keep_rows(chunk: list[Conversation], tmpl: ChatTemplate | None, train_turns:
             try:
                 text_rows: list[TextRow] = tmpl.rows(rec.messages, train_turns)
             except TemplateRefused as e:
-                dropped[f"template refused: {str(e).split(' (')[0]}"] += 1
+                dropped[f"template refused: {e}"] += 1
                 continue
             rows = [(*tmpl.tokenize(r), r.turns) for r in text_rows]
         made = 0
@@ -107,7 +107,7 @@ def prompt_rows(chunk: list[Conversation], tmpl: ChatTemplate, limits: Limits) -
         try:
             text = tmpl.prompt_text(msgs, first)
         except TemplateRefused as e:
-            dropped[f"template refused: {str(e).split(' (')[0]}"] += 1
+            dropped[f"template refused: {e}"] += 1
             continue
         toks = tmpl.tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(toks) > limits.max_len:

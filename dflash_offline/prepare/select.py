@@ -110,9 +110,16 @@ def select(records: list[Record], responses: str, eval_fraction: float, dedup: b
         conv_id = rec.own_id if rec.own_id is not None else rec.index
         if conv_id < 0:
             raise UserError(f"{rec.where}: id {conv_id} is negative; ids must be >= 0")
+        if conv_id >= ROW_ID_STRIDE:  # the rows a template splits off take id + k * 2^40
+            raise UserError(f"{rec.where}: id {conv_id} is too large; conversation ids must be below 2^40 "
+                            f"({ROW_ID_STRIDE}): the k-th extra row of a conversation takes id + k * 2^40")
         if conv_id in ids:
-            raise UserError(f"{rec.where}: id {conv_id} was already used by {ids[conv_id]}; ids must be unique "
-                            "across all input files")
+            if rec.own_id is not None:
+                raise UserError(f"{rec.where}: id {conv_id} was already used by {ids[conv_id]}; ids must be unique "
+                                "across all input files")
+            why = f"its id {rec.source_id!r} is not an integer, so it" if rec.source_id is not None else "it has no id, so it"
+            raise UserError(f"{rec.where}: {why} takes its position {conv_id} as id, which {ids[conv_id]} already uses; "
+                            "give every record an integer id, or none")
         ids[conv_id] = rec.where
         why = "ends with the user (unanswered)" if unanswered else problem(rec, responses)
         if why is not None:
