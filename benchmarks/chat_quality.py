@@ -37,37 +37,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from pycode_quality import cli, wait  # noqa: E402  (one way to run a phase's commands and wait for them)
 COMMITTED = ROOT / "benchmarks" / "chat_fixture"
 TRAIN_ARGS = ("--block-size 16 --num-layers 5 --init-layers 0,1,2,3,4 --kd-weight 0.5 --seq-len 4096 "
               "--num-anchors 2048 --anchors-per-sample 512 --global-batch-tokens 16384")
 SMOKE_TRAIN_ARGS = ("--block-size 8 --num-layers 1 --init-layers 0 --kd-weight 0.5 --seq-len 512 --num-anchors 64 "
                     "--anchors-per-sample 32 --global-batch-tokens 1024 --loader-workers 0")
-
-
-def cli(*args, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    f = open(log, "w")
-    return subprocess.Popen([sys.executable, "-m", "dflash_offline", *map(str, args)], stdout=f,
-                            stderr=subprocess.STDOUT, env=env)
-
-
-def wait(procs: dict[str, subprocess.Popen], logs: dict[str, Path], reported=lambda name: False) -> dict[str, float]:
-    """Wait for all; a non-zero exit stops the benchmark, except exit 1 of a process whose report
-    `reported(name)` says was written (eval exits 1 when its outputs are not lossless: a result)."""
-    t0, took = time.time(), {}
-    while len(took) < len(procs):
-        for name, p in procs.items():
-            if name not in took and p.poll() is not None:
-                took[name] = time.time() - t0
-                if p.returncode != 0 and not (p.returncode == 1 and reported(name)):
-                    for q in procs.values():
-                        if q.poll() is None:
-                            q.terminate()
-                    tail = "".join(logs[name].read_text().splitlines(keepends=True)[-25:])
-                    raise SystemExit(f"{name} failed with exit code {p.returncode} (log: {logs[name]}):\n{tail}")
-                print(f"  {name} done in {took[name]:.1f}s", flush=True)
-        time.sleep(0.2)
-    return took
 
 
 def phase(summary: dict, name: str, procs: dict, logs: dict, **kw) -> None:

@@ -30,7 +30,7 @@ from dflash_offline.config import GenerateConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.launch import Launch, join_ranks, torchrun_launch
-from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, log_dir_refusal, open_process_log
+from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_command_log, open_process_log
 from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
 from dflash_offline.runtime.supervise import wait_for_other_ranks
 
@@ -228,13 +228,7 @@ def run(cfg: GenerateConfig) -> dict:
     _check_output(folder, merged)  # before the log folder is made inside it
     log_dir = cfg.log_dir or str(folder / "logs")
     name = f"generate-rank{launch.rank}" if launch else "generate-launcher"
-    try:
-        open_process_log(log_dir, name)
-    except OSError as e:
-        if refusal := log_dir_refusal(cfg.log_dir, e):
-            raise refusal from None
-        raise UserError(f"--out {cfg.out}: cannot write its log folder {log_dir} ({e.strerror or e}); choose a "
-                        "writable location (or --log-dir)") from None
+    open_command_log(cfg.log_dir, log_dir, name, cfg.out)
     install_stop_handlers()
     join_ranks(launch)  # a launch other than torchrun: every rank is there before any work
     t0 = time.time()

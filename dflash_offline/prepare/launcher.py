@@ -22,7 +22,7 @@ from pathlib import Path
 from dflash_offline.config import PrepareConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
-from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, log_dir_refusal, open_process_log
+from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_command_log
 from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
 
 log = logging.getLogger("dflash.prepare")
@@ -60,13 +60,7 @@ def run(cfg: PrepareConfig) -> dict:
     cfg.validate()
     out = Path(cfg.out)
     _check_out(out)
-    try:
-        open_process_log(cfg.log_dir or str(out / "logs"), "prepare")
-    except OSError as e:
-        if refusal := log_dir_refusal(cfg.log_dir, e):
-            raise refusal from None
-        raise UserError(f"--out {cfg.out}: cannot write its log folder ({e.strerror or e}); choose a writable "
-                        "location (or --log-dir)") from None
+    open_command_log(cfg.log_dir, cfg.log_dir or str(out / "logs"), "prepare", cfg.out)
     install_stop_handlers()
     t0 = time.time()
     heartbeat(phase="preflight")

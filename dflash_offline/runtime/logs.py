@@ -41,6 +41,20 @@ def log_dir_refusal(log_dir_option: str | None, e: OSError) -> UserError | None:
                      "writable folder")
 
 
+def open_command_log(log_dir_option: str | None, log_dir: str, name: str, out: str) -> Path:
+    """The process log of a command that writes into --out (generate, prepare): a folder that
+    cannot be written is one line naming --log-dir when it was given, else --out."""
+    from dflash_offline.runtime.errors import UserError
+
+    try:
+        return open_process_log(log_dir, name)
+    except OSError as e:
+        if refusal := log_dir_refusal(log_dir_option, e):
+            raise refusal from None
+        raise UserError(f"--out {out}: cannot write its log folder {log_dir} ({e.strerror or e}); choose a "
+                        "writable location (or --log-dir)") from None
+
+
 def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = True, claim: bool = False) -> Path:
     """Create `log_dir/name.log`, point the `dflash` logger at it and arm faulthandler on it.
 
