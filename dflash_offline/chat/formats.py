@@ -58,8 +58,10 @@ class Message:
             d["tool_calls"] = self.tool_calls
         return d
 
-    def as_json(self) -> dict:
-        return self.as_template_dict()
+
+def messages_json(msgs: list[Message]) -> str:
+    """A conversation as JSON text (the `messages` column of prompt and completion parts)."""
+    return json.dumps([m.as_template_dict() for m in msgs], ensure_ascii=False)
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_offline.chat.formats import Message
+from dflash_offline.chat.formats import Message, messages_json
 from dflash_offline.chat.template import ChatTemplate, TemplateRefused, split_reasoning
 from dflash_offline.runtime.errors import UserError
 
@@ -93,9 +93,9 @@ def conversation_settings(prompts: list[str], source) -> dict | None:
     return chat
 
 
-def parse_conversation(conv_id: int, messages_json: str, last_only: bool) -> Conversation:
+def parse_conversation(conv_id: int, text: str, last_only: bool) -> Conversation:
     msgs = []
-    for d in json.loads(messages_json):
+    for d in json.loads(text):
         extra = {k: d[k] for k in ("name", "tool_call_id") if k in d}
         msgs.append(Message(d["role"], d.get("content") or "", d.get("reasoning_content"), d.get("tool_calls"), extra))
     # Tool-calling turns stay as written: the tool results after them answer those very calls.
@@ -151,10 +151,6 @@ def regenerate(convs: list[Conversation], tmpl: ChatTemplate, decoder, batch_tok
                 c.add(c.turn_of(a), prompt, reply, kept, "eos" if ended else "length")
             if on_batch is not None:
                 on_batch(len(items), sum(len(t) for t in res.tokens), res)
-
-
-def messages_json(msgs: list[Message]) -> str:
-    return json.dumps([m.as_json() for m in msgs], ensure_ascii=False)
 
 
 class ChatJob:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
 
 from dflash_offline.config import PrepareConfig
@@ -200,6 +199,3 @@ def _column(path: Path, name: str) -> list:
 
     return pq.read_table(path, columns=[name]).column(0).to_pylist()
 
-
-def config_dict(cfg: PrepareConfig) -> dict:
-    return asdict(cfg)

@@ -13,7 +13,6 @@ OUT/logs/prepare.log
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from dflash_offline.generate.parts import PREPARED_FORMAT, OutputStore, part_name, write_part
 
@@ -89,10 +88,3 @@ class PreparedStore(OutputStore):
                  "ids": id_ranges(sorted(t.column("id").to_pylist()))}
         self.commit_part(entry)
 
-
-def prepared_folder(path: str | Path) -> dict | None:
-    """The manifest of a prepare output folder (OUT/train), or None."""
-    from dflash_offline.generate.parts import read_manifest
-
-    m = read_manifest(path) if Path(path).is_dir() else None
-    return m if m is not None and m.get("format") == PREPARED_FORMAT else None

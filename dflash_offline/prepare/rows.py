@@ -10,12 +10,12 @@ reply the target is to write, `source_id`).
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from dflash_offline.chat.formats import messages_json
 from dflash_offline.chat.template import ChatTemplate, TemplateRefused, TextRow
 from dflash_offline.prepare.select import ROW_ID_STRIDE, Conversation, with_reply_slots
 from dflash_offline.runtime.errors import UserError
@@ -92,10 +92,6 @@ def keep_rows(chunk: list[Conversation], tmpl: ChatTemplate | None, train_turns:
         "source_id": pa.array(sources, type=pa.string()),
     })
     return ChunkRows(table, kept, dropped, truncated)
-
-
-def messages_json(msgs) -> str:
-    return json.dumps([m.as_json() for m in msgs], ensure_ascii=False)
 
 
 def prompt_rows(chunk: list[Conversation], tmpl: ChatTemplate, limits: Limits) -> ChunkRows:
