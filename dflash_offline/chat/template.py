@@ -35,6 +35,19 @@ log = logging.getLogger("dflash.chat")
 THINKING = ("on", "off")
 
 
+# A conversation split into several rows (templates that rewrite history) numbers them: row 0 keeps
+# the conversation's id, row k > 0 takes id + k * 2^40; conversation ids stay below 2^40.
+ROW_ID_STRIDE = 1 << 40
+
+
+def row_id(conversation_id: int, k: int) -> int:
+    """The id of a conversation's k-th row (prepare --responses keep and generate number alike)."""
+    if k and conversation_id >= ROW_ID_STRIDE:
+        raise ValueError(f"conversation id {conversation_id} is too large for a conversation split into rows "
+                         "(ids below 2^40)")
+    return conversation_id + k * ROW_ID_STRIDE
+
+
 class TemplateRefused(Exception):
     """The template cannot render this conversation turn by turn (it raised, or a turn renders
     unlike its own generation prompt): the conversation is dropped with this reason."""
@@ -86,7 +99,7 @@ class TextRow:
     turns: list[int] = field(default_factory=list)  # assistant turn numbers (0-based) trained in this row
 
 
-def load_tokenizer(target: str, option: str = "--target"):
+def load_chat_tokenizer(target: str, option: str = "--target"):
     from transformers import AutoTokenizer
 
     try:
@@ -112,7 +125,7 @@ class ChatTemplate:
              system: str | None = None, end_ids: list[int] | None = None, tokenizer=None) -> "ChatTemplate":
         """The target folder's tokenizer with its own template, or the template in `chat_template`
         (a file). Refuses, in one line, a tokenizer without a template when none is given."""
-        tokenizer = tokenizer or load_tokenizer(target)
+        tokenizer = tokenizer or load_chat_tokenizer(target)
         if chat_template:
             try:
                 template = Path(chat_template).read_text(encoding="utf-8")

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_offline.chat.formats import Message, messages_json
-from dflash_offline.chat.template import ChatTemplate, TemplateRefused, split_reasoning
+from dflash_offline.chat.template import ChatTemplate, TemplateRefused, row_id, split_reasoning
 from dflash_offline.runtime.errors import UserError
 
 log = logging.getLogger("dflash.generate")
@@ -163,10 +163,10 @@ class ChatJob:
 
     @classmethod
     def start(cls, job, cfg, src) -> "ChatJob":
-        from dflash_offline.chat.template import ChatSettings, load_tokenizer
+        from dflash_offline.chat.template import ChatSettings, load_chat_tokenizer
 
         chat = job.chat
-        tok = load_tokenizer(job.target_path)
+        tok = load_chat_tokenizer(job.target_path)
         settings = ChatSettings.from_entry(chat)
         return cls(ChatTemplate(tok, chat["template"], settings, list(job.eos)), src, cfg, job.max_positions)
 
@@ -195,16 +195,13 @@ def write_chat_part(folder, name: str, convs: list[Conversation]) -> dict:
     from dflash_offline.runtime.paths import file_sha256
     from dflash_offline.generate.parts import write_part
 
-    ROW_ID_STRIDE = 1 << 40
     cols: dict[str, list] = {k: [] for k in ("id", "input_ids", "loss_mask", "finish_reason", "conversation_id",
                                              "turns", "messages")}
     ended = sum(c.eos_turns for c in convs)
     new_tokens = 0
     for c in convs:
-        if len(c.rows) > 1 and c.id >= ROW_ID_STRIDE:
-            raise ValueError(f"conversation id {c.id} is too large for a conversation split into rows (ids below 2^40)")
         for k, row in enumerate(c.rows):
-            cols["id"].append(c.id + k * ROW_ID_STRIDE)
+            cols["id"].append(row_id(c.id, k))
             cols["input_ids"].append(row.input_ids)
             cols["loss_mask"].append(row.loss_mask)
             cols["finish_reason"].append(row.finish_reason)

@@ -52,7 +52,7 @@ def _limits(cfg: PrepareConfig, info):
 def run(cfg: PrepareConfig) -> dict:
     """The `prepare` command. Returns {split: manifest}."""
     from dflash_offline.chat.records import read_records
-    from dflash_offline.chat.template import ChatTemplate, load_tokenizer
+    from dflash_offline.chat.template import ChatTemplate, load_chat_tokenizer
     from dflash_offline.prepare import output, rows, select
     from dflash_offline.target.folder import eos_ids, read_target
 
@@ -64,7 +64,7 @@ def run(cfg: PrepareConfig) -> dict:
     t0 = time.time()
     heartbeat(phase="preflight")
     info = read_target(cfg.target)
-    tokenizer = load_tokenizer(cfg.target)
+    tokenizer = load_chat_tokenizer(cfg.target)
     if len(tokenizer) > info.vocab_size:  # ids past the embedding: another model's tokenizer
         raise UserError(f"--target {cfg.target}: its tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
                         f"is {info.vocab_size}; the folder mixes a tokenizer and a model that do not belong together")
@@ -181,8 +181,7 @@ def _report(manifests: dict, sel, out: Path, seconds: float, cfg: PrepareConfig,
     if "train" not in manifests:
         pass
     elif any(m["kind"] == "prompts" for m in manifests.values()):
-        longest = max((len(x) for m in manifests.values() for p in m["parts"]
-                       for x in _column(out / m["plan"]["split"] / p["file"], "input_ids")), default=0)
+        longest = max((p.get("longest", 0) for m in manifests.values() for p in m["parts"]), default=0)
         room = (info.max_positions or 4096) - longest  # generate's default 2048 may not fit the context
         new = f" --max-new-tokens {min(2048, room // 64 * 64)}" if room < 2048 and room >= 64 else ""
         lines.append(f"  next: dflash-offline generate --target {cfg.target} --prompts {out / 'train'} --out "
@@ -192,10 +191,3 @@ def _report(manifests: dict, sel, out: Path, seconds: float, cfg: PrepareConfig,
     for line in lines:
         log.info(line)
         print(line, flush=True)
-
-
-def _column(path: Path, name: str) -> list:
-    import pyarrow.parquet as pq
-
-    return pq.read_table(path, columns=[name]).column(0).to_pylist()
-

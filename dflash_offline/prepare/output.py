@@ -80,9 +80,10 @@ class PreparedStore(OutputStore):
         self.remove_debris({name})
         file, nbytes = write_part(self.folder, name, rows.table)
         t = rows.table
-        tokens = sum(len(x) for x in t.column("input_ids").to_pylist()) if t.num_rows else 0
+        lengths = [len(x) for x in t.column("input_ids").to_pylist()]
         trained = sum(sum(x) for x in t.column("loss_mask").to_pylist()) if "loss_mask" in t.column_names else 0
-        entry = {"name": name, "file": file, "rows": t.num_rows, "tokens": tokens, "trained_tokens": trained,
+        entry = {"name": name, "file": file, "rows": t.num_rows, "tokens": sum(lengths), "longest": max(lengths, default=0),
+                 "trained_tokens": trained,
                  "conversations": rows.conversations, "truncated": rows.truncated, "dropped": dict(rows.dropped),
                  "bytes": nbytes, "sha256": file_sha256(self.folder / file),
                  "ids": id_ranges(sorted(t.column("id").to_pylist()))}

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from dflash_offline.chat.formats import messages_json
-from dflash_offline.chat.template import ChatTemplate, TemplateRefused, TextRow
-from dflash_offline.prepare.select import ROW_ID_STRIDE, Conversation, with_reply_slots
+from dflash_offline.chat.template import ChatTemplate, TemplateRefused, TextRow, row_id
+from dflash_offline.prepare.select import Kept, with_reply_slots
 from dflash_offline.runtime.errors import UserError
 
 
@@ -37,13 +37,13 @@ class ChunkRows:
     truncated: int = 0
 
 
-def _too_long(conv: Conversation, n: int, limits: Limits, what: str) -> None:
+def _too_long(conv: Kept, n: int, limits: Limits, what: str) -> None:
     if not limits.context_given:
         raise UserError(f"{conv.record.where}: {what} of {n} tokens is longer than {limits.context_what}; pass "
                         "--max-len N to drop such rows (or --max-len N --truncate to cut them)")
 
 
-def keep_rows(chunk: list[Conversation], tmpl: ChatTemplate | None, train_turns: str, limits: Limits,
+def keep_rows(chunk: list[Kept], tmpl: ChatTemplate | None, train_turns: str, limits: Limits,
               tokenizer) -> ChunkRows:
     ids, seqs, masks, conv_ids, turns, sources = [], [], [], [], [], []
     dropped: Counter = Counter()
@@ -72,10 +72,7 @@ def keep_rows(chunk: list[Conversation], tmpl: ChatTemplate | None, train_turns:
             if not any(mask):
                 dropped["rows with nothing to train (empty replies, or cut before them)"] += 1
                 continue
-            if k and conv.id >= ROW_ID_STRIDE:
-                raise UserError(f"{rec.where}: id {conv.id} is too large for a conversation split into rows by its "
-                                f"template (row ids id + k * 2^40 need ids below 2^40)")
-            ids.append(conv.id + k * ROW_ID_STRIDE)
+            ids.append(row_id(conv.id, k))  # ids below 2^40: select.py refused larger ones
             seqs.append(toks)
             masks.append(mask)
             conv_ids.append(conv.id)
@@ -94,7 +91,7 @@ def keep_rows(chunk: list[Conversation], tmpl: ChatTemplate | None, train_turns:
     return ChunkRows(table, kept, dropped, truncated)
 
 
-def prompt_rows(chunk: list[Conversation], tmpl: ChatTemplate, limits: Limits) -> ChunkRows:
+def prompt_rows(chunk: list[Kept], tmpl: ChatTemplate, limits: Limits) -> ChunkRows:
     ids, seqs, convs, sources = [], [], [], []
     dropped: Counter = Counter()
     for conv in chunk:

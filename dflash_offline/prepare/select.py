@@ -14,14 +14,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from dflash_offline.chat.formats import Message, Record
+from dflash_offline.chat.template import ROW_ID_STRIDE
 from dflash_offline.runtime.errors import UserError
-
-# Rows of one conversation split by its template (one row per turn) take ids id + k * 2^40.
-ROW_ID_STRIDE = 1 << 40
 
 
 @dataclass
-class Conversation:
+class Kept:
     """A kept record: its id, its split, and what is rendered."""
 
     id: int
@@ -31,7 +29,7 @@ class Conversation:
 
 @dataclass
 class Selection:
-    splits: dict[str, list[Conversation]]
+    splits: dict[str, list[Kept]]
     read: int
     dropped: Counter = field(default_factory=Counter)
     cut_off: list = field(default_factory=list)  # (file, complete records) of files that end mid-record
@@ -132,5 +130,5 @@ def select(records: list[Record], responses: str, eval_fraction: float, dedup: b
                 continue
             seen.add(key)
         split = "eval" if in_eval(conv_id, eval_fraction) else "train"
-        sel.splits[split].append(Conversation(conv_id, split, rec))
+        sel.splits[split].append(Kept(conv_id, split, rec))
     return sel
