@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from dflash_offline.options import check_at_least, check_number, check_positive
 from dflash_offline.runtime.errors import UserError
+from dflash_offline.evaluate.config import EvalConfig  # noqa: F401  (one import place for every stage's config)
 
 HIDDEN_DTYPES = ("bfloat16", "float8_e4m3fn")
 HIDDEN_DTYPE_ALIASES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
@@ -294,87 +295,6 @@ class PlanConfig:
         check_at_least(self, "topk", 0, "0 = store no top-k")
         if self.layers is not None and len(set(self.layers)) != len(self.layers):
             raise UserError(f"--layers {self.layers} lists a layer twice")
-
-
-@dataclass
-class EvalConfig:
-    target: str = ""
-    """The target's Hugging Face folder."""
-    drafters: list[str] = field(default_factory=list)
-    """Drafter export folders or step-N checkpoints, compared on the same prompts."""
-    prompts: str | None = None
-    """Parquet with input_ids: speculative decoding against the target, checked lossless."""
-    cache: str | None = None
-    """A held-out cache: acceptance estimated from it, without running the target."""
-    device: str = "cpu"
-    """One GPU index or cpu."""
-    dtype: str = "float32"
-    """Target and drafter dtype for decoding; float32 makes the lossless check exact."""
-    max_new_tokens: int = 256
-    max_prompts: int | None = None
-    """Use only the first N prompts."""
-    ignore_eos: bool = False
-    """Always generate max_new_tokens."""
-    baseline: bool | None = None
-    """Also decode with the target alone: the lossless reference and the speed baseline.
-    None: on, unless `reference` is given."""
-    reference: str | None = None
-    """Parquet of the target's greedy completions of the prompts (id, input_ids, loss_mask): the
-    lossless reference instead of a target-alone decode."""
-    seq_len: int = 2048
-    """Cache estimate, random anchors: tokens per packed row."""
-    num_anchors: int = 256
-    """Cache estimate, random anchors: blocks per row."""
-    max_rows: int | None = None
-    """Cache estimate, random anchors: at most this many rows."""
-    max_samples: int | None = None
-    """Cache walk: only the first N samples of the cache."""
-    walk_batch_rows: int = 4
-    """Cache walk: rows (of up to 512 anchors each) per drafter forward."""
-    batch_size: int | None = None
-    """Prompts decoded together. 1: one prompt at a time with a KV cache (any target); N > 1: N
-    prompts per target forward with KV caches (evaluate/kv_batch.py; sliding-window targets:
-    whole sequences re-run each round, evaluate/batched.py); all exact. None: 64 on a GPU (one
-    prompt at a time leaves it idle), 1 on CPU."""
-    parity: int | None = None
-    """With `cache` (held-out, the target's own greedy completions): on its first N samples,
-    compare the every-anchor estimate, the walk and real decoding, and name the likely cause when
-    walk and decoding disagree (evaluate/parity.py); exit code 1 then."""
-    show: int = 0
-    """After decoding, print the first N prompts and each drafter's outputs as text (the target's
-    tokenizer.json), each verify round's accepted drafts marked (colour on a terminal, else {{ }});
-    0 = off."""
-    json_path: str | None = None
-    """Write the full report here as JSON."""
-    log_dir: str | None = None
-    """Where the process log goes; default RUN/logs when the (first) drafter is inside a training
-    run folder (export/, best/, step-N/), else ./dflash-logs: never a folder beside someone's model."""
-    progress: bool = True
-
-    def validate(self) -> None:
-        if not self.target:
-            raise UserError("eval: --target is required")
-        if not self.drafters:
-            raise UserError("eval: give at least one --drafter (an export folder or a step-N checkpoint)")
-        if not self.prompts and not self.cache:
-            raise UserError("eval: give --prompts PARQUET (speculative decoding) and/or --cache CACHE (estimate)")
-        if self.parity is not None and (self.parity <= 0 or not self.cache):
-            raise UserError("eval: --parity N needs N > 0 and --cache (a held-out cache of the target's own greedy "
-                            "completions: their prompts are decoded and compared with the walk)")
-        if self.reference and not self.prompts:
-            raise UserError("eval: --reference checks the outputs of --prompts; give the prompts it completes too")
-        if self.show < 0 or (self.show and not self.prompts):
-            raise UserError(f"eval: --show {self.show} prints the first N decoded prompts: give N >= 0 (0 = off) and "
-                            "--prompts")
-        check_positive(self, "max_new_tokens", "seq_len", "num_anchors", "walk_batch_rows", "batch_size",
-                       "max_prompts", "max_rows", "max_samples")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise UserError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
-        # As train's rule (anchors beyond a short row's positions are masked padding, up to the
-        # default count): a typo would allocate (anchors x block) tables after all the decoding.
-        if self.cache and self.num_anchors > max(self.seq_len, EvalConfig.num_anchors):
-            raise UserError(f"--num-anchors {self.num_anchors} exceeds --seq-len {self.seq_len}: the cache estimate's "
-                            "anchors are distinct positions of a row; lower --num-anchors")
 
 
 @dataclass

@@ -110,7 +110,8 @@ def format_decoded(tokenizer, label: str, prompt: list[int], out: list[int], acc
     """eval --show's lines for one prompt: a header, the prompt as text, the output with each
     round's accepted drafts marked (colour, or ACCEPTED_MARKS)."""
     spans = decode_spans(tokenizer, out, accepted_flags(len(out), accepted))
-    tau = f", tau {1 + sum(accepted) / len(accepted):.2f}" if accepted else ""
+    # The reference's count: every output token after the prefill's first is committed by a round.
+    tau = f", tau {(len(out) - 1) / len(accepted):.2f}" if accepted else ""
     how = "in green" if color else "between {} and {}".format(*ACCEPTED_MARKS)
     return [f"--- {label}: {len(out)} tokens in {len(accepted)} rounds{tau}; accepted drafts {how}",
             "prompt: " + tokenizer.decode([int(t) for t in prompt], skip_special_tokens=False),

@@ -84,7 +84,7 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(R, L, self.n_kv, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def _attend(self, h: Tensor, k: Tensor, v: Tensor, cos_q: Tensor, sin_q: Tensor, mask) -> Tensor:
+    def attend(self, h: Tensor, k: Tensor, v: Tensor, cos_q: Tensor, sin_q: Tensor, mask) -> Tensor:
         from dflash_offline.drafter.masks import attention
 
         R, Q, _ = h.shape
@@ -104,7 +104,7 @@ class DFlashAttention(nn.Module):
         # Keys rotate at their own positions (context keeps its absolute positions); queries at
         # the block's, the last Q entries of the joint position list.
         k, v = self._kv(torch.cat([ctx.to(h.dtype), h], dim=1), cos, sin)
-        return self._attend(h, k, v, cos[:, -Q:], sin[:, -Q:], mask)
+        return self.attend(h, k, v, cos[:, -Q:], sin[:, -Q:], mask)
 
     def context_kv(self, ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """Inference: the keys/values the context contributes to this layer. They depend on the
@@ -113,17 +113,21 @@ class DFlashAttention(nn.Module):
         return self._kv(ctx, cos, sin)
 
     def draft(self, h: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor,
-              ctx_mask: Tensor | None = None) -> Tensor:
+              ctx_mask: Tensor | None = None, block_len: Tensor | None = None) -> Tensor:
         """Inference: one block over the cached context. Every cached position lies before the
         anchor and the block is bidirectional, so no mask is needed; a batched decoder whose cache
         has unused slots (rejected drafts, padding) passes `ctx_mask` [R, S] (True = a context
-        position)."""
+        position), and one whose rows' blocks are shorter than the block (an output's last round)
+        passes `block_len` [R]: block positions from there on are not keys."""
         k, v = self._kv(h, cos, sin)
         mask = None
-        if ctx_mask is not None:
+        if ctx_mask is not None or block_len is not None:
             R, Q = h.shape[0], h.shape[1]
-            mask = torch.cat([ctx_mask, ctx_mask.new_ones(R, Q)], dim=1)[:, None, None, :].expand(R, 1, Q, -1)
-        return self._attend(h, torch.cat([ctx_k, k.to(ctx_k.dtype)], dim=2), torch.cat([ctx_v, v.to(ctx_v.dtype)], dim=2),
+            ctx = ctx_mask if ctx_mask is not None else torch.ones(R, ctx_k.shape[2], dtype=torch.bool, device=h.device)
+            own = (torch.arange(Q, device=h.device)[None, :] < block_len[:, None] if block_len is not None
+                   else ctx.new_ones(R, Q))
+            mask = torch.cat([ctx, own], dim=1)[:, None, None, :].expand(R, 1, Q, -1)
+        return self.attend(h, torch.cat([ctx_k, k.to(ctx_k.dtype)], dim=2), torch.cat([ctx_v, v.to(ctx_v.dtype)], dim=2),
                             cos, sin, mask)
 
 
@@ -151,8 +155,8 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def draft(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor,
-              ctx_mask: Tensor | None = None) -> Tensor:
-        x = x + self.self_attn.draft(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, ctx_mask)
+              ctx_mask: Tensor | None = None, block_len: Tensor | None = None) -> Tensor:
+        x = x + self.self_attn.draft(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, ctx_mask, block_len)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -295,15 +299,16 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def draft_hidden(self, kv: list[tuple[Tensor, Tensor]], block_ids: Tensor, block_positions: Tensor,
-                     ctx_mask: Tensor | None = None) -> Tensor:
+                     ctx_mask: Tensor | None = None, block_len: Tensor | None = None) -> Tensor:
         """Final-normed hidden states [R, B, H] of one block [anchor, MASK x (B-1)] over the cached
         context `kv` (every cached position precedes the anchor; `ctx_mask` [R, S], if given, says
-        which cached slots hold context). Equal to the training forward of the same block under
+        which cached slots hold context; `block_len` [R], if given, how many block tokens each row
+        has: a block cut short, as the reference drafts an output's last round). Equal to the training forward of the same block under
         the training mask (tests/test_evaluate.py)."""
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
         cos, sin = rope_cos_sin(block_positions, self.cfg.head_dim, self.cfg.rope_theta)
         for layer, (k, v) in zip(self.layers, kv):
-            x = layer.draft(x, k, v, cos, sin, ctx_mask)
+            x = layer.draft(x, k, v, cos, sin, ctx_mask, block_len)
         return self.norm(x)
 
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from dflash_offline.evaluate.speculative import Decoded, commit_round, in_length_batches, output_done
+from dflash_offline.sampling import verify_greedy
 
 log = logging.getLogger("dflash.eval")
 
@@ -40,10 +41,11 @@ class BatchProposer(Protocol):
     block_size: int
 
     def propose(self, feats: torch.Tensor, ctx_len: torch.Tensor, anchors: torch.Tensor,
-                seqs: list[list[int]]) -> torch.Tensor:
+                seqs: list[list[int]], block_len: torch.Tensor) -> torch.Tensor:
         """[A, B-1] draft tokens for A rows: feats [A, S, n*H] holds each row's target features by
         position (valid below ctx_len [A], the anchor's position), anchors [A] the last committed
-        tokens, seqs the committed tokens of each row."""
+        tokens, seqs the committed tokens of each row, block_len [A] the tokens of each row's block
+        (fewer in an output's last round; drafts beyond are not used)."""
 
 
 class BatchDFlashProposer:
@@ -57,7 +59,7 @@ class BatchDFlashProposer:
         self.mask_id = drafter.cfg.mask_token_id
 
     @torch.no_grad()
-    def propose(self, feats, ctx_len, anchors, seqs):
+    def propose(self, feats, ctx_len, anchors, seqs, block_len):
         A, S, _ = feats.shape
         B, dev = self.block_size, feats.device
         block = torch.full((A, B), self.mask_id, dtype=torch.long, device=dev)
@@ -66,6 +68,7 @@ class BatchDFlashProposer:
         block_pos = ctx_len[:, None] + torch.arange(B, device=dev)
         mask = torch.ones((A, 1, B, S + B), dtype=torch.bool, device=dev)
         mask[:, 0, :, :S] = (torch.arange(S, device=dev)[None, :] < ctx_len[:, None])[:, None, :]
+        mask[:, 0, :, S:] = (torch.arange(B, device=dev)[None, :] < block_len[:, None])[:, None, :]
         h = self.drafter(feats.to(self.drafter.fc.weight.dtype), block, ctx_pos, block_pos, mask)
         logits = torch.nn.functional.linear(h[:, 1:], self.drafter.lm_head.weight.to(h.dtype))
         return logits.argmax(-1)
@@ -106,6 +109,7 @@ def decode_batch(model, proposer: BatchProposer, layer_ids: list[int], prompts: 
         tok[r, :len(s)] = s
     outs = [[t] for t in first]
     accepted: list[list[int]] = [[] for _ in prompts]
+    committed: list[list[int]] = [[] for _ in prompts]
     forwards = [1] * n
     active = [r for r in range(n) if not output_done(outs[r], max_new, eos)]
     rows = torch.arange(n, device=dev)  # row of `feats` for each prompt still in it
@@ -114,23 +118,23 @@ def decode_batch(model, proposer: BatchProposer, layer_ids: list[int], prompts: 
         ctx_len = torch.tensor([len(seqs[r]) - 1 for r in active], device=dev)
         S = int(ctx_len.max())
         anchors = torch.tensor([seqs[r][-1] for r in active], device=dev)
-        draft = proposer.propose(feats[sel, :S], ctx_len, anchors, [seqs[r] for r in active])
+        limit = torch.tensor([min(B - 1, max_new - len(outs[r])) for r in active], device=dev)
+        draft = proposer.propose(feats[sel, :S], ctx_len, anchors, [seqs[r] for r in active], limit + 1)
         T = S + B  # the longest row: its committed tokens (S + 1) and B - 1 drafts
         ids = torch.from_numpy(tok[active, :T]).to(dev)
         # The drafts follow each row's anchor (position ctx_len): scatter them there.
         dpos = ctx_len[:, None] + 1 + torch.arange(B - 1, device=dev)
         ids.scatter_(1, dpos, draft)
         feats, logits = _target_forward(model, ids, layer_ids, ctx_len, B)
-        best = logits.argmax(-1)  # best[:, j]: the target's token after block position j
-        match = (draft == best[:, :B - 1]).long()
-        acc = match.cumprod(-1).sum(-1)  # leading matches
-        d_host, b_host, a_host = draft.tolist(), best.tolist(), acc.tolist()
+        acc, nxt = verify_greedy(draft, logits, limit)
+        d_host, n_host, a_host = draft.tolist(), nxt.tolist(), acc.tolist()
         still = []
         for i, r in enumerate(active):
             a = a_host[i]
             accepted[r].append(a)
             forwards[r] += 1
-            new = commit_round(outs[r], d_host[i], b_host[i], a, max_new, eos)
+            new = commit_round(outs[r], d_host[i], a, n_host[i], max_new, eos)
+            committed[r].append(len(new))
             tok[r, len(seqs[r]):len(seqs[r]) + len(new)] = new
             seqs[r] += new
             if not output_done(outs[r], max_new, eos):
@@ -139,11 +143,12 @@ def decode_batch(model, proposer: BatchProposer, layer_ids: list[int], prompts: 
         rows[torch.tensor(active, device=dev)] = torch.arange(len(active), device=dev)
         active = still
     seconds = (time.perf_counter() - t0) / n  # the batch's wall time, shared by its prompts
-    return [Decoded(outs[r], accepted[r], seconds, forwards[r]) for r in range(n)]
+    return [Decoded(outs[r], accepted[r], seconds, forwards[r], committed[r]) for r in range(n)]
 
 
 def batched_speculative_decode(model, proposer: BatchProposer, layer_ids: list[int], prompts: list[list[int]],
                                max_new: int, eos: set[int], batch_size: int, on_batch=None) -> list[Decoded]:
     """All prompts in batches of `batch_size`, grouped by length (less padding); results in input order."""
     return in_length_batches(prompts, batch_size,
-                             lambda part: decode_batch(model, proposer, layer_ids, part, max_new, eos), on_batch)
+                             lambda part: decode_batch(model, proposer, layer_ids, [prompts[i] for i in part], max_new, eos),
+                             on_batch)

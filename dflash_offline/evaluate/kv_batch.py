@@ -24,7 +24,8 @@ it is copied before each verify, and every row that rejected drafts is restored 
 the tokens it kept (one forward per distinct kept length, over those rows alone). Prompts are left-
 padded, so the state stays zero until a row's first token.
 
-Outputs, rounds and accepted lengths equal the one-prompt decoder's (tests/test_batched_eval.py,
+Sampling (a keyed draw per output index, dflash_offline.sampling) gives each prompt the same
+tokens as the one-prompt decoder, whatever its batch. Outputs, rounds and accepted lengths equal the one-prompt decoder's (tests/test_batched_eval.py,
 dense and hybrid), up to floating-point summation order. A sliding-window target, whose window
 would count holes as positions, uses the re-run decoder (evaluate.batched). `block_size=1` with no
 drafter (`NoDrafts`) is the target alone, batched with the same cache: the baseline the speed-up
@@ -41,6 +42,8 @@ import torch
 
 from dflash_offline.evaluate.speculative import (COUNTER_ATTRS, STATE_ATTRS, Decoded, commit_round, in_length_batches,
                                                  output_done, snapshot_states)
+from dflash_offline.sampling import (ACCEPT, DRAFT, TARGET, Sampling, draw, keyed_uniform, prompt_keys,
+                                     sampling_probs, verify_greedy, verify_sampled)
 
 log = logging.getLogger("dflash.eval")
 
@@ -60,8 +63,11 @@ class KVBatchProposer(Protocol):
     def start(self, feats: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
         """The prompts' features [R, P, n*H] at positions [R, P]; valid [R, P] marks real tokens."""
 
-    def propose(self, anchors: torch.Tensor, positions: torch.Tensor, seqs: list[list[int]]) -> torch.Tensor:
-        """[R, B-1] drafts after each row's anchor token (at `positions` [R]); seqs: committed tokens."""
+    def propose(self, anchors: torch.Tensor, positions: torch.Tensor, seqs: list[list[int]],
+                block_len: torch.Tensor) -> torch.Tensor:
+        """Logits [R, B-1, V] of the drafts after each row's anchor token (at `positions` [R]) from
+        a block of block_len [R] tokens (fewer in an output's last round); seqs: committed tokens.
+        (An oracle may return draft tokens [R, B-1] instead: read as one-hot logits.)"""
 
     def observe(self, feats: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
         """A verified block's features [R, B, n*H]; valid [R, B] marks the committed positions."""
@@ -87,7 +93,7 @@ class NoDrafts:
     def start(self, feats, positions, valid) -> None:
         pass
 
-    def propose(self, anchors, positions, seqs):
+    def propose(self, anchors, positions, seqs, block_len):
         return anchors.new_empty((anchors.shape[0], 0))
 
     def observe(self, feats, positions, valid) -> None:
@@ -111,14 +117,13 @@ class KVBatchDFlashProposer:
         self.kv = self.drafter.context_kv(feats, positions)
         self.valid = valid
 
-    def propose(self, anchors, positions, seqs):
+    def propose(self, anchors, positions, seqs, block_len):
         R, B = anchors.shape[0], self.block_size
         block = torch.full((R, B), self.mask_id, dtype=torch.long, device=anchors.device)
         block[:, 0] = anchors
         pos = positions[:, None] + torch.arange(B, device=anchors.device)
-        h = self.drafter.draft_hidden(self.kv, block, pos, ctx_mask=self.valid)
-        logits = torch.nn.functional.linear(h[:, 1:], self.drafter.lm_head.weight.to(h.dtype))
-        return logits.argmax(-1)
+        h = self.drafter.draft_hidden(self.kv, block, pos, ctx_mask=self.valid, block_len=block_len)
+        return torch.nn.functional.linear(h[:, 1:], self.drafter.lm_head.weight.to(h.dtype)).float()
 
     def observe(self, feats, positions, valid) -> None:
         new = self.drafter.context_kv(feats, positions)
@@ -285,10 +290,20 @@ class SlotCache:
         return order[:, :width]
 
 
+def as_logits(proposal: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A proposer's drafts as logits [R, K, V]: its logits, or its tokens (an oracle's) one-hot."""
+    if proposal.is_floating_point():
+        return proposal
+    logits = torch.full((*proposal.shape, vocab), float("-inf"), device=proposal.device)
+    return logits.scatter_(-1, proposal[..., None], 0.0)
+
+
 @torch.inference_mode()
 def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prompts: list[list[int]],
-                    max_new: int, eos: set[int], pad_id: int = 0) -> list[Decoded]:
-    """Greedy speculative decoding of `prompts` together; per prompt as speculative_decode."""
+                    max_new: int, eos: set[int], pad_id: int = 0, sampling: Sampling = Sampling(),
+                    keys: list[int] | None = None) -> list[Decoded]:
+    """Speculative decoding of `prompts` together; per prompt as speculative_decode (greedy or
+    sampled with the same keyed noise: keys[r] is prompt r's key)."""
     t0 = time.perf_counter()
     dev = next(model.parameters()).device
     B, n = proposer.block_size, len(prompts)
@@ -303,13 +318,17 @@ def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prom
     valid = torch.arange(P, device=dev)[None, :] >= (P - lens)[:, None]
     positions = (valid.cumsum(-1) - 1).clamp(min=0)
     hidden, feats = target.forward(ids.to(dev), positions, valid, features=B > 1)
-    anchors = target.logits(hidden[:, -1]).argmax(-1)
+    seeded = prompt_keys(sampling.seed, torch.tensor(keys if keys is not None else list(range(n)), device=dev))
+    first = target.logits(hidden[:, -1])
+    anchors = first.argmax(-1) if sampling.greedy else draw(
+        sampling_probs(first, sampling), keyed_uniform(seeded, torch.zeros(n, dtype=torch.long, device=dev), TARGET))
     proposer.start(feats, positions, valid)
     pos = lens.clone()  # each row's anchor position
     seqs = [list(p) + [t] for p, t in zip(prompts, anchors.tolist())]
     outs = [s[len(p):] for s, p in zip(seqs, prompts)]
     held = [len(p) for p in prompts]  # committed slots of each prompt (its anchor not yet among them)
     accepted: list[list[int]] = [[] for _ in prompts]
+    committed_log: list[list[int]] = [[] for _ in prompts]
     forwards = [1] * n
     batch = list(range(n))  # prompt index of each row of the batch
     steps = torch.arange(B, device=dev)
@@ -321,37 +340,56 @@ def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prom
             keep = torch.tensor(still, device=dev)
             target.select(keep, None)
             proposer.select(keep, None)
-            anchors, pos = anchors[keep], pos[keep]
+            anchors, pos, seeded = anchors[keep], pos[keep], seeded[keep]
             batch = [batch[i] for i in still]
         slots = target.packed_slots(max(held[r] for r in batch))
         if slots is not None:
             target.select(None, slots)
             proposer.select(None, slots)
-        draft = proposer.propose(anchors, pos, [seqs[r] for r in batch])
+        # Drafts that can still be committed (an output's last round drafts fewer, the reference's rule).
+        limit = torch.tensor([min(B - 1, max_new - len(outs[r])) for r in batch], device=dev)
+        index = torch.tensor([len(outs[r]) for r in batch], device=dev)[:, None] + steps  # output index after each block slot
+        q = None
+        draft_logits = as_logits(proposer.propose(anchors, pos, [seqs[r] for r in batch], limit + 1), model.config.vocab_size)
+        if sampling.greedy:
+            draft = draft_logits.argmax(-1)
+        else:
+            q = sampling_probs(draft_logits, sampling)
+            draft = draw(q, keyed_uniform(seeded, index[:, :B - 1], DRAFT))
         block = torch.cat([anchors[:, None], draft], 1)
         bpos = pos[:, None] + steps
         hidden, feats = target.forward(block, bpos, torch.ones_like(block, dtype=torch.bool), features=B > 1)
-        best = target.logits(hidden).argmax(-1)  # best[:, j]: the target's token after block position j
-        acc = (draft == best[:, :B - 1]).long().cumprod(-1).sum(-1)
-        # One copy to the host per round (the drafts, the target's tokens, the accepted lengths).
-        host = torch.cat([draft, best, acc[:, None]], 1).tolist()
+        target_logits = target.logits(hidden)
+        if sampling.greedy:
+            acc, nxt = verify_greedy(draft, target_logits, limit)
+        else:
+            acc, nxt = verify_sampled(draft, q, sampling_probs(target_logits, sampling), limit,
+                                      keyed_uniform(seeded, index[:, :B - 1], ACCEPT), keyed_uniform(seeded, index, TARGET))
+        # One copy to the host per round (the drafts, the next tokens, the accepted lengths).
+        host = torch.cat([draft, nxt[:, None], acc[:, None]], 1).tolist()
         committed = steps[None, :] <= acc[:, None]  # the anchor and the accepted drafts
         target.commit(committed, [h[-1] + 1 for h in host], block, bpos)
         proposer.observe(feats, bpos, committed)
-        anchors = best.gather(1, acc[:, None])[:, 0]
+        anchors = nxt
         pos = pos + acc + 1
         for i, r in enumerate(batch):
-            d_host, b_host, a = host[i][:B - 1], host[i][B - 1:2 * B - 1], host[i][-1]
+            d_host, nxt_host, a = host[i][:B - 1], host[i][B - 1], host[i][-1]
             accepted[r].append(a)
             forwards[r] += 1
             held[r] += a + 1
-            seqs[r] += commit_round(outs[r], d_host, b_host, a, max_new, eos)
+            new = commit_round(outs[r], d_host, a, nxt_host, max_new, eos)
+            committed_log[r].append(len(new))
+            seqs[r] += new
     seconds = (time.perf_counter() - t0) / n  # the batch's wall time, shared by its prompts
-    return [Decoded(outs[r], accepted[r], seconds, forwards[r]) for r in range(n)]
+    return [Decoded(outs[r], accepted[r], seconds, forwards[r], committed_log[r]) for r in range(n)]
 
 
 def kv_batched_decode(model, proposer: KVBatchProposer, layer_ids: list[int], prompts: list[list[int]],
-                      max_new: int, eos: set[int], batch_size: int, on_batch=None) -> list[Decoded]:
-    """All prompts in batches of `batch_size`, grouped by length (less padding); results in input order."""
-    return in_length_batches(prompts, batch_size,
-                             lambda part: decode_batch_kv(model, proposer, layer_ids, part, max_new, eos), on_batch)
+                      max_new: int, eos: set[int], batch_size: int, on_batch=None, sampling: Sampling = Sampling(),
+                      keys: list[int] | None = None) -> list[Decoded]:
+    """All prompts in batches of `batch_size`, grouped by length (less padding); results in input
+    order; keys: each prompt's sampling key (default its index)."""
+    keys = list(range(len(prompts))) if keys is None else list(keys)
+    return in_length_batches(prompts, batch_size, lambda part: decode_batch_kv(
+        model, proposer, layer_ids, [prompts[i] for i in part], max_new, eos, sampling=sampling,
+        keys=[keys[i] for i in part]), on_batch)

@@ -27,16 +27,14 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 
 from dflash_offline.config import EvalConfig
-from dflash_offline.evaluate.speculative import (Decoded, DFlashProposer, TargetSession,
-                                                 greedy_decode, load_target_for_decoding, speculative_decode, summarize,
-                                                 tokens_per_s)
+from dflash_offline.evaluate.decoders import Decoders
+from dflash_offline.evaluate.speculative import Decoded, load_target_for_decoding, summarize, tokens_per_s
 from dflash_offline.evaluate.inputs import check_prompts_path, read_prompts, read_reference, warn_chat_mismatch
-from dflash_offline.evaluate.kv_batch import KVBatchDFlashProposer, NoDrafts, kv_batched_decode, unsupported_reason
 from dflash_offline.evaluate.walk import cache_acceptance, walk_acceptance
 from dflash_offline.runtime.errors import UserError
+from dflash_offline.sampling import Sampling
 from dflash_offline.runtime.paths import REPORT_FORMAT, check_report_dest, require_kind
 from dflash_offline.target.folder import eos_ids
 from dflash_offline.text import show_decoded, show_tokenizer
@@ -222,91 +220,67 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
              sorted(eos), cfg.dtype, device)
     report.update({"prompts": str(cfg.prompts), "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
                    "eos": sorted(eos), "hybrid_target": info.hybrid, "prompt_ids": ids,
-                   "lossless_against": str(cfg.reference) if cfg.reference else ("baseline" if baseline else None)})
-    layer_sets = {tuple(d.cfg.target_layer_ids) for _, d in drafters}
-    sessions = {ls: TargetSession(model, list(ls)) for ls in layer_sets}
-    any_session = next(iter(sessions.values()))
+                   "lossless_against": None if cfg.temperature > 0 else str(cfg.reference) if cfg.reference
+                   else ("baseline" if baseline else None)})
+    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.seed, cfg.top_k)
+    decoders = Decoders(model, cfg.decoder, cfg.batch_size, max(len(p) for p in prompts), cfg.max_new_tokens, eos,
+                        sampling, device, cfg.dtype)
+    report.update({"decoder": decoders.name, "decoding": decoders.describe, "batch_size": cfg.batch_size,
+                   "sampling": dataclasses.asdict(sampling)})
+    log.info("decoder: %s; %s", decoders.describe,
+             "greedy" if sampling.greedy else f"sampling {dataclasses.asdict(sampling)}")
     # Also in the log, every tenth of the prompts: a long decode without a progress bar
     # (--no-progress, a batch job) still shows how far it got.
     every = max(1, len(prompts) // 10)
-    # Batched decoding keeps KV caches (and, for a hybrid target, per-row recurrent states that
-    # are rolled back); only a sliding-window target's rows are re-run whole each round.
-    kv_reason = unsupported_reason(model) if cfg.batch_size > 1 else None
-    kv = cfg.batch_size > 1 and kv_reason is None
-    report["batch_decoder"] = "kv-cache" if kv else ("re-run" if cfg.batch_size > 1 else "one prompt")
-    if cfg.batch_size > 1:
-        log.info("batched decoding, %d prompts per forward: %s", cfg.batch_size,
-                 "KV caches" if kv else f"sequences re-run each round, no KV cache ({kv_reason})")
     if baseline:
-        if kv:
-            # The target alone through the same batches and caches: a like-for-like speed-up.
-            bar = tqdm(total=len(prompts), desc="target alone", unit="prompt", disable=not cfg.progress)
-            with batch_fits(cfg, device):
-                runs = kv_batched_decode(model, NoDrafts(), [], prompts, cfg.max_new_tokens, eos, cfg.batch_size,
-                                         on_batch=lambda new: bar.update(len(new)))
-            bar.close()
-            log.info("target alone, batched: %.1f tokens/s",
-                     tokens_per_s(runs))
-        else:
-            runs = []
-            for k, p in enumerate(tqdm(prompts, desc="target alone", unit="prompt", disable=not cfg.progress), 1):
-                runs.append(greedy_decode(any_session, p, cfg.max_new_tokens, eos))
-                if k % every == 0 or k == len(prompts):
-                    log.info("target alone: %d/%d prompts, %.1f tokens/s", k, len(prompts),
-                             tokens_per_s(runs))
+        # The target alone through the same decoder and batches: a like-for-like speed-up.
+        bar = tqdm(total=len(prompts), desc="target alone", unit="prompt", disable=not cfg.progress)
+        done_alone: list[Decoded] = []
+
+        def alone_progress(new: list[Decoded]) -> None:
+            done_alone.extend(new)
+            bar.update(len(new))
+            if len(done_alone) % every < len(new) or len(done_alone) == len(prompts):
+                log.info("target alone: %d/%d prompts, %.1f tokens/s", len(done_alone), len(prompts),
+                         tokens_per_s(done_alone))
+
+        with batch_fits(cfg, device):
+            runs = decoders.target_alone(prompts, ids, alone_progress)
+        bar.close()
         report["baseline"] = {k: v for k, v in summarize(runs, 2).items() if k in ("tokens", "seconds", "tokens_per_s", "target_forwards")}
-        if reference is None:
+        if reference is None and sampling.greedy:
             reference = [r.tokens for r in runs]
-        else:
+        elif reference is not None:
             # Both given: a baseline that differs from the reference says the reference is not this
             # target's greedy decode in this dtype, rather than the drafter path being wrong.
             report["baseline"]["mismatched_reference_ids"] = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference))
                                                               if r.tokens != ref]
-    report["batch_size"] = cfg.batch_size
     for i, (path, drafter) in enumerate(drafters):
         bar = tqdm(total=len(prompts), desc=f"speculative {Path(path).name}", unit="prompt", disable=not cfg.progress)
         done: list[Decoded] = []
 
         def progress(new: list[Decoded]) -> None:
             done.extend(new)
-            acc = [a for r in done for a in r.accepted]
+            tau = sum(sum(r.committed) for r in done) / max(1, sum(len(r.committed) for r in done))
             bar.update(len(new))
-            bar.set_postfix_str(f"tau {1 + np.mean(acc):.2f}" if acc else "")
+            bar.set_postfix_str(f"tau {tau:.2f}")
             if len(done) % every < len(new) or len(done) == len(prompts):
-                log.info("speculative %s: %d/%d prompts, tau so far %.3f", path, len(done), len(prompts),
-                         1 + np.mean(acc) if acc else float("nan"))
+                log.info("speculative %s: %d/%d prompts, tau so far %.3f", path, len(done), len(prompts), tau)
 
-        if kv:
-            with batch_fits(cfg, device):
-                runs = kv_batched_decode(model, KVBatchDFlashProposer(drafter, device, cfg.dtype),
-                                         drafter.cfg.target_layer_ids, prompts, cfg.max_new_tokens, eos,
-                                         cfg.batch_size, on_batch=progress)
-        elif cfg.batch_size > 1:
-            from dflash_offline.evaluate.batched import BatchDFlashProposer, batched_speculative_decode
-
-            with batch_fits(cfg, device):
-                runs = batched_speculative_decode(model, BatchDFlashProposer(drafter, device, cfg.dtype),
-                                                  drafter.cfg.target_layer_ids, prompts, cfg.max_new_tokens, eos,
-                                                  cfg.batch_size, on_batch=progress)
-        else:
-            proposer = DFlashProposer(drafter, device, cfg.dtype)
-            session = sessions[tuple(drafter.cfg.target_layer_ids)]
-            runs = []
-            for p in prompts:
-                runs.append(speculative_decode(session, proposer, p, cfg.max_new_tokens, eos))
-                progress(runs[-1:])
+        with batch_fits(cfg, device):
+            runs = decoders.speculative(drafter, prompts, ids, progress)
         bar.close()
         e = report["drafters"][i]
         e.update(summarize(runs, drafter.cfg.block_size))
         e["accepted_per_prompt"] = [r.accepted for r in runs]  # each round's accepted drafts, in prompt_ids' order
+        e["committed_per_prompt"] = [r.committed for r in runs]  # each round's committed new tokens
         show_decoded(tok, path, ids, prompts, runs, cfg.show)  # --show N: where the drafter was right, as text
+        if "baseline" in report:
+            e["speedup"] = e["tokens_per_s"] / report["baseline"]["tokens_per_s"]
         if reference is not None:
             bad = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference)) if r.tokens != ref]
             e["lossless"] = not bad
             e["mismatched_prompt_ids"] = bad
-            # Batched re-run decoding against the one-prompt baseline would be no like for like.
-            if "baseline" in report and report["batch_decoder"] != "re-run":
-                e["speedup"] = e["tokens_per_s"] / report["baseline"]["tokens_per_s"]
             if bad:
                 log.error("%s: %d of %d outputs differ from the target's greedy decode%s (ids %s)", path, len(bad),
                           len(runs), f" in {cfg.reference}" if cfg.reference else "", bad[:10])
@@ -330,13 +304,17 @@ def format_report(report: dict) -> str:
     lines = []
     if "num_prompts" in report:
         base, against = report.get("baseline"), report.get("lossless_against")
-        checked = ("; no baseline (not checked)" if not against else "" if against == "baseline"
+        checked = ("" if (report.get("sampling") or {}).get("temperature") else "; no baseline (not checked)" if not against else "" if against == "baseline"
                    else f"; lossless (against {against})" + ("" if base else ", no baseline decode (no speed-up)"))
+        s = report.get("sampling") or {}
+        how = ("greedy" if not s.get("temperature") else f"sampling at temperature {s['temperature']}"
+               + (f", top-p {s['top_p']}" if s.get("top_p", 1.0) < 1.0 else "") + (f", top-k {s['top_k']}" if s.get("top_k") else "")
+               + f", seed {s.get('seed', 0)} (checked by distribution in the tests, not token by token)")
         lines.append(f"speculative decoding: {report['num_prompts']} prompts, up to {report['max_new_tokens']} new tokens, "
-                     f"{report['dtype']} on {report['device']}"
-                     + (f", {report['batch_size']} prompts per forward ({report.get('batch_decoder', 're-run')})"
-                        if report.get("batch_size", 1) > 1 else "")
+                     f"{how}, {report['dtype']} on {report['device']}, {report.get('decoding', '')}"
                      + (f"; target alone {base['tokens_per_s']:.1f} tokens/s" if base else "") + checked)
+        lines.append("tau: new tokens committed per verify round, pooled over all rounds (/prompt: the mean of each "
+                     "prompt's own); the reference implementation's count")
         lines.append(f"{'drafter':<40} {'block':>5} {'tau':>6} {'/prompt':>7} {'rounds':>7} {'tok/s':>8} {'speedup':>7} "
                      f"{'lossless':>8}")
         for e in report["drafters"]:

@@ -9,7 +9,7 @@ forward (`TargetSession`). `greedy_decode`, the target alone, gives the output a
 decode must equal (lossless) and the speed it is measured against. The batched decoder
 (evaluate.batched) and the cache walk (evaluate.walk) mirror these rounds.
 
-tau = tokens committed per verify round = 1 + accepted drafts (dflash-method.md).
+tau = new tokens committed by verify rounds / verify rounds (the reference's rule, `summarize`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+
+from dflash_offline.sampling import (ACCEPT, DRAFT, TARGET, Sampling, draw, keyed_uniform, prompt_keys,
+                                     sampling_probs, verify_greedy, verify_sampled)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,8 +180,10 @@ class Proposer(Protocol):
     def start(self, prompt: list[int], features) -> None:
         """A new sequence: the prompt and the target's features at its positions."""
 
-    def propose(self, tokens: list[int]) -> list[int]:
-        """block_size - 1 draft tokens following `tokens` (committed so far; the last is the anchor)."""
+    def draft_logits(self, tokens: list[int], n: int):
+        """Logits [n, V] of the n (<= block_size - 1) draft tokens following `tokens` (committed
+        so far; the last is the anchor), from a block of n + 1 tokens. (A proposer of tokens, an
+        oracle, may give `propose(tokens) -> list[int]` instead: read as one-hot logits.)"""
 
     def observe(self, features) -> None:
         """Features of the newly committed positions (the anchor and the accepted drafts)."""
@@ -211,16 +216,29 @@ class DFlashProposer:
                                                for (k0, v0), (k1, v1) in zip(self.kv, new)]
         self.length += T
 
-    def propose(self, tokens: list[int]) -> list[int]:
+    def draft_logits(self, tokens: list[int], n: int):
         torch = self.torch
-        B, anchor = self.block_size, len(tokens) - 1
+        anchor = len(tokens) - 1
         if anchor != self.length:
             raise RuntimeError(f"drafter context holds {self.length} positions but the anchor is at {anchor}")
-        block = torch.tensor([[tokens[-1]] + [self.mask_id] * (B - 1)], device=self.device)
-        pos = torch.arange(anchor, anchor + B, device=self.device)[None]
+        # A block of n + 1 tokens: the last round of an output drafts only what it can still
+        # commit, and the drafter (bidirectional within the block) sees that shorter block, as in
+        # the reference implementation.
+        block = torch.tensor([[tokens[-1]] + [self.mask_id] * n], device=self.device)
+        pos = torch.arange(anchor, anchor + n + 1, device=self.device)[None]
         h = self.drafter.draft_hidden(self.kv, block, pos)
-        logits = self.torch.nn.functional.linear(h[0, 1:], self.drafter.lm_head.weight.to(h.dtype))
-        return logits.argmax(-1).tolist()
+        return torch.nn.functional.linear(h[0, 1:], self.drafter.lm_head.weight.to(h.dtype)).float()
+
+
+def proposed_logits(proposer, tokens: list[int], n: int, vocab: int):
+    """proposer.draft_logits, or a token proposer's (an oracle's) first n tokens as one-hot logits."""
+    import torch
+
+    if hasattr(proposer, "draft_logits"):
+        return proposer.draft_logits(tokens, n)
+    logits = torch.full((n, vocab), float("-inf"))
+    logits[torch.arange(n), torch.tensor(proposer.propose(tokens)[:n], dtype=torch.long)] = 0.0
+    return logits
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,6 +251,9 @@ class Decoded:
     accepted: list[int] = field(default_factory=list)  # drafts accepted in each verify round
     seconds: float = 0.0
     target_forwards: int = 0
+    # New tokens each verify round committed: accepted + 1, the last round's cut at
+    # --max-new-tokens and after an end-of-sequence token (the reference's acceptance lengths).
+    committed: list[int] = field(default_factory=list)
 
 
 def output_done(out: list[int], max_new: int, eos: set[int]) -> bool:
@@ -241,24 +262,24 @@ def output_done(out: list[int], max_new: int, eos: set[int]) -> bool:
 
 
 def in_length_batches(prompts: list[list[int]], batch_size: int, decode_batch, on_batch=None) -> list[Decoded]:
-    """decode_batch(prompts of one batch) -> their Decoded, over batches of `batch_size` prompts
+    """decode_batch(indices of one batch) -> their Decoded, over batches of `batch_size` prompts
     grouped by length (less padding); results in input order, each batch reported to on_batch."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     results: list[Decoded | None] = [None] * len(prompts)
     for k in range(0, len(order), batch_size):
         part = order[k:k + batch_size]
-        for i, d in zip(part, decode_batch([prompts[i] for i in part])):
+        for i, d in zip(part, decode_batch(part)):
             results[i] = d
         if on_batch is not None:
             on_batch([results[i] for i in part])
     return results  # type: ignore[return-value]
 
 
-def commit_round(out: list[int], draft: list[int], best: list[int], a: int, max_new: int, eos: set[int]) -> list[int]:
-    """The tokens a verify round commits (the a accepted drafts, then the target's own next
-    token), appended to `out` and cut where the output ends."""
+def commit_round(out: list[int], draft: list[int], a: int, nxt: int, max_new: int, eos: set[int]) -> list[int]:
+    """The tokens a verify round commits (the a accepted drafts, then the target's next token),
+    appended to `out` and cut where the output ends."""
     new = []
-    for tok in draft[:a] + [best[a]]:
+    for tok in draft[:a] + [nxt]:
         new.append(tok)
         out.append(tok)
         if output_done(out, max_new, eos):
@@ -266,39 +287,89 @@ def commit_round(out: list[int], draft: list[int], best: list[int], a: int, max_
     return new
 
 
-def greedy_decode(target: TargetSession, prompt: list[int], max_new: int, eos: set[int]) -> Decoded:
-    """The target alone, one token per forward: the reference output and the baseline speed."""
+class Chooser:
+    """The target's tokens and the verification of drafts for one prompt, greedy or sampled with
+    noise keyed by (seed, the prompt's key, output index) (dflash_offline.sampling)."""
+
+    def __init__(self, sampling: Sampling, key: int, device):
+        import torch
+
+        self.torch, self.sampling = torch, sampling
+        self.seeded = prompt_keys(sampling.seed, torch.tensor([key], device=device))
+
+    def token(self, logits, index: int) -> int:
+        """The target's token at output `index` from its logits [V]."""
+        if self.sampling.greedy:
+            return int(logits.argmax())
+        u = keyed_uniform(self.seeded, self.torch.tensor([index], device=self.seeded.device), TARGET)
+        return int(draw(sampling_probs(logits[None], self.sampling), u)[0])
+
+    def draft(self, draft_logits, index: int):
+        """Draft tokens [n] from the drafter's logits [n, V] (drafts at output index..) and the
+        drafter's distribution (None when greedy)."""
+        if self.sampling.greedy:
+            return draft_logits.argmax(-1), None
+        torch = self.torch
+        q = sampling_probs(draft_logits, self.sampling)
+        at = torch.arange(index, index + q.shape[0], device=self.seeded.device)[None]
+        return draw(q[None], keyed_uniform(self.seeded, at, DRAFT))[0].to(q.device), q
+
+    def verify(self, draft, q, target_logits, index: int) -> tuple[int, int]:
+        """(accepted drafts, the next token) for draft [n], target logits [n + 1, V]."""
+        torch = self.torch
+        n = draft.shape[0]
+        limit = torch.tensor([n], device=draft.device)
+        if self.sampling.greedy:
+            a, nxt = verify_greedy(draft[None], target_logits[None], limit)
+        else:
+            at = torch.arange(index, index + n + 1, device=self.seeded.device)[None]
+            u_acc = keyed_uniform(self.seeded, at[:, :n], ACCEPT).to(draft.device)
+            u_next = keyed_uniform(self.seeded, at, TARGET).to(draft.device)
+            a, nxt = verify_sampled(draft[None], q[None], sampling_probs(target_logits[None], self.sampling), limit,
+                                    u_acc, u_next)
+        return int(a[0]), int(nxt[0])
+
+
+def greedy_decode(target: TargetSession, prompt: list[int], max_new: int, eos: set[int],
+                  sampling: Sampling = Sampling(), key: int = 0) -> Decoded:
+    """The target alone, one token per forward: the reference output and the baseline speed
+    (greedy, or sampled with the same keyed noise as the speculative decoders)."""
     t0 = time.perf_counter()
     target.forwards = 0
+    choose = Chooser(sampling, key, target.device)
     logits, _ = target.start(prompt, features=False)
-    out = [int(logits[-1].argmax())]
+    out = [choose.token(logits[-1], 0)]
     while not output_done(out, max_new, eos):
         logits, _ = target.forward([out[-1]], features=False, rollback=False)
-        out.append(int(logits[-1].argmax()))
+        out.append(choose.token(logits[-1], len(out)))
     return Decoded(out, seconds=time.perf_counter() - t0, target_forwards=target.forwards)
 
 
-def speculative_decode(target: TargetSession, proposer, prompt: list[int], max_new: int, eos: set[int]) -> Decoded:
-    """Greedy speculative decoding of one prompt (module docstring). Output = greedy_decode's."""
+def speculative_decode(target: TargetSession, proposer, prompt: list[int], max_new: int, eos: set[int],
+                       sampling: Sampling = Sampling(), key: int = 0) -> Decoded:
+    """Speculative decoding of one prompt (module docstring): greedy, equal to greedy_decode's
+    output; sampled, distributed as the target's own sampling."""
     t0 = time.perf_counter()
     target.forwards = 0
+    choose = Chooser(sampling, key, target.device)
     logits, feats = target.start(prompt)
     proposer.start(prompt, feats)
-    seq = list(prompt) + [int(logits[-1].argmax())]
+    seq = list(prompt) + [choose.token(logits[-1], 0)]
     out = seq[len(prompt):]
-    accepted = []
+    accepted, committed = [], []
     while not output_done(out, max_new, eos):
-        draft = proposer.propose(seq)
-        logits, feats = target.forward([seq[-1]] + draft)
-        best = logits.argmax(-1).tolist()  # best[j]: the target's token after block position j
-        a = 0
-        while a < len(draft) and draft[a] == best[a]:
-            a += 1
+        # The reference's last round: only the drafts that can still be committed.
+        n = min(proposer.block_size - 1, max_new - len(out))
+        draft, q = choose.draft(proposed_logits(proposer, seq, n, logits.shape[-1]).to(logits.device), len(out))
+        logits, feats = target.forward([seq[-1]] + draft.tolist())
+        a, nxt = choose.verify(draft, q, logits, len(out))
         accepted.append(a)
         target.keep(a + 1)
         proposer.observe(feats[: a + 1])
-        seq += commit_round(out, draft, best, a, max_new, eos)
-    return Decoded(out, accepted, time.perf_counter() - t0, target.forwards)
+        new = commit_round(out, draft.tolist(), a, nxt, max_new, eos)
+        committed.append(len(new))
+        seq += new
+    return Decoded(out, accepted, time.perf_counter() - t0, target.forwards, committed)
 
 
 def tokens_per_s(runs: list[Decoded]) -> float:
@@ -307,16 +378,20 @@ def tokens_per_s(runs: list[Decoded]) -> float:
 
 
 def summarize(runs: list[Decoded], block_size: int) -> dict:
+    """tau by the reference's rule: new tokens committed by verify rounds / verify rounds (nothing
+    past --max-new-tokens or after an end-of-sequence token counts; the prefill's first token is
+    no round's), pooled over every round of every prompt, and the mean of each prompt's own tau."""
     acc = np.asarray([a for r in runs for a in r.accepted], np.int64)
     rounds = int(acc.shape[0])
+    committed = sum(sum(r.committed) for r in runs)
     tokens = sum(len(r.tokens) for r in runs)
     seconds = sum(r.seconds for r in runs)
-    # Each prompt's own tau (prompts decoded without a round, a first token that ends the output,
-    # have none): the reference DFlash benchmark averages these, where `tau` pools all rounds.
-    per_prompt = [float(np.mean(np.asarray(r.accepted) + 1)) for r in runs if r.accepted]
+    # Prompts decoded without a round (a first token that ends the output) have no tau.
+    per_prompt = [sum(r.committed) / len(r.committed) for r in runs if r.committed]
     return {
-        "rounds": rounds, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens_per_s(runs),
-        "tau": float((acc + 1).mean()) if rounds else float("nan"),
+        "rounds": rounds, "tokens": tokens, "committed": committed, "seconds": seconds,
+        "tokens_per_s": tokens_per_s(runs),
+        "tau": committed / rounds if rounds else float("nan"),
         "tau_per_prompt_mean": float(np.mean(per_prompt)) if per_prompt else float("nan"),
         "tau_per_prompt": per_prompt,
         # Share of rounds in which draft slot j (1..B-1) was accepted.

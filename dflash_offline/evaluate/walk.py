@@ -13,7 +13,7 @@ greedy tokens. Training runs the walk on a held-out cache as it goes.
   alike, while decoding starts each block where the last one ended, so it spends few blocks on
   easy stretches and many on hard ones. It ranks checkpoints like the walk.
 
-tau = tokens committed per verify round = 1 + accepted drafts (dflash-method.md).
+tau = new tokens committed by verify rounds / verify rounds (the reference's rule; evaluate.speculative.summarize).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
 # The walk: decoding's blocks, picked out of every anchor's score
 
 
-def walk_rounds(accepted, length: int) -> list[int]:
+def walk_rounds(accepted, length: int, max_new: int | None = None) -> list[int]:
     """The accepted drafts of each round greedy speculative decoding makes over one completion.
 
     accepted[i]: how many drafts the block anchored at completion token i gets accepted (i = 0 is
@@ -128,15 +128,16 @@ def walk_rounds(accepted, length: int) -> list[int]:
     from); needed for i < length - 1. length: the output length at which decoding stops
     (max_new_tokens, or 1 + the index of the first end-of-sequence token if that is smaller).
     Mirrors `speculative_decode` and `output_done`: the output starts with one token; each round drafts
-    from the last committed token, records its a and commits a + 1 tokens, and decoding stops as
-    soon as the output holds `length` tokens, mid-round if need be (the round still records its
-    whole a, as the decoder's `accepted` list does)."""
+    from the last committed token at most the max_new - n drafts that can still be committed (n
+    tokens out; max_new defaults to `length`), records its a and commits a + 1 tokens, and
+    decoding stops as soon as the output holds `length` tokens, mid-round if need be."""
     if length > 1 and len(accepted) < length - 1:
         raise ValueError(f"walk_rounds: {len(accepted)} anchors for an output of {length} tokens "
                          f"(need {length - 1})")
+    cap = length if max_new is None else max_new
     rounds, n = [], 1
     while n < length:
-        a = int(accepted[n - 1])
+        a = min(int(accepted[n - 1]), cap - n)
         rounds.append(a)
         n += a + 1
     return rounds
@@ -174,12 +175,12 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
 
     For the target's own greedy completions (fp32) this is the decoding tau of the same prompts
     with max_new_tokens = the completion length, without running the target, except in each
-    sample's last round: decoding verifies all B-1 drafts even past max_new_tokens, where the data
-    has no tokens, so a last round that would accept beyond the data's end scores lower here. With
-    `max_new` at least B - 1 below the completion lengths that difference is gone. The drafter sees
-    the cache's stored (bf16 or fp8) features where decoding gives it the target's own.
+    sample's last round, where decoding drafts a shorter block (only what it can still commit),
+    which the drafter sees differently from the full block scored here. The drafter sees the
+    cache's stored (bf16 or fp8) features where decoding gives it the target's own.
 
-    -> {tau_pooled: sum of (a + 1) over all rounds / rounds (summarize's tau), tau_per_prompt_mean:
+    -> {tau_pooled: committed tokens / rounds by the reference's rule (summarize's tau: a sample of
+    n tokens commits n - 1 in its rounds, the first token being the prompt's), tau_per_prompt_mean:
     the mean over samples of each one's own tau, rounds, samples (walked: at least one round),
     samples_skipped (completion of at most one token: no round), accept_rate[j-1] (share of
     rounds accepting slot j), anchors and tau_all_anchors (mean of 1 + accepted over every
@@ -319,7 +320,7 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
     finally:
         drafter.train(was_training)
 
-    rounds_of: list[tuple[int, list[int]]] = []
+    rounds_of: list[tuple[int, list[int], int]] = []  # (sample, accepted per round, committed tokens)
     skipped = 0
     for row in ctx_rows:
         for s, at, keep in row.spans:
@@ -334,18 +335,18 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
                 length = min(length, max_new)
             got = walk_rounds(row.accepted[p0:at + keep], length)
             if got:
-                rounds_of.append((s, got))
+                rounds_of.append((s, got, length - 1))
             else:
                 skipped += 1
     if not rounds_of:
         raise UserError(f"--cache {cache}: no sample with a completion of two tokens or more to walk")
     rounds_of.sort()
-    flat = np.asarray([a for _, r in rounds_of for a in r], np.int64)
+    flat = np.asarray([a for _, r, _ in rounds_of for a in r], np.int64)
     every = np.concatenate(anchor_acc) if anchor_acc else np.zeros(0, np.int64)
     out = {
         "samples": len(rounds_of), "samples_skipped": skipped, "rounds": int(flat.size),
-        "tau_pooled": float((flat + 1).mean()),
-        "tau_per_prompt_mean": float(np.mean([np.mean(np.asarray(r) + 1) for _, r in rounds_of])),
+        "tau_pooled": sum(c for _, _, c in rounds_of) / flat.size,
+        "tau_per_prompt_mean": float(np.mean([c / len(r) for _, r, c in rounds_of])),
         "accept_rate": [float((flat >= j).mean()) for j in range(1, B)],
         "anchors": int(every.size),
         "tau_all_anchors": float((every + 1).mean()) if every.size else float("nan"),
@@ -354,7 +355,7 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
         "seconds": time.time() - t0,
     }
     if per_sample:
-        out["per_sample"] = [{"id": refs[s].id, "accepted": r} for s, r in rounds_of]
+        out["per_sample"] = [{"id": refs[s].id, "accepted": r} for s, r, _ in rounds_of]
     return out
 
 

@@ -31,51 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_offline.sampling import Sampling, uniform_noise  # noqa: F401  (Sampling: generate's settings)
+
 log = logging.getLogger("dflash.decoding")
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How the next token is chosen: greedy (temperature 0) or sampled with temperature and top-p."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-
-# ----------------------------------------------------------------------------------------------
-# Counter-based noise: splitmix64 in int64 arithmetic (multiplication wraps modulo 2^64 on CPU and
-# CUDA alike; right shifts are made logical with a mask).
-
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
-
-
-def _lsr(x: torch.Tensor, k: int) -> torch.Tensor:
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    x = (x ^ _lsr(x, 30)) * _MIX1
-    x = (x ^ _lsr(x, 27)) * _MIX2
-    return x ^ _lsr(x, 31)
-
-
-def uniform_noise(seed: int, row_ids: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
-    """[rows, vocab] float64 in (0, 1): a pure function of (seed, row id, step, vocabulary index)."""
-    dev = row_ids.device
-    # Python ints would overflow int64 before wrapping: every product is taken between tensors.
-    key = _mix(torch.full_like(row_ids, int(seed) & ((1 << 63) - 1)) * _GOLDEN + 1)
-    key = _mix(key + row_ids * _GOLDEN)
-    key = _mix(key + torch.full_like(row_ids, int(step) + 1) * _GOLDEN)
-    v = torch.arange(1, vocab + 1, device=dev, dtype=torch.int64)
-    bits = _mix(key[:, None] + v[None, :] * _GOLDEN)
-    return (_lsr(bits, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
 
 
 def choose_tokens(logits: torch.Tensor, sampling: Sampling, row_ids: torch.Tensor, step: int) -> torch.Tensor:

@@ -1,0 +1,109 @@
+"""Which decoder runs `eval --prompts`, chosen once for the target and used for the target alone
+and for every drafter alike (a speed-up compares like with like).
+
+  static        evaluate.graphed: the target's own layers over preallocated key/value buffers,
+                each round one CUDA graph on a GPU; one prompt at a time (--batch-size 1) or
+                batched. Dense attention targets (evaluate.static.FAMILIES).
+  transformers  transformers' forward with its caches: one prompt at a time (evaluate.speculative),
+                KV-cache batches with per-row recurrent-state rollback (evaluate.kv_batch; hybrid
+                targets), or, for sliding-window targets, whole sequences re-run each round
+                (evaluate.batched, greedy only).
+
+`--decoder auto` takes static where the target allows it; the report and the log say which ran
+and, when it is not static, why.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from dflash_offline.evaluate import kv_batch, static
+from dflash_offline.evaluate.speculative import (Decoded, DFlashProposer, TargetSession, greedy_decode,
+                                                 speculative_decode)
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.sampling import Sampling
+
+log = logging.getLogger("dflash.eval")
+
+
+class Decoders:
+    """The target alone and speculative decoding of a list of prompts, by the chosen decoder."""
+
+    def __init__(self, model, choice: str, batch_size: int, max_prompt_len: int, max_new: int, eos: set[int],
+                 sampling: Sampling, device: str, dtype: str):
+        self.model, self.batch_size, self.max_new, self.eos = model, batch_size, max_new, eos
+        self.max_prompt_len, self.sampling, self.device, self.dtype = max_prompt_len, sampling, device, dtype
+        why_not = static.unsupported_reason(model)
+        if choice == "static" and why_not is not None:
+            raise UserError(f"--decoder static cannot run this target: {why_not}; use --decoder transformers (or auto)")
+        self.static = choice != "transformers" and why_not is None
+        self.kv_reason = kv_batch.unsupported_reason(model) if batch_size > 1 and not self.static else None
+        if self.kv_reason is not None and not sampling.greedy:
+            raise UserError(f"--temperature {sampling.temperature}: this target is decoded in batches by re-running "
+                            f"whole sequences ({self.kv_reason}), which decodes greedily only; use --batch-size 1")
+        shape = "one prompt at a time" if batch_size == 1 else f"{batch_size} prompts per forward"
+        if self.static:
+            graphs = " with CUDA graphs" if device.startswith("cuda") else ""
+            self.name, self.describe = "static", f"static buffers{graphs}, {shape}"
+        elif batch_size == 1:
+            self.name, self.describe = "transformers", f"transformers caches, {shape}"
+        elif self.kv_reason is None:
+            self.name, self.describe = "transformers", f"transformers KV caches, {shape}"
+        else:
+            self.name, self.describe = "transformers-rerun", f"whole sequences re-run each round ({self.kv_reason}), {shape}"
+        if not self.static:
+            reason = "--decoder transformers" if choice == "transformers" else why_not
+            log.warning("decoding through transformers' forward, not the static decoder: %s", reason)
+        self._sessions: dict[tuple, TargetSession] = {}
+
+    def _rows(self, n: int) -> int:
+        return max(1, min(self.batch_size, n))
+
+    def _session(self, layer_ids) -> TargetSession:
+        key = tuple(layer_ids)
+        if key not in self._sessions:
+            self._sessions[key] = TargetSession(self.model, list(layer_ids))
+        return self._sessions[key]
+
+    def target_alone(self, prompts: list[list[int]], keys: list[int], on_batch) -> list[Decoded]:
+        if self.static:
+            from dflash_offline.evaluate.graphed import StaticDecoder
+
+            dec = StaticDecoder(self.model, None, self._rows(len(prompts)), self.max_prompt_len, self.max_new, self.eos,
+                                self.sampling)
+            return dec.decode_all(prompts, keys, on_batch)
+        if self.batch_size > 1 and self.kv_reason is None:
+            return kv_batch.kv_batched_decode(self.model, kv_batch.NoDrafts(), [], prompts, self.max_new, self.eos,
+                                              self.batch_size, on_batch, self.sampling, keys)
+        runs = []
+        for p, k in zip(prompts, keys):
+            runs.append(greedy_decode(self._session([]), p, self.max_new, self.eos, self.sampling, k))
+            on_batch(runs[-1:])
+        return runs
+
+    def speculative(self, drafter, prompts: list[list[int]], keys: list[int], on_batch) -> list[Decoded]:
+        import torch
+
+        layers = drafter.cfg.target_layer_ids
+        if self.static:
+            from dflash_offline.evaluate.graphed import StaticDecoder
+
+            drafter = drafter.to(device=self.device, dtype=getattr(torch, self.dtype)).eval()
+            dec = StaticDecoder(self.model, drafter, self._rows(len(prompts)), self.max_prompt_len, self.max_new,
+                                self.eos, self.sampling)
+            return dec.decode_all(prompts, keys, on_batch)
+        if self.batch_size > 1 and self.kv_reason is None:
+            return kv_batch.kv_batched_decode(self.model, kv_batch.KVBatchDFlashProposer(drafter, self.device, self.dtype),
+                                              layers, prompts, self.max_new, self.eos, self.batch_size, on_batch,
+                                              self.sampling, keys)
+        if self.batch_size > 1:
+            from dflash_offline.evaluate.batched import BatchDFlashProposer, batched_speculative_decode
+
+            return batched_speculative_decode(self.model, BatchDFlashProposer(drafter, self.device, self.dtype), layers,
+                                              prompts, self.max_new, self.eos, self.batch_size, on_batch)
+        proposer = DFlashProposer(drafter, self.device, self.dtype)
+        runs = []
+        for p, k in zip(prompts, keys):
+            runs.append(speculative_decode(self._session(layers), proposer, p, self.max_new, self.eos, self.sampling, k))
+            on_batch(runs[-1:])
+        return runs

@@ -1,0 +1,183 @@
+"""The target and the drafter over preallocated key/value buffers: the forwards of the static decoder.
+
+Every row of a batch owns positions 0..S-1 of each layer's key/value buffer [R, heads, S, d]; a
+forward over tokens at positions `pos` [R, T] writes their keys and values at those positions and
+attends to every position <= its own. Nothing is cropped or concatenated: a verify round writes a
+whole block at pos..pos+B-1, and the next block starts right after the committed tokens, so it
+overwrites the rejected drafts' entries before any query can see them (a query at position p sees
+only positions <= p, all written by this forward or committed before it). Shapes never change
+within a batch, which is what lets a CUDA graph replay a whole round (evaluate.graphed).
+
+`DenseTarget` runs a transformers causal LM's own submodules (embedding, norms, projections,
+rotary embedding, MLP, head) in the layer order of its decoder, with grouped-query attention laid
+along the query axis (no copy of the keys per query head). It serves the families whose decoder
+layer is exactly "x + attn(norm(x)); x + mlp(norm(x))" with full causal attention (`FAMILIES`);
+`unsupported_reason` says why another target is not one of them (hybrid Gated DeltaNet, sliding
+windows, other layer layouts), and eval then decodes it through transformers' own forward.
+
+`DrafterBuffers` does the same for the DFlash drafter: its context keys/values per committed
+position, and a drafted block written at the anchor's positions (bidirectional within the block,
+limited to a row's `block_len`: the last round of an output drafts only what it can still commit,
+as the reference implementation does).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from dflash_offline.drafter.model import rope_cos_sin
+
+# transformers model types whose decoder layers are pre-norm attention + MLP with full causal
+# attention, optional q/k norms and biases, and an unscaled embedding.
+FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
+_LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the static decoder cannot run this target (None: it can)."""
+    cfg = model.config
+    kind = getattr(cfg, "model_type", None)
+    if kind not in FAMILIES:
+        return f"model type {kind!r} is not one of {', '.join(FAMILIES)}"
+    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:
+        return f"its layers include {', '.join(sorted(types - {'full_attention'}))}"
+    if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        return "it uses sliding-window attention"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "its decoder lacks embed_tokens / layers / norm / rotary_emb"
+    for layer in inner.layers:
+        parts = {n for n, _ in layer.named_children()}
+        attn = {n for n, _ in layer.self_attn.named_children()} if hasattr(layer, "self_attn") else set()
+        if parts != _LAYER_PARTS or not {"q_proj", "k_proj", "v_proj", "o_proj"} <= attn or not attn <= _ATTN_PARTS:
+            return f"its decoder layer holds {sorted(parts)} / attention {sorted(attn)}"
+    return None
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [R, H, T, d] over k/v [R, Hkv, S, d] with mask [R, 1, G*T, S] (G = H / Hkv, the mask
+    repeated per group): the G query heads of one key/value head laid along the query axis."""
+    R, H, T, d = q.shape
+    Hkv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(R, Hkv, (H // Hkv) * T, d), k, v, attn_mask=mask, scale=scale)
+    return out.reshape(R, H, T, d)
+
+
+def causal_by_position(pos: torch.Tensor, capacity: int, groups: int) -> torch.Tensor:
+    """[R, 1, groups*T, S] bool: the query at position pos[r, t] sees key positions <= it."""
+    keys = torch.arange(capacity, device=pos.device)
+    mask = keys[None, None, :] <= pos[:, :, None]
+    return mask[:, None].repeat(1, 1, groups, 1)
+
+
+class DenseTarget:
+    """A dense attention target over per-row key/value buffers (module docstring)."""
+
+    def __init__(self, model, layer_ids: list[int], rows: int, capacity: int):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the static decoder cannot run this target: {reason}")
+        cfg = model.config
+        self.model, self.inner = model, model.model
+        self.layer_ids = list(layer_ids)
+        attn = self.inner.layers[0].self_attn
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(attn, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = float(getattr(attn, "scaling", self.head_dim ** -0.5))
+        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        p = next(model.parameters())
+        self.rows, self.capacity = rows, capacity
+        shape = (rows, self.kv_heads, capacity, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.inner.layers]
+        self.values = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in self.inner.layers]
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, features: bool):
+        """ids/pos [R, T] (the first R rows of the buffers) -> (final-normed hidden [R, T, H], raw
+        layer outputs [R, T, n*H] or None)."""
+        R, T = ids.shape
+        x = self.inner.embed_tokens(ids)
+        cos, sin = self.inner.rotary_emb(x, pos)
+        mask = causal_by_position(pos, self.capacity, self.heads // self.kv_heads)
+        where = pos[:, None, :, None].expand(R, self.kv_heads, T, self.head_dim)
+        captured = {}
+        for i, layer in enumerate(self.inner.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(R, T, -1, self.head_dim)
+            k = a.k_proj(h).view(R, T, -1, self.head_dim)
+            if hasattr(a, "q_norm"):
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            v = a.v_proj(h).view(R, T, -1, self.head_dim).transpose(1, 2)
+            keys, values = self.keys[i][:R], self.values[i][:R]  # the first R rows (a bucket)
+            keys.scatter_(2, where, k.to(keys.dtype))
+            values.scatter_(2, where, v.to(values.dtype))
+            out = grouped_attention(q.to(v.dtype), keys, values, mask, self.scale)
+            x = x + a.o_proj(out.transpose(1, 2).reshape(R, T, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if features and i in self.layer_ids:
+                captured[i] = x
+        feats = torch.cat([captured[i] for i in self.layer_ids], -1) if features else None
+        return self.inner.norm(x), feats
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden).float()
+
+
+class DrafterBuffers:
+    """The drafter's context keys/values per row and position, and its drafted blocks."""
+
+    def __init__(self, drafter, rows: int, capacity: int):
+        self.drafter, cfg = drafter, drafter.cfg
+        self.block_size, self.mask_id = cfg.block_size, cfg.mask_token_id
+        self.rows, self.capacity = rows, capacity
+        self.dtype = drafter.fc.weight.dtype
+        dev = drafter.fc.weight.device
+        shape = (rows, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in drafter.layers]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in drafter.layers]
+        self.steps = torch.arange(cfg.block_size, device=dev)
+
+    def _write(self, i: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        R, Hkv, T, d = k.shape
+        where = pos[:, None, :, None].expand(R, Hkv, T, d)
+        self.keys[i][:R].scatter_(2, where, k.to(self.dtype))
+        self.values[i][:R].scatter_(2, where, v.to(self.dtype))
+
+    def add_context(self, feats: torch.Tensor, pos: torch.Tensor) -> None:
+        """The target's features [R, T, n*H] at positions pos [R, T] become context there."""
+        d = self.drafter
+        ctx = d.hidden_norm(d.fc(feats.to(self.dtype)))
+        cos, sin = rope_cos_sin(pos, d.cfg.head_dim, d.cfg.rope_theta)
+        for i, layer in enumerate(d.layers):
+            k, v = layer.self_attn.context_kv(ctx, cos, sin)
+            self._write(i, k, v, pos)
+
+    def draft_logits(self, anchor: torch.Tensor, pos: torch.Tensor, block_len: torch.Tensor) -> torch.Tensor:
+        """The block [anchor, MASK x (B-1)] at positions pos.. [R] over the context before pos;
+        block_len [R]: how many block tokens exist (>= 2). -> logits [R, B-1, V] (float32)."""
+        d, B = self.drafter, self.block_size
+        R = anchor.shape[0]
+        block = torch.full((R, B), self.mask_id, dtype=torch.long, device=anchor.device)
+        block[:, 0] = anchor
+        bpos = pos[:, None] + self.steps
+        keys = torch.arange(self.capacity, device=anchor.device)
+        visible = (keys[None, :] < pos[:, None]) | ((keys[None, :] >= pos[:, None])
+                                                     & (keys[None, :] < (pos + block_len)[:, None]))
+        mask = visible[:, None, None, :].expand(R, 1, B, self.capacity)
+        x = d.embed_tokens(block).to(self.dtype)
+        cos, sin = rope_cos_sin(bpos, d.cfg.head_dim, d.cfg.rope_theta)
+        for i, layer in enumerate(d.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            k, v = a.context_kv(h, cos, sin)  # the same projection serves the block
+            self._write(i, k, v, bpos)
+            x = x + a.attend(h, self.keys[i][:R], self.values[i][:R], cos, sin, mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = d.norm(x)
+        return F.linear(h[:, 1:], d.lm_head.weight.to(h.dtype)).float()
