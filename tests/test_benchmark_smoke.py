@@ -47,14 +47,10 @@ def test_train_throughput_smoke(tmp_path):
 
 def test_decode_speed_smoke(tmp_path):
     out = tmp_path / "d.json"
-    _run(["benchmarks/decode_speed.py", "--tiny", "--ceiling", "--out", str(out)], tmp_path)
-    res = json.loads(out.read_text())
-    (d,) = res["pycode"]["drafters"]
-    n = res["pycode"]["prompts"]
-    # fp32: both batched speculative decoders and eval's block-1 batches give the target alone's tokens
-    assert d["batched_kv"]["equal_to_alone"] == d["batched_rerun"]["equal_to_alone"] == n
-    assert res["pycode"]["batched_alone_kv"]["equal_to_generate"] == n
-    check = res["ceiling"]["verify_check"]  # a block verify chooses what one-token steps chose
-    k = min(len(check["steps"]), len(check["verify"]))
-    assert k > 0 and check["verify"][:k] == check["steps"][:k]
-    assert [b["tau"] for b in res["ceiling"]["blocks"]] and all(b["equal_to_alone"] == 2 for b in res["ceiling"]["blocks"])
+    _run(["benchmarks/decode_speed.py", "--tiny", "--out", str(out)], tmp_path)
+    res = json.loads(out.read_text())["pycode"]
+    (d,) = res["drafters"]
+    # fp32: speculative decoding gives the target alone's tokens, one at a time and batched
+    assert d["batch1"]["equal_to_alone"] == res["batch1_prompts"] and d["batched"]["equal_to_alone"] == res["prompts"]
+    assert set(res["batched_alone"]) == {"static", "generate", "transformers_kv"}
+    assert d["batch1"]["tau"] >= 1 and d["batched"]["speedup_vs_fastest_alone"] > 0

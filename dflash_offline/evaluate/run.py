@@ -138,6 +138,10 @@ def run(cfg: EvalConfig) -> dict:
     check_report_dest(cfg.json_path)
     if cfg.cache:
         _check_cache_target(cfg.cache, cfg.target)
+    if cfg.implied_for:
+        from dflash_offline.evaluate.ceiling import find_shape
+
+        find_shape(cfg.implied_for)  # an unknown name: one line now, not after the decoding
     try:
         open_process_log(log_folder(cfg), "eval")
     except OSError as e:  # one line naming the folder, before any work
@@ -185,6 +189,14 @@ def run(cfg: EvalConfig) -> dict:
                 from dflash_offline.evaluate.parity import check_parity
 
                 report["drafters"][i]["parity"] = check_parity(cfg.target, d, cfg.cache, cfg.parity, device, cfg.dtype)
+    if cfg.implied_for and cfg.prompts:
+        from dflash_offline.evaluate.ceiling import find_shape, format_implied, implied_speedup
+
+        shape = find_shape(cfg.implied_for)
+        for (_, d), e in zip(drafters, report["drafters"]):
+            if e.get("tau", float("nan")) >= 1:
+                e["implied"] = {"shape": shape.name, "speedup": implied_speedup(min(e["tau"], shape.block_size), shape),
+                                "line": format_implied(e["tau"], shape, d.cfg.block_size)}
     print(format_report(report), flush=True)
     if cfg.json_path:
         tmp = Path(f"{cfg.json_path}.tmp-{os.getpid()}")
@@ -326,6 +338,8 @@ def format_report(report: dict) -> str:
                          f"{e.get('tau_per_prompt_mean', float('nan')):>7.3f} {e['rounds']:>7} "
                          f"{e['tokens_per_s']:>8.1f} {speed:>7} {lossless:>8}")
             lines.append("  accepted per slot: " + " ".join(f"{a:.2f}" for a in e["accept_rate"]))
+            if "implied" in e:
+                lines.append("  " + e["implied"]["line"])
     if any("cache_walk" in e or "cache_estimate" in e for e in report["drafters"]):
         lines.append(f"estimate from the cache {report.get('cache')}:")
         lines.append("  walk: tau over the blocks decoding would draft, pooled over rounds (/sample: mean of the "
