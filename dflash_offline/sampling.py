@@ -69,9 +69,11 @@ def mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def _to_unit(bits: torch.Tensor) -> torch.Tensor:
-    """int64 hash -> float64 in (0, 1), 53 random bits."""
+    """int64 hash -> float64 strictly inside (0, 1): its top 52 bits + 0.5, over 2^52 (with 53
+    bits, all ones + 0.5 rounds up to exactly 1.0, which `draw` and a Gumbel log cannot take)."""
     import torch
-    return (shift_right(bits, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+
+    return (shift_right(bits, 12).to(torch.float64) + 0.5) * (1.0 / (1 << 52))
 
 
 def seed_key(seed: int, like: torch.Tensor) -> torch.Tensor:

@@ -138,7 +138,7 @@ def test_noise_is_splitmix64_and_sampling_follows_the_distribution():
             key = mix(np.uint64(seed) * g + np.uint64(1))
             key = mix(key + np.uint64(row) * g)
             key = mix(key + np.uint64(step + 1) * g)
-            want = [(float(mix(key + np.uint64(v + 1) * g) >> np.uint64(11)) + 0.5) / 2**53 for v in range(5)]
+            want = [(float(mix(key + np.uint64(v + 1) * g) >> np.uint64(12)) + 0.5) / 2**52 for v in range(5)]
             got = uniform_noise(seed, torch.tensor([row]), step, 5)[0].tolist()
             assert got == want
     # Sampled frequencies follow softmax(logits / T), renormalised over the top-p nucleus.
