@@ -1,9 +1,9 @@
 """`eval --batch-size N`: both batched speculative decoders (the KV-cache one, with per-row
 recurrent-state rollback on hybrid targets, and the one that re-runs whole sequences each round,
 rows right-padded) give what the one-prompt KV-cache decoder gives, prompt for prompt: the same tokens (the target's
-greedy decode), the same rounds and accepted lengths, on dense and hybrid tiny targets, with the
-trained-drafter proposer and with oracle drafts (tau = block size) that are corrupted so that
-rounds accept every length."""
+greedy decode), the same rounds, accepted lengths and committed tokens (the reference's tau), on
+dense and hybrid tiny targets, with the trained-drafter proposer and with oracle drafts (every
+draft accepted) that are corrupted so that rounds accept every length."""
 
 from __future__ import annotations
 
@@ -60,15 +60,22 @@ class Oracle:  # the one-prompt decoder's proposer
 
 
 class BatchOracle:
-    def __init__(self, fulls: dict, block_size, corrupt):
-        self.fulls, self.block_size, self.corrupt = fulls, block_size, corrupt
+    """fulls: {prompt index: (prompt length, prompt + greedy continuation)}. Proposes block_size - 1
+    tokens whatever each row's block length (the decoders use only those that fit), and checks the
+    block length the decoder gives: an output's last rounds get only the tokens they can still
+    commit, min(B, max_new - tokens out + 1) with the anchor (the reference's verify_size)."""
 
-    def propose(self, feats, ctx_len, anchors, seqs):
+    def __init__(self, fulls: dict, block_size, corrupt, max_new=MAX_NEW):
+        self.fulls, self.block_size, self.corrupt, self.max_new = fulls, block_size, corrupt, max_new
+
+    def propose(self, feats, ctx_len, anchors, seqs, block_len):
         assert ctx_len.tolist() == [len(s) - 1 for s in seqs] and anchors.tolist() == [s[-1] for s in seqs]
-        out = []
+        out, want_len = [], []
         for s in seqs:
-            full = next(f for f in self.fulls.values() if f[:len(s)] == s)
+            n, full = next(f for f in self.fulls.values() if f[1][:len(s)] == s)
             out.append(drafts_for(full, len(s), self.block_size - 1, self.corrupt))
+            want_len.append(min(self.block_size, self.max_new - (len(s) - n) + 1))
+        assert block_len.tolist() == want_len
         return torch.tensor(out)
 
 
@@ -84,9 +91,9 @@ class KVBatchOracle(BatchOracle):
     def select(self, rows, slots):
         pass
 
-    def propose(self, anchors, positions, seqs):
+    def propose(self, anchors, positions, seqs, block_len):
         assert positions.tolist() == [len(s) - 1 for s in seqs] and anchors.tolist() == [s[-1] for s in seqs]
-        return BatchOracle.propose(self, None, positions, anchors, seqs)
+        return BatchOracle.propose(self, None, positions, anchors, seqs, block_len)
 
 
 @pytest.mark.parametrize("decoder", ["rerun", "kv"])
@@ -94,9 +101,10 @@ class KVBatchOracle(BatchOracle):
 def test_batched_equals_one_prompt_decoding_with_oracle_drafts(target, corrupt, decoder):
     folder, model, prompts, reference = target
     B = 8
-    fulls = {i: list(p) + list(ref) for i, (p, ref) in enumerate(zip(prompts, reference))}
+    fulls = {i: (len(p), list(p) + list(ref)) for i, (p, ref) in enumerate(zip(prompts, reference))}
     session = TargetSession(model, LAYERS)
-    one = [speculative_decode(session, Oracle(fulls[i], B, corrupt), p, MAX_NEW, set()) for i, p in enumerate(prompts)]
+    one = [speculative_decode(session, Oracle(fulls[i][1], B, corrupt), p, MAX_NEW, set())
+           for i, p in enumerate(prompts)]
     if decoder == "kv":
         batched = kv_batched_decode(model, KVBatchOracle(fulls, B, corrupt), LAYERS, prompts, MAX_NEW, set(),
                                     batch_size=3)
@@ -105,12 +113,18 @@ def test_batched_equals_one_prompt_decoding_with_oracle_drafts(target, corrupt, 
                                              batch_size=3)
     assert [r.tokens for r in batched] == reference == [r.tokens for r in one]
     assert [r.accepted for r in batched] == [r.accepted for r in one]
-    tau = summarize(batched, B)["tau"]
+    assert [r.committed for r in batched] == [r.committed for r in one]
+    s = summarize(batched, B)
+    # The reference's tau: every output token after the first is committed by one round.
+    assert s["committed"] == len(prompts) * (MAX_NEW - 1) and s["tau"] == s["committed"] / s["rounds"]
     if corrupt:
         assert set(range(B)) <= {a for r in batched for a in r.accepted}  # every accepted length occurs
     else:
         assert [a for r in batched for a in r.accepted[:-1]] == [B - 1] * sum(len(r.accepted) - 1 for r in batched)
-        assert tau > 0.9 * B
+        # Whole blocks of B, then a last round that drafts (and commits) only the 28 % 8 = 4 left.
+        whole, rest = divmod(MAX_NEW - 1, B)
+        assert rest and all(r.committed == [B] * whole + [rest] and r.accepted[-1] == rest for r in batched)
+        assert s["tau"] == (MAX_NEW - 1) / (whole + 1)
 
 
 @pytest.mark.parametrize("decoder", ["rerun", "kv"])
@@ -132,11 +146,14 @@ def test_batched_equals_one_prompt_decoding_with_a_drafter(target, decoder):
         alone = kv_batched_decode(model, NoDrafts(), LAYERS, prompts, MAX_NEW, eos, batch_size=4)
         assert [r.tokens for r in alone] == want  # block size 1: the target alone, batched
         assert all(r.accepted == [0] * (len(r.tokens) - 1) for r in alone)
+        assert all(r.committed == [1] * (len(r.tokens) - 1) for r in alone)
     else:
         batched = batched_speculative_decode(model, BatchDFlashProposer(d, "cpu"), LAYERS, prompts, MAX_NEW, eos,
                                              batch_size=4)
     assert [r.tokens for r in batched] == want == [r.tokens for r in one]
     assert [r.accepted for r in batched] == [r.accepted for r in one]
+    assert [r.committed for r in batched] == [r.committed for r in one]
+    assert [sum(r.committed) for r in batched] == [len(w) - 1 for w in want]  # eos: nothing after it counts
     assert 1.0 <= summarize(batched, 4)["tau"] < 1.2  # an untrained drafter: tau near 1
 
 
@@ -201,6 +218,7 @@ def test_kv_batched_decoding_on_cuda_equals_one_prompt(kind, tiny_dense, tiny_hy
     if kind == "qwen3":
         assert [r.tokens for r in batched] == want == [r.tokens for r in one] == [r.tokens for r in alone]
         assert [r.accepted for r in batched] == [r.accepted for r in one]
+        assert [r.committed for r in batched] == [r.committed for r in one]
         return
     # flash-linear-attention's chunked kernel multiplies in TF32 even for fp32 inputs (about 1e-3
     # relative to an fp64 reference, against fp32's 1e-6 for its one-token kernel): a different
@@ -221,7 +239,7 @@ def test_kv_batched_decoding_on_cuda_equals_one_prompt(kind, tiny_dense, tiny_hy
     assert equal >= 3 * len(prompts) - 2
     for b, o, w in zip(batched, one, want):
         if b.tokens == o.tokens == w:
-            assert b.accepted == o.accepted
+            assert b.accepted == o.accepted and b.committed == o.committed
 
 
 @pytest.mark.gpu

@@ -117,7 +117,11 @@ def test_greedy_reference_and_speculative_decoding_are_lossless(target):
         assert greedy_decode(session, p, MAX_NEW, set()).tokens == ref
         out = speculative_decode(session, proposer, p, MAX_NEW, set())
         assert out.tokens == ref
-        assert sum(a + 1 for a in out.accepted) >= MAX_NEW - 1  # every round committed a + 1 tokens
+        # The reference's count: every output token after the first is committed by one round, a + 1
+        # tokens a round (the last round's cut to the output's end).
+        assert sum(out.committed) == len(out.tokens) - 1 and len(out.committed) == len(out.accepted)
+        assert out.committed[:-1] == [a + 1 for a in out.accepted[:-1]]
+        assert out.committed[-1] in (out.accepted[-1], out.accepted[-1] + 1)
 
 
 @pytest.mark.parametrize("block_size", [4, 8])
@@ -128,7 +132,11 @@ def test_oracle_gives_tau_equal_to_block_size_and_random_near_one(target, block_
               for p, ref in zip(prompts, reference)]
     assert [r.tokens for r in oracle] == reference
     s = summarize(oracle, block_size)
+    # MAX_NEW - 1 = 32 tokens after the first: whole blocks of 4 or 8, every round commits B.
+    assert (MAX_NEW - 1) % block_size == 0 and all(r.committed == [block_size] * ((MAX_NEW - 1) // block_size)
+                                                   for r in oracle)
     assert s["tau"] == block_size and s["accept_rate"] == [1.0] * (block_size - 1)
+    assert s["committed"] == len(prompts) * (MAX_NEW - 1) and s["tau"] == s["committed"] / s["rounds"]
     rand = [speculative_decode(session, RandomProposer(block_size, seed=i), p, MAX_NEW, set())
             for i, p in enumerate(prompts)]
     assert [r.tokens for r in rand] == reference
@@ -156,6 +164,8 @@ def test_eos_stops_like_greedy(target):
     assert want[-1] in eos and len(want) <= 6
     got = speculative_decode(session, Oracle(prompts[1], reference[1], 8), prompts[1], MAX_NEW, eos)
     assert got.tokens == want
+    # The round that emits the end-of-sequence token commits it and nothing after it.
+    assert sum(got.committed) == len(want) - 1 and got.committed[-1] <= got.accepted[-1] + 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,7 +206,9 @@ def test_walk_rounds_equal_decoding_rounds(target, eos_at):
         stop = next((k + 1 for k, t in enumerate(ref[:max_new]) if t in eos), max_new)
         assert out.tokens == ref[:stop]
         accepted = [planted_accept(len(p) + i, B) for i in range(max_new)]
-        assert walk_rounds(accepted, stop) == out.accepted
+        assert walk_rounds(accepted, stop, max_new) == out.accepted
+        # The reference's count: every output token after the first is committed by some round.
+        assert sum(out.committed) == stop - 1 and len(out.committed) == len(out.accepted)
         seen.update(out.accepted)
     assert len(seen) >= 4, seen
 
@@ -250,8 +262,8 @@ class CacheFeatures:
     fp32 ones, so that decoding and the walk give the drafter the same inputs and must agree
     exactly; the target still verifies every block."""
 
-    def __init__(self, inner, stored):
-        self.inner, self.stored, self.block_size = inner, stored, inner.block_size
+    def __init__(self, inner, stored, full=False):
+        self.inner, self.stored, self.block_size, self.full = inner, stored, inner.block_size, full
 
     def start(self, prompt, features):
         self.n = len(prompt)
@@ -262,11 +274,13 @@ class CacheFeatures:
         self.inner.observe(self.stored[self.n:self.n + T])
         self.n += T
 
-    def propose(self, tokens):
-        return self.inner.propose(tokens)
+    def draft_logits(self, tokens, n):
+        # full: always the whole block (what the walk scores), its first n drafts used; otherwise
+        # decoding's own rule (an output's last round drafts a shorter block).
+        return self.inner.draft_logits(tokens, self.block_size - 1 if self.full else n)[:n]
 
 
-def decode_cache_prompts(session, drafter, cache, ids, max_new):
+def decode_cache_prompts(session, drafter, cache, ids, max_new, full=False):
     from dflash_offline.cache.reader import CacheReader
 
     reader = CacheReader(str(cache))
@@ -276,18 +290,31 @@ def decode_cache_prompts(session, drafter, cache, ids, max_new):
         s = reader.sample(i)
         p0 = int(np.flatnonzero(s.loss_mask)[0])
         stored = torch.from_numpy(np.ascontiguousarray(s.hidden[:, cols]).reshape(len(s.input_ids), -1))
-        out = speculative_decode(session, CacheFeatures(DFlashProposer(drafter, "cpu"), stored),
-                                    s.input_ids[:p0].tolist(), max_new, set())
+        out = speculative_decode(session, CacheFeatures(DFlashProposer(drafter, "cpu"), stored, full),
+                                 s.input_ids[:p0].tolist(), max_new, set())
         assert out.tokens == s.input_ids[p0:p0 + max_new].tolist()  # the cache holds the greedy decode
         runs.append(out)
     return runs
 
 
+def full_block_rounds(run, max_new: int, block_size: int) -> int:
+    """How many of a decode's first rounds drafted a whole block (max_new - tokens out >= B - 1):
+    the rounds before the shortened blocks of the output's end."""
+    n, k = 1, 0
+    while k < len(run.committed) and max_new - n >= block_size - 1:
+        n += run.committed[k]
+        k += 1
+    return k
+
+
 def test_walk_equals_decoding_tau_on_own_greedy_completions(own_cache, tiny_dense):
     """walk_acceptance on a cache of the target's own greedy completions = speculative decoding of
-    the same prompts: the rounds of every prompt, tau pooled and the per-prompt mean, exactly;
-    for a random drafter and for one fitted to accept some blocks; the drafter reads a subset of
-    the captured layers in another order (the column choice; all layers is the plain case)."""
+    the same prompts: the rounds of every prompt, tau pooled (the reference's rule: committed
+    tokens / rounds) and the per-prompt mean, exactly, when decoding drafts whole blocks as the walk
+    scores them; decoding's own last rounds (a shorter block, the reference's rule) differ from the
+    walk at most from the first shortened block on. For a random drafter and for one fitted to
+    accept some blocks; the drafter reads a subset of the captured layers in another order (the
+    column choice; all layers is the plain case)."""
     layers = [4, 2]
     cache, _, prompts = own_cache
     model, _ = load_target_for_decoding(str(tiny_dense), "cpu", "float32")
@@ -301,16 +328,23 @@ def test_walk_equals_decoding_tau_on_own_greedy_completions(own_cache, tiny_dens
         walk = walk_acceptance(str(cache), d, "cpu", max_new=WALK_NEW, per_sample=True)
         ids = [x["id"] for x in walk["per_sample"]]
         assert sorted(ids) == sorted(prompts) and walk["samples"] == len(prompts)
-        runs = decode_cache_prompts(session, d, cache, ids, WALK_NEW)
+        runs = decode_cache_prompts(session, d, cache, ids, WALK_NEW, full=True)
         assert [x["accepted"] for x in walk["per_sample"]] == [r.accepted for r in runs]
         s = summarize(runs, WALK_B)
+        assert s["committed"] == len(prompts) * (WALK_NEW - 1) and s["tau"] == s["committed"] / s["rounds"]
         assert walk["tau_pooled"] == s["tau"] and walk["rounds"] == s["rounds"]
         assert walk["accept_rate"] == s["accept_rate"]
         assert walk["tau_per_prompt_mean"] == s["tau_per_prompt_mean"]
-        assert s["tau_per_prompt"] == [float(np.mean(np.asarray(r.accepted) + 1)) for r in runs]
+        assert s["tau_per_prompt"] == [sum(r.committed) / len(r.committed) for r in runs]
         # Every candidate anchor: all completion tokens but the last of each sample.
         assert walk["anchors"] == len(prompts) * (WALK_NEW + WALK_B - 1)
         assert 1.0 <= walk["tau_all_anchors"] <= WALK_B and len(walk["slot_accuracy"]) == WALK_B - 1
+        # Decoding's own rule: the same rounds up to the first shortened block.
+        own = decode_cache_prompts(session, d, cache, ids, WALK_NEW)
+        for x, r in zip(walk["per_sample"], own):
+            k = full_block_rounds(r, WALK_NEW, WALK_B)
+            assert k >= 1 and x["accepted"][:k] == r.accepted[:k]
+            assert sum(r.committed) == WALK_NEW - 1
     # The fitted drafter: rounds that accept nothing and rounds that accept every draft.
     assert {0, WALK_B - 1} <= {a for x in walk["per_sample"] for a in x["accepted"]}, walk
 
@@ -321,12 +355,13 @@ def test_walk_equals_decoding_tau_on_own_greedy_completions(own_cache, tiny_dens
     assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in walk.items() if k != "seconds"}
     d.eval()
 
-    # Without max_new the walk stops where the data ends; decoding to that length verifies drafts
-    # past it, so only each prompt's last round may accept more there (the docstring's caveat).
+    # Without max_new the walk stops where the data ends (WALK_NEW + WALK_B tokens); decoding to
+    # that length commits nothing past it either (its last rounds draft only what they can
+    # commit), so with whole blocks drafted the rounds are the same, the last one included.
     full = walk_acceptance(str(cache), d, "cpu", per_sample=True)
-    runs = decode_cache_prompts(session, d, cache, ids, WALK_NEW + WALK_B)
-    for x, r in zip(full["per_sample"], runs):
-        assert x["accepted"][:-1] == r.accepted[:-1] and x["accepted"][-1] <= r.accepted[-1]
+    runs = decode_cache_prompts(session, d, cache, ids, WALK_NEW + WALK_B, full=True)
+    assert [x["accepted"] for x in full["per_sample"]] == [r.accepted for r in runs]
+    assert full["tau_pooled"] == summarize(runs, WALK_B)["tau"]
 
 
 def test_random_anchor_estimate_reads_a_layer_subset(own_cache, tiny_dense):
@@ -397,19 +432,36 @@ def test_eval_command_with_a_trained_drafter(kind, tiny_dense, tiny_hybrid, tmp_
     assert abs(rep["drafters"][0]["cache_estimate"]["tau"] - rep["drafters"][1]["cache_estimate"]["tau"]) < 0.2
     assert "speculative decoding: 3 prompts" in r.stdout and "lossless" in r.stdout
     assert (run / "logs" / "eval.log").is_file()
+    # One prompt at a time: the dense target through the static decoder (auto), the hybrid one
+    # through transformers' caches (the static decoder serves dense attention targets only).
+    assert rep["decoder"] == ("static" if kind == "qwen3" else "transformers") and rep["batch_size"] == 1
+    assert rep["decoding"] in r.stdout and "one prompt at a time" in rep["decoding"]
+    for e in rep["drafters"]:
+        assert [sum(c) for c in e["committed_per_prompt"]] == [24 - 1] * 3  # the reference's count
+        assert e["committed"] == 3 * 23 and e["tau"] == e["committed"] / e["rounds"]
+        assert [len(c) for c in e["committed_per_prompt"]] == [len(a) for a in e["accepted_per_prompt"]]
     # Batched (2 prompts per forward): the same rounds, so the same tau; the target alone is
-    # batched through the same caches, so there is a speed-up figure, for the hybrid target too.
-    batched = tmp_path / "eval-batched.json"
-    r = run_cli(["eval", "--target", folder, "--drafter", run / "export", "--drafter", run / "step-6",
-                 "--prompts", prompts, "--max-new-tokens", "24", "--batch-size", "2", "--json", batched, "--no-progress"])
-    assert r.returncode == 0, r.stderr
-    bat = json.loads(batched.read_text())
-    assert bat["batch_decoder"] == "kv-cache"
-    assert f"2 prompts per forward ({bat['batch_decoder']})" in r.stdout
-    assert bat["baseline"]["tokens"] == 3 * 24
-    for one, e in zip(rep["drafters"], bat["drafters"]):
-        assert e["lossless"] is True and e["rounds"] == one["rounds"] and e["tau"] == one["tau"]
-        assert e["speedup"] > 0
+    # batched through the same decoder, so there is a speed-up figure, for the hybrid target too.
+    # Auto: static buffers for the dense target, KV caches (recurrent states rolled back per row)
+    # for the hybrid one; --decoder transformers: the KV caches for the dense target as well.
+    runs = [([], "static" if kind == "qwen3" else "transformers", "static buffers" if kind == "qwen3" else "KV caches")]
+    if kind == "qwen3":
+        runs.append((["--decoder", "transformers"], "transformers", "KV caches"))
+    for opts, name, how in runs:
+        batched = tmp_path / "eval-batched.json"
+        r = run_cli(["eval", "--target", folder, "--drafter", run / "export", "--drafter", run / "step-6",
+                     "--prompts", prompts, "--max-new-tokens", "24", "--batch-size", "2", "--json", batched,
+                     "--no-progress", *opts])
+        assert r.returncode == 0, r.stderr
+        bat = json.loads(batched.read_text())
+        assert "batch_decoder" not in bat and bat["batch_size"] == 2
+        assert bat["decoder"] == name and how in bat["decoding"] and "2 prompts per forward" in bat["decoding"], bat
+        assert bat["decoding"] in r.stdout
+        assert bat["baseline"]["tokens"] == 3 * 24
+        for one, e in zip(rep["drafters"], bat["drafters"]):
+            assert e["lossless"] is True and e["rounds"] == one["rounds"] and e["tau"] == one["tau"]
+            assert e["committed_per_prompt"] == one["committed_per_prompt"]
+            assert e["speedup"] > 0
 
 
 def test_eval_refusals(tiny_dense, tiny_hybrid, arith_cache, tmp_path):

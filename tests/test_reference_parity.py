@@ -1,7 +1,9 @@
 """Train-to-serve parity, judged by the public reference implementation of DFlash (z-lab's, on PyPI
 as `dflash==0.1.0`, class `dflash.model.DFlashDraftModel`): our export loads there with no missing
 or unexpected weights, its forward equals ours, and its own decoding loop, driving the same tiny
-target, is lossless and accepts exactly what ours accepts, round by round.
+target, is lossless and commits exactly what ours commits, round by round (its
+`acceptance_lengths`, whose mean is its tau: ours, one prompt at a time and batched, static and
+transformers decoders, and `eval --json`'s tau).
 
 The reference pins tqdm, datasets and requests and wants another transformers: it is installed
 here without its dependencies (`pip install --no-deps --target`), so the project's versions stay.
@@ -112,31 +114,138 @@ def test_export_loads_in_the_reference_and_forwards_equal(reference, exported, t
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_reference_decoding_is_lossless_and_accepts_what_ours_accepts(reference, exported, tiny_dense, monkeypatch):
+class FullBlocks:
+    """Our proposer, drafting every round from a whole block (the rule before the reference's
+    shortened last blocks) and using its first n drafts: what the reference must NOT match
+    somewhere, or the comparison would not see the last-block rule."""
+
+    def __init__(self, inner):
+        self.inner, self.block_size = inner, inner.block_size
+
+    def start(self, prompt, features):
+        self.inner.start(prompt, features)
+
+    def observe(self, features):
+        self.inner.observe(features)
+
+    def draft_logits(self, tokens, n):
+        return self.inner.draft_logits(tokens, self.block_size - 1)[:n]
+
+
+# Output lengths judged: MAX_NEW, and every length up to 18 (most not a multiple of the block): an
+# output's last rounds draft from a block shortened to what they can still commit, and for some of
+# these lengths the drafter's tokens from the shorter block differ from a whole block's.
+MAX_NEWS = (MAX_NEW, 29, *range(1, 19))
+
+
+def test_reference_decoding_is_lossless_and_commits_what_ours_commits(reference, exported, tiny_dense, monkeypatch):
+    """Our decoders against the reference's dflash_generate, prompt by prompt: the same tokens
+    (the target's greedy decode) and the same committed tokens per round (its acceptance_lengths,
+    the count its tau is made of), for the one-prompt transformers decoder and for the static
+    decoder one prompt at a time and batched (3 rows; 2 rows: a batch and a partial one with a
+    filler row); for many output lengths and with end-of-sequence tokens (its stop_token_ids)."""
     from transformers import AutoModelForCausalLM
+
+    from dflash_offline.evaluate.graphed import StaticDecoder
 
     folder, ours = exported
     theirs, _ = load_reference(reference, folder)
     # Its statistics time rounds with torch.cuda.synchronize(); on a CPU-only machine a plain clock.
     monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
     target = AutoModelForCausalLM.from_pretrained(str(tiny_dense), dtype=torch.float32).eval()
-    _, session, prompts, _ = prompts_and_completions(tiny_dense)
+    model, session, prompts, completions = prompts_and_completions(tiny_dense)
     proposer = DFlashProposer(ours, "cpu")
-    seen = set()
-    for prompt in prompts:
-        n = len(prompt)
-        greedy = greedy_decode(session, prompt, MAX_NEW, set()).tokens
-        mine = speculative_decode(session, proposer, prompt, MAX_NEW, set())
-        stats = reference.dflash_generate(theirs, target, torch.tensor([prompt]), MAX_NEW, None, return_stats=True)
-        out = stats.output_ids[0, n:].tolist()
-        assert out == greedy == mine.tokens
-        # The reference logs the tokens each round committed (accepted + 1, the last cut to the
-        # length); ours logs the accepted drafts. Its loop stops when one position is left and
-        # fills it with the previous round's bonus token: the same rounds.
-        committed = [min(a + 1, MAX_NEW - 1 - sum(x + 1 for x in mine.accepted[:i])) for i, a in enumerate(mine.accepted)]
-        assert stats.acceptance_lengths == committed, (stats.acceptance_lengths, mine.accepted)
-        seen.update(mine.accepted)
+    longest = max(len(p) for p in prompts)
+    # End-of-sequence sets: tokens the target emits mid-output (each set serves every prompt), and
+    # one prompt's first token (an output that ends before any round).
+    stops = [set(), {completions[0][12], completions[2][25]}, {completions[1][0], completions[0][30]}]
+    cases = [(m, set()) for m in MAX_NEWS] + [(MAX_NEW, e) for e in stops[1:]]
+    seen, rule_matters = set(), []
+    for max_new, eos in cases:
+        stop = sorted(eos) or None
+        batched = {rows: StaticDecoder(model, ours, rows, longest, max_new, eos).decode_all(prompts)
+                   for rows in (3, 2)}
+        one_row = StaticDecoder(model, ours, 1, longest, max_new, eos)
+        for k, prompt in enumerate(prompts):
+            n = len(prompt)
+            greedy = greedy_decode(session, prompt, max_new, eos).tokens
+            stats = reference.dflash_generate(theirs, target, torch.tensor([prompt]), max_new, stop, return_stats=True)
+            out = stats.output_ids[0, n:].tolist()
+            assert out == greedy, (max_new, eos, k)
+            want = [int(x) for x in stats.acceptance_lengths]
+            assert sum(want) == len(out) - 1  # every output token but the first, once
+            runs = {"transformers": speculative_decode(session, proposer, prompt, max_new, eos),
+                    "static": one_row.decode([prompt])[0],
+                    **{f"static x{rows}": got[k] for rows, got in batched.items()}}
+            for name, mine in runs.items():
+                assert mine.tokens == out, (name, max_new, eos, k)
+                assert mine.committed == want, (name, max_new, eos, k, mine.committed, want)
+                assert mine.accepted == runs["transformers"].accepted, (name, max_new, eos, k)
+            seen.update(runs["transformers"].accepted)
+            whole = speculative_decode(session, FullBlocks(proposer), prompt, max_new, eos)
+            rule_matters.append(whole.committed != want)
     assert max(seen) >= 3 and 0 in seen, f"accepted lengths {seen}: the comparison needs long and short rounds"
+    assert any(rule_matters), ("whole last blocks commit what the reference commits everywhere: "
+                               "the test would not see the last-block rule")
+
+
+def test_eval_tau_is_the_reference_tau(reference, exported, tiny_dense, tmp_path, monkeypatch):
+    """`eval --json` against the reference's dflash_generate over the same prompts: the pooled
+    tau equals sum(acceptance_lengths) / rounds, the per-prompt mean the mean of each prompt's,
+    and every prompt's committed_per_prompt its acceptance_lengths; through the static decoder
+    (one prompt at a time and batched) and transformers' KV caches (batched), with an
+    end-of-sequence token from the target's generation_config.json ending one prompt early and
+    an output length that is not a multiple of the block."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoModelForCausalLM
+
+    from conftest import run_cli
+
+    folder, _ = exported
+    theirs, _ = load_reference(reference, folder)
+    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)
+    max_new = 37
+    _, _, prompts, completions = prompts_and_completions(tiny_dense)
+    rng = np.random.default_rng(4)
+    prompts = prompts + [rng.integers(2, 500, size=n).tolist() for n in (9, 23)]
+    # The same target with an end-of-sequence token that prompt 1's output holds at index 17
+    # (its first occurrence there or before: that output ends there).
+    eos = completions[1][17]
+    tgt = tmp_path / "target"
+    shutil.copytree(tiny_dense, tgt)
+    (tgt / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    target = AutoModelForCausalLM.from_pretrained(str(tgt), dtype=torch.float32).eval()
+    stats = [reference.dflash_generate(theirs, target, torch.tensor([p]), max_new, [eos], return_stats=True)
+             for p in prompts]
+    want = [[int(x) for x in s.acceptance_lengths] for s in stats]
+    outs = [s.output_ids[0, len(p):].tolist() for s, p in zip(stats, prompts)]
+    assert outs[1][-1] == eos and len(outs[1]) <= 18 and any(len(o) == max_new for o in outs)
+    tau = sum(map(sum, want)) / sum(map(len, want))
+    per_prompt = float(np.mean([sum(w) / len(w) for w in want if w]))
+    path = tmp_path / "prompts.parquet"
+    ids = [30 + k for k in range(len(prompts))]
+    pq.write_table(pa.table({"id": pa.array(ids, pa.int64()),
+                             "input_ids": pa.array(prompts, pa.list_(pa.int32()))}), path)
+    for opts, decoder in ((["--decoder", "static"], "static"),
+                          (["--decoder", "static", "--batch-size", "3"], "static"),
+                          (["--decoder", "transformers", "--batch-size", "2"], "transformers")):
+        report = tmp_path / f"eval-{len(opts)}-{decoder}.json"
+        r = run_cli(["eval", "--target", tgt, "--drafter", folder, "--prompts", path, "--max-new-tokens", max_new,
+                     "--json", report, "--no-progress", *opts])
+        assert r.returncode == 0, r.stderr
+        rep = json.loads(report.read_text())
+        assert rep["decoder"] == decoder and rep["eos"] == [eos] and rep["prompt_ids"] == ids, rep
+        if decoder == "transformers":
+            assert "KV caches" in rep["decoding"]
+        e = rep["drafters"][0]
+        assert e["lossless"] is True
+        assert e["committed_per_prompt"] == want, (opts, e["committed_per_prompt"], want)
+        assert e["rounds"] == sum(map(len, want)) and e["committed"] == sum(map(sum, want))
+        assert abs(e["tau"] - tau) <= 1e-9 and abs(e["tau_per_prompt_mean"] - per_prompt) <= 1e-9, (opts, e["tau"], tau)
+        assert e["tokens"] == sum(map(len, outs))
 
 
 @pytest.fixture(scope="module")

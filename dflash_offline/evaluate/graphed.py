@@ -59,8 +59,10 @@ class StaticDecoder:
             self.buckets.append((self.buckets[-1] + 1) // 2)
         self._graphs: dict = {}  # bucket -> CUDA graph of a round; "prefill" -> the prefill's
         # compile: the round through Inductor first (fused norms, RoPE and bookkeeping: fewer,
-        # larger kernels), then captured as CUDA graphs; costs two compilations per decoder (the
-        # first bucket's shapes, then shapes general in the row count).
+        # larger kernels), then captured as CUDA graphs. It costs up to three compilations per
+        # decoder, tens of seconds each on a small target (the first bucket's shapes, shapes
+        # general in the row count, and one row, which torch specialises): a benchmark's option,
+        # not eval's.
         self._step = torch.compile(self._round) if compile else self._round
         with torch.inference_mode():
             layer_ids = list(drafter.cfg.target_layer_ids) if drafter is not None else []

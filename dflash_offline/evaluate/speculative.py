@@ -342,7 +342,10 @@ def greedy_decode(target: TargetSession, prompt: list[int], max_new: int, eos: s
     while not output_done(out, max_new, eos):
         logits, _ = target.forward([out[-1]], features=False, rollback=False)
         out.append(choose.token(logits[-1], len(out)))
-    return Decoded(out, seconds=time.perf_counter() - t0, target_forwards=target.forwards)
+    # Each one-token forward is a round that accepts nothing and commits one token, as the
+    # batched and static target-alone decoders count it.
+    n = len(out) - 1
+    return Decoded(out, [0] * n, time.perf_counter() - t0, target.forwards, [1] * n)
 
 
 def speculative_decode(target: TargetSession, proposer, prompt: list[int], max_new: int, eos: set[int],

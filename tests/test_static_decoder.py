@@ -1,0 +1,297 @@
+"""The static decoder (evaluate.static, evaluate.graphed) against brute force on tiny dense targets
+(Qwen3, Llama, Qwen2 with its attention biases), in fp32 on the CPU (eager; CUDA graphs replay
+the same round on a GPU):
+
+- `DenseTarget.forward` over preallocated per-position key/value buffers gives transformers' own
+  logits and layer outputs: right-padded prompts of different lengths, then blocks written at
+  positions that still hold stale entries (rejected drafts, garbage further ahead);
+- the target alone (no drafter) gives `greedy_decode`'s tokens, one prompt at a time and in
+  batches (a final partial batch with filler rows; end-of-sequence tokens ending rows early, so
+  unfinished rows are compacted into smaller buckets);
+- speculative decoding with a drafter fitted to accept some blocks gives `speculative_decode`'s
+  tokens, accepted drafts and committed tokens per round, greedy and sampled (keyed noise: the
+  same tokens whatever the decoder or batch);
+- a hybrid target is refused with the reason, by `unsupported_reason` and by `eval --decoder
+  static` (exit 2, one line naming --decoder transformers), and `--decoder auto` decodes it
+  through transformers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_offline.evaluate.graphed import StaticDecoder
+from dflash_offline.evaluate.speculative import (DFlashProposer, TargetSession, greedy_decode,
+                                                 load_target_for_decoding, speculative_decode)
+from dflash_offline.evaluate.static import DenseTarget, unsupported_reason
+from dflash_offline.sampling import Sampling
+
+LAYERS = [1, 2]
+B = 8
+MAX_NEW = 27  # not a multiple of the block: the last rounds draft from shorter blocks
+
+
+def make_dense_target(folder, kind: str, num_layers: int = 4, seed: int = 0):
+    """A seeded random tiny causal LM of a family tiny.py does not make (llama, qwen2), saved as a
+    Hugging Face folder; the LM head scaled as tiny.py does, so greedy choices are clear."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
+    torch.manual_seed(seed)
+    cfg = config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                 rms_norm_eps=1e-6, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+        if kind == "qwen2":  # visible biases (zero at init): the static path must add them
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_dense, tmp_path_factory):
+    """{kind: folder}: the conftest's tiny Qwen3 and Llama / Qwen2 targets made here."""
+    root = tmp_path_factory.mktemp("static-targets")
+    return {"qwen3": tiny_dense, "llama": make_dense_target(root / "llama", "llama"),
+            "qwen2": make_dense_target(root / "qwen2", "qwen2")}
+
+
+def prompts_of(seed: int, lengths) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, 500, size=int(n)).tolist() for n in lengths]
+
+
+def hf_forward(model, seq: list[int], layer_ids: list[int]):
+    """transformers' own forward of one whole sequence: (logits [T, V], raw layer outputs [T, n*H])."""
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([seq]), output_hidden_states=True)
+    # hidden_states[i + 1] is layer i's raw output for every layer but the last (after the norm).
+    return out.logits[0].float(), torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], -1)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen2"])
+def test_dense_target_forward_equals_transformers(targets, kind):
+    """Prompts of 3, 11 and 7 tokens right-padded into one forward, then blocks: each row's logits
+    and layer outputs equal a fresh transformers forward of its whole sequence. Before each real
+    block, a garbage block is written at and beyond the row's next positions; the real block
+    overwrites part of it (the rest stays ahead, as rejected drafts do in decoding), and the next
+    block starts after the tokens kept, over the stale entries of the rejected ones."""
+    model, _ = load_target_for_decoding(str(targets[kind]), "cpu", "float32")
+    assert unsupported_reason(model) is None
+    prompts = prompts_of(1, (3, 11, 7))
+    R, P, cap = len(prompts), max(map(len, prompts)), 48
+    target = DenseTarget(model, LAYERS, R, cap)
+    ids = torch.zeros((R, P), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, :len(p)] = torch.tensor(p)
+        ids[r, len(p):] = 77  # padding, attended by no real position
+    with torch.inference_mode():
+        hidden, feats = target.forward(ids, torch.arange(P)[None].expand(R, P), features=True)
+        logits = target.logits(hidden)
+    for r, p in enumerate(prompts):
+        want_logits, want_feats = hf_forward(model, p, LAYERS)
+        torch.testing.assert_close(logits[r, :len(p)], want_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(feats[r, :len(p)], want_feats, atol=1e-5, rtol=1e-5)
+    seqs = [list(p) for p in prompts]
+    g = np.random.default_rng(2)
+    for keep, T in ((2, 4), (4, 4), (1, 6), (6, 6)):  # tokens kept of each block, block length
+        pos = torch.tensor([len(s) for s in seqs])[:, None]
+        with torch.inference_mode():
+            junk = torch.from_numpy(g.integers(2, 500, size=(R, T + 3)))
+            target.forward(junk, pos + torch.arange(T + 3), features=True)  # stale entries ahead
+            block = torch.from_numpy(g.integers(2, 500, size=(R, T)))
+            hidden, feats = target.forward(block, pos + torch.arange(T), features=True)
+            logits = target.logits(hidden)
+        for r in range(R):
+            want_logits, want_feats = hf_forward(model, seqs[r] + block[r].tolist(), LAYERS)
+            torch.testing.assert_close(logits[r], want_logits[-T:], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(feats[r], want_feats[-T:], atol=1e-5, rtol=1e-5)
+            seqs[r] += block[r, :keep].tolist()
+
+
+GREEDY_LENGTHS = (4, 19, 9, 30, 2)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_target_alone_equals_greedy_decode(targets, kind):
+    """drafter=None: one token per round, the target's greedy decode, prompt for prompt; rows 1, 3
+    (5 prompts: a batch of 3 and a partial one with a filler row) and 4; an end-of-sequence token
+    ends two prompts early (rows finish at different rounds and are compacted)."""
+    model, _ = load_target_for_decoding(str(targets[kind]), "cpu", "float32")
+    session = TargetSession(model, [])
+    prompts = prompts_of(3, GREEDY_LENGTHS)
+    full = [greedy_decode(session, p, MAX_NEW, set()).tokens for p in prompts]
+    eos = {full[1][5], full[3][11]}
+    want = [greedy_decode(session, p, MAX_NEW, eos).tokens for p in prompts]
+    assert len(want[1]) <= 6 and len(want[3]) <= 12 and sum(len(w) == MAX_NEW for w in want) >= 2
+    longest = max(map(len, prompts))
+    for stop, expect in ((set(), full), (eos, want)):
+        for rows in (1, 3, 4):
+            dec = StaticDecoder(model, None, rows, longest, MAX_NEW, stop)
+            got = dec.decode_all(prompts)
+            assert [d.tokens for d in got] == expect, (rows, stop)
+            for d in got:
+                assert d.accepted == [0] * (len(d.tokens) - 1) and d.committed == [1] * (len(d.tokens) - 1)
+                assert d.target_forwards == len(d.tokens)
+    # A decoder is reused batch after batch: a batch decoded again gives the same tokens.
+    dec = StaticDecoder(model, None, 3, longest, MAX_NEW, eos)
+    first = [d.tokens for d in dec.decode(prompts[:3])]
+    dec.decode(prompts[3:])
+    assert [d.tokens for d in dec.decode(prompts[:3])] == first == want[:3]
+
+
+@pytest.fixture(scope="module")
+def fitted(targets):
+    """{kind: (model, drafter, prompts)}: a drafter fitted for a few steps to the target's own
+    greedy completions of the prompts, so that rounds accept from nothing to every draft."""
+    from conftest import fit_drafter_to_samples
+    from dflash_offline.drafter.config import DrafterConfig
+    from dflash_offline.drafter.model import DFlashDrafter
+
+    out = {}
+    for kind in ("qwen3", "llama"):
+        folder = targets[kind]
+        model, _ = load_target_for_decoding(str(folder), "cpu", "float32")
+        session = TargetSession(model, LAYERS)
+        prompts = prompts_of(5, (6, 21, 13, 34, 3))
+        seqs = [np.asarray(p + greedy_decode(session, p, MAX_NEW + B, set()).tokens, np.int64) for p in prompts]
+        S = max(len(x) for x in seqs)
+        feats = torch.zeros(len(seqs), S, len(LAYERS) * 64)
+        for i, x in enumerate(seqs):
+            feats[i, :len(x)] = session.start(x.tolist())[1]
+        torch.manual_seed(0)
+        d = DFlashDrafter(DrafterConfig.from_target(str(folder), LAYERS, block_size=B, num_layers=2, mask_token_id=1))
+        d.load_frozen_from_target(str(folder))
+        masks = [np.r_[np.zeros(len(p)), np.ones(len(x) - len(p))].astype(np.int8) for x, p in zip(seqs, prompts)]
+        out[kind] = (model, fit_drafter_to_samples(d, feats, seqs, masks, steps=40, anchors=24), prompts)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_speculative_equals_one_prompt_decoder(fitted, kind):
+    """The static decoder with a fitted drafter = speculative_decode, prompt for prompt: the tokens
+    (the target's greedy decode), each round's accepted drafts and committed tokens; rows 1, 2
+    (5 prompts: a partial last batch) and 5; with and without end-of-sequence tokens."""
+    model, drafter, prompts = fitted[kind]
+    session = TargetSession(model, LAYERS)
+    proposer = DFlashProposer(drafter, "cpu")
+    longest = max(map(len, prompts))
+    plain = [greedy_decode(session, p, MAX_NEW, set()).tokens for p in prompts]
+    eos = {plain[0][9], plain[3][17]}
+    seen = set()
+    for stop in (set(), eos):
+        want = [speculative_decode(session, proposer, p, MAX_NEW, stop) for p in prompts]
+        assert [w.tokens for w in want] == [greedy_decode(session, p, MAX_NEW, stop).tokens for p in prompts]
+        for rows in (1, 2, 5):
+            got = StaticDecoder(model, drafter, rows, longest, MAX_NEW, stop).decode_all(prompts)
+            for k, (g, w) in enumerate(zip(got, want)):
+                assert g.tokens == w.tokens, (rows, stop, k)
+                assert g.accepted == w.accepted and g.committed == w.committed, (rows, stop, k, g.accepted, w.accepted)
+                assert sum(g.committed) == len(g.tokens) - 1 and g.target_forwards == len(g.accepted) + 1
+        seen.update(a for w in want for a in w.accepted)
+    assert 0 in seen and B - 1 in seen, f"accepted lengths {seen}: the comparison needs short and whole rounds"
+
+
+def test_sampled_decoding_equals_one_prompt_decoder(fitted):
+    """Sampling (temperature, top-p, top-k; noise keyed by seed, prompt key and output index): the
+    static decoder draws what the one-prompt decoders draw, for the target alone and speculative,
+    whatever the batch."""
+    model, drafter, prompts = fitted["qwen3"]
+    session = TargetSession(model, LAYERS)
+    proposer = DFlashProposer(drafter, "cpu")
+    longest = max(map(len, prompts))
+    sampling = Sampling(temperature=0.9, top_p=0.95, seed=11, top_k=50)
+    keys = [40 + k for k in range(len(prompts))]
+    alone = [greedy_decode(session, p, MAX_NEW, set(), sampling, key) for p, key in zip(prompts, keys)]
+    spec = [speculative_decode(session, proposer, p, MAX_NEW, set(), sampling, key) for p, key in zip(prompts, keys)]
+    greedy = [greedy_decode(session, p, MAX_NEW, set()).tokens for p in prompts]
+    assert [r.tokens for r in alone] != greedy  # sampled, not greedy
+    for rows in (1, 3):
+        got = StaticDecoder(model, None, rows, longest, MAX_NEW, set(), sampling).decode_all(prompts, keys)
+        assert [g.tokens for g in got] == [r.tokens for r in alone], rows
+        got = StaticDecoder(model, drafter, rows, longest, MAX_NEW, set(), sampling).decode_all(prompts, keys)
+        assert [g.tokens for g in got] == [r.tokens for r in spec], rows
+        assert [g.accepted for g in got] == [r.accepted for r in spec], rows
+        assert [g.committed for g in got] == [r.committed for r in spec], rows
+
+
+def test_hybrid_and_sliding_window_targets_are_refused(tiny_hybrid, tiny_dense, tmp_path):
+    """unsupported_reason names why (Gated DeltaNet layers, a sliding window, another family);
+    eval --decoder static on a hybrid target exits 2 with one line naming --decoder transformers,
+    and --decoder auto decodes it through transformers (batched: KV caches)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from types import SimpleNamespace
+
+    from conftest import run_cli
+    from dflash_offline.drafter.config import DrafterConfig
+    from dflash_offline.drafter.export import export_drafter
+    from dflash_offline.drafter.model import DFlashDrafter
+
+    hybrid, _ = load_target_for_decoding(str(tiny_hybrid), "cpu", "float32")
+    reason = unsupported_reason(hybrid)
+    assert reason is not None and "'qwen3_5_text' is not one of" in reason, reason
+    # A dense family's name over Gated DeltaNet layers is still refused, for its layers.
+    layered = SimpleNamespace(config=SimpleNamespace(model_type="qwen3",
+                                                     layer_types=["linear_attention", "full_attention"]))
+    assert "its layers include linear_attention" in unsupported_reason(layered)
+    with pytest.raises(ValueError, match="the static decoder cannot run this target"):
+        DenseTarget(hybrid, LAYERS, 1, 16)
+    dense, _ = load_target_for_decoding(str(tiny_dense), "cpu", "float32")
+    dense.config.use_sliding_window, dense.config.sliding_window = True, 4
+    assert "sliding-window" in unsupported_reason(dense)
+    other = SimpleNamespace(config=SimpleNamespace(model_type="gemma2"))
+    assert "'gemma2' is not one of" in unsupported_reason(other)
+
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig.from_target(str(tiny_hybrid), [1, 3], block_size=4, num_layers=1, mask_token_id=1))
+    d.load_frozen_from_target(str(tiny_hybrid))
+    export = export_drafter(d.eval(), str(tmp_path / "export"))
+    prompts = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"input_ids": [[5, 6, 7, 8], [9, 10, 11]]}), prompts)
+    common = ["eval", "--target", tiny_hybrid, "--drafter", export, "--prompts", prompts, "--max-new-tokens", "6",
+              "--no-progress"]
+    r = run_cli([*common, "--decoder", "static"])
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1 and "--decoder transformers" in r.stderr, r.stderr
+    assert "speculative" not in r.stdout  # nothing decoded
+    report = tmp_path / "auto.json"
+    r = run_cli([*common, "--decoder", "auto", "--batch-size", "2", "--json", report])
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(report.read_text())
+    assert rep["decoder"] == "transformers" and "KV caches" in rep["decoding"], rep
+    e = rep["drafters"][0]
+    assert e["lossless"] is True and e["tokens"] == 2 * 6 and [sum(c) for c in e["committed_per_prompt"]] == [5, 5]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_equal_eager(fitted):
+    """On a GPU the rounds (and the prefill) replay as CUDA graphs: the same tokens, accepted drafts
+    and committed tokens as the eager rounds on the same device and the one-prompt decoder."""
+    import copy
+
+    model, drafter, prompts = fitted["qwen3"]
+    model, drafter = copy.deepcopy(model).to("cuda"), copy.deepcopy(drafter).to("cuda")  # the fixture's stay on the CPU
+    session = TargetSession(model, LAYERS)
+    proposer = DFlashProposer(drafter, "cuda")
+    longest = max(map(len, prompts))
+    plain = [greedy_decode(session, p, MAX_NEW, set()).tokens for p in prompts]
+    eos = {plain[3][17]}
+    want = [speculative_decode(session, proposer, p, MAX_NEW, eos) for p in prompts]
+    for rows in (1, 3):
+        graphed = StaticDecoder(model, drafter, rows, longest, MAX_NEW, eos, graphs=True).decode_all(prompts)
+        eager = StaticDecoder(model, drafter, rows, longest, MAX_NEW, eos, graphs=False).decode_all(prompts)
+        for g, e, w in zip(graphed, eager, want):
+            assert g.tokens == e.tokens == w.tokens
+            assert g.accepted == e.accepted == w.accepted and g.committed == e.committed == w.committed
+        alone = StaticDecoder(model, None, rows, longest, MAX_NEW, eos, graphs=True).decode_all(prompts)
+        assert [a.tokens for a in alone] == [w.tokens for w in want]
