@@ -165,6 +165,27 @@ def fit_drafter_to_samples(d, feats, input_ids, loss_masks, steps: int, anchors:
     return d.eval()
 
 
+def fitted_drafter(target, session, prompts, completions, layers, block_size: int = 8):
+    """A 2-layer drafter of `target` fitted for 40 steps to its own completions of `prompts`
+    (session: a TargetSession over `layers` giving the features)."""
+    import numpy as np
+    import torch
+
+    from dflash_offline.drafter.config import DrafterConfig
+    from dflash_offline.drafter.model import DFlashDrafter
+
+    seqs = [np.asarray(p + c, np.int64) for p, c in zip(prompts, completions)]
+    S = max(len(x) for x in seqs)
+    feats = torch.zeros(len(seqs), S, len(layers) * session.model.config.hidden_size)
+    for i, x in enumerate(seqs):
+        feats[i, :len(x)] = session.start(x.tolist())[1]
+    torch.manual_seed(0)
+    d = DFlashDrafter(DrafterConfig.from_target(str(target), layers, block_size=block_size, num_layers=2, mask_token_id=1))
+    d.load_frozen_from_target(str(target))
+    masks = [np.r_[np.zeros(len(p)), np.ones(len(x) - len(p))].astype(np.int8) for x, p in zip(seqs, prompts)]
+    return fit_drafter_to_samples(d, feats, seqs, masks, steps=40, anchors=24)
+
+
 # ----------------------------------------------------------------------------------------------
 # Markers
 

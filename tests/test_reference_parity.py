@@ -69,22 +69,11 @@ def prompts_and_completions(tiny_dense):
 def exported(tiny_dense, tmp_path_factory):
     """A drafter fitted for a few steps to the target's own greedy completions of the test's
     prompts (so that it accepts some blocks and not others), exported: (folder, ours)."""
-    from conftest import fit_drafter_to_samples
-    from dflash_offline.drafter.config import DrafterConfig
+    from conftest import fitted_drafter
     from dflash_offline.drafter.export import export_drafter
-    from dflash_offline.drafter.model import DFlashDrafter
 
     _, session, prompts, completions = prompts_and_completions(tiny_dense)
-    seqs = [np.asarray(p + c, np.int64) for p, c in zip(prompts, completions)]
-    S, B = max(len(x) for x in seqs), 8
-    feats = torch.zeros(len(seqs), S, len(LAYERS) * 64)
-    for i, x in enumerate(seqs):
-        feats[i, :len(x)] = session.start(x.tolist())[1]
-    torch.manual_seed(0)
-    d = DFlashDrafter(DrafterConfig.from_target(str(tiny_dense), LAYERS, block_size=B, num_layers=2, mask_token_id=1))
-    d.load_frozen_from_target(str(tiny_dense))
-    fit_drafter_to_samples(d, feats, seqs, [np.r_[np.zeros(len(p)), np.ones(len(x) - len(p))].astype(np.int8)
-                                            for x, p in zip(seqs, prompts)], steps=40, anchors=24)
+    d = fitted_drafter(tiny_dense, session, prompts, completions, LAYERS)
     folder = export_drafter(d, str(tmp_path_factory.mktemp("parity") / "export"))
     return folder, load_exported(str(folder), str(tiny_dense)).eval()
 

@@ -152,9 +152,7 @@ def test_target_alone_equals_greedy_decode(targets, kind):
 def fitted(targets):
     """{kind: (model, drafter, prompts)}: a drafter fitted for a few steps to the target's own
     greedy completions of the prompts, so that rounds accept from nothing to every draft."""
-    from conftest import fit_drafter_to_samples
-    from dflash_offline.drafter.config import DrafterConfig
-    from dflash_offline.drafter.model import DFlashDrafter
+    from conftest import fitted_drafter
 
     out = {}
     for kind in ("qwen3", "llama"):
@@ -162,16 +160,8 @@ def fitted(targets):
         model, _ = load_target_for_decoding(str(folder), "cpu", "float32")
         session = TargetSession(model, LAYERS)
         prompts = prompts_of(5, (6, 21, 13, 34, 3))
-        seqs = [np.asarray(p + greedy_decode(session, p, MAX_NEW + B, set()).tokens, np.int64) for p in prompts]
-        S = max(len(x) for x in seqs)
-        feats = torch.zeros(len(seqs), S, len(LAYERS) * 64)
-        for i, x in enumerate(seqs):
-            feats[i, :len(x)] = session.start(x.tolist())[1]
-        torch.manual_seed(0)
-        d = DFlashDrafter(DrafterConfig.from_target(str(folder), LAYERS, block_size=B, num_layers=2, mask_token_id=1))
-        d.load_frozen_from_target(str(folder))
-        masks = [np.r_[np.zeros(len(p)), np.ones(len(x) - len(p))].astype(np.int8) for x, p in zip(seqs, prompts)]
-        out[kind] = (model, fit_drafter_to_samples(d, feats, seqs, masks, steps=40, anchors=24), prompts)
+        completions = [greedy_decode(session, p, MAX_NEW + B, set()).tokens for p in prompts]
+        out[kind] = (model, fitted_drafter(folder, session, prompts, completions, LAYERS, B), prompts)
     return out
 
 
