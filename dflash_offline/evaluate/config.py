@@ -45,10 +45,10 @@ class EvalConfig:
     walk_batch_rows: int = 4
     """Cache walk: rows (of up to 512 anchors each) per drafter forward."""
     batch_size: int | None = None
-    """Prompts decoded together. 1: one prompt at a time with a KV cache (any target); N > 1: N
-    prompts per target forward with KV caches (evaluate/kv_batch.py; sliding-window targets:
-    whole sequences re-run each round, evaluate/batched.py); all exact. None: 64 on a GPU (one
-    prompt at a time leaves it idle), 1 on CPU."""
+    """Prompts decoded together, by the decoder `decoder` chooses: 1, one prompt at a time; N > 1,
+    N prompts per target forward (static buffers, evaluate/graphed.py; through transformers, KV
+    caches, evaluate/kv_batch.py, or for sliding-window targets whole sequences re-run each round,
+    evaluate/batched.py); all exact. None: 64 on a GPU (one prompt at a time leaves it idle), 1 on CPU."""
     parity: int | None = None
     """With `cache` (held-out, the target's own greedy completions): on its first N samples,
     compare the every-anchor estimate, the walk and real decoding, and name the likely cause when
