@@ -1,12 +1,13 @@
 """`dflash-offline eval`: how many tokens a drafter saves, measured two ways.
 
-1. **Speculative decoding against the target** (`--prompts`; evaluate.speculative, and
-   with `--batch-size` evaluate.kv_batch, KV caches and per-row recurrent-state rollback, or
-   evaluate.batched, whole sequences re-run, for sliding-window targets): every output is checked against the target's own
-   greedy decode of the same prompt (lossless), and decode speed is measured against that plain
-   decode in one run (one prompt at a time, or batched through the same KV-cache batches). With `--reference` the outputs are checked against given
-   greedy completions instead (the target-alone decode costs as much as the speculative one), and
-   no speed-up is measured.
+1. **Speculative decoding against the target** (`--prompts`; the decoder evaluate.decoders picks:
+   the static decoder, evaluate.graphed, for dense attention targets, else transformers' forward,
+   evaluate.speculative / kv_batch / batched): greedy, every output is checked against the
+   target's own greedy decode of the same prompt (lossless); sampled (`--temperature`), drafts are
+   verified by speculative sampling's rule (dflash_offline.sampling). Decode speed is measured
+   against the target alone through the same decoder in one run. With `--reference` the outputs
+   are checked against given greedy completions instead (the target-alone decode costs as much as
+   the speculative one), and no speed-up is measured.
 2. **Acceptance from the cache** (`--cache`; evaluate.walk), without running the target: the
    *walk* over the blocks decoding would draft, and *random anchors* as in training; with
    `--parity`, both checked against real decoding of the same samples (evaluate.parity).
@@ -14,7 +15,8 @@
 This module holds the command: its inputs read and checked before anything loads (prompts,
 reference completions, drafters, the cache's target), the measurements run, and the report.
 
-tau = tokens committed per verify round = 1 + accepted drafts (dflash-method.md).
+tau = new tokens committed by verify rounds / verify rounds, the reference's rule
+(evaluate.speculative.summarize).
 """
 
 from __future__ import annotations
