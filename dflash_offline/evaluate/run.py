@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-from dflash_offline.config import EvalConfig
+from dflash_offline.evaluate.config import EvalConfig
 from dflash_offline.evaluate.decoders import Decoders
 from dflash_offline.evaluate.speculative import Decoded, load_target_for_decoding, summarize, tokens_per_s
 from dflash_offline.evaluate.inputs import check_prompts_path, read_prompts, read_reference, warn_chat_mismatch
