@@ -11,58 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
 from dflash_offline.runtime.errors import UserError
-from dflash_offline.runtime.logs import HEARTBEAT_SUFFIX
+from dflash_offline.runtime.logs import processes
 from dflash_offline.runtime.paths import require_kind
 from dflash_offline.train.run_folder import is_run_folder
 
-STALE_S = 120.0  # a live process whose heartbeat is older than this is reported as not advancing
 HUNG = ("a process is alive but has not advanced for minutes (hung?): read its log; `kill -USR1 PID` writes "
         "its stacks there")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed process whose parent died first can linger as a zombie: not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return True
-
-
-def processes(log_dir: Path, now: float | None = None, stage: str = "") -> list[dict]:
-    """One entry per heartbeat file of the stage's processes (names starting with `stage`: an
-    `eval` of a run's export logs beside the run, and is not the run): name, pid, state (running /
-    done / failed / stopped / interrupted / died / stale), phase, progress fields, age of the last
-    beat, error, log path."""
-    now = time.time() if now is None else now
-    host = socket.gethostname()
-    out = []
-    for f in sorted(log_dir.glob(f"{stage}*{HEARTBEAT_SUFFIX}")):
-        try:
-            hb = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue  # being replaced right now, or damaged: the log still tells
-        age = now - float(hb.get("updated", 0))
-        state = hb.get("state", "running")
-        if state == "running":
-            if hb.get("host") == host and not _pid_alive(int(hb["pid"])):
-                state = "died"
-            elif age > STALE_S:
-                state = "stale"
-        elif state == "done":  # a heartbeat written before finish() set it names the last phase of the work
-            hb["phase"] = "done"
-        out.append({**hb, "state": state, "age_s": age})
-    return out
 
 
 def last_error(log_dir: Path, stage: str = "") -> dict | None:

@@ -71,7 +71,7 @@ def extraction_gone(cache: str, fresh_s: float = 120.0) -> str | None:
     import socket
 
     from dflash_offline.cache.location import Location
-    from dflash_offline.status import _pid_alive, processes
+    from dflash_offline.runtime.logs import pid_alive, processes
 
     loc = Location(cache)
     logs = None if loc.remote else Path(loc.path("logs"))
@@ -90,7 +90,7 @@ def extraction_gone(cache: str, fresh_s: float = 120.0) -> str | None:
         starts = re.findall(r"started: pid (\d+) on (\S+),", tail)
         if starts:
             pid, on = int(starts[-1][0]), starts[-1][1]
-            if (on == host and _pid_alive(pid)) or (on != host and now - mtime < fresh_s):
+            if (on == host and pid_alive(pid)) or (on != host and now - mtime < fresh_s):
                 return None
     try:
         committed_at = os.stat(loc.path("manifest.json")).st_mtime
