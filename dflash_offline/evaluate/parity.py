@@ -5,7 +5,7 @@ that must agree for a drafter that is trained and served on the same computation
 
   every anchor   1 + accepted drafts, averaged over every anchor of the completions: what the
                  training metric `tau` (teacher-forced blocks at random anchors) estimates;
-  walk           decoding's rounds picked out of those anchors (evaluate.walk.walk_acceptance);
+  walk           decoding's rounds picked out of those anchors (train.walk.walk_acceptance);
   decoding       real greedy speculative decoding of the same prompts against the target, with
                  as many new tokens as the completions hold, checked token for token against them.
 
@@ -43,7 +43,7 @@ def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str
         speculative_decode,
         summarize,
     )
-    from dflash_offline.evaluate.walk import cache_layer_columns, walk_acceptance
+    from dflash_offline.train.walk import cache_layer_columns, walk_acceptance
 
     t0 = time.time()
     cfg = drafter.cfg

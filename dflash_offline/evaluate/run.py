@@ -8,7 +8,7 @@
    against the target alone through the same decoder in one run. With `--reference` the outputs
    are checked against given greedy completions instead (the target-alone decode costs as much as
    the speculative one), and no speed-up is measured.
-2. **Acceptance from the cache** (`--cache`; evaluate.walk), without running the target: the
+2. **Acceptance from the cache** (`--cache`; train.walk), without running the target: the
    *walk* over the blocks decoding would draft, and *random anchors* as in training; with
    `--parity`, both checked against real decoding of the same samples (evaluate.parity).
 
@@ -34,7 +34,7 @@ from dflash_offline.evaluate.config import EvalConfig
 from dflash_offline.evaluate.decoders import Decoders
 from dflash_offline.evaluate.speculative import Decoded, load_target_for_decoding, summarize, tokens_per_s
 from dflash_offline.evaluate.inputs import check_prompts_path, read_prompts, read_reference, warn_chat_mismatch
-from dflash_offline.evaluate.walk import cache_acceptance, walk_acceptance
+from dflash_offline.train.walk import cache_acceptance, walk_acceptance
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.sampling import Sampling
 from dflash_offline.runtime.paths import REPORT_FORMAT, check_report_dest, require_kind

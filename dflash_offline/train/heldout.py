@@ -17,7 +17,7 @@ log = logging.getLogger("dflash.train")
 
 
 class HeldOut:
-    """The walk estimate of decoding tau on a held-out cache (evaluate.walk_acceptance), measured
+    """The walk estimate of decoding tau on a held-out cache (train.walk.walk_acceptance), measured
     by rank 0 while the other ranks wait; the best drafter so far is exported to OUT/best/ and
     described in OUT/best.json (written after the export: a best.json always names a complete
     best/). Every measurement is a line of OUT/heldout.jsonl."""
@@ -40,7 +40,7 @@ class HeldOut:
             dist.barrier()
         if self.rank == 0:
             from dflash_offline.drafter.export import export_drafter
-            from dflash_offline.evaluate.walk import walk_acceptance
+            from dflash_offline.train.walk import walk_acceptance
 
             heartbeat(phase="held-out evaluation", step=step)
             t0 = time.perf_counter()
