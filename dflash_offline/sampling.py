@@ -183,3 +183,42 @@ def verify_sampled(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, limit:
     rejected = (accepted < limit)[:, None]
     u = u_next.gather(1, accepted[:, None])[:, 0]
     return accepted, draw(torch.where(rejected, residual_distribution(p_a, q_a), p_a), u)
+
+
+# ----------------------------------------------------------------------------------------------
+# The decoders' three choices, row by row: one rule for the one-prompt, batched and static decoders.
+# `seeded` [R] (prompt_keys), `at` [R]: the output index of the token being chosen (a block's
+# first draft / the token after its anchor).
+
+
+def target_tokens(logits: torch.Tensor, s: Sampling, seeded: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """The target's own next token from logits [R, V]: argmax, or a keyed draw."""
+    if s.greedy:
+        return logits.argmax(-1)
+    return draw(sampling_probs(logits, s), keyed_uniform(seeded, at, TARGET))
+
+
+def draft_tokens(draft_logits: torch.Tensor, s: Sampling, seeded: torch.Tensor, at: torch.Tensor):
+    """Drafts [R, K] from the drafter's logits [R, K, V] (draft j at output index at + j), and the
+    drafter's distribution q (None when greedy: verification then needs none)."""
+    import torch
+
+    if s.greedy:
+        return draft_logits.argmax(-1), None
+    q = sampling_probs(draft_logits, s)
+    index = at[:, None] + torch.arange(q.shape[1], device=at.device)
+    return draw(q, keyed_uniform(seeded, index, DRAFT)), q
+
+
+def verify_block(drafts: torch.Tensor, q: torch.Tensor | None, target_logits: torch.Tensor, limit: torch.Tensor,
+                 s: Sampling, seeded: torch.Tensor, at: torch.Tensor):
+    """(accepted drafts [R], the next token [R]) for drafts [R, K] against the target's logits
+    [R, K+1, V]: verify_greedy, or verify_sampled with the keyed uniforms of these output indices."""
+    import torch
+
+    if s.greedy:
+        return verify_greedy(drafts, target_logits, limit)
+    K = drafts.shape[1]
+    index = at[:, None] + torch.arange(K + 1, device=at.device)
+    return verify_sampled(drafts, q, sampling_probs(target_logits, s), limit,
+                          keyed_uniform(seeded, index[:, :K], ACCEPT), keyed_uniform(seeded, index, TARGET))

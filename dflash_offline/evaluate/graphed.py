@@ -29,8 +29,7 @@ import torch
 
 from dflash_offline.evaluate.speculative import Decoded, in_length_batches
 from dflash_offline.evaluate.static import DenseTarget, DrafterBuffers
-from dflash_offline.sampling import (ACCEPT, DRAFT, TARGET, Sampling, draw, keyed_uniform, prompt_keys,
-                                     sampling_probs, verify_greedy, verify_sampled)
+from dflash_offline.sampling import Sampling, draft_tokens, prompt_keys, target_tokens, verify_block
 
 log = logging.getLogger("dflash.eval")
 
@@ -89,12 +88,6 @@ class StaticDecoder:
 
     # -- device work only (what the CUDA graphs capture) ---------------------------------------------
 
-    def _choose(self, logits: torch.Tensor, seeded: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """The target's token from logits [k, V] at output index [k]: argmax or a keyed draw."""
-        if self.sampling.greedy:
-            return logits.argmax(-1)
-        return draw(sampling_probs(logits, self.sampling), keyed_uniform(seeded, index, TARGET))
-
     def _prefill(self) -> None:
         """Keys/values of every prompt position (all at the longest prompt's length: one shape),
         the first token, fresh state."""
@@ -104,7 +97,7 @@ class StaticDecoder:
         last = hidden[torch.arange(R, device=self.device), self.prompt_lens - 1]
         self.seeded.copy_(prompt_keys(self.sampling.seed, self.keys))
         self.n_out.zero_()
-        first = self._choose(self.target.logits(last), self.seeded, self.n_out)
+        first = target_tokens(self.target.logits(last), self.sampling, self.seeded, self.n_out)
         self.out.zero_()
         self.out[:, 0] = first
         self.n_out.fill_(1)
@@ -124,30 +117,18 @@ class StaticDecoder:
         active = ~self.done[:k]
         if self.drafter is None:
             hidden, _ = self.target.forward(anchor[:, None], pos[:, None], features=False)
-            nxt = self._choose(self.target.logits(hidden)[:, 0], seeded, n_out)
+            nxt = target_tokens(self.target.logits(hidden)[:, 0], self.sampling, seeded, n_out)
             self._commit(k, anchor.new_empty((k, 0)), torch.zeros_like(anchor), nxt, active)
             return
         B, s = self.block_size, self.sampling
         # Drafts that can still be committed: the last round of an output drafts fewer (the
         # reference's rule; its block is that much shorter, which the drafter sees).
         limit = (self.max_new - n_out).clamp(0, B - 1)
-        draft_logits = self.drafter.draft_logits(anchor, pos, limit + 1)
-        index = n_out[:, None] + self.steps  # output index of the token after each block position
-        if s.greedy:
-            drafts = draft_logits.argmax(-1)
-        else:
-            q = sampling_probs(draft_logits, s)
-            drafts = draw(q, keyed_uniform(seeded, index[:, :B - 1], DRAFT))
+        drafts, q = draft_tokens(self.drafter.draft_logits(anchor, pos, limit + 1), s, seeded, n_out)
         block = torch.cat([anchor[:, None], drafts], 1)
         bpos = pos[:, None] + self.steps
         hidden, feats = self.target.forward(block, bpos, features=True)
-        target_logits = self.target.logits(hidden)
-        if s.greedy:
-            accepted, nxt = verify_greedy(drafts, target_logits, limit)
-        else:
-            accepted, nxt = verify_sampled(drafts, q, sampling_probs(target_logits, s), limit,
-                                           keyed_uniform(seeded, index[:, :B - 1], ACCEPT),
-                                           keyed_uniform(seeded, index, TARGET))
+        accepted, nxt = verify_block(drafts, q, self.target.logits(hidden), limit, s, seeded, n_out)
         self.drafter.add_context(feats, bpos)
         self._commit(k, drafts, accepted, nxt, active)
 

@@ -40,10 +40,9 @@ from typing import Protocol
 
 import torch
 
-from dflash_offline.evaluate.speculative import (COUNTER_ATTRS, STATE_ATTRS, Decoded, commit_round, in_length_batches,
-                                                 output_done, snapshot_states)
-from dflash_offline.sampling import (ACCEPT, DRAFT, TARGET, Sampling, draw, keyed_uniform, prompt_keys,
-                                     sampling_probs, verify_greedy, verify_sampled)
+from dflash_offline.evaluate.speculative import (COUNTER_ATTRS, STATE_ATTRS, Decoded, as_logits, commit_round,
+                                                 in_length_batches, output_done, snapshot_states)
+from dflash_offline.sampling import Sampling, draft_tokens, prompt_keys, target_tokens, verify_block
 
 log = logging.getLogger("dflash.eval")
 
@@ -290,14 +289,6 @@ class SlotCache:
         return order[:, :width]
 
 
-def as_logits(proposal: torch.Tensor, vocab: int) -> torch.Tensor:
-    """A proposer's drafts as logits [R, K, V]: its logits, or its tokens (an oracle's) one-hot."""
-    if proposal.is_floating_point():
-        return proposal
-    logits = torch.full((*proposal.shape, vocab), float("-inf"), device=proposal.device)
-    return logits.scatter_(-1, proposal[..., None], 0.0)
-
-
 @torch.inference_mode()
 def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prompts: list[list[int]],
                     max_new: int, eos: set[int], pad_id: int = 0, sampling: Sampling = Sampling(),
@@ -319,9 +310,7 @@ def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prom
     positions = (valid.cumsum(-1) - 1).clamp(min=0)
     hidden, feats = target.forward(ids.to(dev), positions, valid, features=B > 1)
     seeded = prompt_keys(sampling.seed, torch.tensor(keys if keys is not None else list(range(n)), device=dev))
-    first = target.logits(hidden[:, -1])
-    anchors = first.argmax(-1) if sampling.greedy else draw(
-        sampling_probs(first, sampling), keyed_uniform(seeded, torch.zeros(n, dtype=torch.long, device=dev), TARGET))
+    anchors = target_tokens(target.logits(hidden[:, -1]), sampling, seeded, torch.zeros(n, dtype=torch.long, device=dev))
     proposer.start(feats, positions, valid)
     pos = lens.clone()  # each row's anchor position
     seqs = [list(p) + [t] for p, t in zip(prompts, anchors.tolist())]
@@ -346,25 +335,15 @@ def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prom
         if slots is not None:
             target.select(None, slots)
             proposer.select(None, slots)
+        at = torch.tensor([len(outs[r]) for r in batch], device=dev)  # output index of each row's first draft
         # Drafts that can still be committed (an output's last round drafts fewer, the reference's rule).
-        limit = torch.tensor([min(B - 1, max_new - len(outs[r])) for r in batch], device=dev)
-        index = torch.tensor([len(outs[r]) for r in batch], device=dev)[:, None] + steps  # output index after each block slot
-        q = None
+        limit = (max_new - at).clamp(max=B - 1)
         draft_logits = as_logits(proposer.propose(anchors, pos, [seqs[r] for r in batch], limit + 1), model.config.vocab_size)
-        if sampling.greedy:
-            draft = draft_logits.argmax(-1)
-        else:
-            q = sampling_probs(draft_logits, sampling)
-            draft = draw(q, keyed_uniform(seeded, index[:, :B - 1], DRAFT))
+        draft, q = draft_tokens(draft_logits, sampling, seeded, at)
         block = torch.cat([anchors[:, None], draft], 1)
         bpos = pos[:, None] + steps
         hidden, feats = target.forward(block, bpos, torch.ones_like(block, dtype=torch.bool), features=B > 1)
-        target_logits = target.logits(hidden)
-        if sampling.greedy:
-            acc, nxt = verify_greedy(draft, target_logits, limit)
-        else:
-            acc, nxt = verify_sampled(draft, q, sampling_probs(target_logits, sampling), limit,
-                                      keyed_uniform(seeded, index[:, :B - 1], ACCEPT), keyed_uniform(seeded, index, TARGET))
+        acc, nxt = verify_block(draft, q, target.logits(hidden), limit, sampling, seeded, at)
         # One copy to the host per round (the drafts, the next tokens, the accepted lengths).
         host = torch.cat([draft, nxt[:, None], acc[:, None]], 1).tolist()
         committed = steps[None, :] <= acc[:, None]  # the anchor and the accepted drafts

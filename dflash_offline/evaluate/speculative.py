@@ -20,8 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from dflash_offline.sampling import (ACCEPT, DRAFT, TARGET, Sampling, draw, keyed_uniform, prompt_keys,
-                                     sampling_probs, verify_greedy, verify_sampled)
+from dflash_offline.sampling import Sampling, draft_tokens, prompt_keys, target_tokens, verify_block
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,15 +229,23 @@ class DFlashProposer:
         return torch.nn.functional.linear(h[0, 1:], self.drafter.lm_head.weight.to(h.dtype)).float()
 
 
+def as_logits(proposal, vocab: int):
+    """A proposer's drafts as logits [..., K, V]: its logits, or its tokens (an oracle's) one-hot."""
+    import torch
+
+    if proposal.is_floating_point():
+        return proposal
+    logits = torch.full((*proposal.shape, vocab), float("-inf"), device=proposal.device)
+    return logits.scatter_(-1, proposal[..., None], 0.0)
+
+
 def proposed_logits(proposer, tokens: list[int], n: int, vocab: int):
     """proposer.draft_logits, or a token proposer's (an oracle's) first n tokens as one-hot logits."""
     import torch
 
     if hasattr(proposer, "draft_logits"):
         return proposer.draft_logits(tokens, n)
-    logits = torch.full((n, vocab), float("-inf"))
-    logits[torch.arange(n), torch.tensor(proposer.propose(tokens)[:n], dtype=torch.long)] = 0.0
-    return logits
+    return as_logits(torch.tensor(proposer.propose(tokens)[:n], dtype=torch.long), vocab)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,8 +295,7 @@ def commit_round(out: list[int], draft: list[int], a: int, nxt: int, max_new: in
 
 
 class Chooser:
-    """The target's tokens and the verification of drafts for one prompt, greedy or sampled with
-    noise keyed by (seed, the prompt's key, output index) (dflash_offline.sampling)."""
+    """The sampling rule (dflash_offline.sampling) for one prompt: its key, tensors of one row."""
 
     def __init__(self, sampling: Sampling, key: int, device):
         import torch
@@ -297,36 +303,24 @@ class Chooser:
         self.torch, self.sampling = torch, sampling
         self.seeded = prompt_keys(sampling.seed, torch.tensor([key], device=device))
 
+    def _at(self, index: int):
+        return self.torch.tensor([index], device=self.seeded.device)
+
     def token(self, logits, index: int) -> int:
         """The target's token at output `index` from its logits [V]."""
-        if self.sampling.greedy:
-            return int(logits.argmax())
-        u = keyed_uniform(self.seeded, self.torch.tensor([index], device=self.seeded.device), TARGET)
-        return int(draw(sampling_probs(logits[None], self.sampling), u)[0])
+        return int(target_tokens(logits[None], self.sampling, self.seeded, self._at(index))[0])
 
     def draft(self, draft_logits, index: int):
         """Draft tokens [n] from the drafter's logits [n, V] (drafts at output index..) and the
         drafter's distribution (None when greedy)."""
-        if self.sampling.greedy:
-            return draft_logits.argmax(-1), None
-        torch = self.torch
-        q = sampling_probs(draft_logits, self.sampling)
-        at = torch.arange(index, index + q.shape[0], device=self.seeded.device)[None]
-        return draw(q[None], keyed_uniform(self.seeded, at, DRAFT))[0].to(q.device), q
+        drafts, q = draft_tokens(draft_logits[None], self.sampling, self.seeded, self._at(index))
+        return drafts[0], (None if q is None else q[0])
 
     def verify(self, draft, q, target_logits, index: int) -> tuple[int, int]:
         """(accepted drafts, the next token) for draft [n], target logits [n + 1, V]."""
-        torch = self.torch
-        n = draft.shape[0]
-        limit = torch.tensor([n], device=draft.device)
-        if self.sampling.greedy:
-            a, nxt = verify_greedy(draft[None], target_logits[None], limit)
-        else:
-            at = torch.arange(index, index + n + 1, device=self.seeded.device)[None]
-            u_acc = keyed_uniform(self.seeded, at[:, :n], ACCEPT).to(draft.device)
-            u_next = keyed_uniform(self.seeded, at, TARGET).to(draft.device)
-            a, nxt = verify_sampled(draft[None], q[None], sampling_probs(target_logits[None], self.sampling), limit,
-                                    u_acc, u_next)
+        limit = self.torch.tensor([draft.shape[0]], device=draft.device)
+        a, nxt = verify_block(draft[None], None if q is None else q[None], target_logits[None], limit, self.sampling,
+                              self.seeded, self._at(index))
         return int(a[0]), int(nxt[0])
 
 
