@@ -202,7 +202,7 @@ class StaticDecoder:
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._prefill() if what == "prefill" else self._step(what)
+                self._run(what)  # not yet in self._graphs: runs (records) the work itself
             self._graphs[what] = graph
         torch.cuda.synchronize(self.device)
 
