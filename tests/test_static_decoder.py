@@ -190,6 +190,23 @@ def test_speculative_equals_one_prompt_decoder(fitted, kind):
     assert 0 in seen and B - 1 in seen, f"accepted lengths {seen}: the comparison needs short and whole rounds"
 
 
+def test_trace_records_each_read_back(fitted):
+    """`trace` logs (bucket, unfinished rows) at each read-back: one per round plus the last, the
+    bucket the smallest that holds the unfinished rows, rows that only finish; the prompt with the
+    most rounds sets their number."""
+    model, drafter, prompts = fitted["qwen3"]
+    dec = StaticDecoder(model, drafter, 5, max(map(len, prompts)), MAX_NEW, set())
+    dec.trace = []
+    got = dec.decode(prompts)
+    active = [a for _, a, _ in dec.trace]
+    assert len(dec.trace) == max(len(g.committed) for g in got) + 1 and active[0] == 5 and active[-1] == 0
+    assert all(a >= b for a, b in zip(active, active[1:]))
+    times = [t for _, _, t in dec.trace]
+    assert times == sorted(times)
+    for (k, _, _), a in zip(dec.trace[1:], active):  # the bucket a round ran in, after the read-back before it
+        assert k == min(b for b in dec.buckets if b >= a)
+
+
 def test_sampled_decoding_equals_one_prompt_decoder(fitted):
     """Sampling (temperature, top-p, top-k; noise keyed by seed, prompt key and output index): the
     static decoder draws what the one-prompt decoders draw, for the target alone and speculative,

@@ -57,6 +57,7 @@ class StaticDecoder:
         while self.buckets[-1] > 1:
             self.buckets.append((self.buckets[-1] + 1) // 2)
         self._graphs: dict = {}  # bucket -> CUDA graph of a round; "prefill" -> the prefill's
+        self.trace: list | None = None  # a list: decode appends (bucket, active rows, perf_counter) per read-back
         # compile: the round through Inductor first (fused norms, RoPE and bookkeeping: fewer,
         # larger kernels), then captured as CUDA graphs. It costs up to three compilations per
         # decoder, tens of seconds each on a small target (the first bucket's shapes, shapes
@@ -220,6 +221,8 @@ class StaticDecoder:
         k = self.rows
         while True:
             active = int((~self.done[:k]).sum())  # the one read-back of a round
+            if self.trace is not None:
+                self.trace.append((k, active, time.perf_counter()))
             if active == 0:
                 break
             bucket = min(b for b in self.buckets if b >= active)
