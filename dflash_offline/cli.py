@@ -8,16 +8,20 @@ import sys
 
 import click
 
+# The configs are plain dataclasses (no torch): light enough to build the options from.
+from dflash_offline.config import EvalConfig, ExtractConfig, GenerateConfig, PlanConfig, PrepareConfig, TrainConfig
+from dflash_offline.options import cli_fields, flag_of, parse_int_list, parse_size
 from dflash_offline.runtime.errors import UserError
 
 
 def _given(ctx: click.Context, **values) -> dict:
-    """Only the options the user typed (so a --config recipe is not overridden by defaults);
-    repeatable options as lists, left out when empty."""
+    """Only the options the user typed (so a --config recipe is not overridden by defaults), also
+    where the value typed means None (`--layers auto`: the rule, over a recipe's list); repeatable
+    options as lists, left out when empty."""
     out = {}
     for name, value in values.items():
         src = ctx.get_parameter_source(name)
-        if src is not None and src.name not in ("DEFAULT", "DEFAULT_MAP") and value is not None:
+        if src is not None and src.name not in ("DEFAULT", "DEFAULT_MAP"):
             if isinstance(value, tuple):
                 if not value:
                     continue
@@ -32,12 +36,82 @@ class ByteSize(click.ParamType):
     name = "SIZE"
 
     def convert(self, value, param, ctx):
-        from dflash_offline.options import parse_size
-
         try:
             return parse_size(value)
         except ValueError as e:
             self.fail(str(e), param, ctx)
+
+
+class IntList(click.ParamType):
+    """Comma-separated integers (1,9,17), refused in one line naming the option otherwise."""
+
+    name = "IDS"
+
+    def __init__(self, flag: str):
+        self.flag = flag
+
+    def convert(self, value, param, ctx):
+        return parse_int_list(value, option=self.flag)
+
+
+def default_text(f) -> str | None:
+    """What an option's help says its default is: the field's `default_text` (a rule in words), else
+    the field's default written out (on/off for switches); None: no default worth stating."""
+    meta = f.metadata
+    if meta.get("default_text") is not None:
+        return meta["default_text"]
+    v = f.default
+    if meta.get("is_flag") or v is None or isinstance(v, (list, tuple)) or v == "":
+        return None
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def option_of(f) -> click.Option:
+    """The click option of a config field (options.opt): its spelling, type, choices, help and
+    default text all come from the field. Its click default is None, so that `_given` tells what
+    the user typed from what a recipe or the field's default supplies."""
+    meta, flag, kind = f.metadata, flag_of(f), str(f.type)
+    kw: dict = {"default": None}
+    decls = [flag, f.name]
+    if kind.startswith("bool"):
+        if meta.get("is_flag"):
+            kw["is_flag"] = True
+        else:
+            decls[0] = f"{flag}/--no-{flag[2:]}"
+    elif "list[str]" in kind:
+        kw["multiple"] = True
+        kw.pop("default")
+    elif "list[int]" in kind:
+        kw["type"] = IntList(flag)
+    elif meta.get("size"):
+        kw["type"] = ByteSize()
+    elif meta.get("choices"):
+        kw["type"] = click.Choice(list(meta["choices"]))
+    elif kind.startswith("int"):
+        kw["type"] = int
+    elif kind.startswith("float"):
+        kw["type"] = float
+    text = default_text(f)
+    kw["help"] = meta["help"] + (f"  [default: {text}]" if text is not None else "")
+    return click.Option(decls, **kw)
+
+
+_CONFIG_HELP = "TOML recipe whose keys are these options (command-line values win)."
+_PLAN_CONFIG_HELP = ("TOML whose keys are these options; an extract recipe works too (its other keys are ignored; "
+                     "command-line values win).")
+
+
+def config_options(cls: type, config_help: str = _CONFIG_HELP):
+    """A stage command's options: --config, then one per option field of its config dataclass,
+    in field order. Adding an option is adding an `opt(...)` field."""
+    def decorate(fn):
+        params = [click.Option(["--config", "config_file"], type=click.Path(dir_okay=False), help=config_help)]
+        params += [option_of(f) for f in cli_fields(cls)]
+        fn.__click_params__ = getattr(fn, "__click_params__", []) + params[::-1]  # click reads them reversed
+        return fn
+    return decorate
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -71,24 +145,7 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML recipe whose keys are these options (command-line values win).")
-@click.option("--target", help="Hugging Face model folder: its tokenizer, chat template and context length.")
-@click.option("--data", multiple=True, help="Conversation data: .jsonl/.json/.parquet files, folders, globs, or a `datasets` save_to_disk folder; repeat for several.")
-@click.option("--out", help="Output folder: OUT/train/ and OUT/eval/ (Parquet parts, each folder committed in its manifest.json).")
-@click.option("--format", type=click.Choice(["auto", "messages", "sharegpt", "pair", "turns", "text"]), help="Record format: messages (OpenAI), sharegpt (conversations of from/value), pair (prompt + response, or Alpaca instruction/input/output), turns (user messages only), text (every token trained).  [default: auto, per file]")
-@click.option("--chat-template", help="A Jinja chat template file to render with instead of the tokenizer's own.")
-@click.option("--thinking", type=click.Choice(["on", "off"]), help="enable_thinking for templates that read it (Qwen3 family).  [default: the template's default]")
-@click.option("--system", help="A system prompt for conversations that have none.")
-@click.option("--responses", type=click.Choice(["regenerate", "keep"]), help="regenerate: prompts for `generate` (the target writes the replies); keep: the dataset's replies become training rows for `extract`.  [default: regenerate]")
-@click.option("--train-turns", type=click.Choice(["all", "last"]), help="With --responses keep: train every assistant reply, or only the last of each conversation.  [default: all]")
-@click.option("--eval-fraction", type=float, help="Share of conversations held out into OUT/eval/ (by a hash of the id: stable).  [default: 0]")
-@click.option("--max-len", type=int, help="Drop rows (prompts, with regenerate) longer than this many tokens.  [default: the target's context; longer is an error]")
-@click.option("--truncate/--no-truncate", default=None, help="Cut rows longer than --max-len instead of dropping them.  [default: off]")
-@click.option("--dedup/--no-dedup", default=None, help="Drop conversations whose content (case and spacing folded) was seen before.  [default: on]")
-@click.option("--drop-unanswered", is_flag=True, default=None, help="With --responses keep: drop (and count) conversations that end with a user turn instead of refusing the dataset.")
-@click.option("--chunk-records", type=int, help="Conversations per part file, the unit of commit and resume.  [default: 4096]")
-@click.option("--log-dir", help="Folder for the process log.  [default: OUT/logs]")
-@click.option("--progress/--no-progress", default=None, help="Progress bar on the terminal.  [default: on]")
+@config_options(PrepareConfig)
 @click.pass_context
 def prepare(ctx: click.Context, config_file, **options) -> None:
     """Chat data in: render conversations with the target's chat template into prompts for
@@ -100,7 +157,6 @@ def prepare(ctx: click.Context, config_file, **options) -> None:
     records the chat settings (template hash, thinking mode, system prompt) that travel with the
     data to the cache and the export. Running the same command again resumes.
     """
-    from dflash_offline.config import PrepareConfig
     from dflash_offline.options import load_recipe, merge
 
     given = _given(ctx, **options)
@@ -111,27 +167,7 @@ def prepare(ctx: click.Context, config_file, **options) -> None:
 
 
 @main.command()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML recipe whose keys are these options (command-line values win).")
-@click.option("--target", help="Hugging Face model folder (config.json + *.safetensors).")
-@click.option("--data", multiple=True, help="Parquet file or folder of *.parquet with input_ids and loss_mask (or prompt_len), optional id; or a `generate`/`prepare` output folder. Repeat for several.")
-@click.option("--cache", help="Cache location: a path (/dev/shm/..., NVMe) or an fsspec URL.")
-@click.option("--devices", help="GPU indices like 0,1,2,3,4 (one worker process each), or cpu / cpu,cpu.  [default: cpu]")
-@click.option("--layers", help="Target layer ids to capture, e.g. 1,9,17,25,33.  [default: the DFlash rule]")
-@click.option("--num-layers", type=int, help="How many layers the DFlash rule picks.  [default: 5]")
-@click.option("--topk", type=int, help="Top-k log-probabilities per token, at most the vocabulary; 0 = none (skips the LM head).  [default: 32]")
-@click.option("--max-len", type=int, help="Truncate samples to this many tokens.  [default: 4096]")
-@click.option("--batch-tokens", type=int, help="Token budget of one forward batch, padding included.  [default: 16384]")
-@click.option("--shard-tokens", type=int, help="Tokens per shard, the unit of commit and resume.  [default: 65536]")
-@click.option("--sort-window", type=int, help="Length-sort input rows within windows of this many rows.  [default: 8192]")
-@click.option("--chunk-tokens", type=int, help="Zarr chunk length along tokens.  [default: 1024]")
-@click.option("--logits-chunk-tokens", type=int, help="Tokens per LM-head chunk for top-k.  [default: 2048]")
-@click.option("--writers", type=int, help="Shard writer processes per worker.  [default: 1]")
-@click.option("--hidden-dtype", type=click.Choice(["bfloat16", "fp8", "float8_e4m3fn"]), help="Storage dtype of hidden states; fp8 = float8 e4m3fn with a scale per token and layer (half the bytes).  [default: bfloat16]")
-@click.option("--compute-dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), help="Target dtype; auto = bf16 on GPU, fp32 on CPU.")
-@click.option("--max-bytes", type=ByteSize(), help="Budget of the cache on storage (e.g. 64GB): workers pause while unreleased shards fill it; a budget below one shard is refused.")
-@click.option("--passes", type=int, help="Produce the input N times, each pass in its own order (for train --follow --stream).  [default: 1]")
-@click.option("--log-dir", help="Folder for process logs.  [default: CACHE/logs]")
-@click.option("--progress/--no-progress", default=None, help="Progress bar on the terminal.  [default: on]")
+@config_options(ExtractConfig)
 @click.pass_context
 def extract(ctx: click.Context, config_file, **options) -> None:
     """Stage one: write target hidden states into a committed, resumable Zarr cache.
@@ -140,12 +176,9 @@ def extract(ctx: click.Context, config_file, **options) -> None:
     made with another target, layer set, top-k, dtype, max length, shard plan or input is refused,
     naming the field.
     """
-    from dflash_offline.config import ExtractConfig
-    from dflash_offline.options import load_recipe, merge, parse_int_list
+    from dflash_offline.options import load_recipe, merge
 
     given = _given(ctx, **options)
-    if "layers" in given:
-        given["layers"] = parse_int_list(given["layers"])
     recipe = load_recipe(config_file, ExtractConfig) if config_file else {}
     cfg = merge(ExtractConfig, recipe, given)
     from dflash_offline.extract import launcher as stage
@@ -154,58 +187,13 @@ def extract(ctx: click.Context, config_file, **options) -> None:
 
 
 @main.command()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML recipe whose keys are these options (command-line values win).")
-@click.option("--cache", help="The committed cache written by `extract`.")
-@click.option("--target", help="The target's Hugging Face folder (widths, mask token, frozen embedding and LM head).")
-@click.option("--out", help="Run folder: step-N/ checkpoints, metrics.jsonl, logs/, export/. Re-run to resume.")
-@click.option("--devices", help="GPU indices like 5,6,7 (one DDP process each, NCCL), or cpu / cpu,cpu (gloo).  [default: cpu]")
-@click.option("--num-layers", type=int, help="Drafter layers.  [default: 5]")
-@click.option("--block-size", type=int, help="Draft block size.  [default: 16]")
-@click.option("--gamma", type=float, help="Loss decay over slots, > 0: slot k weighs exp(-(k-1)/gamma).  [default: 7 for block 16, 5 for 10, 4 for 8]")
-@click.option("--num-anchors", type=int, help="Blocks per row: the row's static capacity.  [default: 512]")
-@click.option("--anchors-per-sample", type=int, help="Anchors each packed sample draws (the method's per-sequence budget), capped by --num-anchors per row; 0 = one draw per row.  [default: 512]")
-@click.option("--layers", help="Target layer ids the drafter reads, a subset of the cache's, e.g. 1,3,5,6.  [default: all the cache holds]")
-@click.option("--init-layers", help="Target layer ids whose weights start the drafter's layers, one per drafter layer, e.g. 0,1,2,3,4 (dense targets shaped like the drafter).  [default: random]")
-@click.option("--kd-weight", type=float, help="Share of the target's top-k distribution (from the cache) in each slot's target, 0..1.  [default: 0 = data tokens]")
-@click.option("--seq-len", type=int, help="Context tokens per packed row; more than --block-size (a row holds whole blocks).  [default: 4096]")
-@click.option("--global-batch-tokens", type=int, help="Context tokens per optimizer step, all ranks.  [default: 131072]")
-@click.option("--lr", type=float, help="Peak learning rate.  [default: 6e-4 x (4096 / hidden size)^0.8]")
-@click.option("--eval-cache", help="Held-out cache: the walk estimate of decoding tau every --eval-every steps; the best drafter goes to OUT/best/.")
-@click.option("--eval-every", type=int, help="Steps between held-out evaluations.  [default: --checkpoint-every]")
-@click.option("--eval-samples", type=int, help="Held-out samples per evaluation.  [default: 200]")
-@click.option("--profile-steps", type=int, help="Profile N optimizer steps (torch.profiler) after the first five: where a step's time goes, in OUT/profile/.  [default: 0, off]")
-@click.option("--warmup-ratio", type=float, help="Warm-up share of all steps, in [0, 1).  [default: 0.04]")
-@click.option("--weight-decay", type=float, help="AdamW weight decay, >= 0 (a negative one grows the weights).  [default: 0]")
-@click.option("--epochs", type=int, help="Epochs.  [default: 6]")
-@click.option("--clip", type=float, help="Gradient-norm clip, > 0 (0 makes no update, a negative one reverses it; inf = no clipping).  [default: 1.0]")
-@click.option("--seed", type=int, help="Seed of sample order, anchors and initial weights, >= 0.  [default: 0]")
-@click.option("--mask-token-id", type=int, help="Mask token id.  [default: the tokenizer's mask token]")
-@click.option("--max-steps", type=int, help="Stop after this many steps (schedule still spans all epochs).")
-@click.option("--checkpoint-every", type=int, help="Steps between checkpoints.  [default: 500]")
-@click.option("--keep-checkpoints", type=int, help="Checkpoints kept.  [default: 3]")
-@click.option("--log-every", type=int, help="Steps between log lines.  [default: 10]")
-@click.option("--loader-workers", type=int, help="Background loader processes per rank; 0 = read in the training process.  [default: 2]")
-@click.option("--prefetch", type=int, help="Rows each loader process reads ahead, >= 1.  [default: 4]")
-@click.option("--attention", type=click.Choice(["auto", "sdpa"]), help="auto = compiled flex on GPU, SDPA + dense mask on CPU; sdpa = the dense baseline on GPU too.")
-@click.option("--loss-chunk-tokens", type=int, help="Block tokens per LM-head chunk in the loss.  [default: 2^28 / vocabulary, at least 4096]")
-@click.option("--compile-layers/--no-compile-layers", default=None, help="Compile the drafter layer for training (fuses its elementwise work).  [default: on GPU]")
-@click.option("--loss-impl", type=click.Choice(["fused", "recompute"]), help="fused: the head's input gradient is made in the loss forward; recompute: checkpointed chunks.  [default: fused]")
-@click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), help="auto = bf16 autocast on GPU, fp32 on CPU.")
-@click.option("--verify", type=click.Choice(["quick", "full"]), help="quick: shards exist and open; full: also checksums.  [default: quick]")
-@click.option("--follow/--no-follow", default=None, help="Train while extract fills the cache: take shards as they are committed, wait when all are consumed (needs --epochs 1).")
-@click.option("--stream/--no-stream", default=None, help="With --follow: delete each shard once a checkpoint is past its last use.")
-@click.option("--follow-window", type=int, help="Shards shuffled and packed together with --follow.  [default: 4]")
-@click.option("--progress/--no-progress", default=None, help="Progress bar.  [default: on]")
+@config_options(TrainConfig)
 @click.pass_context
 def train(ctx: click.Context, config_file, **options) -> None:
     """Stage two: train a DFlash drafter from a committed cache (resumes from OUT's last checkpoint)."""
-    from dflash_offline.config import TrainConfig
-    from dflash_offline.options import load_recipe, merge, parse_int_list
+    from dflash_offline.options import load_recipe, merge
 
     given = _given(ctx, **options)
-    for name in ("layers", "init_layers"):
-        if name in given:
-            given[name] = parse_int_list(given[name], option="--" + name.replace("_", "-"))
     recipe = load_recipe(config_file, TrainConfig) if config_file else {}
     cfg = merge(TrainConfig, recipe, given)
     from dflash_offline.train import launcher as stage
@@ -230,45 +218,12 @@ def export(run_dir: str, step: int | None, dest: str | None) -> None:
 
 
 @main.command(name="eval")
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML whose keys are these options (command-line values win).")
-@click.option("--target", help="The target's Hugging Face folder.")
-@click.option("--drafter", "drafters", multiple=True,
-              help="A drafter export folder or a step-N checkpoint; repeat to compare several.")
-@click.option("--prompts", help="Parquet with input_ids: speculative decoding against the target, checked lossless.")
-@click.option("--cache", help="A (held-out) cache: acceptance estimated from it, without running the target.")
-@click.option("--device", help="One GPU index (e.g. 0) or cpu.  [default: cpu]")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
-              help="Target and drafter dtype for decoding (float32: the lossless check is exact).  [default: float32]")
-@click.option("--max-new-tokens", type=int, help="New tokens per prompt.  [default: 256]")
-@click.option("--max-prompts", type=int, help="Use only the first N prompts.")
-@click.option("--ignore-eos", is_flag=True, default=None, help="Always generate --max-new-tokens (do not stop at end-of-sequence).")
-@click.option("--baseline/--no-baseline", default=None,
-              help="Also decode with the target alone: the lossless reference and the speed baseline.  [default: on, off with --reference]")
-@click.option("--reference", help="Parquet of the target's greedy completions of --prompts (id, input_ids, loss_mask; "
-              "e.g. `generate --out X.parquet`): check the outputs against it instead of decoding with the target alone.")
-@click.option("--seq-len", type=int, help="Cache estimate, random anchors: tokens per packed row.  [default: 2048]")
-@click.option("--num-anchors", type=int, help="Cache estimate, random anchors: blocks per row.  [default: 256]")
-@click.option("--max-rows", type=int, help="Cache estimate, random anchors: use at most this many rows.")
-@click.option("--max-samples", type=int, help="Cache walk (decoding's blocks): use only the first N samples.  [default: all]")
-@click.option("--walk-batch-rows", type=int, help="Cache walk: rows of up to 512 anchors per drafter forward.  [default: 4]")
-@click.option("--parity", type=int, help="With --cache: on its first N samples compare the every-anchor estimate, the walk and real decoding; name the likely cause of a disagreement (exit 1).")
-@click.option("--batch-size", type=int, help="Prompts decoded together: 1 = one at a time; N > 1 = N per target forward (static buffers; transformers: KV caches, hybrid targets' recurrent states rolled back per row, sliding-window targets' sequences re-run each round); the target-alone baseline is batched the same way. All exact.  [default: 64 on a GPU, 1 on CPU]")
-@click.option("--show", type=int, help="After decoding, print the first N prompts and each drafter's outputs as text (the target's tokenizer.json), each verify round's accepted drafts in green on a terminal (NO_COLOR: off), else between {{ and }}; the token the target adds each round unmarked.  [default: 0 = off]")
-@click.option("--temperature", type=float, help="0 = greedy (outputs checked equal to the target's); above 0, speculative sampling: output distributed as the target's own sampling.  [default: 0]")
-@click.option("--top-p", type=float, help="Sampling: nucleus mass kept, in (0, 1].  [default: 1.0]")
-@click.option("--top-k", type=int, help="Sampling: keep the k most likely tokens; 0 = all.  [default: 0]")
-@click.option("--seed", type=int, help="Sampling: the noise of each prompt depends only on (seed, prompt id, output index).  [default: 0]")
-@click.option("--decoder", type=click.Choice(["auto", "static", "transformers"]), help="static: the target's layers over preallocated buffers, CUDA graphs on a GPU (dense attention targets); transformers: transformers' forward and caches (any target); auto: static where possible (the report says which ran).  [default: auto]")
-@click.option("--implied-for", help="Also print the speed-up this tau implies on a named target shape measured by benchmarks/decode_speed.py --ceiling (e.g. qwen3.6-27b).")
-@click.option("--json", "json_path", help="Write the full report here as JSON.")
-@click.option("--log-dir", help="Folder for the process log.  [default: RUN/logs for a drafter in a training run folder, else ./dflash-logs]")
-@click.option("--progress/--no-progress", default=None, help="Progress bars.  [default: on]")
+@config_options(EvalConfig)
 @click.pass_context
 def eval_(ctx: click.Context, config_file, **options) -> None:
     """Acceptance length of drafters: speculative decoding against the target (tau, acceptance per
     slot, tokens/s vs the target alone, output checked equal to its greedy decode), and/or the
     estimate from a held-out cache."""
-    from dflash_offline.config import EvalConfig
     from dflash_offline.options import load_recipe, merge
 
     given = _given(ctx, **options)
@@ -283,18 +238,7 @@ def eval_(ctx: click.Context, config_file, **options) -> None:
 
 
 @main.command()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML whose keys are these options; an extract recipe works too (its other keys are ignored; command-line values win).")
-@click.option("--target", help="Hugging Face model folder (config.json + *.safetensors).")
-@click.option("--data", multiple=True, help="Parquet file or folder of *.parquet; repeat for several.")
-@click.option("--cache", help="Where the cache would go: its free space is the budget.")
-@click.option("--max-bytes", type=ByteSize(), help="A budget for the cache (e.g. 64GB).")
-@click.option("--layers", help="Target layer ids to capture.  [default: the DFlash rule]")
-@click.option("--num-layers", type=int, help="How many layers the DFlash rule picks.  [default: extract's]")
-@click.option("--topk", type=int, help="Top-k log-probabilities per token.  [default: extract's]")
-@click.option("--max-len", type=int, help="Truncation length.  [default: extract's]")
-@click.option("--extract-gpus", type=int, help="GPUs extracting, >= 1 (they divide the estimated hours).  [default: 5]")
-@click.option("--train-gpus", type=int, help="GPUs training, >= 1 (they divide the estimated hours).  [default: 3]")
-@click.option("--epochs", type=int, help="Training epochs.  [default: train's]")
+@config_options(PlanConfig, config_help=_PLAN_CONFIG_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.pass_context
 def plan(ctx: click.Context, config_file, as_json: bool, **options) -> None:
@@ -304,13 +248,10 @@ def plan(ctx: click.Context, config_file, as_json: bool, **options) -> None:
     `--config stages/<deployment>/extract.toml` sizes what that recipe would extract."""
     import json as _json
 
-    from dflash_offline.config import ExtractConfig, PlanConfig
-    from dflash_offline.options import load_recipe, merge, parse_int_list
+    from dflash_offline.options import load_recipe, merge
     from dflash_offline.sizing import make_plan, report
 
     given = _given(ctx, **options)
-    if "layers" in given:
-        given["layers"] = parse_int_list(given["layers"])
     # Extract's recipe names the same target, data, layers and cache; its other keys mean nothing here.
     recipe = load_recipe(config_file, PlanConfig, ignore=ExtractConfig) if config_file else {}
     p = make_plan(merge(PlanConfig, recipe, given))
@@ -362,25 +303,7 @@ def status(path: str, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML recipe whose keys are these options (command-line values win).")
-@click.option("--target", help="Hugging Face model folder: the model that writes the completions.")
-@click.option("--prompts", multiple=True, help="Parquet file or folder with input_ids (and optional id); repeat for several.")
-@click.option("--out", help="Output folder (Parquet parts + manifest.json), or a .parquet file (parts in OUT.parts/, merged at the end).")
-@click.option("--devices", help="GPU indices like 0,1,2,3 (one worker process each), or cpu / cpu,cpu.  [default: cpu]")
-@click.option("--max-new-tokens", type=int, help="New tokens per prompt at most.  [default: 2048]")
-@click.option("--temperature", type=float, help="0 = greedy; above 0 (finite), sampling.  [default: 0]")
-@click.option("--top-p", type=float, help="Sampling: nucleus mass kept, in (0, 1].  [default: 1.0]")
-@click.option("--seed", type=int, help="Sampling: the noise of each prompt depends only on (seed, prompt id, step).  [default: 0]")
-@click.option("--eos-token-ids", help="End-of-sequence ids, e.g. 0 or 151643,151645.  [default: the target's generation_config.json]")
-@click.option("--ignore-eos", is_flag=True, default=None, help="Always generate --max-new-tokens.")
-@click.option("--batch-tokens", type=int, help="Budget of one decoding batch: rows x (longest prompt + max new tokens).  [default: 262144]")
-@click.option("--chunk-prompts", type=int, help="Prompts per part file, the unit of commit and resume.  [default: 2048]")
-@click.option("--compute-dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), help="Target dtype; auto = bf16 on GPU, fp32 on CPU.")
-@click.option("--compile/--no-compile", default=None, help="CUDA graphs for the one-token step (GPU only; measured slower at large batches).  [default: off]")
-@click.option("--turns", type=click.Choice(["all", "last"]), help="Conversation prompts (a `prepare` output): regenerate every assistant turn in order, each from the target's own earlier replies, or only the last.  [default: all]")
-@click.option("--reasoning", type=click.Choice(["keep", "strip"]), help="What rows keep of the target's thinking: keep (trained) or strip (the reply as history renders it, thinking removed).  [default: keep]")
-@click.option("--log-dir", help="Folder for process logs.  [default: OUT/logs]")
-@click.option("--progress/--no-progress", default=None, help="Progress bar on the terminal.  [default: on]")
+@config_options(GenerateConfig)
 @click.pass_context
 def generate(ctx: click.Context, config_file, **options) -> None:
     """The target's own completions of prompts, ready for `extract --data OUT`.
@@ -389,12 +312,9 @@ def generate(ctx: click.Context, config_file, **options) -> None:
     0 on the prompt and 1 on the completion. Parts are committed in OUT/manifest.json; running the
     same command again resumes, and a different target or setting is refused, naming the field.
     """
-    from dflash_offline.config import GenerateConfig
-    from dflash_offline.options import load_recipe, merge, parse_int_list
+    from dflash_offline.options import load_recipe, merge
 
     given = _given(ctx, **options)
-    if "eos_token_ids" in given:
-        given["eos_token_ids"] = parse_int_list(given["eos_token_ids"], option="--eos-token-ids")
     recipe = load_recipe(config_file, GenerateConfig) if config_file else {}
     from dflash_offline.generate import launcher as stage
 

@@ -1,17 +1,21 @@
 """Typed configuration of each stage: every option, its default and its checks.
 
-One source of truth per value: the dataclass field holds the default, the CLI option names the
-same field, and a recipe (`stages/<deployment>/<stage>.toml`) uses the same names. Command-line
+One source of truth per value: the dataclass field holds the default and, through `opt(...)`, its
+command-line option (help, spelling, choices; cli.py builds every stage's options from these
+fields), and a recipe (`stages/<deployment>/<stage>.toml`) uses the same names. Command-line
 values win over the recipe, the recipe over the defaults (options.py reads and merges them).
+train's and eval's configs live in their packages (train/config.py, evaluate/config.py) and are
+imported here too, so every stage's config has one import place.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from dflash_offline.options import check_at_least, check_number, check_positive
+from dflash_offline.options import check_at_least, check_number, check_positive, opt
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.evaluate.config import EvalConfig  # noqa: F401  (one import place for every stage's config)
+from dflash_offline.train.config import TrainConfig, auto_loss_chunk, auto_lr  # noqa: F401
 
 HIDDEN_DTYPES = ("bfloat16", "float8_e4m3fn")
 HIDDEN_DTYPE_ALIASES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
@@ -19,50 +23,50 @@ HIDDEN_DTYPE_ALIASES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 
 @dataclass
 class ExtractConfig:
-    target: str = ""
+    target: str = opt("", "Hugging Face model folder (config.json + *.safetensors).")
     """Local Hugging Face model folder (config.json + *.safetensors)."""
-    data: list[str] = field(default_factory=list)
+    data: list[str] = opt(help="Parquet file or folder of *.parquet with input_ids and loss_mask (or prompt_len), optional id; or a `generate`/`prepare` output folder. Repeat for several.", factory=list)
     """Parquet files or folders of *.parquet (cache-contract.md, Input)."""
-    cache: str = ""
+    cache: str = opt("", "Cache location: a path (/dev/shm/..., NVMe) or an fsspec URL.")
     """Cache location: a local path or an fsspec URL."""
-    devices: str = "cpu"
+    devices: str = opt("cpu", "GPU indices like 0,1,2,3,4 (one worker process each), or cpu / cpu,cpu.")
     """`0,1,2,3,4` for one worker per GPU, `cpu` or `cpu,cpu` for CPU workers."""
-    layers: list[int] | None = None
+    layers: list[int] | None = opt(None, "Target layer ids to capture, e.g. 1,9,17,25,33.", default_text="the DFlash rule")
     """Target decoder layer ids to capture; None = the DFlash rule with `num_layers` layers."""
-    num_layers: int = 5
+    num_layers: int = opt(5, "How many layers the DFlash rule picks.")
     """How many layers the DFlash rule picks when `layers` is not given."""
-    topk: int = 32
+    topk: int = opt(32, "Top-k log-probabilities per token, at most the vocabulary; 0 = none (skips the LM head).")
     """Top-k log-probabilities stored per token; 0 stores none and skips the LM head."""
-    max_len: int = 4096
+    max_len: int = opt(4096, "Truncate samples to this many tokens.")
     """Samples longer than this are truncated to their first max_len tokens."""
-    batch_tokens: int = 16384
+    batch_tokens: int = opt(16384, "Token budget of one forward batch, padding included.")
     """Token budget of one forward batch, padding included (rows x longest row)."""
-    shard_tokens: int = 65536
+    shard_tokens: int = opt(65536, "Tokens per shard, the unit of commit and resume.")
     """Tokens per shard (a shard is the unit of commit and of resume)."""
-    sort_window: int = 8192
+    sort_window: int = opt(8192, "Length-sort input rows within windows of this many rows.")
     """Rows are length-sorted within windows of this many input rows (keeps reads local)."""
-    chunk_tokens: int = 1024
+    chunk_tokens: int = opt(1024, "Zarr chunk length along tokens.")
     """Zarr chunk length along the token axis."""
-    logits_chunk_tokens: int = 2048
+    logits_chunk_tokens: int = opt(2048, "Tokens per LM-head chunk for top-k.")
     """Tokens per LM-head chunk when computing top-k (bounds the full-vocabulary logits)."""
-    hidden_dtype: str = "bfloat16"
+    hidden_dtype: str = opt("bfloat16", "Storage dtype of hidden states; fp8 = float8 e4m3fn with a scale per token and layer (half the bytes).", choices=('bfloat16', 'fp8', 'float8_e4m3fn'))
     """Storage dtype of hidden states: bfloat16, or float8_e4m3fn (alias fp8: 8-bit values with a
     float32 scale per token and layer, 0.50x the bytes; cache/fp8.py states the error bound)."""
-    writers: int = 1
+    writers: int = opt(1, "Shard writer processes per worker.")
     """Shard writer processes per extract worker (one writes about 0.9 GB/s into /dev/shm; a 27B
     target's five layers need about 0.46 GB/s per H200)."""
-    compute_dtype: str = "auto"
+    compute_dtype: str = opt("auto", "Target dtype; auto = bf16 on GPU, fp32 on CPU.", choices=('auto', 'bfloat16', 'float16', 'float32'))
     """Target weights/activations: auto = bfloat16 on GPU, float32 on CPU."""
-    max_bytes: int | None = None
+    max_bytes: int | None = opt(None, "Budget of the cache on storage (e.g. 64GB): workers pause while unreleased shards fill it; a budget below one shard is refused.", size=True)
     """Budget of the cache on storage: committed shards not yet released by a streaming trainer
     plus shards being written. A worker pauses before a shard that would exceed it (and says so)
     until a consumer releases shards; a budget smaller than the largest shard is refused."""
-    passes: int = 1
+    passes: int = opt(1, "Produce the input N times, each pass in its own order (for train --follow --stream).")
     """Produce the input this many times, each pass in its own deterministic order (multi-epoch
     training within a budget: `train --follow --stream` consumes every pass once)."""
-    log_dir: str | None = None
+    log_dir: str | None = opt(None, "Folder for process logs.", default_text="CACHE/logs")
     """Where process logs go; default CACHE/logs (a local folder `dflash-logs` for URL caches)."""
-    progress: bool = True
+    progress: bool = opt(True, "Progress bar on the terminal.")
     """Show a progress bar on the terminal."""
 
     def validate(self) -> None:
@@ -89,181 +93,6 @@ class ExtractConfig:
             raise UserError(f"--layers {self.layers} lists a layer twice")
 
 
-@dataclass
-class TrainConfig:
-    cache: str = ""
-    """The committed cache written by `extract` (path or fsspec URL)."""
-    target: str = ""
-    """The target's Hugging Face folder: widths, tokenizer mask token, frozen embedding and LM head."""
-    out: str = ""
-    """Run folder: checkpoints step-N/, metrics.jsonl, TensorBoard events, logs/, export/."""
-    devices: str = "cpu"
-    """`5,6,7` for one DDP process per GPU (NCCL), `cpu` or `cpu,cpu` (gloo)."""
-    num_layers: int = 5
-    """Drafter decoder layers."""
-    block_size: int = 16
-    gamma: float | None = None
-    """Loss decay over block slots; None = the method's value for the block size (16: 7, 10: 5, 8: 4)."""
-    num_anchors: int = 512
-    """Draft blocks per row: the row's static capacity (unused ones are masked)."""
-    anchors_per_sample: int = 512
-    """Anchors each sample (sequence) of a row draws, as the method defines the budget; a row's
-    draws beyond `num_anchors` are subsampled uniformly. 0: one uniform draw of `num_anchors` over
-    the whole row, however many samples it packs."""
-    layers: list[int] | None = None
-    """Target layer ids the drafter reads, a subset of those the cache holds (in the cache's order);
-    None = all of them. One extraction of a superset serves a whole layer ablation."""
-    init_layers: list[int] | None = None
-    """Target layer ids whose weights start the drafter's layers (one per drafter layer), for targets
-    whose decoder layers are shaped like the drafter's (dense Qwen3-like); None = random (the method)."""
-    kd_weight: float = 0.0
-    """Share of the target's top-k distribution in each slot's training target (the cache's
-    top-k log-probabilities, renormalised); 0 = the data token alone (hard labels)."""
-    seq_len: int = 4096
-    """Context tokens per row; samples are packed into rows of exactly this length."""
-    global_batch_tokens: int = 131072
-    """Context tokens per optimizer step over all ranks (accumulation fills it)."""
-    lr: float | None = None
-    """Peak learning rate; None = `auto_lr(hidden size)`: 6e-4 (the published recipe, tuned on
-    4096-wide drafters) x (4096 / hidden size) ** 0.8, e.g. 4.0e-3 for a 384-wide drafter."""
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    epochs: int = 6
-    clip: float = 1.0
-    seed: int = 0
-    mask_token_id: int | None = None
-    """Default: the tokenizer's mask token in the target folder."""
-    max_steps: int | None = None
-    """Stop after this many optimizer steps (the schedule still spans all epochs)."""
-    checkpoint_every: int = 500
-    keep_checkpoints: int = 3
-    log_every: int = 10
-    loader_workers: int = 2
-    """Background loader processes per rank (0 = read in the training process)."""
-    prefetch: int = 4
-    """Rows each loader process reads ahead."""
-    loss_chunk_tokens: int | None = None
-    """Block tokens per LM-head chunk in the loss; None = auto_loss_chunk(vocabulary): chunks of about
-    2^28 logits (1 GB in fp32), at least 4096 tokens."""
-    loss_impl: str = "fused"
-    """fused: the frozen head's input gradient is made in the loss forward (two head matmuls per
-    token); recompute: checkpointed chunks whose logits the backward recomputes (three)."""
-    precision: str = "auto"
-    """auto = bf16 autocast with fp32 master weights on GPU, fp32 on CPU."""
-    compile_layers: bool | None = None
-    """Compile the drafter's decoder layer for training (Inductor fuses its elementwise work with
-    the flex kernels); None = on GPU, off on CPU."""
-    attention: str = "auto"
-    """auto = compiled flex_attention with a BlockMask on GPU, SDPA with a dense mask on CPU (no flex
-    backward there); sdpa forces the dense path on GPU too (a baseline: O(Q x KV) mask memory)."""
-    final_checkpoint: bool = True
-    """Write a checkpoint and the export when the run ends (benchmarks turn it off)."""
-    verify: str = "quick"
-    """quick: every shard listed exists and opens; full: also every checksum (reads the whole cache)."""
-    follow: bool = False
-    """Train while `extract` fills the cache: start on what is committed, take shards as they are
-    committed (in plan order, `follow_window` at a time), wait visibly when all are consumed, end
-    when the plan's last shard is consumed. Every committed shard is consumed once (epochs = 1;
-    `extract --passes N` makes N epochs)."""
-    stream: bool = False
-    """With follow: delete each shard once a checkpoint is past its last use (the manifest records
-    it first), so a budgeted extraction (`--max-bytes`) can go on."""
-    follow_window: int = 4
-    """Shards per window with follow: samples are shuffled and packed within a window (the budget
-    must hold a window's shards)."""
-    eval_cache: str | None = None
-    """A held-out cache (the target's own completions): every `eval_every` steps rank 0 measures the
-    walk estimate of decoding tau on it and keeps the best drafter in OUT/best/."""
-    eval_every: int | None = None
-    """Steps between held-out evaluations; default: at every checkpoint."""
-    eval_samples: int = 200
-    """Held-out samples the walk estimate reads (the first ones of the cache)."""
-    profile_steps: int = 0
-    """Profile this many optimizer steps (torch.profiler), five steps after the run's first: a trace
-    and a table of where a step's time goes in OUT/profile/. 0 = off."""
-    progress: bool = True
-
-    def resolved_loss_chunk(self, vocab_size: int) -> int:
-        return self.loss_chunk_tokens or auto_loss_chunk(vocab_size)
-
-    def validate(self) -> None:
-        for name in ("cache", "target", "out"):
-            if not getattr(self, name):
-                raise UserError(f"train: --{name} is required (or set `{name}` in --config)")
-        check_positive(self, "num_layers", "block_size", "num_anchors", "seq_len", "global_batch_tokens", "epochs",
-                       "checkpoint_every", "keep_checkpoints", "log_every", "loss_chunk_tokens", "follow_window",
-                       "prefetch", "max_steps", "eval_every", "eval_samples")
-        if self.block_size < 2:
-            raise UserError("--block-size must be at least 2 (slot 0 is the anchor, slots 1.. are drafted)")
-        if self.seq_len <= self.block_size:
-            raise UserError(f"--seq-len must exceed --block-size ({self.block_size}), got {self.seq_len}: a row must "
-                            "hold an anchor and its drafted tokens; raise --seq-len or lower --block-size")
-        # A row's capacity beyond its positions is masked padding; beyond the default as well, a typo
-        # that would allocate (anchors x block) tables of that size.
-        if self.num_anchors > max(self.seq_len, TrainConfig.num_anchors):
-            raise UserError(f"--num-anchors {self.num_anchors} exceeds --seq-len {self.seq_len}: each anchor is a "
-                            "distinct position of a row; lower --num-anchors")
-        check_at_least(self, "anchors_per_sample", 0, "0 = one draw per row")
-        check_at_least(self, "profile_steps", 0, "0 = off")
-        check_at_least(self, "loader_workers", 0, "0 = read in the training process")
-        check_at_least(self, "seed", 0, "it seeds numpy's generators, which take no negative seed")
-        check_at_least(self, "mask_token_id", 0, "a token id of the target's vocabulary")
-        check_number(self, "gamma", 0, open_low=True, must="positive",
-                     why="slot k weighs exp(-(k-1)/gamma): 0 divides by zero, a negative value weighs the far slots most")
-        check_number(self, "lr", 0, open_low=True, open_high=True, must="positive and finite")
-        check_number(self, "clip", 0, open_low=True, must="positive (inf = no clipping)",
-                     why="the largest gradient norm a step applies: 0 makes no update, a negative one reverses it")
-        check_number(self, "warmup_ratio", 0, 1, open_high=True, must="in [0, 1)",
-                     why="the share of all steps the learning rate warms up over")
-        check_number(self, "weight_decay", 0, open_high=True, must=">= 0 and finite",
-                     why="AdamW shrinks each weight by lr x weight decay per step; a negative one grows them")
-        check_number(self, "kd_weight", 0, 1, must="in [0, 1]", why="the top-k distribution's share of the target")
-        if self.verify not in ("quick", "full"):
-            raise UserError(f"--verify {self.verify!r}: choose quick or full")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise UserError(f"--precision {self.precision!r}: choose auto, bf16 or fp32")
-        if self.eval_every is not None and not self.eval_cache:
-            raise UserError("--eval-every sets how often --eval-cache is measured; give --eval-cache CACHE (a held-out "
-                            "cache of the target's own completions) or leave --eval-every out")
-        if self.stream and not self.follow:
-            raise UserError("--stream needs --follow (it releases shards of a cache that extraction is still filling)")
-        if self.follow and self.epochs != 1:
-            raise UserError(f"--follow consumes every committed shard once, so --epochs must be 1 (got {self.epochs}); "
-                            "for several epochs extract with --passes N")
-        if self.loss_impl not in ("fused", "recompute"):
-            raise UserError(f"--loss-impl {self.loss_impl!r}: choose fused or recompute")
-        if self.attention not in ("auto", "sdpa"):
-            raise UserError(f"--attention {self.attention!r}: choose auto (flex on GPU) or sdpa (dense mask)")
-        if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
-            raise UserError(f"--layers {self.layers}: give distinct layer ids the cache holds")
-
-    def resolved_lr(self, hidden_size: int) -> float:
-        return self.lr if self.lr is not None else auto_lr(hidden_size)
-
-    @property
-    def resolved_gamma(self) -> float:
-        if self.gamma is not None:
-            return float(self.gamma)
-        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, 7.0 * self.block_size / 16)
-
-
-def auto_lr(hidden_size: int) -> float:
-    """The published lr (6e-4, tuned on 4096-wide drafters) scaled by (4096 / width) ** 0.8: Adam
-    moves every weight by about lr per step, and a narrower layer needs larger moves to change its
-    output as much (muP's 1/width is the exponent 1). Measured on the 384-wide pycode drafter, the
-    held-out tau rose with lr through 6e-4, 2e-3 and 4e-3 (docs/benchmarks.md, "Drafter quality");
-    the exponent puts 384 at 4.0e-3, the best rate measured, and 5120 at 5.0e-4."""
-    return 6e-4 * (4096 / hidden_size) ** 0.8
-
-
-def auto_loss_chunk(vocab_size: int) -> int:
-    """Block tokens per loss chunk: about 2^28 logits a chunk (1 GB in fp32) and at least 4096, so
-    a large vocabulary keeps the bounded memory (248K: 4096 tokens) while a small one stops paying
-    a launch-bound Python loop (8192: 32768 tokens, the loss 60-82 -> 28 ms a step on the pycode
-    drafter, docs/benchmarks.md)."""
-    return max(4096, (1 << 28) // max(1, vocab_size))
-
-
 _E, _T = ExtractConfig(), TrainConfig()  # the stages' defaults: one source of truth for plan's
 
 
@@ -271,17 +100,17 @@ _E, _T = ExtractConfig(), TrainConfig()  # the stages' defaults: one source of t
 class PlanConfig:
     """`plan`: what extract would write (its target, data, layers, top-k, max length) and what
     training would read; the GPU counts only divide the estimated hours."""
-    target: str = ""
-    data: list[str] | None = None
-    cache: str | None = None
-    max_bytes: int | None = None
-    layers: list[int] | None = None
-    num_layers: int = _E.num_layers
-    topk: int = _E.topk
-    max_len: int = _E.max_len
-    extract_gpus: int = 5
-    train_gpus: int = 3
-    epochs: int = _T.epochs
+    target: str = opt("", "Hugging Face model folder (config.json + *.safetensors).")
+    data: list[str] | None = opt(None, "Parquet file or folder of *.parquet; repeat for several.")
+    cache: str | None = opt(None, "Where the cache would go: its free space is the budget.")
+    max_bytes: int | None = opt(None, "A budget for the cache (e.g. 64GB).", size=True)
+    layers: list[int] | None = opt(None, "Target layer ids to capture.", default_text="the DFlash rule")
+    num_layers: int = opt(_E.num_layers, "How many layers the DFlash rule picks.", default_text="extract's")
+    topk: int = opt(_E.topk, "Top-k log-probabilities per token.", default_text="extract's")
+    max_len: int = opt(_E.max_len, "Truncation length.", default_text="extract's")
+    extract_gpus: int = opt(5, "GPUs extracting, >= 1 (they divide the estimated hours).")
+    train_gpus: int = opt(3, "GPUs training, >= 1 (they divide the estimated hours).")
+    epochs: int = opt(_T.epochs, "Training epochs.", default_text="train's")
     drafter_layers: int = _T.num_layers
     seq_len: int = _T.seq_len
     num_anchors: int = _T.num_anchors
@@ -299,46 +128,46 @@ class PlanConfig:
 
 @dataclass
 class GenerateConfig:
-    target: str = ""
+    target: str = opt("", "Hugging Face model folder: the model that writes the completions.")
     """The target's Hugging Face folder: it writes the completions."""
-    prompts: list[str] = field(default_factory=list)
+    prompts: list[str] = opt(help="Parquet file or folder with input_ids (and optional id); repeat for several.", factory=list)
     """Parquet files or folders with `input_ids` (the prompt tokens) and an optional `id`."""
-    out: str = ""
+    out: str = opt("", "Output folder (Parquet parts + manifest.json), or a .parquet file (parts in OUT.parts/, merged at the end).")
     """Output: a folder of Parquet parts with a manifest, or a .parquet file (parts beside it in
     OUT.parts/, merged into the file at the end)."""
-    devices: str = "cpu"
+    devices: str = opt("cpu", "GPU indices like 0,1,2,3 (one worker process each), or cpu / cpu,cpu.")
     """`0,1,2,3` for one worker process per GPU, `cpu` or `cpu,cpu` for CPU workers."""
-    max_new_tokens: int = 2048
+    max_new_tokens: int = opt(2048, "New tokens per prompt at most.")
     """New tokens per prompt at most (a row also ends after an end-of-sequence token, kept)."""
-    temperature: float = 0.0
+    temperature: float = opt(0.0, "0 = greedy; above 0 (finite), sampling.")
     """0 = greedy (argmax); above 0, sampling at this temperature."""
-    top_p: float = 1.0
+    top_p: float = opt(1.0, "Sampling: nucleus mass kept, in (0, 1].")
     """Sampling: keep the smallest set of tokens whose probability reaches top_p."""
-    seed: int = 0
+    seed: int = opt(0, "Sampling: the noise of each prompt depends only on (seed, prompt id, step).")
     """Sampling: the noise for prompt id i and new token t depends only on (seed, i, t)."""
-    eos_token_ids: list[int] | None = None
+    eos_token_ids: list[int] | None = opt(None, "End-of-sequence ids, e.g. 0 or 151643,151645.", default_text="the target's generation_config.json")
     """End-of-sequence ids; None = the target folder's generation_config.json / config.json."""
-    ignore_eos: bool = False
+    ignore_eos: bool = opt(False, "Always generate --max-new-tokens.", is_flag=True)
     """Always generate max_new_tokens (no end-of-sequence stop)."""
-    batch_tokens: int = 262144
+    batch_tokens: int = opt(262144, "Budget of one decoding batch: rows x (longest prompt + max new tokens).")
     """Budget of one decoding batch: rows x (longest prompt + max_new_tokens) cache positions."""
-    chunk_prompts: int = 2048
+    chunk_prompts: int = opt(2048, "Prompts per part file, the unit of commit and resume.")
     """Prompts per part file (the unit of commit and of resume)."""
-    compute_dtype: str = "auto"
+    compute_dtype: str = opt("auto", "Target dtype; auto = bf16 on GPU, fp32 on CPU.", choices=('auto', 'bfloat16', 'float16', 'float32'))
     """auto = bfloat16 on GPU, float32 on CPU; float32 reproduces the target's fp32 greedy decode."""
-    compile: bool = False
+    compile: bool = opt(False, "CUDA graphs for the one-token step (GPU only; measured slower at large batches).")
     """Compile the one-token decode step with CUDA graphs (static shapes: a fixed cache and filler
     rows). Off by default: on the H200 the eager step with the grouped attention decoded the pycode
     target 4x faster at 2048-row batches (docs/benchmarks.md), and compiling a 64-layer hybrid takes
     minutes."""
-    turns: str = "all"
+    turns: str = opt("all", "Conversation prompts (a `prepare` output): regenerate every assistant turn in order, each from the target's own earlier replies, or only the last.", choices=('all', 'last'))
     """Conversation prompts (a `prepare` output): `all` regenerates every assistant turn in order,
     each from the conversation with the target's own earlier replies; `last` only the final one."""
-    reasoning: str = "keep"
+    reasoning: str = opt("keep", "What rows keep of the target's thinking: keep (trained) or strip (the reply as history renders it, thinking removed).", choices=('keep', 'strip'))
     """What rows keep of the target's <think> block: `keep` trains it; `strip` drops it (history's form)."""
-    log_dir: str | None = None
+    log_dir: str | None = opt(None, "Folder for process logs.", default_text="OUT/logs")
     """Where process logs go; default OUT/logs (OUT.parts/logs for a .parquet output)."""
-    progress: bool = True
+    progress: bool = opt(True, "Progress bar on the terminal.")
 
     def validate(self) -> None:
         if self.turns not in ("all", "last"):
@@ -365,40 +194,40 @@ class GenerateConfig:
 
 @dataclass
 class PrepareConfig:
-    target: str = ""
+    target: str = opt("", "Hugging Face model folder: its tokenizer, chat template and context length.")
     """The target's Hugging Face folder: its tokenizer, chat template, context length."""
-    data: list[str] = field(default_factory=list)
+    data: list[str] = opt(help="Conversation data: .jsonl/.json/.parquet files, folders, globs, or a `datasets` save_to_disk folder; repeat for several.", factory=list)
     """Conversation files (.jsonl, .json, .parquet), folders, globs, `datasets` save_to_disk folders."""
-    out: str = ""
+    out: str = opt("", "Output folder: OUT/train/ and OUT/eval/ (Parquet parts, each folder committed in its manifest.json).")
     """Output folder: OUT/train/ and OUT/eval/, Parquet parts each committed in its manifest.json."""
-    format: str = "auto"
+    format: str = opt("auto", "Record format: messages (OpenAI), sharegpt (conversations of from/value), pair (prompt + response, or Alpaca instruction/input/output), turns (user messages only), text (every token trained); auto: detected per file.", choices=('auto', 'messages', 'sharegpt', 'pair', 'turns', 'text'))
     """auto (detected per file), messages, sharegpt, pair, turns or text."""
-    chat_template: str | None = None
+    chat_template: str | None = opt(None, "A Jinja chat template file to render with instead of the tokenizer's own.")
     """A Jinja chat template file to use instead of the tokenizer's own."""
-    thinking: str | None = None
+    thinking: str | None = opt(None, "enable_thinking for templates that read it (Qwen3 family).", choices=('on', 'off'), default_text="the template's default")
     """on / off: passed to templates that read `enable_thinking`; None = the template's default."""
-    system: str | None = None
+    system: str | None = opt(None, "A system prompt for conversations that have none.")
     """A system prompt added to conversations that have none."""
-    responses: str = "regenerate"
+    responses: str = opt("regenerate", "regenerate: prompts for `generate` (the target writes the replies); keep: the dataset's replies become training rows for `extract`.", choices=('regenerate', 'keep'))
     """regenerate: prompts (and conversations) for `generate`; keep: the dataset's replies as rows for `extract`."""
-    train_turns: str = "all"
+    train_turns: str = opt("all", "With --responses keep: train every assistant reply, or only the last of each conversation.", choices=('all', 'last'))
     """keep: train every assistant reply (`all`) or only each conversation's last (`last`)."""
-    eval_fraction: float = 0.0
+    eval_fraction: float = opt(0.0, "Share of conversations held out into OUT/eval/ (by a hash of the id: stable).")
     """Share of conversations put into OUT/eval/ (chosen by a hash of the id: stable across runs)."""
-    max_len: int | None = None
+    max_len: int | None = opt(None, "Drop rows (prompts, with regenerate) longer than this many tokens.", default_text="the target's context; longer is an error")
     """Rows (keep) or prompts (regenerate) longer than this are dropped (or cut: --truncate); None = the
     target's context, where a longer row is an error."""
-    truncate: bool = False
+    truncate: bool = opt(False, "Cut rows longer than --max-len instead of dropping them.")
     """Cut rows longer than --max-len to it instead of dropping them."""
-    dedup: bool = True
+    dedup: bool = opt(True, "Drop conversations whose content (case and spacing folded) was seen before.")
     """Drop conversations whose normalised content (case and whitespace folded) was seen before."""
-    drop_unanswered: bool = False
+    drop_unanswered: bool = opt(False, "With --responses keep: drop (and count) conversations that end with a user turn instead of refusing the dataset.", is_flag=True)
     """keep: drop (and count) conversations that end with a user or tool turn, instead of refusing them."""
-    chunk_records: int = 4096
+    chunk_records: int = opt(4096, "Conversations per part file, the unit of commit and resume.")
     """Conversations per part file (the unit of commit and of resume)."""
-    log_dir: str | None = None
+    log_dir: str | None = opt(None, "Folder for the process log.", default_text="OUT/logs")
     """Where the process log goes; default OUT/logs."""
-    progress: bool = True
+    progress: bool = opt(True, "Progress bar on the terminal.")
 
     def validate(self) -> None:
         for name in ("target", "out"):

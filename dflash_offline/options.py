@@ -25,6 +25,33 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def opt(default: Any = None, help: str = "", *, factory=None, flag: str | None = None,
+        choices: tuple[str, ...] | None = None, size: bool = False, is_flag: bool = False,
+        default_text: str | None = None, resume: bool = False) -> Any:
+    """A config field that is also a command-line option (cli.py builds the option from it).
+
+    help: the option's help, without its default (added from the field's default, or
+    `default_text` where the default is a rule in words, e.g. "the DFlash rule"); flag: the option's
+    spelling where it is not --field-name (a recipe uses the field's name); choices: the values it
+    takes; size: a byte size (64GB, 512MiB); is_flag: a plain on-switch (no --no- form); resume:
+    part of a training run's identity (a checkpoint resumes only with the same value)."""
+    meta = {"help": help, "flag": flag, "choices": choices, "size": size, "is_flag": is_flag,
+            "default_text": default_text, "resume": resume}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def cli_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of a config dataclass that are command-line options, in order."""
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    """The option a field is set by: its own spelling, or --field-name."""
+    return f.metadata.get("flag") or _flag(f.name)
+
+
 def _integer(cfg, name: str) -> int | None:
     """The option's value, refused in one line unless it is an integer (or None)."""
     v = getattr(cfg, name)
@@ -128,11 +155,6 @@ def parse_size(value) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
-# Options whose recipe key is not their own name (the config field they fill): eval's --drafter
-# (repeatable, a list) and --json (a path, not the flag of `plan`/`status`).
-_RECIPE_KEY = {"drafter": "drafters", "json": "json_path"}
-
-
 def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> dict[str, Any]:
     """Read a TOML recipe into {field: value}; unknown keys are an error naming the key and file.
     Keys that are fields of `ignore` (not of `cls`) are dropped: `plan` reads extract's recipe
@@ -156,14 +178,16 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> dict
         if name in skip and name not in fields:
             continue
         if name not in fields:
-            if _RECIPE_KEY.get(name) in fields:
+            # An option spelled otherwise than its field (eval's --drafter fills `drafters`).
+            spelled = {flag_of(f)[2:].replace("-", "_"): f.name for f in cli_fields(cls) if f.metadata.get("flag")}
+            if name in spelled:
                 raise UserError(f"--config {path}: unknown key {key!r}: in a recipe the option --{name} is the key "
-                                f"{_RECIPE_KEY[name]!r}")
+                                f"{spelled[name]!r}")
             raise UserError(
                 f"--config {path}: unknown key {key!r}; known keys: {', '.join(sorted(fields))}"
                 + (" (and the other keys of an extract recipe, ignored)" if ignore is not None else "")
             )
-        if name == "max_bytes" and isinstance(value, str):  # "64GB", as --max-bytes takes it
+        if fields[name].metadata.get("size") and isinstance(value, str):  # "64GB", as --max-bytes takes it
             try:
                 value = parse_size(value)
             except ValueError as e:
@@ -173,11 +197,9 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> dict
     for name, value in out.items():  # one path where a list of paths is expected
         if isinstance(value, str) and str(fields[name].type).startswith("list[str]"):
             out[name] = [value]
-    for name in ("layers", "init_layers"):
-        if name in out:
-            out[name] = parse_int_list(out[name], option="--" + name.replace("_", "-"))
-    if "eos_token_ids" in out:
-        out["eos_token_ids"] = parse_int_list(out["eos_token_ids"], option="eos_token_ids")
+    for name, value in out.items():  # ids as a list or as "1,9,17", as the option takes them
+        if "list[int]" in str(fields[name].type):
+            out[name] = parse_int_list(value, option=f"--config {path}: key {name!r}")
     return out
 
 

@@ -90,3 +90,104 @@ def test_a_recipe_size_reads_like_the_option(tmp_path):
     (tmp_path / "r.toml").write_text('max_bytes = "64 apples"\n')
     with pytest.raises(UserError, match="key 'max_bytes': '64 apples' is not a size"):
         load_recipe(tmp_path / "r.toml", ExtractConfig)
+
+
+def _stage_params(name: str):
+    return [p for p in cli.main.commands[name].params if p.name not in NOT_FIELDS]
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_options_are_built_from_the_config_fields(name):
+    """Every option of a stage command is one `opt(...)` field of its config, in field order, and
+    the option says what the field says: spelling, help, choices, default text; its click default
+    is None (so a recipe is not overridden by a default the user never typed)."""
+    from dflash_offline.options import cli_fields, flag_of
+
+    fields = cli_fields(COMMANDS[name])
+    params = _stage_params(name)
+    assert [p.name for p in params] == [f.name for f in fields]
+    for p, f in zip(params, fields):
+        assert p.opts[0] == flag_of(f)
+        assert p.help == f.metadata["help"] + (f"  [default: {cli.default_text(f)}]" if cli.default_text(f) else "")
+        if f.metadata["choices"]:
+            assert tuple(p.type.choices) == f.metadata["choices"]
+        assert (p.multiple or p.default is None) and not p.show_default
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_no_default_is_written_twice(name):
+    """A default is stated in words (`default_text`) only where it is a rule, never the field's own
+    value written again (which could drift from it)."""
+    for f in dataclasses.fields(COMMANDS[name]):
+        text = f.metadata.get("default_text")
+        value = _default(f)
+        if text is None or value in (None, dataclasses.MISSING):
+            continue
+        assert _literal(text, value) != value, f"{name} {f.name}: default_text {text!r} repeats the default {value!r}"
+
+
+def test_cli_declares_no_stage_option_by_hand():
+    """cli.py holds no option block of a stage command: only options that fill no config field
+    (plan's --json) are declared there."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(cli.__file__).read_text())
+    by_hand = {}
+    for fn in tree.body:
+        if isinstance(fn, ast.FunctionDef) and fn.name.rstrip("_") in COMMANDS:
+            by_hand[fn.name.rstrip("_")] = [d.args[0].value for d in fn.decorator_list
+                                            if isinstance(d, ast.Call) and getattr(d.func, "attr", "") == "option"]
+    assert by_hand == {"prepare": [], "extract": [], "train": [], "eval": [], "plan": ["--json"], "generate": []}
+
+
+def test_resume_identity_is_field_metadata():
+    """The settings a resumed run must share with its checkpoint are the fields marked resume=True."""
+    from dflash_offline.train.checkpoint import RESUME_KEYS
+
+    marked = [f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("resume")]
+    assert list(RESUME_KEYS) == marked
+    assert {"block_size", "layers", "lr", "seed", "num_layers", "follow"} <= set(RESUME_KEYS)
+    assert not {"out", "devices", "progress", "log_every", "eval_cache"} & set(RESUME_KEYS)
+
+
+def test_adding_an_option_is_one_field(tmp_path):
+    """The "how to extend" example (docs/architecture.md): a config dataclass with `opt` fields is
+    a command: typed values, lists of ids, sizes, choices, switches, a flag spelled otherwise than
+    its field, help with the default, and a recipe that the command line overrides."""
+    from click.testing import CliRunner
+
+    from dflash_offline.options import load_recipe, merge, opt
+
+    @dataclasses.dataclass
+    class ToyConfig:
+        steps: int = opt(10, "Optimizer steps.")
+        rate: float = opt(0.5, "Learning rate.")
+        layers: list[int] | None = opt(None, "Layer ids, e.g. 1,2,3.", default_text="all")
+        budget: int | None = opt(None, "Bytes on storage (e.g. 64GB).", size=True)
+        mode: str = opt("fast", "How to run.", choices=("fast", "exact"))
+        check: bool = opt(True, "Check the result.")
+        files: list[str] = opt(factory=list, help="Input files; repeat.", flag="--file")
+        hidden: int = 3  # not an option: no opt()
+
+    seen = {}
+
+    @cli.click.command()
+    @cli.config_options(ToyConfig)
+    @cli.click.pass_context
+    def toy(ctx, config_file, **options):
+        recipe = load_recipe(config_file, ToyConfig) if config_file else {}
+        seen["cfg"] = merge(ToyConfig, recipe, cli._given(ctx, **options))
+
+    recipe = tmp_path / "toy.toml"
+    recipe.write_text('steps = 7\nmode = "exact"\n')
+    run = CliRunner().invoke(toy, ["--config", str(recipe), "--steps", "12", "--layers", "1,3", "--budget", "2GB",
+                                   "--no-check", "--file", "a", "--file", "b"])
+    assert run.exit_code == 0, run.output
+    assert seen["cfg"] == ToyConfig(steps=12, rate=0.5, layers=[1, 3], budget=2 * 10**9, mode="exact", check=False,
+                                    files=["a", "b"])
+    helptext = CliRunner().invoke(toy, ["--help"], terminal_width=200).output
+    assert "--steps INTEGER" in helptext and "[default: 10]" in helptext and "[default: all]" in helptext
+    assert "--check / --no-check" in helptext and "--mode [fast|exact]" in helptext and "--hidden" not in helptext
+    bad = CliRunner().invoke(toy, ["--mode", "slow"])
+    assert bad.exit_code != 0 and "slow" in bad.output

@@ -2,83 +2,83 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from dflash_offline.options import check_positive
+from dflash_offline.options import check_positive, opt
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.sampling import Sampling
 
 
 @dataclass
 class EvalConfig:
-    target: str = ""
+    target: str = opt("", "The target's Hugging Face folder.")
     """The target's Hugging Face folder."""
-    drafters: list[str] = field(default_factory=list)
+    drafters: list[str] = opt(help="A drafter export folder or a step-N checkpoint; repeat to compare several.", factory=list, flag="--drafter")
     """Drafter export folders or step-N checkpoints, compared on the same prompts."""
-    prompts: str | None = None
+    prompts: str | None = opt(None, "Parquet with input_ids: speculative decoding against the target, checked lossless.")
     """Parquet with input_ids: speculative decoding against the target, checked lossless."""
-    cache: str | None = None
+    cache: str | None = opt(None, "A (held-out) cache: acceptance estimated from it, without running the target.")
     """A held-out cache: acceptance estimated from it, without running the target."""
-    device: str = "cpu"
+    device: str = opt("cpu", "One GPU index (e.g. 0) or cpu.")
     """One GPU index or cpu."""
-    dtype: str = "float32"
+    dtype: str = opt("float32", "Target and drafter dtype for decoding (float32: the lossless check is exact).", choices=('float32', 'bfloat16', 'float16'))
     """Target and drafter dtype for decoding; float32 makes the lossless check exact."""
-    max_new_tokens: int = 256
-    max_prompts: int | None = None
+    max_new_tokens: int = opt(256, "New tokens per prompt.")
+    max_prompts: int | None = opt(None, "Use only the first N prompts.")
     """Use only the first N prompts."""
-    ignore_eos: bool = False
+    ignore_eos: bool = opt(False, "Always generate --max-new-tokens (do not stop at end-of-sequence).", is_flag=True)
     """Always generate max_new_tokens."""
-    baseline: bool | None = None
+    baseline: bool | None = opt(None, "Also decode with the target alone: the lossless reference and the speed baseline.", default_text="on, off with --reference")
     """Also decode with the target alone: the lossless reference and the speed baseline.
     None: on, unless `reference` is given."""
-    reference: str | None = None
+    reference: str | None = opt(None, "Parquet of the target's greedy completions of --prompts (id, input_ids, loss_mask; e.g. `generate --out X.parquet`): check the outputs against it instead of decoding with the target alone.")
     """Parquet of the target's greedy completions of the prompts (id, input_ids, loss_mask): the
     lossless reference instead of a target-alone decode."""
-    seq_len: int = 2048
+    seq_len: int = opt(2048, "Cache estimate, random anchors: tokens per packed row.")
     """Cache estimate, random anchors: tokens per packed row."""
-    num_anchors: int = 256
+    num_anchors: int = opt(256, "Cache estimate, random anchors: blocks per row.")
     """Cache estimate, random anchors: blocks per row."""
-    max_rows: int | None = None
+    max_rows: int | None = opt(None, "Cache estimate, random anchors: use at most this many rows.")
     """Cache estimate, random anchors: at most this many rows."""
-    max_samples: int | None = None
+    max_samples: int | None = opt(None, "Cache walk (decoding's blocks): use only the first N samples.", default_text="all")
     """Cache walk: only the first N samples of the cache."""
-    walk_batch_rows: int = 4
+    walk_batch_rows: int = opt(4, "Cache walk: rows of up to 512 anchors per drafter forward.")
     """Cache walk: rows (of up to 512 anchors each) per drafter forward."""
-    batch_size: int | None = None
+    batch_size: int | None = opt(None, "Prompts decoded together: 1 = one at a time; N > 1 = N per target forward (static buffers; transformers: KV caches, hybrid targets' recurrent states rolled back per row, sliding-window targets' sequences re-run each round); the target-alone baseline is batched the same way. All exact.", default_text="64 on a GPU, 1 on CPU")
     """Prompts decoded together, by the decoder `decoder` chooses: 1, one prompt at a time; N > 1,
     N prompts per target forward (static buffers, evaluate/graphed.py; through transformers, KV
     caches, evaluate/kv_batch.py, or for sliding-window targets whole sequences re-run each round,
     evaluate/batched.py); all exact. None: 64 on a GPU (one prompt at a time leaves it idle), 1 on CPU."""
-    parity: int | None = None
+    parity: int | None = opt(None, "With --cache: on its first N samples compare the every-anchor estimate, the walk and real decoding; name the likely cause of a disagreement (exit 1).")
     """With `cache` (held-out, the target's own greedy completions): on its first N samples,
     compare the every-anchor estimate, the walk and real decoding, and name the likely cause when
     walk and decoding disagree (evaluate/parity.py); exit code 1 then."""
-    show: int = 0
+    show: int = opt(0, "After decoding, print the first N prompts and each drafter's outputs as text (the target's tokenizer.json), each verify round's accepted drafts in green on a terminal (NO_COLOR: off), else between {{ and }}; the token the target adds each round unmarked; 0 = off.")
     """After decoding, print the first N prompts and each drafter's outputs as text (the target's
     tokenizer.json), each verify round's accepted drafts marked (colour on a terminal, else {{ }});
     0 = off."""
-    json_path: str | None = None
+    json_path: str | None = opt(None, "Write the full report here as JSON.", flag="--json")
     """Write the full report here as JSON."""
-    log_dir: str | None = None
+    log_dir: str | None = opt(None, "Folder for the process log.", default_text="RUN/logs for a drafter in a training run folder, else ./dflash-logs")
     """Where the process log goes; default RUN/logs when the (first) drafter is inside a training
     run folder (export/, best/, step-N/), else ./dflash-logs: never a folder beside someone's model."""
-    progress: bool = True
-    temperature: float = 0.0
+    progress: bool = opt(True, "Progress bars.")
+    temperature: float = opt(0.0, "0 = greedy (outputs checked equal to the target's); above 0, speculative sampling: output distributed as the target's own sampling.")
     """0 = greedy (the output must equal the target's greedy decode); above 0, sampling: drafts are
     drawn from the drafter's distribution and verified by speculative sampling's rule, so the
     output is distributed as the target's own sampling (dflash_offline/sampling.py)."""
-    top_p: float = 1.0
+    top_p: float = opt(1.0, "Sampling: nucleus mass kept, in (0, 1].")
     """Sampling: keep the smallest set of tokens whose probability reaches top_p."""
-    top_k: int = 0
+    top_k: int = opt(0, "Sampling: keep the k most likely tokens; 0 = all.")
     """Sampling: keep only the k most likely tokens; 0 = all."""
-    seed: int = 0
+    seed: int = opt(0, "Sampling: the noise of each prompt depends only on (seed, prompt id, output index).")
     """Sampling: the noise for prompt id i and output index t depends only on (seed, i, t)."""
-    decoder: str = "auto"
+    decoder: str = opt("auto", "static: the target's layers over preallocated buffers, CUDA graphs on a GPU (dense attention targets); transformers: transformers' forward and caches (any target); auto: static where possible (the report says which ran).", choices=('auto', 'static', 'transformers'))
     """static: the target's own layers over preallocated key/value buffers, each round one CUDA
     graph on a GPU (dense attention targets: Qwen3, Qwen2, Llama, Mistral); transformers:
     transformers' forward with its caches (any target: hybrid, sliding window); auto: static where
     the target allows it, else transformers (the report says which ran)."""
-    implied_for: str | None = None
+    implied_for: str | None = opt(None, "Also print the speed-up this tau implies on a named target shape measured by benchmarks/decode_speed.py --ceiling (e.g. qwen3.6-27b).")
     """Also print the speed-up this tau implies on a named target shape measured by
     `benchmarks/decode_speed.py --ceiling` (kernel times; evaluate/ceiling.py)."""
 

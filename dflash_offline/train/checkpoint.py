@@ -7,12 +7,14 @@ Imports no torch at module level: the launcher's preflight and `status` read che
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import shutil
 from pathlib import Path
 
-from dflash_offline.config import TrainConfig
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.paths import ordinary_mode
@@ -164,10 +166,9 @@ def load_checkpoint(ck_dir: str):
     return drafter
 
 
-# Settings a resumed run must share with its checkpoint: they decide the numbers of every step.
-RESUME_KEYS = ("seq_len", "num_anchors", "anchors_per_sample", "layers", "kd_weight", "block_size", "gamma", "seed", "global_batch_tokens", "epochs", "num_layers",
-               "lr", "warmup_ratio", "weight_decay", "clip", "mask_token_id", "precision", "loss_chunk_tokens",
-               "follow", "follow_window")
+# Settings a resumed run must share with its checkpoint (they decide the numbers of every step):
+# the TrainConfig fields marked `resume=True`.
+RESUME_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("resume"))
 
 
 def check_resume(cfg: TrainConfig, cache_fingerprint: str) -> None:

@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from dflash_offline.config import TrainConfig
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.train.run_folder import BEST, HELD_OUT_LOG
 

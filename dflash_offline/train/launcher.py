@@ -22,7 +22,7 @@ import socket
 from pathlib import Path
 from typing import NamedTuple
 
-from dflash_offline.config import TrainConfig
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.launch import join_ranks, torchrun_launch
 from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_process_log

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import asdict
 
-from dflash_offline.config import TrainConfig
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.runtime.signals import Stopped, spawning

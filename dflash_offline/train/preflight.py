@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from dflash_offline.config import TrainConfig
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.launch import torchrun_launch
 from dflash_offline.runtime.logs import heartbeat

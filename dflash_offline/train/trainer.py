@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_offline.config import TrainConfig
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.runtime.units import human_count

@@ -1,0 +1,183 @@
+"""`train`'s typed configuration: every option, its default, its checks, and which settings a resumed
+run must share with its checkpoint (see dflash_offline/config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash_offline.options import check_at_least, check_number, check_positive, opt
+from dflash_offline.runtime.errors import UserError
+
+@dataclass
+class TrainConfig:
+    cache: str = opt("", "The committed cache written by `extract`.")
+    """The committed cache written by `extract` (path or fsspec URL)."""
+    target: str = opt("", "The target's Hugging Face folder (widths, mask token, frozen embedding and LM head).")
+    """The target's Hugging Face folder: widths, tokenizer mask token, frozen embedding and LM head."""
+    out: str = opt("", "Run folder: step-N/ checkpoints, metrics.jsonl, logs/, export/. Re-run to resume.")
+    """Run folder: checkpoints step-N/, metrics.jsonl, TensorBoard events, logs/, export/."""
+    devices: str = opt("cpu", "GPU indices like 5,6,7 (one DDP process each, NCCL), or cpu / cpu,cpu (gloo).")
+    """`5,6,7` for one DDP process per GPU (NCCL), `cpu` or `cpu,cpu` (gloo)."""
+    num_layers: int = opt(5, "Drafter layers.", resume=True)
+    """Drafter decoder layers."""
+    block_size: int = opt(16, "Draft block size.", resume=True)
+    gamma: float | None = opt(None, "Loss decay over slots, > 0: slot k weighs exp(-(k-1)/gamma).", default_text="7 for block 16, 5 for 10, 4 for 8", resume=True)
+    """Loss decay over block slots; None = the method's value for the block size (16: 7, 10: 5, 8: 4)."""
+    num_anchors: int = opt(512, "Blocks per row: the row's static capacity.", resume=True)
+    """Draft blocks per row: the row's static capacity (unused ones are masked)."""
+    anchors_per_sample: int = opt(512, "Anchors each packed sample draws (the method's per-sequence budget), capped by --num-anchors per row; 0 = one draw per row.", resume=True)
+    """Anchors each sample (sequence) of a row draws, as the method defines the budget; a row's
+    draws beyond `num_anchors` are subsampled uniformly. 0: one uniform draw of `num_anchors` over
+    the whole row, however many samples it packs."""
+    layers: list[int] | None = opt(None, "Target layer ids the drafter reads, a subset of the cache's, e.g. 1,3,5,6.", default_text="all the cache holds", resume=True)
+    """Target layer ids the drafter reads, a subset of those the cache holds (in the cache's order);
+    None = all of them. One extraction of a superset serves a whole layer ablation."""
+    init_layers: list[int] | None = opt(None, "Target layer ids whose weights start the drafter's layers, one per drafter layer, e.g. 0,1,2,3,4 (dense targets shaped like the drafter).", default_text="random")
+    """Target layer ids whose weights start the drafter's layers (one per drafter layer), for targets
+    whose decoder layers are shaped like the drafter's (dense Qwen3-like); None = random (the method)."""
+    kd_weight: float = opt(0.0, "Share of the target's top-k distribution (from the cache) in each slot's target, 0..1; 0 = the data tokens alone.", resume=True)
+    """Share of the target's top-k distribution in each slot's training target (the cache's
+    top-k log-probabilities, renormalised); 0 = the data token alone (hard labels)."""
+    seq_len: int = opt(4096, "Context tokens per packed row; more than --block-size (a row holds whole blocks).", resume=True)
+    """Context tokens per row; samples are packed into rows of exactly this length."""
+    global_batch_tokens: int = opt(131072, "Context tokens per optimizer step, all ranks.", resume=True)
+    """Context tokens per optimizer step over all ranks (accumulation fills it)."""
+    lr: float | None = opt(None, "Peak learning rate.", default_text="6e-4 x (4096 / hidden size)^0.8", resume=True)
+    """Peak learning rate; None = `auto_lr(hidden size)`: 6e-4 (the published recipe, tuned on
+    4096-wide drafters) x (4096 / hidden size) ** 0.8, e.g. 4.0e-3 for a 384-wide drafter."""
+    warmup_ratio: float = opt(0.04, "Warm-up share of all steps, in [0, 1).", resume=True)
+    weight_decay: float = opt(0.0, "AdamW weight decay, >= 0 (a negative one grows the weights).", resume=True)
+    epochs: int = opt(6, "Epochs.", resume=True)
+    clip: float = opt(1.0, "Gradient-norm clip, > 0 (0 makes no update, a negative one reverses it; inf = no clipping).", resume=True)
+    seed: int = opt(0, "Seed of sample order, anchors and initial weights, >= 0.", resume=True)
+    mask_token_id: int | None = opt(None, "Mask token id.", default_text="the tokenizer's mask token", resume=True)
+    """Default: the tokenizer's mask token in the target folder."""
+    max_steps: int | None = opt(None, "Stop after this many steps (schedule still spans all epochs).")
+    """Stop after this many optimizer steps (the schedule still spans all epochs)."""
+    checkpoint_every: int = opt(500, "Steps between checkpoints.")
+    keep_checkpoints: int = opt(3, "Checkpoints kept.")
+    log_every: int = opt(10, "Steps between log lines.")
+    loader_workers: int = opt(2, "Background loader processes per rank; 0 = read in the training process.")
+    """Background loader processes per rank (0 = read in the training process)."""
+    prefetch: int = opt(4, "Rows each loader process reads ahead, >= 1.")
+    """Rows each loader process reads ahead."""
+    loss_chunk_tokens: int | None = opt(None, "Block tokens per LM-head chunk in the loss.", default_text="2^28 / vocabulary, at least 4096", resume=True)
+    """Block tokens per LM-head chunk in the loss; None = auto_loss_chunk(vocabulary): chunks of about
+    2^28 logits (1 GB in fp32), at least 4096 tokens."""
+    loss_impl: str = opt("fused", "fused: the head's input gradient is made in the loss forward; recompute: checkpointed chunks.", choices=('fused', 'recompute'))
+    """fused: the frozen head's input gradient is made in the loss forward (two head matmuls per
+    token); recompute: checkpointed chunks whose logits the backward recomputes (three)."""
+    precision: str = opt("auto", "auto = bf16 autocast on GPU, fp32 on CPU.", choices=('auto', 'bf16', 'fp32'), resume=True)
+    """auto = bf16 autocast with fp32 master weights on GPU, fp32 on CPU."""
+    compile_layers: bool | None = opt(None, "Compile the drafter layer for training (fuses its elementwise work).", default_text="on GPU")
+    """Compile the drafter's decoder layer for training (Inductor fuses its elementwise work with
+    the flex kernels); None = on GPU, off on CPU."""
+    attention: str = opt("auto", "auto = compiled flex on GPU, SDPA + dense mask on CPU; sdpa = the dense baseline on GPU too.", choices=('auto', 'sdpa'))
+    """auto = compiled flex_attention with a BlockMask on GPU, SDPA with a dense mask on CPU (no flex
+    backward there); sdpa forces the dense path on GPU too (a baseline: O(Q x KV) mask memory)."""
+    final_checkpoint: bool = True
+    """Write a checkpoint and the export when the run ends (benchmarks turn it off)."""
+    verify: str = opt("quick", "quick: shards exist and open; full: also checksums.", choices=('quick', 'full'))
+    """quick: every shard listed exists and opens; full: also every checksum (reads the whole cache)."""
+    follow: bool = opt(False, "Train while extract fills the cache: take shards as they are committed, wait when all are consumed (needs --epochs 1).", resume=True)
+    """Train while `extract` fills the cache: start on what is committed, take shards as they are
+    committed (in plan order, `follow_window` at a time), wait visibly when all are consumed, end
+    when the plan's last shard is consumed. Every committed shard is consumed once (epochs = 1;
+    `extract --passes N` makes N epochs)."""
+    stream: bool = opt(False, "With --follow: delete each shard once a checkpoint is past its last use.")
+    """With follow: delete each shard once a checkpoint is past its last use (the manifest records
+    it first), so a budgeted extraction (`--max-bytes`) can go on."""
+    follow_window: int = opt(4, "Shards shuffled and packed together with --follow.", resume=True)
+    """Shards per window with follow: samples are shuffled and packed within a window (the budget
+    must hold a window's shards)."""
+    eval_cache: str | None = opt(None, "Held-out cache: the walk estimate of decoding tau every --eval-every steps; the best drafter goes to OUT/best/.")
+    """A held-out cache (the target's own completions): every `eval_every` steps rank 0 measures the
+    walk estimate of decoding tau on it and keeps the best drafter in OUT/best/."""
+    eval_every: int | None = opt(None, "Steps between held-out evaluations.", default_text="--checkpoint-every")
+    """Steps between held-out evaluations; default: at every checkpoint."""
+    eval_samples: int = opt(200, "Held-out samples per evaluation.")
+    """Held-out samples the walk estimate reads (the first ones of the cache)."""
+    profile_steps: int = opt(0, "Profile N optimizer steps (torch.profiler) after the first five: where a step's time goes, in OUT/profile/; 0 = off.")
+    """Profile this many optimizer steps (torch.profiler), five steps after the run's first: a trace
+    and a table of where a step's time goes in OUT/profile/. 0 = off."""
+    progress: bool = opt(True, "Progress bar.")
+
+    def resolved_loss_chunk(self, vocab_size: int) -> int:
+        return self.loss_chunk_tokens or auto_loss_chunk(vocab_size)
+
+    def validate(self) -> None:
+        for name in ("cache", "target", "out"):
+            if not getattr(self, name):
+                raise UserError(f"train: --{name} is required (or set `{name}` in --config)")
+        check_positive(self, "num_layers", "block_size", "num_anchors", "seq_len", "global_batch_tokens", "epochs",
+                       "checkpoint_every", "keep_checkpoints", "log_every", "loss_chunk_tokens", "follow_window",
+                       "prefetch", "max_steps", "eval_every", "eval_samples")
+        if self.block_size < 2:
+            raise UserError("--block-size must be at least 2 (slot 0 is the anchor, slots 1.. are drafted)")
+        if self.seq_len <= self.block_size:
+            raise UserError(f"--seq-len must exceed --block-size ({self.block_size}), got {self.seq_len}: a row must "
+                            "hold an anchor and its drafted tokens; raise --seq-len or lower --block-size")
+        # A row's capacity beyond its positions is masked padding; beyond the default as well, a typo
+        # that would allocate (anchors x block) tables of that size.
+        if self.num_anchors > max(self.seq_len, TrainConfig.num_anchors):
+            raise UserError(f"--num-anchors {self.num_anchors} exceeds --seq-len {self.seq_len}: each anchor is a "
+                            "distinct position of a row; lower --num-anchors")
+        check_at_least(self, "anchors_per_sample", 0, "0 = one draw per row")
+        check_at_least(self, "profile_steps", 0, "0 = off")
+        check_at_least(self, "loader_workers", 0, "0 = read in the training process")
+        check_at_least(self, "seed", 0, "it seeds numpy's generators, which take no negative seed")
+        check_at_least(self, "mask_token_id", 0, "a token id of the target's vocabulary")
+        check_number(self, "gamma", 0, open_low=True, must="positive",
+                     why="slot k weighs exp(-(k-1)/gamma): 0 divides by zero, a negative value weighs the far slots most")
+        check_number(self, "lr", 0, open_low=True, open_high=True, must="positive and finite")
+        check_number(self, "clip", 0, open_low=True, must="positive (inf = no clipping)",
+                     why="the largest gradient norm a step applies: 0 makes no update, a negative one reverses it")
+        check_number(self, "warmup_ratio", 0, 1, open_high=True, must="in [0, 1)",
+                     why="the share of all steps the learning rate warms up over")
+        check_number(self, "weight_decay", 0, open_high=True, must=">= 0 and finite",
+                     why="AdamW shrinks each weight by lr x weight decay per step; a negative one grows them")
+        check_number(self, "kd_weight", 0, 1, must="in [0, 1]", why="the top-k distribution's share of the target")
+        if self.verify not in ("quick", "full"):
+            raise UserError(f"--verify {self.verify!r}: choose quick or full")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise UserError(f"--precision {self.precision!r}: choose auto, bf16 or fp32")
+        if self.eval_every is not None and not self.eval_cache:
+            raise UserError("--eval-every sets how often --eval-cache is measured; give --eval-cache CACHE (a held-out "
+                            "cache of the target's own completions) or leave --eval-every out")
+        if self.stream and not self.follow:
+            raise UserError("--stream needs --follow (it releases shards of a cache that extraction is still filling)")
+        if self.follow and self.epochs != 1:
+            raise UserError(f"--follow consumes every committed shard once, so --epochs must be 1 (got {self.epochs}); "
+                            "for several epochs extract with --passes N")
+        if self.loss_impl not in ("fused", "recompute"):
+            raise UserError(f"--loss-impl {self.loss_impl!r}: choose fused or recompute")
+        if self.attention not in ("auto", "sdpa"):
+            raise UserError(f"--attention {self.attention!r}: choose auto (flex on GPU) or sdpa (dense mask)")
+        if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
+            raise UserError(f"--layers {self.layers}: give distinct layer ids the cache holds")
+
+    def resolved_lr(self, hidden_size: int) -> float:
+        return self.lr if self.lr is not None else auto_lr(hidden_size)
+
+    @property
+    def resolved_gamma(self) -> float:
+        if self.gamma is not None:
+            return float(self.gamma)
+        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, 7.0 * self.block_size / 16)
+
+
+def auto_lr(hidden_size: int) -> float:
+    """The published lr (6e-4, tuned on 4096-wide drafters) scaled by (4096 / width) ** 0.8: Adam
+    moves every weight by about lr per step, and a narrower layer needs larger moves to change its
+    output as much (muP's 1/width is the exponent 1). Measured on the 384-wide pycode drafter, the
+    held-out tau rose with lr through 6e-4, 2e-3 and 4e-3 (docs/benchmarks.md, "Drafter quality");
+    the exponent puts 384 at 4.0e-3, the best rate measured, and 5120 at 5.0e-4."""
+    return 6e-4 * (4096 / hidden_size) ** 0.8
+
+
+def auto_loss_chunk(vocab_size: int) -> int:
+    """Block tokens per loss chunk: about 2^28 logits a chunk (1 GB in fp32) and at least 4096, so
+    a large vocabulary keeps the bounded memory (248K: 4096 tokens) while a small one stops paying
+    a launch-bound Python loop (8192: 32768 tokens, the loss 60-82 -> 28 ms a step on the pycode
+    drafter, docs/benchmarks.md)."""
+    return max(4096, (1 << 28) // max(1, vocab_size))
