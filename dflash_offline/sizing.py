@@ -17,7 +17,7 @@ import numpy as np
 
 from dflash_offline.config import PlanConfig
 from dflash_offline.extract.plan import bytes_per_token
-from dflash_offline.target.folder import _safetensors_header, read_target
+from dflash_offline.target.folder import safetensors_header, read_target
 from dflash_offline.target.folder import checkpoint_name
 
 H200_BF16_PEAK = 774e12  # measured dense bf16 matmul FLOP/s
@@ -31,7 +31,7 @@ def decoder_matrix_params(info) -> int:
     safetensors headers: what a forward multiplies per token. Vision towers and MTP heads excluded."""
     total = 0
     for f in info.weight_files:
-        header = json.loads(_safetensors_header(f))
+        header = json.loads(safetensors_header(f))
         for key, meta in header.items():
             if key == "__metadata__":
                 continue
@@ -64,7 +64,7 @@ def drafter_flops_per_context_token(text: dict, n_captured: int, p: PlanConfig) 
 
 
 def make_plan(p: PlanConfig) -> dict:
-    from dflash_offline.extract import data
+    from dflash_offline.rows import reader as data
     from dflash_offline.target import model as target
 
     p.validate()

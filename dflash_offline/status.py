@@ -113,7 +113,7 @@ def _verdict(status: str, procs: list[dict], busy: str, command: str) -> str:
 
 def generate_status(path: str) -> dict:
     """A `generate` output folder: parts committed of those planned, its processes, the last error."""
-    from dflash_offline.generate.parts import read_manifest
+    from dflash_offline.rows.parts import read_manifest
 
     folder = Path(path)
     if folder.suffix == ".parquet":  # the merged file: its parts and logs are beside it
@@ -131,7 +131,7 @@ def generate_status(path: str) -> dict:
 
 
 def _is_generated(p: Path) -> bool:
-    from dflash_offline.generate.parts import read_manifest
+    from dflash_offline.rows.parts import read_manifest
 
     try:
         return p.is_dir() and read_manifest(p) is not None

@@ -525,7 +525,7 @@ def test_over_long_rows_are_truncated_with_one_warning(tiny_dense, tiny_data, tm
     from conftest import extract_args
 
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.extract.data import scan
+    from dflash_offline.rows.reader import scan
 
     cache = tmp_path / "cache"
     r = run_cli(extract_args(tiny_dense, tiny_data, cache, "--max-len", "64"), timeout=300)

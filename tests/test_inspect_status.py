@@ -247,7 +247,7 @@ def test_stage_after_stage_in_one_process_is_done_not_died(tiny_dense, tiny_data
 def _demo_like_folder(top, valid_cache):
     """The demo's --out as `dflash-offline demo` leaves it: cache/, train/ (a run), generated/ (a
     complete generate output), tiny-target/ and data, built from the session's cache."""
-    from dflash_offline.generate.parts import new_manifest
+    from dflash_offline.rows.parts import new_manifest
 
     top.mkdir()
     (top / "cache").symlink_to(valid_cache)

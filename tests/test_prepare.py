@@ -79,7 +79,7 @@ def test_formats_counts_ids_and_datasets_folder(chat_target, tmp_path):
     assert all(len(r["input_ids"]) == len(r["loss_mask"]) and any(r["loss_mask"]) for r in rows)
     assert len({r["id"] for r in rows}) == len(rows)  # row ids unique (split rows take id + k * 2^40)
     # extract reads the folder as input (the contract: input_ids, loss_mask, id)
-    from dflash_offline.extract.data import scan
+    from dflash_offline.rows.reader import scan
 
     src = scan([str(out / "train")], vocab_size=512)
     assert src.rows == len(rows)

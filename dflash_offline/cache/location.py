@@ -139,14 +139,14 @@ class Location:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-            _fsync_dir(dirpath)
+            fsync_dir(dirpath)
 
     def rename(self, src: str, dst: str) -> None:
         if self.remote:
             self.fs.mv(self.path(src), self.path(dst), recursive=True)
         else:
             os.rename(self.path(src), self.path(dst))
-            _fsync_dir(os.path.dirname(self.path(dst)))
+            fsync_dir(os.path.dirname(self.path(dst)))
 
     def write_json_atomic(self, rel: str, obj: dict) -> None:
         """Write `rel` so that readers see the old or the new content, never a mix."""
@@ -172,7 +172,7 @@ class Location:
 
         fault_point("manifest-tmp-written")
         os.replace(tmp, final)
-        _fsync_dir(os.path.dirname(final))
+        fsync_dir(os.path.dirname(final))
 
     def try_run_lock(self, rel: str = ".run.lock"):
         """Hold an exclusive lock for a whole run; None if another run holds it (local paths).
@@ -215,7 +215,7 @@ class Location:
             os.close(fd)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     # A rename is durable only once the directory entry is on storage (power loss, not SIGKILL).
     try:
         fd = os.open(path, os.O_RDONLY)

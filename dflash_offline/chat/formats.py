@@ -230,6 +230,11 @@ def cut_off_files() -> list[tuple[str, int]]:
     return list(_cut_off_files)
 
 
+def forget_cut_off_files() -> None:
+    """Start a new count of cut-off files (one read of a dataset)."""
+    _cut_off_files.clear()
+
+
 def _iter_arrow(path: Path, kind: str) -> Iterator[tuple[str, object]]:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-from dflash_offline.chat.formats import (FORMATS, _cut_off_files, OPENAI_ROLES, PAIR_RESPONSE_KEYS, SHAREGPT_ROLES, Message, Record,
+from dflash_offline.chat.formats import (FORMATS, OPENAI_ROLES, forget_cut_off_files, PAIR_RESPONSE_KEYS, SHAREGPT_ROLES, Message, Record,
                                          iter_raw, resolve_inputs)
 from dflash_offline.runtime.errors import UserError
 
@@ -154,7 +154,7 @@ def read_records(paths: list[str], fmt: str = "auto", option: str = "--data") ->
     whose records are in different formats (or in none) is refused naming the first that differs."""
     if fmt != "auto" and fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: choose auto, {', '.join(FORMATS)}")
-    _cut_off_files.clear()
+    forget_cut_off_files()
     index = 0
     for path in resolve_inputs(paths, option):
         file_fmt = None if fmt == "auto" else fmt

@@ -16,7 +16,7 @@ log = logging.getLogger("dflash.eval")
 def check_prompts_path(prompts: str | None) -> None:
     """A file, or a folder that is a prepare or generate output: anything else in one line."""
     if prompts and Path(prompts).is_dir():
-        from dflash_offline.generate.parts import read_manifest
+        from dflash_offline.rows.parts import read_manifest
 
         if read_manifest(prompts) is None:
             raise UserError(f"--prompts {prompts}: a folder, not a file; give a Parquet file with an input_ids "
@@ -30,7 +30,7 @@ def _read_table(option: str, path: str, columns: tuple[str, ...], fix: str):
     import pyarrow.parquet as pq
 
     if Path(path).is_dir():  # a part folder (a prepare or generate output): its committed parts
-        from dflash_offline.generate.parts import listed_parts
+        from dflash_offline.rows.parts import listed_parts
 
         parts = listed_parts(path)
         if not parts:
@@ -135,7 +135,7 @@ def warn_chat_mismatch(prompts: str, drafters) -> None:
     measured on prompts rendered another: said loudly, since served that way it loses much of its
     tau (the most reported DFlash pitfall). Known only for prompts from `prepare`."""
     from dflash_offline.chat.template import differences
-    from dflash_offline.generate.parts import chat_settings_of
+    from dflash_offline.rows.parts import chat_settings_of
 
     used = chat_settings_of([prompts]) if Path(prompts).is_dir() else None
     for path, d in drafters:

@@ -159,7 +159,7 @@ class SlotCache:
     def __init__(self, model, layer_ids: list[int]):
         from transformers import DynamicCache
 
-        from dflash_offline.generate.decoding import cache_argument, use_grouped_attention
+        from dflash_offline.target.attention import cache_argument, use_grouped_attention
 
         reason = unsupported_reason(model)
         if reason is not None:

@@ -42,7 +42,7 @@ class TargetSession:
         self.model = model
         self.layer_ids = list(layer_ids)
         self.device = next(model.parameters()).device
-        from dflash_offline.generate.decoding import cache_argument
+        from dflash_offline.target.attention import cache_argument
 
         self._cache_arg = cache_argument(model)
         # Any layer that is not softmax attention (Gated DeltaNet's "linear_attention", say) keeps

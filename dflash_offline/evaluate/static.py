@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_offline.drafter.model import rope_cos_sin
+from dflash_offline.target.attention import grouped_query_attention
 
 # transformers model types whose decoder layers are pre-norm attention + MLP with full causal
 # attention, optional q/k norms and biases, and an unscaled embedding.
@@ -57,15 +58,6 @@ def unsupported_reason(model) -> str | None:
         if parts != _LAYER_PARTS or not {"q_proj", "k_proj", "v_proj", "o_proj"} <= attn or not attn <= _ATTN_PARTS:
             return f"its decoder layer holds {sorted(parts)} / attention {sorted(attn)}"
     return None
-
-
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [R, H, T, d] over k/v [R, Hkv, S, d] with mask [R, 1, G*T, S] (G = H / Hkv, the mask
-    repeated per group): the G query heads of one key/value head laid along the query axis."""
-    R, H, T, d = q.shape
-    Hkv = k.shape[1]
-    out = F.scaled_dot_product_attention(q.reshape(R, Hkv, (H // Hkv) * T, d), k, v, attn_mask=mask, scale=scale)
-    return out.reshape(R, H, T, d)
 
 
 def causal_by_position(pos: torch.Tensor, capacity: int, groups: int) -> torch.Tensor:
@@ -117,7 +109,7 @@ class DenseTarget:
             keys, values = self.keys[i][:R], self.values[i][:R]  # the first R rows (a bucket)
             keys.scatter_(2, where, k.to(keys.dtype))
             values.scatter_(2, where, v.to(values.dtype))
-            out = grouped_attention(q.to(v.dtype), keys, values, mask, self.scale)
+            out = grouped_query_attention(q.to(v.dtype), keys, values, mask, self.scale)
             x = x + a.o_proj(out.transpose(1, 2).reshape(R, T, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if features and i in self.layer_ids:

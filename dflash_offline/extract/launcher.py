@@ -29,7 +29,7 @@ from dflash_offline.extract.messages import Paused, Progress
 from dflash_offline.extract.plan import Job, bytes_per_token, pass_plan, reserved_bytes
 from dflash_offline.extract.worker import log_folder, worker_entry, worker_run
 from dflash_offline.runtime.errors import UserError, no_room_reason
-from dflash_offline.runtime.launch import Launch, join_ranks, torchrun_launch
+from dflash_offline.runtime.launch import Launch, join_ranks, resolve_compute_dtype, torchrun_launch
 from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, log_dir_refusal, open_process_log
 from dflash_offline.runtime.paths import refuse_foreign_folder
 from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
@@ -49,22 +49,9 @@ def worker_device(devices: list[str], launch: Launch | None, rank: int) -> str:
     return "cpu" if all(d == "cpu" for d in devices) else f"cuda:{launch.local_rank}"
 
 
-def resolve_compute_dtype(name: str, devices: list[str], launch: Launch | None) -> str:
-    """`auto` -> bfloat16 on GPUs, float32 on CPUs; one dtype per cache, so no mixing of the two."""
-    kinds = {"cpu" if d == "cpu" else "cuda" for d in devices}
-    if launch is not None:
-        kinds = {"cpu"} if kinds == {"cpu"} else {"cuda"}
-    if name != "auto":
-        return name
-    if len(kinds) > 1:
-        raise UserError("--devices mixes CPU and GPU workers with --compute-dtype auto (bf16 on GPU, fp32 on CPU); "
-                        "choose one kind of device or set --compute-dtype")
-    return "bfloat16" if kinds == {"cuda"} else "float32"
-
-
 def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     """All checks that need no weights. Raises UserError; writes nothing to the cache."""
-    from dflash_offline.extract import data
+    from dflash_offline.rows import reader as data
     from dflash_offline.target import model as target
     from dflash_offline.target.folder import read_target
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
@@ -106,7 +93,7 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
               "tokens": total_tokens,
               **({"passes": cfg.passes, "shards_per_pass": [len(plan) for plan in per_pass]} if cfg.passes > 1 else {})},
     )
-    from dflash_offline.generate.parts import chat_settings_of
+    from dflash_offline.rows.parts import chat_settings_of
 
     chat = chat_settings_of([p for p in cfg.data if os.path.isdir(p)])
     if chat is not None:  # how the text was rendered (prepare's record): travels on to the export

@@ -55,7 +55,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     heartbeat(phase="import")  # torch and the model code: a broken install fails here
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore, committed_names
-    from dflash_offline.extract.data import RowReader, Source
+    from dflash_offline.rows.reader import RowReader, Source
     from dflash_offline.runtime.launch import single_thread_compute
     from dflash_offline.target.model import LayerCapture, load_target
     from dflash_offline.target.folder import read_target

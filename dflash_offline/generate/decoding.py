@@ -3,7 +3,7 @@
 One batch = up to R prompts, left-padded to the longest, decoded together for up to N new tokens:
 an eager prefill of the padded prompts into a transformers StaticCache (preallocated, written in
 place: no per-step concatenation of the cache), then one forward per new token, with grouped-query
-attention that never copies the cache per query head (`grouped_sdpa`: 3x the pycode target's decode
+attention that never copies the cache per query head (`target/attention.py`'s `grouped_sdpa`: 3x the pycode target's decode
 rate on an H200). On request (`compile=True`) the one-token step is compiled once with CUDA graphs
 (`torch.compile(mode="reduce-overhead")`) over one cache kept for the whole run ([R, heads, L, d],
 L = longest prompt + N), a short batch filled with copies of its first row whose outputs are
@@ -24,7 +24,6 @@ gets the same sample whatever batch, chunk, worker or resume it lands in.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_offline.sampling import Sampling, uniform_noise  # noqa: F401  (Sampling: generate's settings)
+from dflash_offline.target.attention import cache_argument, use_grouped_attention
 
 log = logging.getLogger("dflash.decoding")
 
@@ -56,48 +56,6 @@ def choose_tokens(logits: torch.Tensor, sampling: Sampling, row_ids: torch.Tenso
 
 # ----------------------------------------------------------------------------------------------
 # The batch decoder
-
-
-def cache_argument(model) -> str:
-    """transformers >= 5.18 names the cache argument `cache` (`past_key_values` is deprecated there)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-GROUPED_ATTENTION = "dflash_grouped_sdpa"
-
-
-def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
-                 **kwargs):
-    """transformers' SDPA attention without copying keys and values once per query head.
-
-    With a padding mask, transformers expands grouped-query keys and values to every query head
-    before SDPA (`repeat_kv`): in batched decoding that copy, over the whole cache, costs more than
-    the attention itself (a Qwen3 with 3 query heads per KV head: 3x the cache's bytes per step).
-    Here the G query heads of one KV head are laid along the query axis instead, [B, Hkv, G * q, d],
-    and the mask is repeated for them: the same scores, no copy of the cache.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    B, H, q, d = query.shape
-    kv_heads = key.shape[1]
-    groups = H // kv_heads
-    if groups == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or dropout:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    mask = attention_mask.repeat(1, 1, groups, 1) if attention_mask.shape[2] == q and q > 1 else attention_mask
-    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(B, kv_heads, groups * q, d), key, value,
-                                                           attn_mask=mask, scale=scaling)
-    return out.reshape(B, H, q, d).transpose(1, 2).contiguous(), None
-
-
-def use_grouped_attention(model) -> None:
-    """Route the model's attention layers through grouped_sdpa (masks as for SDPA)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(GROUPED_ATTENTION, grouped_sdpa)
-    AttentionMaskInterface.register(GROUPED_ATTENTION, sdpa_mask)
-    model.config._attn_implementation = GROUPED_ATTENTION
 
 
 @dataclass

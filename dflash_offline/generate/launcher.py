@@ -91,7 +91,7 @@ OWN_ENTRIES = {"logs", ".run.lock", ".manifest.lock"}
 
 def _check_output(folder: Path, merged: Path | None) -> None:
     """Nothing the tool did not create is overwritten: an existing output must be ours."""
-    from dflash_offline.generate import parts
+    from dflash_offline.rows import parts
 
     ours = (folder / parts.MANIFEST).is_file()
     if merged is not None and merged.exists() and not ours:
@@ -110,10 +110,10 @@ def _check_output(folder: Path, merged: Path | None) -> None:
 
 def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: Launch | None):
     """All checks that need no weights. Raises UserError; writes nothing."""
-    from dflash_offline.extract import data
-    from dflash_offline.generate import parts
+    from dflash_offline.rows import reader as data
+    from dflash_offline.rows import parts
     from dflash_offline.target import model as target
-    from dflash_offline.extract.launcher import resolve_compute_dtype
+    from dflash_offline.runtime.launch import resolve_compute_dtype
     from dflash_offline.target.folder import eos_ids, read_target
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
 
@@ -216,7 +216,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
 
 def run(cfg: GenerateConfig) -> dict:
     """The `generate` command. Returns the final manifest."""
-    from dflash_offline.generate import parts
+    from dflash_offline.rows import parts
     from dflash_offline.cache.location import Location
 
     launch = torchrun_launch()
@@ -294,7 +294,7 @@ def _finish(store, merged: Path | None, launch: Launch | None) -> None:
     import pyarrow.parquet as pq
 
     from dflash_offline.runtime.paths import file_sha256
-    from dflash_offline.generate.parts import write_parquet_atomic
+    from dflash_offline.rows.parts import write_parquet_atomic
 
     m = store.read()
     done = m.get("merged")
@@ -367,9 +367,9 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
 def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, todo_prompts: int) -> int:
     """Generate and commit this worker's parts. Returns how many it left unstarted (a stop was requested)."""
     heartbeat(phase="import")
-    from dflash_offline.generate import parts
+    from dflash_offline.rows import parts
     from dflash_offline.cache.manifest import id_ranges
-    from dflash_offline.extract.data import RowReader, Source
+    from dflash_offline.rows.reader import RowReader, Source
     from dflash_offline.runtime.launch import single_thread_compute
 
     import torch

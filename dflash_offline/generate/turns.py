@@ -80,7 +80,7 @@ def conversation_settings(prompts: list[str], source) -> dict | None:
     `prepare` (a `messages` column in every file); None for plain prompts."""
     import pyarrow.parquet as pq
 
-    from dflash_offline.generate.parts import chat_settings_of
+    from dflash_offline.rows.parts import chat_settings_of
 
     with_messages = ["messages" in pq.read_schema(f.path).names for f in source.files]
     if not any(with_messages):
@@ -193,7 +193,7 @@ def write_chat_part(folder, name: str, convs: list[Conversation]) -> dict:
     import pyarrow as pa
 
     from dflash_offline.runtime.paths import file_sha256
-    from dflash_offline.generate.parts import write_part
+    from dflash_offline.rows.parts import write_part
 
     cols: dict[str, list] = {k: [] for k in ("id", "input_ids", "loss_mask", "finish_reason", "conversation_id",
                                              "turns", "messages")}

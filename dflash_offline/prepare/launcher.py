@@ -30,7 +30,7 @@ SPLITS = ("train", "eval")
 
 
 def _check_out(out: Path) -> None:
-    from dflash_offline.generate.parts import MANIFEST, read_manifest
+    from dflash_offline.rows.parts import MANIFEST, read_manifest
     from dflash_offline.runtime.paths import refuse_foreign_folder
 
     if out.is_file():

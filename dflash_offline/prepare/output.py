@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from dflash_offline.generate.parts import PREPARED_FORMAT, OutputStore, part_name, write_part
+from dflash_offline.rows.parts import PREPARED_FORMAT, OutputStore, part_name, write_part
 
 __all__ = ["PreparedStore", "new_manifest", "part_name", "source_entry"]
 

@@ -33,10 +33,10 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "GROUP_RANK")
 RENDEZVOUS_S = 120.0  # how long a rank of a launch other than torchrun waits for the others to join
 RANK_WAIT_S = 1800.0  # how long rank 0 waits for the other ranks' commits without any progress
-_UNSET = "unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT"
+UNSET_RANK_VARS = "unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT"
 
 
-def _launch_env() -> str:
+def launch_env() -> str:
     return " ".join(f"{k}={os.environ[k]}" for k in LAUNCH_VARS if k in os.environ)
 
 
@@ -48,7 +48,7 @@ def torchrun_launch() -> Launch | None:
     (a stale RANK/WORLD_SIZE in the shell, values that do not fit) is refused in one line."""
     if not any(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         return None  # MASTER_ADDR/MASTER_PORT alone change nothing
-    env = _launch_env()
+    env = launch_env()
     torchrun = all(k in os.environ for k in TORCHRUN_VARS)
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -58,11 +58,11 @@ def torchrun_launch() -> Launch | None:
         ok = False
     if not ok:
         raise UserError(f"the environment has {env}, which is not a consistent distributed launch; to run alone: "
-                        f"{_UNSET} (left from an earlier torchrun?); to run distributed, start the command with "
+                        f"{UNSET_RANK_VARS} (left from an earlier torchrun?); to run distributed, start the command with "
                         "torchrun")
     if not torchrun and not (world > 1 and all(k in os.environ for k in LAUNCH_VARS)):
         raise UserError(f"the environment has {env} but this is not a torchrun launch (no {' or '.join(TORCHRUN_VARS)}"
-                        f"); to run alone: {_UNSET} (left from an earlier torchrun?); to run distributed, start the "
+                        f"); to run alone: {UNSET_RANK_VARS} (left from an earlier torchrun?); to run distributed, start the "
                         "command with torchrun")
     return Launch(rank=rank, world_size=world, local_rank=local, under_torchrun=torchrun)
 
@@ -81,7 +81,7 @@ def join_ranks(launch: Launch | None) -> None:
     timeout = float(os.environ.get("DFLASH_OFFLINE_RENDEZVOUS_S", RENDEZVOUS_S))
     addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
     log.info("distributed launch without torchrun (%s): rank %d waits up to %.0fs for the other %d rank(s) at %s:%s",
-             _launch_env(), launch.rank, timeout, launch.world_size - 1, addr, port)
+             launch_env(), launch.rank, timeout, launch.world_size - 1, addr, port)
     heartbeat(phase="waiting for the other ranks")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # a client's retries print C++ stacks otherwise
     import datetime
@@ -94,8 +94,8 @@ def join_ranks(launch: Launch | None) -> None:
                                           timeout=datetime.timedelta(seconds=timeout), wait_for_workers=True)
     except Exception as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"the environment has {_launch_env()}, but the other ranks did not join at {addr}:{port} "
-                        f"within {time.time() - t0:.0f}s ({why}); to run alone: {_UNSET} (left from an earlier "
+        raise UserError(f"the environment has {launch_env()}, but the other ranks did not join at {addr}:{port} "
+                        f"within {time.time() - t0:.0f}s ({why}); to run alone: {UNSET_RANK_VARS} (left from an earlier "
                         "torchrun?); to run distributed, start every rank (torchrun does)") from None
     log.info("all %d ranks joined in %.1fs", launch.world_size, time.time() - t0)
 
@@ -147,3 +147,16 @@ def single_thread_compute() -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("DFLASH_THREADS", "1")) or 1)
+
+
+def resolve_compute_dtype(name: str, devices: list[str], launch: Launch | None) -> str:
+    """`auto` -> bfloat16 on GPUs, float32 on CPUs; one dtype per cache, so no mixing of the two."""
+    kinds = {"cpu" if d == "cpu" else "cuda" for d in devices}
+    if launch is not None:
+        kinds = {"cpu"} if kinds == {"cpu"} else {"cuda"}
+    if name != "auto":
+        return name
+    if len(kinds) > 1:
+        raise UserError("--devices mixes CPU and GPU workers with --compute-dtype auto (bf16 on GPU, fp32 on CPU); "
+                        "choose one kind of device or set --compute-dtype")
+    return "bfloat16" if kinds == {"cuda"} else "float32"

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from dflash_offline.runtime.launch import RANK_WAIT_S, _UNSET, _launch_env
+from dflash_offline.runtime.launch import RANK_WAIT_S, UNSET_RANK_VARS, launch_env
 from dflash_offline.runtime.logs import heartbeat, log
 from dflash_offline.runtime.signals import (
     FORWARD_SIGNALS,
@@ -172,12 +172,12 @@ def wait_for_other_ranks(read_manifest, progress) -> None:
         if now_at != seen:
             if seen is None:
                 log.info("this rank's work is committed; waiting for the other ranks (%s): %s; giving up after %.0fs "
-                         "without a commit", _launch_env(), now_at, limit)
+                         "without a commit", launch_env(), now_at, limit)
             seen, moved = now_at, time.time()
         if time.time() - moved > limit:
-            raise RuntimeError(f"waited {time.time() - t0:.0f}s for the other ranks ({_launch_env()}), "
+            raise RuntimeError(f"waited {time.time() - t0:.0f}s for the other ranks ({launch_env()}), "
                                f"{time.time() - moved:.0f}s without a commit: {now_at}; if no other rank is "
-                               f"running: {_UNSET} and run the same command again (it resumes)")
+                               f"running: {UNSET_RANK_VARS} and run the same command again (it resumes)")
         heartbeat()
         if time.time() - last > 30:
             log.info("waiting for other ranks: %s (%.0fs)", now_at, time.time() - t0)

@@ -52,7 +52,7 @@ class TargetInfo:
         }
 
 
-def _safetensors_header(path: Path) -> bytes:
+def safetensors_header(path: Path) -> bytes:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > 100_000_000:
@@ -160,7 +160,7 @@ def read_target(path: str) -> TargetInfo:
     for f in files:
         fp.update(f.name.encode())
         fp.update(str(f.stat().st_size).encode())
-        fp.update(_safetensors_header(f))
+        fp.update(safetensors_header(f))
         fp.update(_data_sample(f))
     layer_types = text.get("layer_types") or []
     # Gated DeltaNet layers keep a recurrent state: padding rules and kernel checks differ.

@@ -168,7 +168,7 @@ def check_weights(info: TargetInfo, keep_layers: int, need_head: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_offline.target.folder import _safetensors_header
+    from dflash_offline.target.folder import safetensors_header
 
     from transformers.utils import logging as hf_logging
 
@@ -192,7 +192,7 @@ def check_weights(info: TargetInfo, keep_layers: int, need_head: bool) -> None:
                         "and model.layers (the Llama/Qwen layout the drafter reads); point --target at such a model")
     found: dict[str, tuple] = {}
     for f in info.weight_files:
-        header = json.loads(_safetensors_header(f))
+        header = json.loads(safetensors_header(f))
         for key, meta in header.items():
             if key != "__metadata__":
                 found[checkpoint_name(key)] = (f.name, key, tuple(meta["shape"]))

@@ -191,7 +191,7 @@ def write_parquet_atomic(table, final: Path, on_written=None) -> int:
     rename (a fault point). Returns the file's bytes."""
     import pyarrow.parquet as pq
 
-    from dflash_offline.cache.location import _fsync_dir
+    from dflash_offline.cache.location import fsync_dir
 
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp, row_group_size=1024)
@@ -200,7 +200,7 @@ def write_parquet_atomic(table, final: Path, on_written=None) -> int:
     if on_written is not None:
         on_written()
     os.replace(tmp, final)
-    _fsync_dir(str(final.parent))
+    fsync_dir(str(final.parent))
     return final.stat().st_size
 
 

@@ -26,7 +26,7 @@ def resolve_files(paths: list[str], option: str = "--data") -> list[Path]:
     """Files in the order given; a folder contributes its *.parquet files in name order, or, for
     the output folder of `dflash-offline generate`, the parts its manifest lists (only once the
     generation is complete: a folder still being written is refused)."""
-    from dflash_offline.generate.parts import listed_parts
+    from dflash_offline.rows.parts import listed_parts
 
     files: list[Path] = []
     for p in paths:
