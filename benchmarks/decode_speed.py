@@ -88,7 +88,7 @@ def part1(args, device: str) -> dict:
     from dflash_offline.evaluate.run import load_drafter, read_prompts
     from dflash_offline.evaluate.speculative import load_target_for_decoding, summarize
     from dflash_offline.generate.decoding import BatchDecoder, Sampling
-    from dflash_offline.target.folder import eos_ids, read_target
+    from dflash_offline.targets.folder import eos_ids, read_target
 
     ids, prompts = read_prompts(args.prompts, read_target(args.target).vocab_size, args.max_prompts)
     eos = set() if args.ignore_eos else eos_ids(args.target)

@@ -70,7 +70,7 @@ def build(shape: str, device: str, dtype):
     from transformers import AutoModelForCausalLM, Qwen3Config
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
-    from dflash_offline.target.model import route_cpu_tensors_to_torch_kernels
+    from dflash_offline.targets.model import route_cpu_tensors_to_torch_kernels
 
     spec = dict(SHAPES[shape])
     kind = spec.pop("kind")
@@ -135,7 +135,7 @@ def run_shape(args, shape: str, results: dict, save) -> None:
     from dflash_offline.config import ExtractConfig
     from dflash_offline.extract.plan import make_batches, make_plan
     from dflash_offline.extract.worker import make_sink, run_shards
-    from dflash_offline.target.model import LayerCapture, default_layer_ids, forward_batch
+    from dflash_offline.targets.model import LayerCapture, default_layer_ids, forward_batch
 
     device = args.device
     cuda = device.startswith("cuda")

@@ -37,7 +37,7 @@ def decode_slice(args) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from dflash_offline.evaluate.inputs import read_prompts
-    from dflash_offline.target.folder import eos_ids, read_target
+    from dflash_offline.targets.folder import eos_ids, read_target
 
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device(f"cuda:{args.device}" if args.device != "cpu" else "cpu")
@@ -95,7 +95,7 @@ def main() -> None:
            "max_new_tokens": args.max_new_tokens, "command": " ".join([Path(sys.argv[0]).name, *argv])}
     if args.completions:
         from dflash_offline.evaluate.inputs import read_reference, read_prompts
-        from dflash_offline.target.folder import eos_ids, read_target
+        from dflash_offline.targets.folder import eos_ids, read_target
 
         ids, prompts = read_prompts(args.prompts, read_target(args.target).vocab_size, args.max_prompts)
         want = read_reference(args.completions, ids, prompts, args.max_new_tokens, eos_ids(args.target))

@@ -58,7 +58,7 @@ def make_cache(root: Path, target: Path, rows: int, seq_len: int, dev: str) -> N
     from dflash_offline.cache.manifest import ManifestStore, new_manifest
     from dflash_offline.cache.shards import publish_shard, shard_name, tmp_shard_rel
     from dflash_offline.cache.writer import ShardLayout, ShardWriter
-    from dflash_offline.target.folder import read_target
+    from dflash_offline.targets.folder import read_target
 
     rng = np.random.default_rng(0)
     lengths = []

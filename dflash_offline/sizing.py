@@ -17,8 +17,8 @@ import numpy as np
 
 from dflash_offline.config import PlanConfig
 from dflash_offline.extract.plan import bytes_per_token
-from dflash_offline.target.folder import safetensors_header, read_target
-from dflash_offline.target.folder import checkpoint_name
+from dflash_offline.targets.folder import safetensors_header, read_target
+from dflash_offline.targets.folder import checkpoint_name
 
 H200_BF16_PEAK = 774e12  # measured dense bf16 matmul FLOP/s
 EXTRACT_SHARE = 0.58  # of peak: the lower of the two measured shapes (docs/benchmarks.md)
@@ -65,7 +65,7 @@ def drafter_flops_per_context_token(text: dict, n_captured: int, p: PlanConfig) 
 
 def make_plan(p: PlanConfig) -> dict:
     from dflash_offline.rows import reader as data
-    from dflash_offline.target import model as target
+    from dflash_offline.targets import model as target
 
     p.validate()
     info = read_target(p.target)

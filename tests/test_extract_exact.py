@@ -29,7 +29,7 @@ import torch
 from _numerics import bf16_close, bf16_ulps, fp16_ulps
 from conftest import run_cli
 from dflash_offline.cache.reader import CacheReader
-from dflash_offline.target.model import route_cpu_tensors_to_torch_kernels
+from dflash_offline.targets.model import route_cpu_tensors_to_torch_kernels
 
 ARGS = ["--devices", "cpu", "--topk", "6", "--max-len", "120", "--batch-tokens", "480",
         "--shard-tokens", "1500", "--chunk-tokens", "256", "--logits-chunk-tokens", "100", "--no-progress"]

@@ -29,11 +29,11 @@ FORBIDDEN = {
     "generate": {"train", "drafter", "evaluate", "prepare"},
     "train": {"extract", "generate"},
     "drafter": {"extract", "generate", "train", "evaluate"},
-    "cache": {"target", *STAGES},
-    "target": set(STAGES),
-    "runtime": {"cache", "target", *STAGES},
+    "cache": {"targets", *STAGES},
+    "targets": set(STAGES),
+    "runtime": {"cache", "targets", *STAGES},
     # rows/ (the input contract's rows and part folders) serves extract, generate, prepare, eval and plan.
-    "rows": {"target", *STAGES},
+    "rows": {"targets", *STAGES},
 }
 
 

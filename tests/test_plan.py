@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from dflash_offline.extract.plan import make_batches, make_plan
-from dflash_offline.target.model import check_kernels, default_layer_ids
-from dflash_offline.target.folder import read_target
+from dflash_offline.targets.model import check_kernels, default_layer_ids
+from dflash_offline.targets.folder import read_target
 
 
 @pytest.mark.parametrize("L, ids", [(36, [1, 9, 17, 25, 33]), (64, [1, 16, 31, 46, 61]), (8, [1, 2, 3, 4, 5])])

@@ -10,7 +10,7 @@ import numpy as np
 from conftest import ROOT, run_cli
 from dflash_offline.rows.reader import scan
 from dflash_offline.extract.plan import bytes_per_token
-from dflash_offline.target.folder import read_target
+from dflash_offline.targets.folder import read_target
 from dflash_offline.sizing import decoder_matrix_params
 
 

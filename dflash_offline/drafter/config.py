@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_offline.runtime.errors import UserError
-from dflash_offline.target.folder import read_target
+from dflash_offline.targets.folder import read_target
 
 log = logging.getLogger("dflash.drafter")
 

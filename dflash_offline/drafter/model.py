@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.runtime.errors import UserError
-from dflash_offline.target.folder import checkpoint_name, read_target
+from dflash_offline.targets.folder import checkpoint_name, read_target
 
 log = logging.getLogger("dflash.drafter")
 

@@ -77,7 +77,7 @@ class BatchDFlashProposer:
 def _target_forward(model, ids: torch.Tensor, layer_ids: list[int], starts: torch.Tensor, width: int):
     """One forward of right-padded rows: (features [R, T, n*H] by position, logits [R, width, V]
     of the `width` positions from each row's start)."""
-    from dflash_offline.target.model import RawLayerOutputs
+    from dflash_offline.targets.model import RawLayerOutputs
 
     with RawLayerOutputs(model, layer_ids) as raw:  # raw layer outputs, as extraction stores them
         out = model.model(input_ids=ids, use_cache=False)

@@ -43,14 +43,14 @@ import torch
 from dflash_offline.evaluate.speculative import (COUNTER_ATTRS, STATE_ATTRS, Decoded, as_logits, commit_round,
                                                  in_length_batches, output_done, snapshot_states)
 from dflash_offline.sampling import Sampling, draft_tokens, prompt_keys, target_tokens, verify_block
+from dflash_offline.targets import families
 
 log = logging.getLogger("dflash.eval")
 
 
 def unsupported_reason(model) -> str | None:
     """Why this target cannot use the KV-cache batched decoder (None: it can)."""
-    types = getattr(model.config, "layer_types", None) or []
-    other = sorted({t for t in types if t not in ("full_attention", "linear_attention")})
+    other = families.windowed_or_unknown(model.config)
     if other:
         return f"its layers include {', '.join(other)} (a sliding window would count holes as positions)"
     return None
@@ -159,7 +159,7 @@ class SlotCache:
     def __init__(self, model, layer_ids: list[int]):
         from transformers import DynamicCache
 
-        from dflash_offline.target.attention import cache_argument, use_grouped_attention
+        from dflash_offline.targets.attention import cache_argument, use_grouped_attention
 
         reason = unsupported_reason(model)
         if reason is not None:
@@ -170,12 +170,12 @@ class SlotCache:
         self.model, self.layer_ids = model, list(layer_ids)
         self.cache = DynamicCache(config=model.config)
         self.cache_arg = cache_argument(model)
-        self.recurrent = "linear_attention" in (getattr(model.config, "layer_types", None) or [])
+        self.recurrent = families.recurrent(model.config)
         self.valid: torch.Tensor | None = None  # [R, S] bool: slot holds a committed token
         self._snapshot: list[dict] | None = None  # speculative.snapshot_states before the last forward
 
     def _run(self, cache, ids, positions, mask, features: bool):
-        from dflash_offline.target.model import RawLayerOutputs
+        from dflash_offline.targets.model import RawLayerOutputs
 
         with RawLayerOutputs(self.model, self.layer_ids if features else []) as raw:
             out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=mask.long(), use_cache=True,

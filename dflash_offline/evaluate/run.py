@@ -38,7 +38,7 @@ from dflash_offline.train.walk import cache_acceptance, walk_acceptance
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.sampling import Sampling
 from dflash_offline.runtime.paths import REPORT_FORMAT, check_report_dest, require_kind
-from dflash_offline.target.folder import eos_ids
+from dflash_offline.targets.folder import eos_ids
 from dflash_offline.text import show_decoded, show_tokenizer
 
 log = logging.getLogger("dflash.eval")
@@ -57,7 +57,7 @@ def load_drafter(path: str, target_dir: str):
     target's frozen embedding and LM head; refuses a drafter made for another target shape."""
     from dflash_offline.drafter.export import EXPORT_WEIGHTS, load_exported
     from dflash_offline.train.checkpoint import checkpoint_damage, load_checkpoint
-    from dflash_offline.target.folder import read_target
+    from dflash_offline.targets.folder import read_target
 
     root = Path(path)
     if root.is_file():
@@ -99,7 +99,7 @@ def _check_cache_target(cache: str, target: str) -> None:
     target's cache would score the drafter on features it never sees when serving."""
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore
-    from dflash_offline.target.folder import read_target
+    from dflash_offline.targets.folder import read_target
 
     try:
         m = ManifestStore(Location(cache)).read_committed()  # an edited one: before any decoding
@@ -213,7 +213,7 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
         cfg = dataclasses.replace(cfg, batch_size=GPU_BATCH_SIZE if device.startswith("cuda") else 1)
     from tqdm import tqdm
 
-    from dflash_offline.target.folder import read_target
+    from dflash_offline.targets.folder import read_target
 
     # Inputs are checked before the target loads: a bad prompt or reference file costs nothing.
     tinfo = read_target(cfg.target)

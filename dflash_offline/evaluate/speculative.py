@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from dflash_offline.sampling import Sampling, draft_tokens, prompt_keys, target_tokens, verify_block
+from dflash_offline.targets import families
 
 
 # ----------------------------------------------------------------------------------------------
@@ -42,13 +43,12 @@ class TargetSession:
         self.model = model
         self.layer_ids = list(layer_ids)
         self.device = next(model.parameters()).device
-        from dflash_offline.target.attention import cache_argument
+        from dflash_offline.targets.attention import cache_argument
 
         self._cache_arg = cache_argument(model)
-        # Any layer that is not softmax attention (Gated DeltaNet's "linear_attention", say) keeps
-        # a state that cannot be cropped.
-        layer_types = getattr(model.config, "layer_types", None) or []
-        self.recurrent = any(t not in ("full_attention", "sliding_attention") for t in layer_types)
+        # A layer that is not softmax attention (Gated DeltaNet's "linear_attention", say) keeps
+        # a state that cannot be cropped (the registry's rule, targets/families.py).
+        self.recurrent = families.recurrent(model.config)
         self.cache = None
         self._pending: list[int] = []
         self._snapshot = None
@@ -87,7 +87,7 @@ class TargetSession:
 
     def _forward(self, tokens: list[int], features: bool):
         torch = self.torch
-        from dflash_offline.target.model import RawLayerOutputs
+        from dflash_offline.targets.model import RawLayerOutputs
 
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         # The layers' raw outputs, as extraction stores them (not `hidden_states`, whose last entry
@@ -99,7 +99,7 @@ class TargetSession:
         return logits, (raw.features()[0] if features else None)
 
 
-STATE_ATTRS = ("conv_states", "recurrent_states")
+STATE_ATTRS = families.ALL_STATE_ATTRS
 # transformers >= 5.25 counts the tokens a linear-attention layer has seen in a tensor of its own,
 # and a hybrid cache's length (hence the next positions) is read from it: it is state to restore.
 COUNTER_ATTRS = ("cumulative_length_linear",)
@@ -158,8 +158,8 @@ def load_target_for_decoding(target_dir: str, device: str, dtype: str):
     """The whole text model with its LM head, in eval mode; TF32 off so fp32 means fp32."""
     import torch
 
-    from dflash_offline.target.folder import read_target
-    from dflash_offline.target.model import load_target
+    from dflash_offline.targets.folder import read_target
+    from dflash_offline.targets.model import load_target
 
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False

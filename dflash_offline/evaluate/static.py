@@ -11,8 +11,8 @@ within a batch, which is what lets a CUDA graph replay a whole round (evaluate.g
 `DenseTarget` runs a transformers causal LM's own submodules (embedding, norms, projections,
 rotary embedding, MLP, head) in the layer order of its decoder, with grouped-query attention laid
 along the query axis (no copy of the keys per query head). It serves the families whose decoder
-layer is exactly "x + attn(norm(x)); x + mlp(norm(x))" with full causal attention (`FAMILIES`);
-`unsupported_reason` says why another target is not one of them (hybrid Gated DeltaNet, sliding
+layer is exactly "x + attn(norm(x)); x + mlp(norm(x))" with full causal attention (a family registered so in targets/families.py);
+`unsupported_reason` says why another target is not one of them (targets/families.py decides) (hybrid Gated DeltaNet, sliding
 windows, other layer layouts), and eval then decodes it through transformers' own forward.
 
 `DrafterBuffers` does the same for the DFlash drafter: its context keys/values per committed
@@ -29,11 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash_offline.drafter.model import rope_cos_sin
-from dflash_offline.target.attention import grouped_query_attention
+from dflash_offline.targets import families
+from dflash_offline.targets.attention import grouped_query_attention
 
-# transformers model types whose decoder layers are pre-norm attention + MLP with full causal
-# attention, optional q/k norms and biases, and an unscaled embedding.
-FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 
@@ -42,11 +40,16 @@ def unsupported_reason(model) -> str | None:
     """Why the static decoder cannot run this target (None: it can)."""
     cfg = model.config
     kind = getattr(cfg, "model_type", None)
-    if kind not in FAMILIES:
-        return f"model type {kind!r} is not one of {', '.join(FAMILIES)}"
-    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    if types != {"full_attention"}:
-        return f"its layers include {', '.join(sorted(types - {'full_attention'}))}"
+    family = families.family_of(kind)
+    if family is None or family.static_decoder is not None:
+        # The registry (targets/families.py) says which families have pre-norm attention + MLP
+        # layers with full causal attention, optional q/k norms and biases, an unscaled embedding.
+        runs = [t for f in families.FAMILIES if f.static_decoder is None for t in f.model_types]
+        return (f"model type {kind!r} is not one of {', '.join(runs)}"
+                + (f" ({family.name}: {family.static_decoder})" if family is not None else ""))
+    types = set(families.layer_types_of(cfg))
+    if types != {families.FULL}:
+        return f"its layers include {', '.join(sorted(types - {families.FULL}))}"
     if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
         return "it uses sliding-window attention"
     inner = getattr(model, "model", None)

@@ -52,8 +52,8 @@ def worker_device(devices: list[str], launch: Launch | None, rank: int) -> str:
 def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     """All checks that need no weights. Raises UserError; writes nothing to the cache."""
     from dflash_offline.rows import reader as data
-    from dflash_offline.target import model as target
-    from dflash_offline.target.folder import read_target
+    from dflash_offline.targets import model as target
+    from dflash_offline.targets.folder import read_target
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
 
     cfg.validate()

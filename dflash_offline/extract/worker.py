@@ -57,8 +57,8 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     from dflash_offline.cache.manifest import ManifestStore, committed_names
     from dflash_offline.rows.reader import RowReader, Source
     from dflash_offline.runtime.launch import single_thread_compute
-    from dflash_offline.target.model import LayerCapture, load_target
-    from dflash_offline.target.folder import read_target
+    from dflash_offline.targets.model import LayerCapture, load_target
+    from dflash_offline.targets.folder import read_target
 
     import torch
 
@@ -213,7 +213,7 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
 
     from dflash_offline.cache.fp8 import DTYPE_NAME as FP8
     from dflash_offline.cache.fp8 import quantize as quantize_fp8
-    from dflash_offline.target.model import forward_batch
+    from dflash_offline.targets.model import forward_batch
 
     cuda = device.startswith("cuda")
     k = cfg.topk

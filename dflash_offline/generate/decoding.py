@@ -3,7 +3,7 @@
 One batch = up to R prompts, left-padded to the longest, decoded together for up to N new tokens:
 an eager prefill of the padded prompts into a transformers StaticCache (preallocated, written in
 place: no per-step concatenation of the cache), then one forward per new token, with grouped-query
-attention that never copies the cache per query head (`target/attention.py`'s `grouped_sdpa`: 3x the pycode target's decode
+attention that never copies the cache per query head (`targets/attention.py`'s `grouped_sdpa`: 3x the pycode target's decode
 rate on an H200). On request (`compile=True`) the one-token step is compiled once with CUDA graphs
 (`torch.compile(mode="reduce-overhead")`) over one cache kept for the whole run ([R, heads, L, d],
 L = longest prompt + N), a short batch filled with copies of its first row whose outputs are
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_offline.sampling import Sampling, uniform_noise  # noqa: F401  (Sampling: generate's settings)
-from dflash_offline.target.attention import cache_argument, use_grouped_attention
+from dflash_offline.targets.attention import cache_argument, use_grouped_attention
 
 log = logging.getLogger("dflash.decoding")
 

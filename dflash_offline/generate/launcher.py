@@ -112,9 +112,9 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     """All checks that need no weights. Raises UserError; writes nothing."""
     from dflash_offline.rows import reader as data
     from dflash_offline.rows import parts
-    from dflash_offline.target import model as target
+    from dflash_offline.targets import model as target
     from dflash_offline.runtime.launch import resolve_compute_dtype
-    from dflash_offline.target.folder import eos_ids, read_target
+    from dflash_offline.targets.folder import eos_ids, read_target
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
 
     devices = parse_devices(cfg.devices)
@@ -195,7 +195,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
 
         raise UserError(f"--out {cfg.out}: the output needs up to {human_bytes(need * (2 if merged else 1))} but "
                         f"{human_bytes(free)} is free there; free space or choose another --out")
-    if info.hybrid and cuda:
+    if cuda:
         warning = target.check_kernels(info, devices)
         if warning:
             log.warning(warning)
@@ -375,8 +375,8 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
     import torch
 
     from dflash_offline.generate.decoding import BatchDecoder, Sampling
-    from dflash_offline.target.folder import read_target
-    from dflash_offline.target.model import load_target
+    from dflash_offline.targets.folder import read_target
+    from dflash_offline.targets.model import load_target
 
     single_thread_compute()
     cfg = GenerateConfig(**job.cfg)

@@ -54,7 +54,7 @@ def run(cfg: PrepareConfig) -> dict:
     from dflash_offline.chat.records import read_records
     from dflash_offline.chat.template import ChatTemplate, load_chat_tokenizer
     from dflash_offline.prepare import output, rows, select
-    from dflash_offline.target.folder import eos_ids, read_target
+    from dflash_offline.targets.folder import eos_ids, read_target
 
     cfg.validate()
     out = Path(cfg.out)

@@ -160,7 +160,7 @@ def _check_row_memory(cfg: TrainConfig, features: int) -> None:
 
 
 def _check_cache_target(cfg: TrainConfig, m: dict) -> None:
-    from dflash_offline.target.folder import read_target
+    from dflash_offline.targets.folder import read_target
 
     info = read_target(cfg.target)
     for key, mine in (("weights_fingerprint", info.weights_fingerprint), ("config_sha256", info.config_sha256)):

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import logging
 
-from dflash_offline.target.folder import TargetInfo, checkpoint_name
+from dflash_offline.targets.folder import TargetInfo, checkpoint_name
 from dflash_offline.runtime.errors import UserError
+from dflash_offline.targets import families
 
 log = logging.getLogger("dflash.target")
 
@@ -60,19 +61,16 @@ def check_kernels(info: TargetInfo, devices: list[str]) -> str | None:
     """For a hybrid target on CUDA, the loud warning when the fast Gated DeltaNet kernels are missing."""
     import importlib.util
 
-    if not info.hybrid or not any(d.startswith("cuda") for d in devices):
+    if not any(d.startswith("cuda") for d in devices):
         return None
-    missing = [p for p, mod in (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))
-               if importlib.util.find_spec(mod) is None]
+    wanted = families.kernels({"layer_types": list(info.layer_types)})
+    missing = [k for k in wanted if importlib.util.find_spec(k.module) is None]
     if not missing:
         return None
-    how = []
-    if "flash-linear-attention" in missing:
-        how.append("pip install flash-linear-attention")
-    if "causal-conv1d" in missing:
-        how.append("CAUSAL_CONV1D_FORCE_BUILD=TRUE pip install --no-build-isolation causal-conv1d (builds with nvcc)")
+    how = [k.install for k in missing]
     return (
-        f"hybrid target ({info.model_type}) on CUDA without {' and '.join(missing)}: transformers falls back to "
+        f"hybrid target ({info.model_type}) on CUDA without {' and '.join(k.package for k in missing)}: transformers "
+        f"falls back to "
         f"PyTorch kernels for the Gated DeltaNet layers (a 16-layer Qwen3.5-27B-shaped model: 25,000 instead of "
         f"36,300 tokens/s on an H200 without fla). Install: {'; '.join(how)}"
     )
@@ -168,7 +166,7 @@ def check_weights(info: TargetInfo, keep_layers: int, need_head: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_offline.target.folder import safetensors_header
+    from dflash_offline.targets.folder import safetensors_header
 
     from transformers.utils import logging as hf_logging
 

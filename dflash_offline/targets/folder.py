@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_offline.runtime.errors import UserError
+from dflash_offline.targets import families
 
 # Checkpoint key prefixes of multimodal wrappers, mapped onto the text-only causal LM.
 KEY_REWRITES = [
@@ -43,6 +44,7 @@ class TargetInfo:
     weight_files: list[Path]
     tie_word_embeddings: bool
     max_positions: int | None = None  # max_position_embeddings: the longest sequence it was made for
+    layer_types: tuple[str, ...] = ()  # its decoder layers' types, as its config lists them (targets/families.py)
 
     def manifest_entry(self) -> dict:
         return {
@@ -162,16 +164,16 @@ def read_target(path: str) -> TargetInfo:
         fp.update(str(f.stat().st_size).encode())
         fp.update(safetensors_header(f))
         fp.update(_data_sample(f))
-    layer_types = text.get("layer_types") or []
-    # Gated DeltaNet layers keep a recurrent state: padding rules and kernel checks differ.
-    hybrid = "linear_attention" in layer_types
+    # Layers that keep a recurrent state (Gated DeltaNet): padding rules and decoders differ (targets/families.py).
+    layer_types = tuple(families.layer_types_of(text))
+    hybrid = families.recurrent(text)
     tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     return TargetInfo(
         path=root.absolute(), model_type=str(text.get("model_type", cfg.get("model_type"))),
         num_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
         vocab_size=int(text["vocab_size"]),
         config_sha256=hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest(),
-        weights_fingerprint="sha256:" + fp.hexdigest(), hybrid=hybrid, weight_files=files,
+        weights_fingerprint="sha256:" + fp.hexdigest(), hybrid=hybrid, layer_types=layer_types, weight_files=files,
         tie_word_embeddings=tie,
         max_positions=int(text["max_position_embeddings"]) if text.get("max_position_embeddings") else None,
     )
