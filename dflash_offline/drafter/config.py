@@ -122,13 +122,19 @@ class DrafterConfig:
         if bad or not target_layer_ids:
             raise UserError(f"target layer ids {list(target_layer_ids)}: the target has layers 0..{info.num_layers - 1}")
         declared, vocab, by_id = _tokenizer_vocab(info.path)  # read once: a 27B tokenizer.json is large
-        if mask_token_id is None:
+        given = mask_token_id is not None
+        if not given:
             mask_token_id = _mask_id(declared, vocab)
             if mask_token_id is None:
                 raise UserError(f"{target_dir}: the tokenizer declares no mask token (mask_token or <|MASK|>); "
                                 f"pass --mask-token-id")
         if not 0 <= mask_token_id < info.vocab_size:
-            raise UserError(f"--mask-token-id {mask_token_id}: outside the target's vocabulary (0..{info.vocab_size - 1})")
+            # Say where the id came from: the option the user gave, or the target's tokenizer files.
+            where = (f"--mask-token-id {mask_token_id}" if given else
+                     f"{info.path}: the tokenizer's mask token {by_id.get(mask_token_id, '?')!r} has id {mask_token_id}, which is")
+            fix = "" if given else "; pass --mask-token-id with an id of the model's vocabulary"
+            raise UserError(f"{where} outside the target's vocabulary (0..{info.vocab_size - 1}, config.json's "
+                            f"vocab_size){fix}")
         heads = int(text["num_attention_heads"])
         # MoE targets may carry no dense intermediate_size; 3x hidden is what released drafters use.
         inter = text.get("intermediate_size") or 3 * info.hidden_size

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.paths import require_kind
+from dflash_offline.rows.reader import ids_as_int64
 
 log = logging.getLogger("dflash.eval")
 
@@ -64,9 +65,8 @@ def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None) -> 
     if "id" in table.column_names and not pa.types.is_integer(table.schema.field("id").type):
         raise UserError(f"--prompts {path}: column 'id' must be an integer, found {table.schema.field('id').type}")
     prompts = table.column("input_ids").to_pylist()
-    ids = table.column("id").to_pylist() if "id" in table.column_names else list(range(len(prompts)))
-    if None in ids:
-        raise UserError(f"--prompts {path}: row {ids.index(None)} has a null id; every row needs one")
+    ids = (ids_as_int64(f"--prompts {path}", table.column("id")).tolist() if "id" in table.column_names
+           else list(range(len(prompts))))
     if len(set(ids)) < len(ids):
         seen: set[int] = set()
         dup = next(i for i in ids if i in seen or seen.add(i))
@@ -101,7 +101,8 @@ def read_reference(path: str, ids: list[int], prompts: list[list[int]], max_new:
     fix = "give the target's greedy completions of these --prompts (dflash-offline generate)"
     table = _read_table("--reference", path, ("id", "input_ids", "loss_mask"), fix)
     rows: dict[int, tuple[list[int], list[int]]] = {}
-    for rid, toks, mask in zip(table.column("id").to_pylist(), table.column("input_ids").to_pylist(),
+    for rid, toks, mask in zip(ids_as_int64(f"--reference {path}", table.column("id")).tolist(),
+                               table.column("input_ids").to_pylist(),
                                table.column("loss_mask").to_pylist()):
         if rid in rows:
             raise UserError(f"--reference {path}: id {rid} occurs twice; ids must be unique")

@@ -114,7 +114,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     from dflash_offline.rows import parts
     from dflash_offline.targets import model as target
     from dflash_offline.runtime.launch import resolve_compute_dtype
-    from dflash_offline.targets.folder import eos_ids, read_target
+    from dflash_offline.targets.folder import eos_source, read_target
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
 
     devices = parse_devices(cfg.devices)
@@ -135,10 +135,15 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
                 f"{source.files[fi].path}: row {fr}: a prompt of {int(lengths[over[0]])} tokens + --max-new-tokens "
                 f"{cfg.max_new_tokens} exceeds the target's context ({info.max_positions} positions; {over.size} "
                 "prompt(s) do); lower --max-new-tokens or leave out the longest prompts")
-    eos = [] if cfg.ignore_eos else sorted(cfg.eos_token_ids if cfg.eos_token_ids is not None else eos_ids(cfg.target))
+    given = cfg.eos_token_ids is not None
+    read, read_from = (set(), None) if cfg.ignore_eos or given else eos_source(cfg.target)
+    eos = [] if cfg.ignore_eos else sorted(cfg.eos_token_ids if given else read)
     bad = [e for e in eos if not 0 <= e < info.vocab_size]
     if bad:
-        raise UserError(f"--eos-token-ids {bad}: outside the target's vocabulary [0, {info.vocab_size})")
+        # Say where the ids came from: the option the user gave, or the target's file.
+        where = f"--eos-token-ids {bad}" if given else f"{read_from}: eos_token_id {bad}"
+        fix = "" if given else "; give --eos-token-ids (or --ignore-eos) to decode anyway"
+        raise UserError(f"{where}: outside the target's vocabulary [0, {info.vocab_size}){fix}")
     cuda = any(d != "cpu" for d in devices)
     compile = cfg.compile
     if compile and not cuda:

@@ -113,6 +113,26 @@ def _refuse_null_element(path: Path, column: str, flat, lens: np.ndarray, base: 
                     "entry must be a value: fix or drop that row")
 
 
+INT64_MAX = (1 << 63) - 1
+
+
+def ids_as_int64(where: str, column, base: int = 0) -> np.ndarray:
+    """An `id` column as int64, the contract's id type, read in the file's own type first: an
+    unsigned id above 2^63 - 1 is refused naming the row and its value as the file holds it (cast
+    first, it would wrap to a negative number that no one wrote); `where` names the file (and
+    option), `base` the first row's index."""
+    col = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    if col.null_count:
+        r = base + int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+        raise UserError(f"{where}: row {r} has a null id; every row needs one (or drop the id column)")
+    values = col.to_numpy(zero_copy_only=False)
+    if values.dtype.kind == "u" and values.size and int(values.max()) > INT64_MAX:
+        r = int(np.flatnonzero(values > np.uint64(INT64_MAX))[0])
+        raise UserError(f"{where}: row {base + r}: id {int(values[r])} (the column is {col.type}) is above the "
+                        f"largest id the contract allows, 2^63 - 1 = {INT64_MAX} (ids are int64); renumber the ids")
+    return values.astype(np.int64)
+
+
 def _is_int_list(t: pa.DataType) -> bool:
     return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
 
@@ -217,11 +237,7 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
                         f"{path}: row {base + r}: prompt_len {int(pl[r])} is outside [0, {int(lens[r])}] (the row's length)"
                     )
             if has_id:
-                idc = tab.column("id").combine_chunks()
-                if idc.null_count:
-                    r = base + int(np.flatnonzero(idc.is_null().to_numpy(zero_copy_only=False))[0])
-                    raise UserError(f"{path}: row {r}: id is null")
-                ids_all.append(idc.to_numpy(zero_copy_only=False).astype(np.int64))
+                ids_all.append(ids_as_int64(str(path), tab.column("id"), base))
             else:
                 ids_all.append(None)  # filled below from global indices
             lens_all.append(lens)

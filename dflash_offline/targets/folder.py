@@ -179,8 +179,11 @@ def read_target(path: str) -> TargetInfo:
     )
 
 
-def eos_ids(target_dir: str) -> set[int]:
-    """End-of-sequence ids from generation_config.json (else config.json) of the target folder."""
+def eos_source(target_dir: str) -> tuple[set[int], Path | None]:
+    """End-of-sequence ids from generation_config.json (else config.json) of the target folder, and
+    the file they came from (None: neither names any), so a message about them can name it. Read in
+    their own type: a value that is not an integer (a string, a float, true) is refused naming the
+    file, not converted."""
     root = Path(target_dir)
     for name in ("generation_config.json", "config.json"):
         f = root / name
@@ -189,5 +192,14 @@ def eos_ids(target_dir: str) -> set[int]:
             cfg = cfg if name == "generation_config.json" else (cfg.get("text_config") or cfg)
             eos = cfg.get("eos_token_id")
             if eos is not None:
-                return {int(e) for e in (eos if isinstance(eos, list) else [eos])}
-    return set()
+                items = eos if isinstance(eos, list) else [eos]
+                if not all(isinstance(e, int) and not isinstance(e, bool) for e in items):
+                    raise UserError(f"{f}: eos_token_id {json.dumps(eos)} is not a token id or a list of token ids "
+                                    "(integers); fix the file, or give --eos-token-ids")
+                return set(items), f
+    return set(), None
+
+
+def eos_ids(target_dir: str) -> set[int]:
+    """End-of-sequence ids of the target folder (`eos_source`)."""
+    return eos_source(target_dir)[0]
