@@ -119,7 +119,7 @@ def _train_segment(t: Trainer, st: LoopState, seg: Segment, stop: int | None, st
     or an agreed stop)."""
     from dflash_offline.drafter import masks
     from dflash_offline.train.profiling import phase
-    from dflash_offline.train.stream import RowStream, make_loader
+    from dflash_offline.train.stream import RowSpec, RowStream, make_loader
 
     cfg, rank = t.cfg, t.rank
     in_seg0 = st.step - seg.base
@@ -127,12 +127,15 @@ def _train_segment(t: Trainer, st: LoopState, seg: Segment, stop: int | None, st
     if end <= in_seg0:
         return False
     st.epoch = seg.key
-    spec = {"seed": cfg.seed, "seq_len": cfg.seq_len, "num_anchors": cfg.num_anchors, "block_size": cfg.block_size,
-            "mask_token_id": t.plan.drafter["mask_token_id"], "gamma": cfg.resolved_gamma,
-            "hidden_size": t.plan.hidden_size, "num_layers": t.plan.num_layers_captured,
-            "hidden_dtype": t.plan.hidden_dtype, "cache_layers": t.plan.cache_layers,
-            "layer_columns": t.plan.layer_columns, "topk": t.plan.topk,
-            "anchors_per_sample": cfg.anchors_per_sample or None}
+    # The block size and mask token are the drafter's (plan.drafter, its config: their one owner
+    # after the command line); the layers and widths the cache's.
+    spec = RowSpec(seed=cfg.seed, seq_len=cfg.seq_len, num_anchors=cfg.num_anchors,
+                   block_size=t.plan.drafter["block_size"], mask_token_id=t.plan.drafter["mask_token_id"],
+                   gamma=cfg.resolved_gamma, hidden_size=t.plan.hidden_size,
+                   captured_layers=t.plan.num_layers_captured, hidden_dtype=t.plan.hidden_dtype,
+                   cache_layers=t.plan.cache_layers,
+                   layer_columns=None if t.plan.layer_columns is None else tuple(t.plan.layer_columns),
+                   topk=t.plan.topk, anchors_per_sample=cfg.anchors_per_sample or None)
     stream = RowStream(cfg.cache, seg.refs, seg.lengths, spec, seg.key, rank, t.world, t.plan.accum, in_seg0, end,
                        pad_rows=t.follow)
     with spawning():  # loader processes start with the stop signals blocked, then ignore them

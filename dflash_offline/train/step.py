@@ -22,10 +22,41 @@ from dflash_offline.train.trainer import LoopState, Trainer
 log = logging.getLogger("dflash.train")
 
 
-class StepResult(NamedTuple):
-    """What a step measured, the same on every rank (`vec` is all-reduced)."""
+class StepSums(NamedTuple):
+    """A step's sums over its micro-batches and all ranks. They travel as one float64 vector (one
+    all-reduce a step); `pack` and `unpack` are the only places that know its layout."""
 
-    vec: object  # np.ndarray: loss sum, slot_correct[B], slot_count[B], tau sum, blocks, finiteness flags
+    loss_sum: float
+    slot_correct: object  # np.ndarray [B]: top-1 hits per block slot
+    slot_count: object  # np.ndarray [B]: scored positions per block slot
+    tau_sum: float  # acceptance length the blocks imply, summed over blocks
+    blocks: float
+    nonfinite_loss: object  # np.ndarray [world]: 1 where that rank's loss was not finite
+    nonfinite_grad: float  # > 0: the averaged gradient was not finite
+
+    @staticmethod
+    def pack(loss_sum, metrics: dict, nonfinite_loss, nonfinite_grad):
+        import torch
+
+        return torch.cat([loss_sum.view(1), metrics["slot_correct"], metrics["slot_count"],
+                          metrics["tau_sum"].view(1), metrics["blocks"].view(1), nonfinite_loss,
+                          nonfinite_grad.view(1)])
+
+    @classmethod
+    def unpack(cls, v, block_size: int, world: int) -> "StepSums":
+        B = block_size
+        return cls(float(v[0]), v[1:1 + B], v[1 + B:1 + 2 * B], float(v[1 + 2 * B]), float(v[2 + 2 * B]),
+                   v[3 + 2 * B:3 + 2 * B + world], float(v[3 + 2 * B + world]))
+
+    @property
+    def diverged(self) -> bool:
+        return bool(self.nonfinite_loss.any() or self.nonfinite_grad)
+
+
+class StepResult(NamedTuple):
+    """What a step measured, the same on every rank (`sums` are all-reduced)."""
+
+    sums: StepSums
     wsum: object  # the step's loss weight over all ranks (a tensor)
     gnorm: object  # the gradient norm before clipping (a tensor)
     lr: float  # the learning rate the step applied
@@ -45,7 +76,7 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
     from dflash_offline.train.stream import device_hidden
 
     cfg, world, rank, device, cuda = t.cfg, t.world, t.rank, t.device, t.cuda
-    accum, B = t.plan.accum, cfg.block_size
+    accum, B = t.plan.accum, t.plan.drafter["block_size"]  # the drafter config owns the block size
     t0 = time.perf_counter()
     with phase("data"):
         micro = [next(it) for _ in range(accum)]  # all micro-batches first: the step's weight sum
@@ -99,16 +130,15 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
         gnorm = torch.nn.utils.clip_grad_norm_(t.params, cfg.clip)
         # Metrics and the finiteness check: one all-reduce of a small vector, one sync with the GPU a
         # step on every rank, before the optimizer step: a non-finite loss or gradient is never applied.
-        flags = torch.zeros(world + 1, dtype=torch.float64, device=device)
-        flags[rank] = (~torch.isfinite(loss_sum)).double()  # whose loss (summed: every rank sees all)
-        flags[world] = (~torch.isfinite(gnorm)).double()  # the gradient, averaged over ranks
-        vec = torch.cat([loss_sum.view(1), step_m["slot_correct"], step_m["slot_count"],
-                         step_m["tau_sum"].view(1), step_m["blocks"].view(1), flags])
+        bad_loss = torch.zeros(world, dtype=torch.float64, device=device)
+        bad_loss[rank] = (~torch.isfinite(loss_sum)).double()  # whose loss (summed: every rank sees all)
+        bad_grad = (~torch.isfinite(gnorm)).double()  # the gradient, averaged over ranks
+        vec = StepSums.pack(loss_sum, step_m, bad_loss, bad_grad)
         if world > 1:
             dist.all_reduce(vec)
-        v = vec.cpu().numpy()
-        if v[-(world + 1):].any():  # the same on every rank: all stop here, none waits for another
-            raise TrainingDiverged(diverged_message(v[-(world + 1):-1], float(gnorm), st.step + 1, t.out,
+        sums = StepSums.unpack(vec.cpu().numpy(), B, world)
+        if sums.diverged:  # the same on every rank: all stop here, none waits for another
+            raise TrainingDiverged(diverged_message(sums.nonfinite_loss, float(gnorm), st.step + 1, t.out,
                                                     st.last_ckpt))
         if t.follow:
             # The schedule runs over the plan's tokens, not over a step count known in advance:
@@ -120,7 +150,7 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
         t.opt.step()
         t.sched.step()
         t.opt.zero_grad(set_to_none=True)
-    return StepResult(vec=v, wsum=wsum, gnorm=gnorm, lr=lr_now if t.follow else t.sched.get_last_lr()[0], t0=t0,
+    return StepResult(sums=sums, wsum=wsum, gnorm=gnorm, lr=lr_now if t.follow else t.sched.get_last_lr()[0], t0=t0,
                       t_data=t_data)
 
 
@@ -149,12 +179,11 @@ class StepLog:
         import numpy as np
         import torch
 
-        B, step, total = t.cfg.block_size, st.step, t.plan.total_steps
-        v = r.vec
-        loss = float(v[0] / max(r.wsum.item(), 1e-12))  # a step without scored tokens logs 0, not nan
-        sc, cnt = v[1:1 + B], v[1 + B:1 + 2 * B]
-        acc = np.where(cnt > 0, sc / np.maximum(cnt, 1), 0.0)
-        tau = float(v[1 + 2 * B] / max(v[2 + 2 * B], 1))
+        step, total = st.step, t.plan.total_steps
+        m = r.sums
+        loss = m.loss_sum / max(r.wsum.item(), 1e-12)  # a step without scored tokens logs 0, not nan
+        acc = np.where(m.slot_count > 0, m.slot_correct / np.maximum(m.slot_count, 1), 0.0)
+        tau = m.tau_sum / max(m.blocks, 1)
         t_step = time.perf_counter() - r.t0
         rec = {"step": step, "epoch": st.epoch, "loss": loss, "acc_slot1": float(acc[1]), "tau": tau,
                "lr": r.lr, "grad_norm": float(r.gnorm), "step_time": t_step,

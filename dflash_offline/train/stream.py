@@ -9,11 +9,48 @@ order. Memory stays bounded at `num_workers x prefetch` rows whatever the cache 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from dflash_offline.cache.fp8 import DTYPE_NAME as FP8
 from dflash_offline.train.packing import anchor_rng, build_row, epoch_order, loss_weights, pack_rows
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """What a training row is made of: the packing (seed, seq_len, anchors, block), the drafter's
+    mask token and slot weights, and the cache's layout (which captured layers, their width and
+    storage, the top-k). Built by the training loop from its plan and by the held-out walk from a
+    drafter and a cache; loader processes receive it pickled."""
+
+    seed: int
+    seq_len: int
+    num_anchors: int
+    block_size: int
+    mask_token_id: int
+    gamma: float
+    hidden_size: int
+    captured_layers: int  # layers per row the stream delivers (the drafter's, in its order)
+    hidden_dtype: str = "bfloat16"
+    cache_layers: int | None = None  # layers the cache holds per token; None = captured_layers
+    layer_columns: tuple[int, ...] | None = None  # which of them, when a subset (train --layers)
+    topk: int = 0
+    anchors_per_sample: int | None = None
+
+    @classmethod
+    def of(cls, spec: "RowSpec | dict") -> "RowSpec":
+        """A RowSpec, or one from a dict of its fields (`num_layers` for `captured_layers`, as
+        scripts written before the typed spec pass it)."""
+        if isinstance(spec, RowSpec):
+            return spec
+        d = dict(spec)
+        if "num_layers" in d:
+            d["captured_layers"] = d.pop("num_layers")
+        if d.get("layer_columns") is not None:
+            d["layer_columns"] = tuple(d["layer_columns"])
+        return cls(**d)
 
 
 def device_hidden(mb: dict) -> dict:
@@ -30,17 +67,17 @@ def device_hidden(mb: dict) -> dict:
 
 
 class RowStream(torch.utils.data.IterableDataset):
-    def __init__(self, cache: str, refs: list[tuple[str, int]], lengths: np.ndarray, spec: dict,
+    def __init__(self, cache: str, refs: list[tuple[str, int]], lengths: np.ndarray, spec: RowSpec | dict,
                  epoch: int, rank: int, world: int, accum: int, start_step: int, steps: int, pad_rows: bool = False):
-        self.cache, self.refs, self.lengths, self.spec = cache, refs, lengths, spec
+        self.cache, self.refs, self.lengths, self.spec = cache, refs, lengths, RowSpec.of(spec)
         self.pad_rows = pad_rows  # rows past the packed ones are empty (weight 0): a follow window's last step
         self.epoch, self.rank, self.world, self.accum = epoch, rank, world, accum
         self.start_step, self.steps = start_step, steps
         self._reader = None
 
     def rows(self) -> list[list[tuple[int, int]]]:
-        order = epoch_order(len(self.refs), self.spec["seed"], self.epoch)
-        return pack_rows(self.lengths, order, self.spec["seq_len"])
+        order = epoch_order(len(self.refs), self.spec.seed, self.epoch)
+        return pack_rows(self.lengths, order, self.spec.seq_len)
 
     def __len__(self) -> int:
         return (self.steps - self.start_step) * self.accum
@@ -87,14 +124,14 @@ class RowStream(torch.utils.data.IterableDataset):
 
     def make(self, global_row: int, packed: list[tuple[int, int]]) -> dict:
         sp = self.spec
-        S, n, H = sp["seq_len"], sp["num_layers"], sp["hidden_size"]
+        S, n, H = sp.seq_len, sp.captured_layers, sp.hidden_size
         # A subset of the captured layers (train --layers): the cache's [tokens, n_cache, H] rows are
         # read whole, then the chosen columns are kept, in the drafter's order.
-        cols = sp.get("layer_columns")
-        n_cache = sp.get("cache_layers", n)
-        subset = cols is not None and list(cols) != list(range(n_cache))
-        k = int(sp.get("topk", 0))
-        fp8 = sp.get("hidden_dtype") == FP8
+        cols = None if sp.layer_columns is None else list(sp.layer_columns)
+        n_cache = sp.cache_layers if sp.cache_layers is not None else n
+        subset = cols is not None and cols != list(range(n_cache))
+        k = int(sp.topk)
+        fp8 = sp.hidden_dtype == FP8
         # The row's hidden states, zero past its samples; local caches read straight into it.
         bits = np.zeros((S, n * H), np.uint8 if fp8 else np.uint16)
         scale = np.zeros((S, n), np.float32) if fp8 else None
@@ -123,10 +160,10 @@ class RowStream(torch.utils.data.IterableDataset):
             ids.append(i)
             masks.append(m)
             t += keep
-        B = sp["block_size"]
-        row = build_row(ids, masks, sp["seq_len"], sp["num_anchors"], B, sp["mask_token_id"],
-                        loss_weights(B, sp["gamma"]), anchor_rng(sp["seed"], self.epoch, global_row),
-                        anchors_per_sample=sp.get("anchors_per_sample"))
+        B = sp.block_size
+        row = build_row(ids, masks, sp.seq_len, sp.num_anchors, B, sp.mask_token_id,
+                        loss_weights(B, sp.gamma), anchor_rng(sp.seed, self.epoch, global_row),
+                        anchors_per_sample=sp.anchors_per_sample)
         as_t = lambda x: torch.from_numpy(np.ascontiguousarray(x))[None]  # noqa: E731 - [1, ...]
         soft = {}
         if k:

@@ -67,7 +67,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     from dflash_offline.cache.reader import CacheReader
     from dflash_offline.train.loss import block_loss, block_metrics
     from dflash_offline.train.packing import epoch_order, pack_rows
-    from dflash_offline.train.stream import RowStream, device_hidden, make_loader
+    from dflash_offline.train.stream import RowSpec, RowStream, device_hidden, make_loader
 
     reader = CacheReader(cache)
     m = reader.manifest
@@ -85,9 +85,9 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     B = cfg.block_size
     # The stream reads every captured layer (its rows are [S, n*H] of the cache's n); the
     # drafter's columns are picked on the device.
-    spec = {"seed": seed, "seq_len": seq_len, "num_anchors": num_anchors, "block_size": B,
-            "mask_token_id": cfg.mask_token_id, "gamma": 1.0, "hidden_size": cfg.hidden_size,
-            "num_layers": n_cached, "hidden_dtype": m["capture"]["hidden_dtype"]}
+    spec = RowSpec(seed=seed, seq_len=seq_len, num_anchors=num_anchors, block_size=B,
+                   mask_token_id=cfg.mask_token_id, gamma=1.0, hidden_size=cfg.hidden_size,
+                   captured_layers=n_cached, hidden_dtype=m["capture"]["hidden_dtype"])
     stream = RowStream(cache, refs, lengths, spec, 0, 0, 1, 1, 0, steps)
     drafter = drafter.to(device)
     cuda = str(device).startswith("cuda")
