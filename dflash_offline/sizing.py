@@ -17,8 +17,7 @@ import numpy as np
 
 from dflash_offline.config import PlanConfig
 from dflash_offline.extract.plan import bytes_per_token
-from dflash_offline.targets.folder import safetensors_header, read_target
-from dflash_offline.targets.folder import checkpoint_name
+from dflash_offline.targets.folder import read_target, tensor_entries
 
 H200_BF16_PEAK = 774e12  # measured dense bf16 matmul FLOP/s
 EXTRACT_SHARE = 0.58  # of peak: the lower of the two measured shapes (docs/benchmarks.md)
@@ -30,16 +29,9 @@ def decoder_matrix_params(info) -> int:
     """Parameters of the decoder layers' weight matrices (2-D tensors under `.layers.`), from the
     safetensors headers: what a forward multiplies per token. Vision towers and MTP heads excluded."""
     total = 0
-    for f in info.weight_files:
-        header = json.loads(safetensors_header(f))
-        for key, meta in header.items():
-            if key == "__metadata__":
-                continue
-            name = checkpoint_name(key)
-            if not name.startswith("model.layers.") or len(meta["shape"]) != 2:
-                continue
-            if int(name.split(".")[2]) < info.num_layers:
-                total += math.prod(meta["shape"])
+    for name, entry in tensor_entries(info.weight_files).items():
+        if name.startswith("model.layers.") and len(entry.shape) == 2 and int(name.split(".")[2]) < info.num_layers:
+            total += math.prod(entry.shape)
     return total
 
 

@@ -11,6 +11,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.targets import families
@@ -60,6 +61,24 @@ def safetensors_header(path: Path) -> bytes:
         if n > 100_000_000:
             raise UserError(f"{path}: not a safetensors file (header length {n})")
         return f.read(n)
+
+
+class TensorEntry(NamedTuple):
+    file: str  # the safetensors file's name
+    key: str  # the tensor's key in that file
+    shape: tuple[int, ...]
+
+
+def tensor_entries(files: list[Path]) -> dict[str, TensorEntry]:
+    """Every tensor of a target's safetensors files under its text-model name (`checkpoint_name`),
+    from the headers alone (no tensor data is read): the one parser of those headers for callers
+    that need names and shapes (the weight-shape check, plan's parameter count)."""
+    found: dict[str, TensorEntry] = {}
+    for f in files:
+        for key, meta in json.loads(safetensors_header(f)).items():
+            if key != "__metadata__":
+                found[checkpoint_name(key)] = TensorEntry(f.name, key, tuple(meta["shape"]))
+    return found
 
 
 REDOWNLOAD = "the file is damaged or truncated (an interrupted download or copy?): re-download it"

@@ -10,7 +10,6 @@ hooks (RawLayerOutputs), never `output_hidden_states`. When no logits are wanted
 
 from __future__ import annotations
 
-import json
 import logging
 
 from dflash_offline.targets.folder import TargetInfo, checkpoint_name
@@ -166,7 +165,7 @@ def check_weights(info: TargetInfo, keep_layers: int, need_head: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_offline.targets.folder import safetensors_header
+    from dflash_offline.targets.folder import tensor_entries
 
     from transformers.utils import logging as hf_logging
 
@@ -188,12 +187,7 @@ def check_weights(info: TargetInfo, keep_layers: int, need_head: bool) -> None:
         kind = type(model).__name__
         raise UserError(f"--target {info.path}: a {kind}, not a decoder-only language model with model.embed_tokens "
                         "and model.layers (the Llama/Qwen layout the drafter reads); point --target at such a model")
-    found: dict[str, tuple] = {}
-    for f in info.weight_files:
-        header = json.loads(safetensors_header(f))
-        for key, meta in header.items():
-            if key != "__metadata__":
-                found[checkpoint_name(key)] = (f.name, key, tuple(meta["shape"]))
+    found = tensor_entries(info.weight_files)
     for name, shape in wanted.items():
         if name == "lm_head.weight" and (not need_head or info.tie_word_embeddings):
             continue

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from dflash_offline.cache.view import ManifestView
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.launch import torchrun_launch
@@ -59,12 +60,13 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
         return _preflight_follow(cfg, devices)
     reader = CacheReader(cfg.cache)
     m = reader.manifest
-    if m["status"] != "complete":
-        raise UserError(f"--cache {cfg.cache}: extraction is not complete ({len(m['shards'])}/{m['plan']['num_shards']} "
+    v = ManifestView.of(m)
+    if v.status != "complete":
+        raise UserError(f"--cache {cfg.cache}: extraction is not complete ({v.shards_committed}/{v.num_shards} "
                         "shards); finish it by running the extract command again, or train with --follow --epochs 1")
-    _check_cache_target(cfg, m)
-    if m.get("released"):
-        raise UserError(f"--cache {cfg.cache}: {len(m['released'])} of its shards were consumed and deleted by a "
+    _check_cache_target(cfg, v)
+    if v.released:
+        raise UserError(f"--cache {cfg.cache}: {v.released} of its shards were consumed and deleted by a "
                         "streaming trainer (train --follow --stream), so it no longer holds all its samples; "
                         "extract a new cache")
     t0 = time.time()
@@ -100,12 +102,12 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     import numpy as np
 
     lengths = np.asarray(lengths, np.int64)
-    layer_ids, columns = layer_choice(cfg, m)
-    _check_row_memory(cfg, len(layer_ids) * m["target"]["hidden_size"])
-    topk = _check_soft_targets(cfg, m)
+    layer_ids, columns = layer_choice(cfg, v)
+    _check_row_memory(cfg, len(layer_ids) * v.hidden_size)
+    topk = _check_soft_targets(cfg, v)
     dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
                                      num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
-    dcfg.chat = m.get("chat")  # how the training text was rendered: carried into the export
+    dcfg.chat = v.chat  # how the training text was rendered: carried into the export
     if cfg.init_layers:
         read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg)  # shapes only: one line if they do not fit
     world = _world(devices)
@@ -119,18 +121,18 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
                         f"({world} ranks x {accum} micro-batches); lower --global-batch-tokens or --seq-len")
     plan = TrainPlan(
         devices=devices, world=world, accum=accum, total_steps=spe * cfg.epochs, drafter=asdict(dcfg),
-        cache_fingerprint=manifest_fingerprint(m), hidden_size=m["target"]["hidden_size"],
-        num_layers_captured=len(layer_ids), cache_layers=len(m["capture"]["layer_ids"]), layer_columns=columns,
-        topk=topk, hidden_dtype=m["capture"]["hidden_dtype"], lr=cfg.resolved_lr(m["target"]["hidden_size"]),
+        cache_fingerprint=manifest_fingerprint(m), hidden_size=v.hidden_size,
+        num_layers_captured=len(layer_ids), cache_layers=len(v.layer_ids), layer_columns=columns,
+        topk=topk, hidden_dtype=v.hidden_dtype, lr=cfg.resolved_lr(v.hidden_size),
         epochs=EpochPlan(refs=refs, lengths=lengths, rows_per_epoch=rows, steps_per_epoch=spe),
     )
     log.info("plan: %d rows/epoch, %d ranks x %d micro-batches of %d tokens per step, %d steps/epoch, %d steps total",
              rows, world, accum, cfg.seq_len, spe, plan.total_steps)
     log.info("recipe: layers %s of the cache's %s, lr %.3g%s, %d anchors per row, %s per sample, kd weight %g",
-             layer_ids, m["capture"]["layer_ids"], plan.lr, " (auto)" if cfg.lr is None else "", cfg.num_anchors,
+             layer_ids, list(v.layer_ids), plan.lr, " (auto)" if cfg.lr is None else "", cfg.num_anchors,
              cfg.anchors_per_sample or "one draw", cfg.kd_weight)
     if cfg.eval_cache:
-        _check_eval_cache(cfg, layer_ids, m)
+        _check_eval_cache(cfg, layer_ids, v)
     check_resume(cfg, plan.cache_fingerprint)
     return plan
 
@@ -159,24 +161,25 @@ def _check_row_memory(cfg: TrainConfig, features: int) -> None:
                         "lower --seq-len")
 
 
-def _check_cache_target(cfg: TrainConfig, m: dict) -> None:
+def _check_cache_target(cfg: TrainConfig, v: ManifestView) -> None:
     from dflash_offline.targets.folder import read_target
 
     info = read_target(cfg.target)
-    for key, mine in (("weights_fingerprint", info.weights_fingerprint), ("config_sha256", info.config_sha256)):
-        if m["target"].get(key) != mine:
+    for key, theirs, mine in (("weights_fingerprint", v.weights_fingerprint, info.weights_fingerprint),
+                              ("config_sha256", v.config_sha256, info.config_sha256)):
+        if theirs != mine:
             raise UserError(f"--cache {cfg.cache} was extracted from another target (target.{key} differs from "
                             f"--target {cfg.target}); extract a cache with this target or pass the one it was made from")
-    if m["capture"]["hidden_dtype"] not in ("bfloat16", "float8_e4m3fn"):
-        raise UserError(f"--cache {cfg.cache} stores hidden states as {m['capture']['hidden_dtype']!r}, which this "
+    if v.hidden_dtype not in ("bfloat16", "float8_e4m3fn"):
+        raise UserError(f"--cache {cfg.cache} stores hidden states as {v.hidden_dtype!r}, which this "
                         "version cannot read (bfloat16, float8_e4m3fn); re-extract with --hidden-dtype bfloat16 or fp8")
 
 
-def layer_choice(cfg: TrainConfig, m: dict) -> tuple[list[int], list[int] | None]:
+def layer_choice(cfg: TrainConfig, v: ManifestView) -> tuple[list[int], list[int] | None]:
     """(layer ids the drafter reads, their columns in the cache's rows, or None for all of them).
     `--layers` picks a subset of the captured layers by id; the drafter reads them in the cache's
     order, as a cache holding only those layers would store them."""
-    captured = list(m["capture"]["layer_ids"])
+    captured = list(v.layer_ids)
     if cfg.layers is None:
         return captured, None
     missing = [i for i in cfg.layers if i not in captured]
@@ -187,11 +190,11 @@ def layer_choice(cfg: TrainConfig, m: dict) -> tuple[list[int], list[int] | None
     return [captured[k] for k in cols], cols
 
 
-def _check_soft_targets(cfg: TrainConfig, m: dict) -> int:
+def _check_soft_targets(cfg: TrainConfig, v: ManifestView) -> int:
     """Top-k entries the loss reads: 0 without --kd-weight; the cache must hold them with it."""
     if cfg.kd_weight == 0:
         return 0
-    k = int(m["capture"].get("topk") or 0)
+    k = v.topk
     if k == 0:
         raise UserError(f"--kd-weight {cfg.kd_weight}: the cache {cfg.cache} holds no top-k log-probabilities "
                         "(extracted with --topk 0); extract with --topk 32, or train with --kd-weight 0")
@@ -222,8 +225,9 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
             last = time.time()
         heartbeat(phase="waiting for the cache", cache=cfg.cache)
         time.sleep(0.5)
-    _check_cache_target(cfg, m)
-    tokens = m["plan"].get("tokens")
+    v = ManifestView.of(m)
+    _check_cache_target(cfg, v)
+    tokens = v.plan_tokens
     if tokens is None:
         raise UserError(f"--cache {cfg.cache} was made by an older version (its plan has no token count), so --follow "
                         "cannot size the schedule; train without --follow once extraction is complete")
@@ -231,24 +235,24 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     if problem:
         raise UserError(problem)
     mine = str(Path(cfg.out).resolve())
-    others = sorted(c for c in (m.get("consumers") or {}) if c != mine)
-    if m.get("released") and mine not in (m.get("consumers") or {}):
-        raise UserError(f"--cache {cfg.cache}: {len(m['released'])} shards were already consumed and deleted by "
+    others = sorted(c for c in v.consumers if c != mine)
+    if v.released and mine not in v.consumers:
+        raise UserError(f"--cache {cfg.cache}: {v.released} shards were already consumed and deleted by "
                         f"another trainer ({', '.join(others)}); this run would miss them; extract a new cache")
-    budget, biggest = m.get("budget_bytes"), m.get("max_shard_bytes")
-    if budget and biggest and not cfg.stream and m["plan"]["num_shards"] * biggest > budget:
+    budget, biggest = v.budget_bytes, v.max_shard_bytes
+    if budget and biggest and not cfg.stream and v.num_shards * biggest > budget:
         raise UserError(f"--cache {cfg.cache} has a budget ({budget / 1e6:.1f} MB) that holds about "
-                        f"{budget // biggest} of its {m['plan']['num_shards']} shards; without --stream nothing is "
+                        f"{budget // biggest} of its {v.num_shards} shards; without --stream nothing is "
                         "released and both stages would wait forever: add --stream")
-    layer_ids, columns = layer_choice(cfg, m)
-    topk = _check_soft_targets(cfg, m)
+    layer_ids, columns = layer_choice(cfg, v)
+    topk = _check_soft_targets(cfg, v)
     dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
                                      num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
-    dcfg.chat = m.get("chat")  # how the training text was rendered: carried into the export
+    dcfg.chat = v.chat  # how the training text was rendered: carried into the export
     if cfg.init_layers:
         read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg)  # shapes only: one line if they do not fit
     if cfg.eval_cache:
-        _check_eval_cache(cfg, layer_ids, m)
+        _check_eval_cache(cfg, layer_ids, v)
     world = _world(devices)
     accum = step_accumulation(cfg, world)
     # An estimate for the progress bar and the log: windows pack separately and fill their last
@@ -257,14 +261,14 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     total = max(1, math.ceil(tokens / (cfg.seq_len * world * accum)))
     plan = TrainPlan(
         devices=devices, world=world, accum=accum, total_steps=total, drafter=asdict(dcfg),
-        cache_fingerprint=follow_fingerprint(m), hidden_size=m["target"]["hidden_size"],
-        num_layers_captured=len(layer_ids), cache_layers=len(m["capture"]["layer_ids"]), layer_columns=columns,
-        topk=topk, hidden_dtype=m["capture"]["hidden_dtype"], lr=cfg.resolved_lr(m["target"]["hidden_size"]),
-        follow=FollowPlan(num_shards=m["plan"]["num_shards"], consumer=mine, plan_tokens=int(tokens)),
+        cache_fingerprint=follow_fingerprint(m), hidden_size=v.hidden_size,
+        num_layers_captured=len(layer_ids), cache_layers=len(v.layer_ids), layer_columns=columns,
+        topk=topk, hidden_dtype=v.hidden_dtype, lr=cfg.resolved_lr(v.hidden_size),
+        follow=FollowPlan(num_shards=v.num_shards, consumer=mine, plan_tokens=int(tokens)),
     )
     log.info("plan (follow%s): %d shards planned, %d committed so far, %d tokens; windows of %d shards; %d ranks x %d "
              "micro-batches of %d tokens per step; about %d steps", ", stream" if cfg.stream else "",
-             m["plan"]["num_shards"], len(committed_names(m)), tokens, cfg.follow_window, world, accum, cfg.seq_len,
+             v.num_shards, len(committed_names(m)), tokens, cfg.follow_window, world, accum, cfg.seq_len,
              total)
     check_resume(cfg, plan.cache_fingerprint)
     # Last, under the manifest's lock: two trainers started at once cannot both pass as the only one.
@@ -272,7 +276,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     return plan
 
 
-def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], m: dict) -> None:
+def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], v: ManifestView) -> None:
     """--eval-cache, before any process starts: complete, from the same target, with the layers."""
     from dflash_offline.cache.manifest import ManifestStore
     from dflash_offline.cache.location import Location
@@ -286,13 +290,14 @@ def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], m: dict) -> None:
     if held is None:
         raise UserError(f"--eval-cache {cfg.eval_cache}: no cache there (no manifest.json); extract the held-out "
                         "completions into it first")
-    if held["status"] != "complete":
+    held_v = ManifestView.of(held)
+    if held_v.status != "complete":
         raise UserError(f"--eval-cache {cfg.eval_cache}: extraction is not complete; finish it first")
-    if held["target"].get("weights_fingerprint") != m["target"].get("weights_fingerprint"):
+    if held_v.weights_fingerprint != v.weights_fingerprint:
         raise UserError(f"--eval-cache {cfg.eval_cache} was extracted from another target than --cache {cfg.cache}")
-    missing = [i for i in layer_ids if i not in held["capture"]["layer_ids"]]
+    missing = [i for i in layer_ids if i not in held_v.layer_ids]
     if missing:
-        raise UserError(f"--eval-cache {cfg.eval_cache} holds layers {held['capture']['layer_ids']}, not {missing} "
+        raise UserError(f"--eval-cache {cfg.eval_cache} holds layers {list(held_v.layer_ids)}, not {missing} "
                         "that the drafter reads; extract it with the training cache's layers")
 
 

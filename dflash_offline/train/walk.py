@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dflash_offline.cache.view import ManifestView
 from dflash_offline.runtime.errors import UserError
 
 
@@ -32,16 +33,16 @@ def cache_layer_columns(manifest: dict, drafter_cfg, cache: str) -> list[int] | 
     drafter's order (its fc reads them concatenated in that order); None when the drafter reads
     every captured layer in the cache's order. A drafter trained on a subset of the captured
     layers (`train --layers`) is scored on those columns; a layer the cache lacks is refused."""
-    have = [int(i) for i in manifest["capture"]["layer_ids"]]
+    v = ManifestView.of(manifest)
+    have = [int(i) for i in v.layer_ids]
     want = [int(i) for i in drafter_cfg.target_layer_ids]
     missing = [i for i in want if i not in have]
     if missing:
         raise UserError(f"--cache {cache} holds layers {have} but the drafter reads {want} (no {missing}); "
                         "extract the held-out cache with the drafter's layers")
-    t = manifest["target"]
-    if (t["hidden_size"], t["vocab_size"]) != (drafter_cfg.hidden_size, drafter_cfg.vocab_size):
-        raise UserError(f"--cache {cache} was made from a target of hidden {t['hidden_size']} and vocabulary "
-                        f"{t['vocab_size']}; the drafter has {drafter_cfg.hidden_size} and {drafter_cfg.vocab_size}")
+    if (v.hidden_size, v.vocab_size) != (drafter_cfg.hidden_size, drafter_cfg.vocab_size):
+        raise UserError(f"--cache {cache} was made from a target of hidden {v.hidden_size} and vocabulary "
+                        f"{v.vocab_size}; the drafter has {drafter_cfg.hidden_size} and {drafter_cfg.vocab_size}")
     return None if want == have else [have.index(i) for i in want]
 
 
@@ -73,7 +74,8 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     m = reader.manifest
     cfg = drafter.cfg
     columns = cache_layer_columns(m, cfg, cache)
-    n_cached = len(m["capture"]["layer_ids"])
+    view = ManifestView.of(m)
+    n_cached = len(view.layer_ids)
     refs, lengths = [], []
     for name in reader.shard_names:
         sh = reader.shard(name)
@@ -87,7 +89,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     # drafter's columns are picked on the device.
     spec = RowSpec(seed=seed, seq_len=seq_len, num_anchors=num_anchors, block_size=B,
                    mask_token_id=cfg.mask_token_id, gamma=1.0, hidden_size=cfg.hidden_size,
-                   captured_layers=n_cached, hidden_dtype=m["capture"]["hidden_dtype"])
+                   captured_layers=n_cached, hidden_dtype=view.hidden_dtype)
     stream = RowStream(cache, refs, lengths, spec, 0, 0, 1, 1, 0, steps)
     drafter = drafter.to(device)
     cuda = str(device).startswith("cuda")
@@ -212,7 +214,7 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
     cfg = drafter.cfg
     B = cfg.block_size
     columns = cache_layer_columns(m, cfg, cache)
-    fp8 = m["capture"]["hidden_dtype"] == FP8
+    fp8 = ManifestView.of(m).hidden_dtype == FP8
     refs: list[_Sample] = []
     for name in reader.shard_names:
         sh = reader.shard(name)

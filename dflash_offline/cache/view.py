@@ -1,0 +1,46 @@
+"""A typed, read-only view of a cache manifest: what its readers ask of it.
+
+The manifest is a JSON document (cache-contract.md) that `cache/manifest.py` writes and commits;
+readers (train's preflight and held-out walk, eval's cache estimate) read the same few facts from
+it: its state, the target it came from, the captured layers and their storage, the plan. They read
+them here, by name, instead of indexing nested dicts, so a key is spelled once and a missing or
+renamed one fails in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ManifestView:
+    status: str  # "extracting" | "complete"
+    hidden_size: int  # the target's
+    vocab_size: int  # the target's
+    target_layers: int  # the target's decoder layers
+    weights_fingerprint: str | None
+    config_sha256: str | None
+    layer_ids: tuple[int, ...]  # the captured layers, in the cache's order
+    hidden_dtype: str  # storage of the hidden states (bfloat16 or float8_e4m3fn)
+    topk: int  # top-k log-probabilities per token (0: none)
+    num_shards: int  # shards the plan makes
+    shards_committed: int
+    plan_tokens: int | None  # tokens the plan holds (None: a cache from before the plan counted them)
+    released: int  # shards a streaming trainer consumed and deleted
+    budget_bytes: int | None
+    max_shard_bytes: int | None
+    consumers: tuple[str, ...]  # trainers registered to consume it (train --follow)
+    chat: dict | None  # how the training text was rendered (prepare's chat settings), carried to the export
+
+    @classmethod
+    def of(cls, m: dict) -> "ManifestView":
+        target, capture, plan = m["target"], m["capture"], m["plan"]
+        return cls(
+            status=m["status"], hidden_size=int(target["hidden_size"]), vocab_size=int(target["vocab_size"]), target_layers=int(target["num_layers"]),
+            weights_fingerprint=target.get("weights_fingerprint"), config_sha256=target.get("config_sha256"),
+            layer_ids=tuple(capture["layer_ids"]), hidden_dtype=capture["hidden_dtype"],
+            topk=int(capture.get("topk") or 0), num_shards=int(plan["num_shards"]),
+            shards_committed=len(m.get("shards") or []), plan_tokens=plan.get("tokens"),
+            released=len(m.get("released") or []), budget_bytes=m.get("budget_bytes"),
+            max_shard_bytes=m.get("max_shard_bytes"), consumers=tuple(m.get("consumers") or {}), chat=m.get("chat"),
+        )

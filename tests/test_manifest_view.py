@@ -1,0 +1,27 @@
+"""ManifestView, the typed view every training-side reader of a cache manifest uses, says what
+the committed manifest says, and reads a manifest from before the optional keys existed."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+
+def test_view_of_a_committed_cache(valid_cache):
+    from dflash_offline.cache.view import ManifestView
+
+    m = json.loads((valid_cache / "manifest.json").read_text())
+    v = ManifestView.of(m)
+    assert v.status == m["status"] == "complete"
+    assert (v.hidden_size, v.vocab_size, v.target_layers) == (m["target"]["hidden_size"], m["target"]["vocab_size"],
+                                                              m["target"]["num_layers"])
+    assert v.weights_fingerprint == m["target"]["weights_fingerprint"] and v.config_sha256 == m["target"]["config_sha256"]
+    assert list(v.layer_ids) == m["capture"]["layer_ids"] and v.hidden_dtype == m["capture"]["hidden_dtype"]
+    assert v.topk == m["capture"]["topk"] and v.num_shards == m["plan"]["num_shards"] == v.shards_committed
+    old = copy.deepcopy(m)  # a manifest written before the optional keys existed
+    for key in ("released", "budget_bytes", "max_shard_bytes", "consumers", "chat"):
+        old.pop(key, None)
+    old["plan"].pop("tokens", None)
+    old["capture"].pop("topk", None)
+    w = ManifestView.of(old)
+    assert (w.released, w.budget_bytes, w.consumers, w.chat, w.plan_tokens, w.topk) == (0, None, (), None, None, 0)
