@@ -52,13 +52,29 @@ def flag_of(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or _flag(f.name)
 
 
+class Recipe(dict):
+    """A recipe's values by field name, and the file they were read from (`load_recipe`)."""
+
+    path: Path | None = None
+
+
+def where(cfg, name: str) -> str:
+    """How an option got its value, for a message about it: the recipe key and file it was read
+    from (`merge` records them), else its flag (the one the user typed, or would type)."""
+    origin = getattr(cfg, "_origins", {}).get(name)
+    if origin:
+        return origin
+    fields = {f.name: f for f in dataclasses.fields(cfg)} if dataclasses.is_dataclass(cfg) else {}
+    return flag_of(fields[name]) if name in fields else _flag(name)
+
+
 def _integer(cfg, name: str) -> int | None:
     """The option's value, refused in one line unless it is an integer (or None)."""
     v = getattr(cfg, name)
     if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-        raise UserError(f"{_flag(name)} must be an integer, got {v!r}")
+        raise UserError(f"{where(cfg, name)} must be an integer, got {v!r}")
     if v is not None and abs(v) > _LARGEST:
-        raise UserError(f"{_flag(name)} {v} is too large (at most 2^50 = {_LARGEST})")
+        raise UserError(f"{where(cfg, name)} {v} is too large (at most 2^50 = {_LARGEST})")
     return v
 
 
@@ -67,14 +83,14 @@ def check_positive(cfg, *names: str) -> None:
     for name in names:
         v = _integer(cfg, name)
         if v is not None and v <= 0:
-            raise UserError(f"{_flag(name)} must be positive, got {v}")
+            raise UserError(f"{where(cfg, name)} must be positive, got {v}")
 
 
 def check_at_least(cfg, name: str, low: int, why: str) -> None:
     """An integer option >= low (None = unset); `why` says what the low end means."""
     v = _integer(cfg, name)
     if v is not None and v < low:
-        raise UserError(f"{_flag(name)} must be >= {low} ({why}), got {v}")
+        raise UserError(f"{where(cfg, name)} must be >= {low} ({why}), got {v}")
 
 
 def check_number(cfg, name: str, low: float, high: float = math.inf, *, open_low: bool = False,
@@ -86,7 +102,7 @@ def check_number(cfg, name: str, low: float, high: float = math.inf, *, open_low
         return
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
     if not (ok and (v > low if open_low else v >= low) and (v < high if open_high else v <= high)):
-        raise UserError(f"{_flag(name)} must be {must}, got {v!r}" + (f" ({why})" if why else ""))
+        raise UserError(f"{where(cfg, name)} must be {must}, got {v!r}" + (f" ({why})" if why else ""))
 
 
 def parse_int_list(text: str | list | None, option: str = "--layers") -> list[int] | None:
@@ -155,7 +171,7 @@ def parse_size(value) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
-def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> dict[str, Any]:
+def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> Recipe:
     """Read a TOML recipe into {field: value}; unknown keys are an error naming the key and file.
     Keys that are fields of `ignore` (not of `cls`) are dropped: `plan` reads extract's recipe
     (the only caller that passes `ignore`, with ExtractConfig)."""
@@ -200,10 +216,17 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> dict
     for name, value in out.items():  # ids as a list or as "1,9,17", as the option takes them
         if "list[int]" in str(fields[name].type):
             out[name] = parse_int_list(value, option=f"--config {path}: key {name!r}")
-    return out
+    recipe = Recipe(out)
+    recipe.path = path
+    return recipe
 
 
 def merge(cls: type, recipe: dict[str, Any], cli_given: dict[str, Any]):
-    """Defaults < recipe < values given on the command line."""
+    """Defaults < recipe < values given on the command line. The config remembers which values
+    came from the recipe (`where` names their key and file in a message about them)."""
     values = {**recipe, **cli_given}
-    return cls(**values)
+    cfg = cls(**values)
+    path = getattr(recipe, "path", None)
+    if path is not None:
+        cfg._origins = {k: f"--config {path}: key {k!r}" for k in recipe if k not in cli_given}
+    return cfg

@@ -191,3 +191,25 @@ def test_adding_an_option_is_one_field(tmp_path):
     assert "--check / --no-check" in helptext and "--mode [fast|exact]" in helptext and "--hidden" not in helptext
     bad = CliRunner().invoke(toy, ["--mode", "slow"])
     assert bad.exit_code != 0 and "slow" in bad.output
+
+
+@pytest.mark.parametrize("name, key, value", [("train", "seq_len", -5), ("extract", "shard_tokens", 0),
+                                              ("eval", "max_new_tokens", -1)])
+def test_a_bad_recipe_value_is_named_by_its_key_and_file(name, key, value, tmp_path):
+    """A value out of range that came from a recipe is reported as that recipe's key, with the
+    file, not as a flag the user never typed; the same value typed is reported as the flag."""
+    from dflash_offline.options import load_recipe, merge
+    from dflash_offline.runtime.errors import UserError
+
+    cls = COMMANDS[name]
+    required = {"train": 'cache = "c"\ntarget = "t"\nout = "o"\n', "extract": 'target = "t"\ndata = ["d"]\ncache = "c"\n',
+                "eval": 'target = "t"\ndrafters = ["d"]\nprompts = "p"\n'}[name]
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(required + f"{key} = {value}\n")
+    cfg = merge(cls, load_recipe(recipe, cls), {})
+    with pytest.raises(UserError) as e:
+        cfg.validate()
+    assert f"--config {recipe}: key '{key}' must be" in str(e.value) and f"--{key.replace('_', '-')}" not in str(e.value)
+    typed = merge(cls, load_recipe(recipe, cls), {key: value})
+    with pytest.raises(UserError, match=f"^--{key.replace('_', '-')} must be"):
+        typed.validate()
