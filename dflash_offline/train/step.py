@@ -73,7 +73,6 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
     from dflash_offline.drafter import masks
     from dflash_offline.train.loss import block_loss, block_metrics
     from dflash_offline.train.profiling import phase
-    from dflash_offline.train.stream import device_hidden
 
     cfg, world, rank, device, cuda = t.cfg, t.world, t.rank, t.device, t.cuda
     accum, B = t.plan.accum, t.plan.drafter["block_size"]  # the drafter config owns the block size
@@ -82,8 +81,8 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
         micro = [next(it) for _ in range(accum)]  # all micro-batches first: the step's weight sum
     t_data = time.perf_counter() - t0
     with phase("to-device"):
-        micro = [device_hidden({k: v.to(device, non_blocking=True) for k, v in mb.items()}) for mb in micro]
-        wsum = torch.stack([mb["weights"].sum() for mb in micro]).sum().double()
+        micro = [mb.on(device, non_blocking=True) for mb in micro]
+        wsum = torch.stack([mb.weights.sum() for mb in micro]).sum().double()
     if world > 1:
         dist.all_reduce(wsum)
     # Each rank's loss is scaled so DDP's gradient average equals the global weighted mean.
@@ -103,19 +102,19 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
         with ctx:
             with phase("mask"):
                 if cuda and cfg.attention != "sdpa":
-                    mask = masks.flex_block_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
+                    mask = masks.flex_block_mask(mb.doc_ids, mb.anchors, mb.anchor_valid, B)
                 else:
-                    mask = masks.dense_mask(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
+                    mask = masks.dense_mask(mb.doc_ids, mb.anchors, mb.anchor_valid, B)
             _mark(phases, "mask")
             with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=t.bf16):
                 with phase("forward"):
-                    h = t.model(mb["target_hidden"], mb["block_ids"], mb["ctx_positions"], mb["block_positions"],
+                    h = t.model(mb.target_hidden, mb.block_ids, mb.ctx_positions, mb.block_positions,
                                 mask)
                 _mark(phases, "forward")
                 with phase("loss"):
-                    ls, correct = block_loss(h, t.drafter.lm_head.weight, mb["labels"], mb["weights"],
-                                             t.loss_chunk, cfg.loss_impl, soft_ids=mb.get("soft_ids"),
-                                             soft_logprobs=mb.get("soft_logprobs"), soft_weight=cfg.kd_weight)
+                    ls, correct = block_loss(h, t.drafter.lm_head.weight, mb.labels, mb.weights,
+                                             t.loss_chunk, cfg.loss_impl, soft_ids=mb.soft_ids,
+                                             soft_logprobs=mb.soft_logprobs, soft_weight=cfg.kd_weight)
                 _mark(phases, "loss")
             with phase("backward"):
                 (ls.double() * scale).float().backward()
@@ -124,7 +123,7 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
             phases.report()
         with phase("metrics"):
             loss_sum += ls.detach().double()
-            mm = block_metrics(correct, mb["weights"], mb["anchor_valid"], B)
+            mm = block_metrics(correct, mb.weights, mb.anchor_valid, B)
             step_m = mm if step_m is None else {k: step_m[k] + mm[k] for k in mm}
     with phase("optimizer"):
         gnorm = torch.nn.utils.clip_grad_norm_(t.params, cfg.clip)

@@ -9,7 +9,7 @@ order. Memory stays bounded at `num_workers x prefetch` rows whatever the cache 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -53,17 +53,78 @@ class RowSpec:
         return cls(**d)
 
 
-def device_hidden(mb: dict) -> dict:
-    """A micro-batch on its device: fp8 rows' bits and scales -> bf16 `target_hidden` [R, S, n*H],
-    dequantised there (the GPU, in training); bf16 rows pass through."""
-    if "target_hidden_scale" in mb:
-        from dflash_offline.cache.fp8 import dequantize
+def _dequantized(bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8 rows' bits [R, S, n*H] and scales [R, S, n] -> bf16 hidden states [R, S, n*H]."""
+    from dflash_offline.cache.fp8 import dequantize
 
-        bits, scale = mb.pop("target_hidden_bits"), mb.pop("target_hidden_scale")
-        R, S, width = bits.shape
-        n = scale.shape[-1]
-        mb["target_hidden"] = dequantize(bits.view(R, S, n, width // n), scale, torch.bfloat16).view(R, S, width)
+    R, S, width = bits.shape
+    n = scale.shape[-1]
+    return dequantize(bits.view(R, S, n, width // n), scale, torch.bfloat16).view(R, S, width)
+
+
+def device_hidden(mb: dict) -> dict:
+    """A dict of row arrays on its device (the held-out walk's blocks): fp8 bits and scales ->
+    bf16 `target_hidden`, dequantised there; bf16 rows pass through."""
+    if "target_hidden_scale" in mb:
+        mb["target_hidden"] = _dequantized(mb.pop("target_hidden_bits"), mb.pop("target_hidden_scale"))
     return mb
+
+
+@dataclass
+class MicroBatch:
+    """One packed training row as the loader delivers it, every tensor [1, ...]: the drafter's
+    inputs (context hidden states, block tokens and positions, the anchors and the document of
+    each position), the labels and loss weights, and with a top-k cache the target's distribution
+    per block slot. bf16 caches fill `target_hidden`; fp8 caches its bits and scales, which `on`
+    dequantises on the consumer's device (half the bytes through the loader)."""
+
+    row: torch.Tensor  # the global row index
+    doc_ids: torch.Tensor
+    ctx_positions: torch.Tensor
+    anchors: torch.Tensor
+    anchor_valid: torch.Tensor
+    block_ids: torch.Tensor
+    block_positions: torch.Tensor
+    labels: torch.Tensor
+    weights: torch.Tensor
+    target_hidden: torch.Tensor | None = None
+    target_hidden_bits: torch.Tensor | None = None
+    target_hidden_scale: torch.Tensor | None = None
+    soft_ids: torch.Tensor | None = None
+    soft_logprobs: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+
+    def _map(self, fn) -> "MicroBatch":
+        return replace(self, **{k: fn(v) for k, v in self.tensors().items()})
+
+    def pin_memory(self) -> "MicroBatch":  # the DataLoader's pin_memory calls it
+        return self._map(lambda t: t.pin_memory())
+
+    def on(self, device, non_blocking: bool = False) -> "MicroBatch":
+        """On `device`, fp8 hidden states dequantised there to bf16 `target_hidden`."""
+        mb = self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        if mb.target_hidden_scale is not None:
+            mb = replace(mb, target_hidden=_dequantized(mb.target_hidden_bits, mb.target_hidden_scale),
+                         target_hidden_bits=None, target_hidden_scale=None)
+        return mb
+
+    # A read-only view by name, for scripts that index a micro-batch as the dict it used to be.
+    def keys(self):
+        return self.tensors().keys()
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        v = self.tensors().get(name)
+        if v is None:
+            raise KeyError(name)
+        return v
+
+    def get(self, name: str, default=None):
+        return self.tensors().get(name, default)
 
 
 class RowStream(torch.utils.data.IterableDataset):
@@ -122,7 +183,7 @@ class RowStream(torch.utils.data.IterableDataset):
             raise RuntimeError(f"cache {self.cache}: shard {ref[0]}, sample {ref[1]} is unreadable "
                                f"({type(e).__name__}: {e}); check the cache with `dflash-offline verify`") from None
 
-    def make(self, global_row: int, packed: list[tuple[int, int]]) -> dict:
+    def make(self, global_row: int, packed: list[tuple[int, int]]) -> MicroBatch:
         sp = self.spec
         S, n, H = sp.seq_len, sp.captured_layers, sp.hidden_size
         # A subset of the captured layers (train --layers): the cache's [tokens, n_cache, H] rows are
@@ -171,17 +232,13 @@ class RowStream(torch.utils.data.IterableDataset):
             # is the top-k stored at position p + j - 1. Unscored slots keep whatever they gather.
             at = np.minimum(row.anchors[:, None] + np.arange(B)[None, :] - 1, S - 1).clip(0).reshape(-1)
             soft = {"soft_ids": as_t(top_ids[at]), "soft_logprobs": as_t(top_lp[at])}
-        return {
-            "row": torch.tensor([global_row]),
-            # bf16 rows carry the hidden states; fp8 rows their bits and scales, which the consumer
-            # dequantises on its device (`device_hidden`): half the bytes through the loader.
-            **({"target_hidden_bits": as_t(bits), "target_hidden_scale": as_t(scale)} if fp8 else
-               {"target_hidden": as_t(bits).view(torch.bfloat16)}),
-            "doc_ids": as_t(row.doc_ids), "ctx_positions": as_t(row.positions),
-            "anchors": as_t(row.anchors), "anchor_valid": as_t(row.anchor_valid),
-            "block_ids": as_t(row.block_ids), "block_positions": as_t(row.block_positions),
-            "labels": as_t(row.labels), "weights": as_t(row.weights), **soft,
-        }
+        # bf16 rows carry the hidden states; fp8 rows their bits and scales (MicroBatch.on).
+        hidden = ({"target_hidden_bits": as_t(bits), "target_hidden_scale": as_t(scale)} if fp8 else
+                  {"target_hidden": as_t(bits).view(torch.bfloat16)})
+        return MicroBatch(row=torch.tensor([global_row]), doc_ids=as_t(row.doc_ids), ctx_positions=as_t(row.positions),
+                          anchors=as_t(row.anchors), anchor_valid=as_t(row.anchor_valid),
+                          block_ids=as_t(row.block_ids), block_positions=as_t(row.block_positions),
+                          labels=as_t(row.labels), weights=as_t(row.weights), **hidden, **soft)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()

@@ -68,7 +68,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     from dflash_offline.cache.reader import CacheReader
     from dflash_offline.train.loss import block_loss, block_metrics
     from dflash_offline.train.packing import epoch_order, pack_rows
-    from dflash_offline.train.stream import RowSpec, RowStream, device_hidden, make_loader
+    from dflash_offline.train.stream import RowSpec, RowStream, make_loader
 
     reader = CacheReader(cache)
     m = reader.manifest
@@ -100,13 +100,13 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
         with torch.no_grad():
             build = masks.flex_block_mask if cuda else masks.dense_mask
             for mb in make_loader(stream, 0, 1, pin=False):
-                mb = device_hidden({k: v.to(device) for k, v in mb.items()})
-                hidden = _select_layers(mb["target_hidden"], columns, n_cached)
-                mask = build(mb["doc_ids"], mb["anchors"], mb["anchor_valid"], B)
+                mb = mb.on(device)
+                hidden = _select_layers(mb.target_hidden, columns, n_cached)
+                mask = build(mb.doc_ids, mb.anchors, mb.anchor_valid, B)
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-                    h = drafter(hidden, mb["block_ids"], mb["ctx_positions"], mb["block_positions"], mask)
-                    _, correct = block_loss(h, drafter.lm_head.weight, mb["labels"], mb["weights"], loss_chunk_tokens)
-                got = block_metrics(correct, mb["weights"], mb["anchor_valid"], B)
+                    h = drafter(hidden, mb.block_ids, mb.ctx_positions, mb.block_positions, mask)
+                    _, correct = block_loss(h, drafter.lm_head.weight, mb.labels, mb.weights, loss_chunk_tokens)
+                got = block_metrics(correct, mb.weights, mb.anchor_valid, B)
                 total = got if total is None else {k: total[k] + got[k] for k in got}
     finally:
         drafter.train(was_training)
