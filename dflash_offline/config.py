@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from dflash_offline.options import check_at_least, check_number, check_positive, opt
 from dflash_offline.runtime.errors import UserError
+from dflash_offline.sampling import SamplingOptions
 from dflash_offline.evaluate.config import EvalConfig  # noqa: F401  (one import place for every stage's config)
 from dflash_offline.train.config import TrainConfig, auto_loss_chunk, auto_lr  # noqa: F401
 
@@ -127,7 +128,7 @@ class PlanConfig:
 
 
 @dataclass
-class GenerateConfig:
+class GenerateConfig(SamplingOptions):
     target: str = opt("", "Hugging Face model folder: the model that writes the completions.")
     """The target's Hugging Face folder: it writes the completions."""
     prompts: list[str] = opt(help="Parquet file or folder with input_ids (and optional id); repeat for several.", factory=list)
@@ -139,12 +140,6 @@ class GenerateConfig:
     """`0,1,2,3` for one worker process per GPU, `cpu` or `cpu,cpu` for CPU workers."""
     max_new_tokens: int = opt(2048, "New tokens per prompt at most.")
     """New tokens per prompt at most (a row also ends after an end-of-sequence token, kept)."""
-    temperature: float = opt(0.0, "0 = greedy; above 0 (finite), sampling.")
-    """0 = greedy (argmax); above 0, sampling at this temperature."""
-    top_p: float = opt(1.0, "Sampling: nucleus mass kept, in (0, 1].")
-    """Sampling: keep the smallest set of tokens whose probability reaches top_p."""
-    seed: int = opt(0, "Sampling: the noise of each prompt depends only on (seed, prompt id, step).")
-    """Sampling: the noise for prompt id i and new token t depends only on (seed, i, t)."""
     eos_token_ids: list[int] | None = opt(None, "End-of-sequence ids, e.g. 0 or 151643,151645.", default_text="the target's generation_config.json")
     """End-of-sequence ids; None = the target folder's generation_config.json / config.json."""
     ignore_eos: bool = opt(False, "Always generate --max-new-tokens.", is_flag=True)

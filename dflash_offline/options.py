@@ -43,8 +43,11 @@ def opt(default: Any = None, help: str = "", *, factory=None, flag: str | None =
 
 
 def cli_fields(cls: type) -> list[dataclasses.Field]:
-    """The fields of a config dataclass that are command-line options, in order."""
-    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+    """The fields of a config dataclass that are command-line options: its own in order, then
+    those it inherits (options shared by several commands, e.g. sampling.SamplingOptions)."""
+    own = vars(cls).get("__annotations__", {})
+    fields = [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+    return [f for f in fields if f.name in own] + [f for f in fields if f.name not in own]
 
 
 def flag_of(f: dataclasses.Field) -> str:

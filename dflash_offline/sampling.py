@@ -20,9 +20,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dflash_offline.options import opt
+
 if TYPE_CHECKING:
     import torch
 
+
+
+@dataclass
+class SamplingOptions:
+    """The sampling options `generate` and `eval` share, declared once (their command-line options
+    are built from these fields, listed after each command's own)."""
+
+    temperature: float = opt(0.0, "0 = greedy (eval: outputs checked equal to the target's); above 0 (finite), "
+                             "sampling at this temperature (eval: speculative sampling, output distributed as the "
+                             "target's own sampling).")
+    """0 = greedy (argmax); above 0, sampling at this temperature. eval draws drafts from the
+    drafter's distribution and verifies them by speculative sampling's rule, so its output is
+    distributed as the target's own sampling."""
+    top_p: float = opt(1.0, "Sampling: nucleus mass kept, in (0, 1].")
+    """Sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    seed: int = opt(0, "Sampling: the noise of each prompt depends only on (seed, prompt id, output position).")
+    """Sampling: the noise for prompt id i and output position t depends only on (seed, i, t)."""
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 from dflash_offline.options import check_positive, opt
 from dflash_offline.runtime.errors import UserError
-from dflash_offline.sampling import Sampling
+from dflash_offline.sampling import Sampling, SamplingOptions
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(SamplingOptions):
     target: str = opt("", "The target's Hugging Face folder.")
     """The target's Hugging Face folder."""
     drafters: list[str] = opt(help="A drafter export folder or a step-N checkpoint; repeat to compare several.", factory=list, flag="--drafter")
@@ -63,16 +63,8 @@ class EvalConfig:
     """Where the process log goes; default RUN/logs when the (first) drafter is inside a training
     run folder (export/, best/, step-N/), else ./dflash-logs: never a folder beside someone's model."""
     progress: bool = opt(True, "Progress bars.")
-    temperature: float = opt(0.0, "0 = greedy (outputs checked equal to the target's); above 0, speculative sampling: output distributed as the target's own sampling.")
-    """0 = greedy (the output must equal the target's greedy decode); above 0, sampling: drafts are
-    drawn from the drafter's distribution and verified by speculative sampling's rule, so the
-    output is distributed as the target's own sampling (dflash_offline/sampling.py)."""
-    top_p: float = opt(1.0, "Sampling: nucleus mass kept, in (0, 1].")
-    """Sampling: keep the smallest set of tokens whose probability reaches top_p."""
     top_k: int = opt(0, "Sampling: keep the k most likely tokens; 0 = all.")
     """Sampling: keep only the k most likely tokens; 0 = all."""
-    seed: int = opt(0, "Sampling: the noise of each prompt depends only on (seed, prompt id, output index).")
-    """Sampling: the noise for prompt id i and output index t depends only on (seed, i, t)."""
     decoder: str = opt("auto", "static: the target's layers over preallocated buffers, CUDA graphs on a GPU (dense attention targets); transformers: transformers' forward and caches (any target); auto: static where possible (the report says which ran).", choices=('auto', 'static', 'transformers'))
     """static: the target's own layers over preallocated key/value buffers, each round one CUDA
     graph on a GPU (dense attention targets: Qwen3, Qwen2, Llama, Mistral); transformers:
