@@ -95,7 +95,7 @@ def part1(args, device: str) -> dict:
     new, P = args.max_new_tokens, max(len(p) for p in prompts)
     one, rows = prompts[: args.batch1_prompts], min(args.batch_size, len(prompts))
     res: dict = {"prompts": len(prompts), "max_new_tokens": new, "dtype": args.dtype, "batch": rows,
-                 "compile": args.compile, "batch1_prompts": len(one)}
+                 "compile": args.compile, "batch1_prompts": len(one), "bucket_step": args.bucket_step}
 
     def run(dec, ps):
         """Untimed warm-up batch (kernels, graph capture), then the timed decode of every batch."""
@@ -113,7 +113,8 @@ def part1(args, device: str) -> dict:
                            + (", compiled" if args.compile else ""),
                            **figures(alone1, s), "setup_s": time.perf_counter() - t0 - s}
     t0 = time.perf_counter()
-    alone_n, s = run(StaticDecoder(model, None, rows, P, new, eos, compile=args.compile), prompts)
+    alone_n, s = run(StaticDecoder(model, None, rows, P, new, eos, compile=args.compile, bucket_step=args.bucket_step),
+                     prompts)
     res["batched_alone"] = {"static": {**figures(alone_n, s), "setup_s": time.perf_counter() - t0 - s}}
     # The other batched target-alone decoders: the bar is the fastest of them all.
     dec = BatchDecoder(model, rows, P, new, eos, Sampling())
@@ -136,7 +137,8 @@ def part1(args, device: str) -> dict:
                          "equal_to_alone": sum(a.tokens == b.tokens for a, b in zip(spec1, alone1))}
         row["batch1"]["speedup"] = row["batch1"]["tokens_per_s"] / res["batch1_alone"]["tokens_per_s"]
         t0 = time.perf_counter()
-        specn, s = run(StaticDecoder(model, d, rows, P, new, eos, compile=args.compile), prompts)
+        specn, s = run(StaticDecoder(model, d, rows, P, new, eos, compile=args.compile, bucket_step=args.bucket_step),
+                       prompts)
         row["batched"] = {**figures(specn, s), "tau": summarize(specn, B)["tau"], "setup_s": time.perf_counter() - t0 - s,
                           "equal_to_alone": sum(a.tokens == b.tokens for a, b in zip(specn, alone_n))}
         row["batched"]["speedup_vs_static_alone"] = row["batched"]["tokens_per_s"] / res["batched_alone"]["static"]["tokens_per_s"]
@@ -362,6 +364,9 @@ def main() -> int:
     ap.add_argument("--batch1-prompts", type=int, default=200, help="prompts decoded one at a time (batch 1)")
     ap.add_argument("--batch-size", type=int, default=200)
     ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--bucket-step", type=int, default=None,
+                    help="batched: row buckets at every multiple of N rows (then halving) instead of halving "
+                         "only (evaluate/graphed.row_buckets)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="Inductor before the CUDA graphs, both sides (default: on a GPU)")
     ap.add_argument("--reference", help="the target's greedy completions (Parquet): float32 outputs checked against them")

@@ -190,6 +190,28 @@ def test_speculative_equals_one_prompt_decoder(fitted, kind):
     assert 0 in seen and B - 1 in seen, f"accepted lengths {seen}: the comparison needs short and whole rounds"
 
 
+def test_finer_row_buckets_decode_the_same(fitted):
+    """Buckets at every multiple of N rows (row_buckets(rows, N)) change only how many rows a round
+    runs over: tokens, accepted drafts and committed tokens equal the halving buckets', prompt for
+    prompt; the trace shows the finer buckets were used."""
+    from dflash_offline.evaluate.graphed import row_buckets
+
+    assert row_buckets(200) == [200, 100, 50, 25, 13, 7, 4, 2, 1]
+    assert row_buckets(20, 8) == [20, 16, 8, 4, 2, 1] and row_buckets(5, 1) == [5, 4, 3, 2, 1]
+    with pytest.raises(ValueError):
+        row_buckets(5, 0)
+    model, drafter, prompts = fitted["qwen3"]
+    longest = max(map(len, prompts))
+    want = StaticDecoder(model, drafter, 5, longest, MAX_NEW, set()).decode_all(prompts)
+    fine = StaticDecoder(model, drafter, 5, longest, MAX_NEW, set(), bucket_step=1)
+    fine.trace = []
+    got = fine.decode_all(prompts)
+    assert [(g.tokens, g.accepted, g.committed) for g in got] == [(w.tokens, w.accepted, w.committed) for w in want]
+    active = [a for _, a, _ in fine.trace]
+    assert fine.buckets == [5, 4, 3, 2, 1]
+    assert all(k == min(b for b in fine.buckets if b >= a) for (k, _, _), a in zip(fine.trace[1:], active))
+
+
 def test_trace_records_each_read_back(fitted):
     """`trace` logs (bucket, unfinished rows) at each read-back: one per round plus the last, the
     bucket the smallest that holds the unfinished rows, rows that only finish; the prompt with the

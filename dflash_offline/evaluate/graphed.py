@@ -34,6 +34,21 @@ from dflash_offline.sampling import Sampling, draft_tokens, prompt_keys, target_
 log = logging.getLogger("dflash.eval")
 
 
+def row_buckets(rows: int, step: int | None = None) -> list[int]:
+    """The row counts a batch's rounds run over, largest first. Halving (the default): a graph per
+    halving, a round over at most twice the unfinished rows. With `step`: every multiple of it down
+    to `step`, then halving: a round over at most `step - 1` idle rows while many are unfinished,
+    where a round's cost grows with its rows (docs/benchmarks.md models both on measured costs)."""
+    if step is not None and step < 1:
+        raise ValueError(f"bucket step {step}: give a positive number of rows")
+    out = [rows]
+    if step is not None:
+        out += [k for k in range((rows - 1) // step * step, step - 1, -step) if k < rows]
+    while out[-1] > 1:
+        out.append((out[-1] + 1) // 2)
+    return out
+
+
 class StaticDecoder:
     """Decodes batches of up to `rows` prompts; `drafter=None`: the target alone.
 
@@ -45,7 +60,8 @@ class StaticDecoder:
     is a graph too."""
 
     def __init__(self, model, drafter, rows: int, max_prompt_len: int, max_new: int, eos: set[int],
-                 sampling: Sampling = Sampling(), graphs: bool | None = None, compile: bool = False):
+                 sampling: Sampling = Sampling(), graphs: bool | None = None, compile: bool = False,
+                 bucket_step: int | None = None):
         dev = next(model.parameters()).device
         self.device, self.rows, self.max_new, self.sampling = dev, rows, max_new, sampling
         self.max_prompt_len = max_prompt_len
@@ -53,9 +69,7 @@ class StaticDecoder:
         B = self.block_size
         self.capacity = max_prompt_len + max_new + B
         self.graphs = (dev.type == "cuda") if graphs is None else graphs
-        self.buckets = [rows]
-        while self.buckets[-1] > 1:
-            self.buckets.append((self.buckets[-1] + 1) // 2)
+        self.buckets = row_buckets(rows, bucket_step)
         self._graphs: dict = {}  # bucket -> CUDA graph of a round; "prefill" -> the prefill's
         self.trace: list | None = None  # a list: decode appends (bucket, active rows, perf_counter) per read-back
         # compile: the round through Inductor first (fused norms, RoPE and bookkeeping: fewer,
