@@ -30,6 +30,15 @@ def _given(ctx: click.Context, **values) -> dict:
     return out
 
 
+def _config(ctx: click.Context, cls: type, config_file: str | None, options: dict, ignore: type | None = None):
+    """A stage command's config: the field defaults < its --config recipe < the options typed (read
+    before the stage's heavy imports, so a bad recipe is one line at once)."""
+    from dflash_offline.options import load_recipe, merge
+
+    recipe = load_recipe(config_file, cls, ignore=ignore) if config_file else {}
+    return merge(cls, recipe, _given(ctx, **options))
+
+
 class ByteSize(click.ParamType):
     """A size in bytes: 123456, 64GB, 1.5T, 512MiB (k/M/G/T are powers of 1000, KiB/MiB/GiB/TiB of 1024)."""
 
@@ -157,13 +166,10 @@ def prepare(ctx: click.Context, config_file, **options) -> None:
     records the chat settings (template hash, thinking mode, system prompt) that travel with the
     data to the cache and the export. Running the same command again resumes.
     """
-    from dflash_offline.options import load_recipe, merge
-
-    given = _given(ctx, **options)
-    recipe = load_recipe(config_file, PrepareConfig) if config_file else {}
+    cfg = _config(ctx, PrepareConfig, config_file, options)
     from dflash_offline.prepare import launcher as stage
 
-    stage.run(merge(PrepareConfig, recipe, given))
+    stage.run(cfg)
 
 
 @main.command()
@@ -176,11 +182,7 @@ def extract(ctx: click.Context, config_file, **options) -> None:
     made with another target, layer set, top-k, dtype, max length, shard plan or input is refused,
     naming the field.
     """
-    from dflash_offline.options import load_recipe, merge
-
-    given = _given(ctx, **options)
-    recipe = load_recipe(config_file, ExtractConfig) if config_file else {}
-    cfg = merge(ExtractConfig, recipe, given)
+    cfg = _config(ctx, ExtractConfig, config_file, options)
     from dflash_offline.extract import launcher as stage
 
     stage.run(cfg)
@@ -191,11 +193,7 @@ def extract(ctx: click.Context, config_file, **options) -> None:
 @click.pass_context
 def train(ctx: click.Context, config_file, **options) -> None:
     """Stage two: train a DFlash drafter from a committed cache (resumes from OUT's last checkpoint)."""
-    from dflash_offline.options import load_recipe, merge
-
-    given = _given(ctx, **options)
-    recipe = load_recipe(config_file, TrainConfig) if config_file else {}
-    cfg = merge(TrainConfig, recipe, given)
+    cfg = _config(ctx, TrainConfig, config_file, options)
     from dflash_offline.train import launcher as stage
 
     stage.run(cfg)
@@ -224,13 +222,10 @@ def eval_(ctx: click.Context, config_file, **options) -> None:
     """Acceptance length of drafters: speculative decoding against the target (tau, acceptance per
     slot, tokens/s vs the target alone, output checked equal to its greedy decode), and/or the
     estimate from a held-out cache."""
-    from dflash_offline.options import load_recipe, merge
-
-    given = _given(ctx, **options)
-    recipe = load_recipe(config_file, EvalConfig) if config_file else {}
+    cfg = _config(ctx, EvalConfig, config_file, options)
     from dflash_offline.evaluate import run as evaluate
 
-    report = evaluate.run(merge(EvalConfig, recipe, given))
+    report = evaluate.run(cfg)
     # A check that failed (outputs not equal to the target's, estimates that disagree) fails the
     # command, after the report and its JSON: scripts and CI read the exit status.
     if any(d.get("lossless") is False or not d.get("parity", {}).get("agree", True) for d in report["drafters"]):
@@ -248,13 +243,10 @@ def plan(ctx: click.Context, config_file, as_json: bool, **options) -> None:
     `--config stages/<deployment>/extract.toml` sizes what that recipe would extract."""
     import json as _json
 
-    from dflash_offline.options import load_recipe, merge
     from dflash_offline.sizing import make_plan, report
 
-    given = _given(ctx, **options)
     # Extract's recipe names the same target, data, layers and cache; its other keys mean nothing here.
-    recipe = load_recipe(config_file, PlanConfig, ignore=ExtractConfig) if config_file else {}
-    p = make_plan(merge(PlanConfig, recipe, given))
+    p = make_plan(_config(ctx, PlanConfig, config_file, options, ignore=ExtractConfig))
     if as_json:
         click.echo(_json.dumps(p, indent=1))
     else:
@@ -312,13 +304,10 @@ def generate(ctx: click.Context, config_file, **options) -> None:
     0 on the prompt and 1 on the completion. Parts are committed in OUT/manifest.json; running the
     same command again resumes, and a different target or setting is refused, naming the field.
     """
-    from dflash_offline.options import load_recipe, merge
-
-    given = _given(ctx, **options)
-    recipe = load_recipe(config_file, GenerateConfig) if config_file else {}
+    cfg = _config(ctx, GenerateConfig, config_file, options)
     from dflash_offline.generate import launcher as stage
 
-    stage.run(merge(GenerateConfig, recipe, given))
+    stage.run(cfg)
 
 
 @main.command()

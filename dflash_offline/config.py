@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_offline.options import check_at_least, check_number, check_positive, opt
+from dflash_offline.options import check_at_least, check_choices, check_number, check_positive, opt
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.sampling import SamplingOptions
 from dflash_offline.evaluate.config import EvalConfig  # noqa: F401  (one import place for every stage's config)
 from dflash_offline.train.config import TrainConfig, auto_loss_chunk, auto_lr  # noqa: F401
 
-HIDDEN_DTYPES = ("bfloat16", "float8_e4m3fn")
 HIDDEN_DTYPE_ALIASES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 
 
@@ -85,11 +84,8 @@ class ExtractConfig:
                 f"--batch-tokens {self.batch_tokens} is smaller than --max-len {self.max_len}: "
                 "one batch must hold the longest sample; raise --batch-tokens or lower --max-len"
             )
-        self.hidden_dtype = HIDDEN_DTYPE_ALIASES.get(self.hidden_dtype, self.hidden_dtype)
-        if self.hidden_dtype not in HIDDEN_DTYPES:
-            raise UserError(f"--hidden-dtype {self.hidden_dtype!r} is not supported; choose one of {HIDDEN_DTYPES}")
-        if self.compute_dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise UserError(f"--compute-dtype {self.compute_dtype!r}: choose auto, bfloat16, float16 or float32")
+        self.hidden_dtype = HIDDEN_DTYPE_ALIASES.get(self.hidden_dtype, self.hidden_dtype)  # bf16, fp8 in recipes too
+        check_choices(self)
         if self.layers is not None and len(set(self.layers)) != len(self.layers):
             raise UserError(f"--layers {self.layers} lists a layer twice")
 
@@ -165,10 +161,7 @@ class GenerateConfig(SamplingOptions):
     progress: bool = opt(True, "Progress bar on the terminal.")
 
     def validate(self) -> None:
-        if self.turns not in ("all", "last"):
-            raise UserError(f"--turns {self.turns!r}: choose all or last")
-        if self.reasoning not in ("keep", "strip"):
-            raise UserError(f"--reasoning {self.reasoning!r}: choose keep or strip")
+        check_choices(self)
         for name in ("target", "out"):
             if not getattr(self, name):
                 raise UserError(f"generate: --{name} is required (or set `{name}` in --config)")
@@ -183,8 +176,6 @@ class GenerateConfig(SamplingOptions):
                             "--temperature > 0 to sample, or leave --top-p out")
         if self.eos_token_ids is not None and any(i < 0 for i in self.eos_token_ids):
             raise UserError(f"--eos-token-ids {self.eos_token_ids}: token ids are >= 0")
-        if self.compute_dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise UserError(f"--compute-dtype {self.compute_dtype!r}: choose auto, bfloat16, float16 or float32")
 
 
 @dataclass
@@ -230,14 +221,7 @@ class PrepareConfig:
                 raise UserError(f"prepare: --{name} is required (or set `{name}` in --config)")
         if not self.data:
             raise UserError("prepare: give --data PATH (conversation files or folders)")
-        if self.format not in ("auto", "messages", "sharegpt", "pair", "turns", "text"):
-            raise UserError(f"--format {self.format!r}: choose auto, messages, sharegpt, pair, turns or text")
-        if self.thinking is not None and self.thinking not in ("on", "off"):
-            raise UserError(f"--thinking {self.thinking!r}: choose on or off")
-        if self.responses not in ("regenerate", "keep"):
-            raise UserError(f"--responses {self.responses!r}: choose regenerate or keep")
-        if self.train_turns not in ("all", "last"):
-            raise UserError(f"--train-turns {self.train_turns!r}: choose all or last")
+        check_choices(self)
         check_number(self, "eval_fraction", 0, 1, open_high=True, must="in [0, 1)")
         check_positive(self, "max_len", "chunk_records")
         if self.truncate and self.max_len is None:

@@ -108,6 +108,15 @@ def check_number(cfg, name: str, low: float, high: float = math.inf, *, open_low
         raise UserError(f"{where(cfg, name)} must be {must}, got {v!r}" + (f" ({why})" if why else ""))
 
 
+def check_choices(cfg) -> None:
+    """Every option field declared with `choices` holds one of them (None = unset). The command line
+    enforces them too; recipes and configs built in code reach only this check."""
+    for f in dataclasses.fields(cfg):
+        choices, v = f.metadata.get("choices"), getattr(cfg, f.name)
+        if choices and v is not None and v not in choices:
+            raise UserError(f"{where(cfg, f.name)} {v!r}: choose {', '.join(choices[:-1])} or {choices[-1]}")
+
+
 def parse_int_list(text: str | list | None, option: str = "--layers") -> list[int] | None:
     """`"1,9,17"` or `[1, 9, 17]` -> [1, 9, 17]; None or "" or "auto" -> None."""
     if text is None or (isinstance(text, str) and text.strip() in ("", "auto")):
@@ -213,11 +222,11 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> Reci
                 raise UserError(f"--config {path}: key {key!r}: {e}") from None
         out[name] = _recipe_value(path, key, value, str(fields[name].type))
     # Relative paths in a recipe are relative to the directory the command runs in, like CLI paths.
-    for name, value in out.items():  # one path where a list of paths is expected
-        if isinstance(value, str) and str(fields[name].type).startswith("list[str]"):
+    for name, value in out.items():
+        kind = str(fields[name].type)
+        if isinstance(value, str) and kind.startswith("list[str]"):  # one path where a list of paths is expected
             out[name] = [value]
-    for name, value in out.items():  # ids as a list or as "1,9,17", as the option takes them
-        if "list[int]" in str(fields[name].type):
+        elif "list[int]" in kind:  # ids as a list or as "1,9,17", as the option takes them
             out[name] = parse_int_list(value, option=f"--config {path}: key {name!r}")
     recipe = Recipe(out)
     recipe.path = path

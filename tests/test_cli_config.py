@@ -213,3 +213,29 @@ def test_a_bad_recipe_value_is_named_by_its_key_and_file(name, key, value, tmp_p
     typed = merge(cls, load_recipe(recipe, cls), {key: value})
     with pytest.raises(UserError, match=f"^--{key.replace('_', '-')} must be"):
         typed.validate()
+
+
+REQUIRED = {"train": {"cache": "c", "target": "t", "out": "o"}, "extract": {"target": "t", "data": ["d"], "cache": "c"},
+            "eval": {"target": "t", "drafters": ["d"], "prompts": "p"}, "generate": {"target": "t", "prompts": ["p"], "out": "o"},
+            "prepare": {"target": "t", "data": ["d"], "out": "o"}}
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED))
+def test_every_declared_choice_is_checked_for_recipes(name, tmp_path):
+    """A value outside a field's declared `choices` is refused by validate() (a recipe does not go
+    through click), naming the recipe key and file and listing the choices; each choice passes."""
+    from dflash_offline.options import cli_fields, load_recipe, merge
+    from dflash_offline.runtime.errors import UserError
+
+    cls = COMMANDS[name]
+    fields = [f for f in cli_fields(cls) if f.metadata["choices"]]
+    assert fields
+    for f in fields:
+        for ok in f.metadata["choices"]:
+            merge(cls, {}, {**REQUIRED[name], f.name: ok}).validate()
+        recipe = tmp_path / f"{f.name}.toml"
+        recipe.write_text(f'{f.name} = "bogus"\n')
+        with pytest.raises(UserError) as e:
+            merge(cls, load_recipe(recipe, cls), REQUIRED[name]).validate()
+        msg = str(e.value)
+        assert msg.startswith(f"--config {recipe}: key '{f.name}' 'bogus': choose ") and all(c in msg for c in f.metadata["choices"]), msg

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_offline.options import check_positive, opt
+from dflash_offline.options import check_choices, check_positive, opt
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.sampling import Sampling, SamplingOptions
 
@@ -96,10 +96,7 @@ class EvalConfig(SamplingOptions):
         if self.temperature > 0 and self.reference:
             raise UserError("eval: --reference holds greedy completions, checked token for token; sampled outputs "
                             "(--temperature > 0) cannot be: drop one of them")
-        if self.decoder not in ("auto", "static", "transformers"):
-            raise UserError(f"--decoder {self.decoder!r}: choose auto, static or transformers")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise UserError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
+        check_choices(self)
         # As train's rule (anchors beyond a short row's positions are masked padding, up to the
         # default count): a typo would allocate (anchors x block) tables after all the decoding.
         if self.cache and self.num_anchors > max(self.seq_len, EvalConfig.num_anchors):

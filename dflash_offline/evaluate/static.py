@@ -11,9 +11,10 @@ within a batch, which is what lets a CUDA graph replay a whole round (evaluate.g
 `DenseTarget` runs a transformers causal LM's own submodules (embedding, norms, projections,
 rotary embedding, MLP, head) in the layer order of its decoder, with grouped-query attention laid
 along the query axis (no copy of the keys per query head). It serves the families whose decoder
-layer is exactly "x + attn(norm(x)); x + mlp(norm(x))" with full causal attention (a family registered so in targets/families.py);
-`unsupported_reason` says why another target is not one of them (targets/families.py decides) (hybrid Gated DeltaNet, sliding
-windows, other layer layouts), and eval then decodes it through transformers' own forward.
+layer is exactly "x + attn(norm(x)); x + mlp(norm(x))" with full causal attention (the registry in
+targets/families.py says which); `unsupported_reason` says why another target is not one of them
+(hybrid Gated DeltaNet, sliding windows, other layer layouts), and eval then decodes it through
+transformers' own forward.
 
 `DrafterBuffers` does the same for the DFlash drafter: its context keys/values per committed
 position, and a drafted block written at the anchor's positions (bidirectional within the block,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_offline.options import check_at_least, check_number, check_positive, opt
+from dflash_offline.options import check_at_least, check_choices, check_number, check_positive, opt
 from dflash_offline.runtime.errors import UserError
 
 @dataclass
@@ -137,10 +137,7 @@ class TrainConfig:
         check_number(self, "weight_decay", 0, open_high=True, must=">= 0 and finite",
                      why="AdamW shrinks each weight by lr x weight decay per step; a negative one grows them")
         check_number(self, "kd_weight", 0, 1, must="in [0, 1]", why="the top-k distribution's share of the target")
-        if self.verify not in ("quick", "full"):
-            raise UserError(f"--verify {self.verify!r}: choose quick or full")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise UserError(f"--precision {self.precision!r}: choose auto, bf16 or fp32")
+        check_choices(self)
         if self.eval_every is not None and not self.eval_cache:
             raise UserError("--eval-every sets how often --eval-cache is measured; give --eval-cache CACHE (a held-out "
                             "cache of the target's own completions) or leave --eval-every out")
@@ -149,10 +146,6 @@ class TrainConfig:
         if self.follow and self.epochs != 1:
             raise UserError(f"--follow consumes every committed shard once, so --epochs must be 1 (got {self.epochs}); "
                             "for several epochs extract with --passes N")
-        if self.loss_impl not in ("fused", "recompute"):
-            raise UserError(f"--loss-impl {self.loss_impl!r}: choose fused or recompute")
-        if self.attention not in ("auto", "sdpa"):
-            raise UserError(f"--attention {self.attention!r}: choose auto (flex on GPU) or sdpa (dense mask)")
         if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
             raise UserError(f"--layers {self.layers}: give distinct layer ids the cache holds")
 
