@@ -38,6 +38,11 @@ class TrainConfig:
     kd_weight: float = opt(0.0, "Share of the target's top-k distribution (from the cache) in each slot's target, 0..1; 0 = the data tokens alone.", resume=True)
     """Share of the target's top-k distribution in each slot's training target (the cache's
     top-k log-probabilities, renormalised); 0 = the data token alone (hard labels)."""
+    loss_weights: str = opt("decay", "How a block's slots weigh in the loss: decay = exp(-(k-1)/gamma), the method's; dpace = D-PACE, each slot by the acceptance it can still unlock (from the drafter's own detached probabilities).", choices=("decay", "dpace"), resume=True)
+    """decay: slot k weighs exp(-(k-1)/gamma) (the method); dpace: D-PACE (arXiv 2605.18810), slot k
+    weighs sum_{m>=k} prod_{i<=m} ((1 - a) q_i + a), q_i the drafter's detached probability of slot
+    i's token: the gradient of the expected accepted length, per block and step."""
+    dpace_alpha: float = opt(0.5, "With --loss-weights dpace: the smoothing a in (1 - a) x q + a, in [0, 1] (1 = every scored slot to the end counts equally).", resume=True)
     seq_len: int = opt(4096, "Context tokens per packed row; more than --block-size (a row holds whole blocks).", resume=True)
     """Context tokens per row; samples are packed into rows of exactly this length."""
     global_batch_tokens: int = opt(131072, "Context tokens per optimizer step, all ranks.", resume=True)
@@ -137,6 +142,7 @@ class TrainConfig:
         check_number(self, "weight_decay", 0, open_high=True, must=">= 0 and finite",
                      why="AdamW shrinks each weight by lr x weight decay per step; a negative one grows them")
         check_number(self, "kd_weight", 0, 1, must="in [0, 1]", why="the top-k distribution's share of the target")
+        check_number(self, "dpace_alpha", 0, 1, must="in [0, 1]", why="the smoothing a in (1 - a) x q + a")
         check_choices(self)
         if self.eval_every is not None and not self.eval_cache:
             raise UserError("--eval-every sets how often --eval-cache is measured; give --eval-cache CACHE (a held-out "

@@ -17,6 +17,15 @@ target is t = (1 - alpha) x onehot(label) + alpha x p, p the softmax of the k lo
 (the top-k renormalised), and the loss is weight x (logsumexp(logits) - sum_i t_i x logits_i),
 cross-entropy with a soft target (KL(t || softmax(logits)) plus the target's entropy). alpha = 0,
 or no soft arrays, runs the hard-label code unchanged, so its results are bit for bit today's.
+
+Optional D-PACE weights (`dpace_alpha`, arXiv 2605.18810): instead of the data's fixed decay over
+the slots, each scored slot k of a block weighs w_k = sum over scored m >= k of C_m, with
+C_m = prod over scored i <= m of ((1 - a) q_i + a), q_i = exp(-CE_i) the drafter's (detached)
+probability of slot i's token. w_k is the gradient of the expected accepted length
+sum_m prod_{i<=m} q_i with respect to log q_k: a slot counts by how much acceptance it can still
+unlock, per block and per step, where the decay guesses that once for all blocks. The weights are
+rescaled so that a micro-batch's total equals its data weights' total (the step's normalisation
+and the logged loss keep their meaning).
 """
 
 from __future__ import annotations
@@ -61,6 +70,16 @@ def _soft_probs(logprobs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     return torch.where(scored, ids.long(), 0), torch.where(scored, p, 0.0)
 
 
+def dpace_weights(q: torch.Tensor, scored: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE slot weights [blocks, B] from the drafter's probabilities q of the slots' tokens and the
+    scored slots (bool), both [blocks, B]: unscored slots are no-ops in the products (factor 1) and
+    are left out of the sums, and get weight 0."""
+    smooth = torch.where(scored, (1 - alpha) * q.float() + alpha, torch.ones_like(q, dtype=torch.float32))
+    prefix = torch.cumprod(smooth, dim=-1) * scored
+    suffix = prefix.flip(-1).cumsum(-1).flip(-1)
+    return suffix * scored
+
+
 def _chunk_soft_loss(h: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                      ids: torch.Tensor, p: torch.Tensor, alpha: float):
     # The reference for the soft target: F.cross_entropy for the hard share, the top-k dot product
@@ -83,27 +102,33 @@ class _FusedHeadCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, head_weight, labels, weights, chunk_tokens: int, need_grad: bool,
-                soft_ids=None, soft_logprobs=None, alpha: float = 0.0):
+                soft_ids=None, soft_logprobs=None, alpha: float = 0.0, dpace: float | None = None,
+                block_size: int = 1):
         soft = soft_ids is not None and alpha > 0
         dt = _matmul_dtype(h, head_weight)
         w_mm = head_weight.to(dt)  # no copy when the head already has the matmul dtype (bf16 on GPU)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.empty(h.shape[0], dtype=torch.bool, device=h.device)
         grad_h = torch.empty_like(h) if need_grad else None
+        w_sum = torch.zeros((), dtype=torch.float32, device=h.device)  # D-PACE: the weights' total
         with torch.autocast(h.device.type, enabled=False):
-            for a in range(0, h.shape[0], chunk_tokens):
+            for a in range(0, h.shape[0], chunk_tokens):  # with D-PACE, chunks hold whole blocks
                 sl = slice(a, a + chunk_tokens)
                 y, w = labels[sl], weights[sl]
                 logits = (h[sl].to(dt) @ w_mm.T).float()
                 lse = torch.logsumexp(logits, dim=-1)
+                hard_t = logits.gather(1, y[:, None]).squeeze(1)
+                if dpace is not None:
+                    q = (hard_t - lse).exp()  # the drafter's probability of the slot's token
+                    w = dpace_weights(q.view(-1, block_size), (w != 0).view(-1, block_size), dpace).view(-1)
+                    w_sum += w.sum()
                 if soft:
                     # Both target terms are read before the logits are overwritten by the gradient.
                     ids, ps = _soft_probs(soft_logprobs[sl], soft_ids[sl], w)
-                    hard_t = logits.gather(1, y[:, None]).squeeze(1)
                     soft_t = (ps * logits.gather(1, ids)).sum(-1)
                     total += ((lse - (1 - alpha) * hard_t - alpha * soft_t) * w).sum()
                 else:
-                    total += ((lse - logits.gather(1, y[:, None]).squeeze(1)) * w).sum()
+                    total += ((lse - hard_t) * w).sum()
                 correct[sl] = logits.argmax(-1) == y
                 if need_grad:
                     # d(w x CE)/dlogits = w x (softmax - onehot), built in place of the logits.
@@ -117,6 +142,12 @@ class _FusedHeadCE(torch.autograd.Function):
                     p.mul_(w[:, None])
                     grad_h[sl] = p.to(dt) @ w_mm
                 del logits
+        if dpace is not None:
+            # The weights are constants (detached): rescaling the sum rescales its gradient alike.
+            f = weights.float().sum() / w_sum.clamp_min(torch.finfo(torch.float32).tiny)
+            total = total * f
+            if need_grad:
+                grad_h.mul_(f.to(grad_h.dtype))
         ctx.save_for_backward(grad_h)
         ctx.mark_non_differentiable(correct)
         return total, correct
@@ -124,7 +155,7 @@ class _FusedHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_total, g_correct):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * g_total.to(grad_h.dtype), None, None, None, None, None, None, None, None
+        return grad_h * g_total.to(grad_h.dtype), None, None, None, None, None, None, None, None, None, None
 
 
 def _check_soft(labels: torch.Tensor, soft_ids, soft_logprobs, soft_weight) -> float:
@@ -156,14 +187,18 @@ def _check_soft(labels: torch.Tensor, soft_ids, soft_logprobs, soft_weight) -> f
 
 def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                chunk_tokens: int = 4096, impl: str = "fused", soft_ids: torch.Tensor | None = None,
-               soft_logprobs: torch.Tensor | None = None,
-               soft_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+               soft_logprobs: torch.Tensor | None = None, soft_weight: float = 0.0,
+               dpace_alpha: float | None = None, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [R, Q, H], labels/weights [R, Q] -> (sum of weight x CE, correct [R, Q] bool, detached).
 
     With `soft_ids` (int [R, Q, k]) and `soft_logprobs` (float [R, Q, k]), the target's top-k for
     each block token, and `soft_weight` alpha in (0, 1], the CE is against the soft target
     (1 - alpha) x onehot(label) + alpha x softmax(soft_logprobs) (see the module docstring).
     `correct` stays argmax == label. alpha = 0, or no soft arrays, is the hard-label loss exactly.
+
+    With `dpace_alpha` (in [0, 1]) and `block_size` B (Q a multiple of B: blocks of B slots in a
+    row), `weights` say only which tokens are scored and their total: each scored token weighs its
+    D-PACE weight (see the module docstring), rescaled to that total.
     """
     if hidden.shape[:2] != labels.shape or labels.shape != weights.shape:
         raise ValueError(f"block_loss: hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)}, "
@@ -171,6 +206,13 @@ def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Te
     if impl not in LOSS_IMPLS:
         raise ValueError(f"block_loss: impl {impl!r}: choose one of {', '.join(LOSS_IMPLS)}")
     alpha = _check_soft(labels, soft_ids, soft_logprobs, soft_weight)
+    if dpace_alpha is not None:
+        if not 0.0 <= float(dpace_alpha) <= 1.0:
+            raise ValueError(f"block_loss: dpace_alpha {dpace_alpha!r} is not in [0, 1]")
+        if not block_size or labels.shape[1] % block_size:
+            raise ValueError(f"block_loss: D-PACE needs block_size dividing the {labels.shape[1]} block tokens of a "
+                             f"row, got {block_size!r}")
+        chunk_tokens = max(block_size, chunk_tokens // block_size * block_size)  # chunks of whole blocks
     h = hidden.reshape(-1, hidden.shape[-1])
     y, w = labels.reshape(-1), weights.reshape(-1)
     soft = soft_ids is not None and alpha > 0  # otherwise the hard path below, untouched
@@ -180,10 +222,15 @@ def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Te
     grad = torch.is_grad_enabled() and h.requires_grad
     if impl == "fused" and not head_weight.requires_grad:
         if soft:
-            total, correct = _FusedHeadCE.apply(h, head_weight, y, w, chunk_tokens, grad, sid, slp, alpha)
+            total, correct = _FusedHeadCE.apply(h, head_weight, y, w, chunk_tokens, grad, sid, slp, alpha,
+                                                dpace_alpha, block_size or 1)
         else:
-            total, correct = _FusedHeadCE.apply(h, head_weight, y, w, chunk_tokens, grad)
+            total, correct = _FusedHeadCE.apply(h, head_weight, y, w, chunk_tokens, grad, None, None, 0.0,
+                                                dpace_alpha, block_size or 1)
         return total, correct.view_as(labels)
+    if dpace_alpha is not None:
+        # The reference path: the weights from a no-grad pass over the logits, then the plain loss.
+        w = _dpace_reference_weights(h, head_weight, y, w, chunk_tokens, dpace_alpha, block_size)
     total = hidden.new_zeros((), dtype=torch.float32)
     correct = []
     for a in range(0, h.shape[0], chunk_tokens):
@@ -202,6 +249,18 @@ def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Te
         total = total + s
         correct.append(c.detach())
     return total, torch.cat(correct).view_as(labels)
+
+
+def _dpace_reference_weights(h, head_weight, y, w, chunk_tokens, alpha, block_size):
+    with torch.no_grad():
+        q = []
+        for a in range(0, h.shape[0], chunk_tokens):
+            sl = slice(a, a + chunk_tokens)
+            hw = head_weight if h.dtype == head_weight.dtype or torch.is_autocast_enabled(h.device.type) \
+                else head_weight.to(h.dtype)
+            q.append((-F.cross_entropy(F.linear(h[sl], hw).float(), y[sl], reduction="none")).exp())
+        d = dpace_weights(torch.cat(q).view(-1, block_size), (w != 0).view(-1, block_size), alpha).view(-1)
+        return d * (w.float().sum() / d.sum().clamp_min(torch.finfo(torch.float32).tiny))
 
 
 def block_metrics(correct: torch.Tensor, weights: torch.Tensor, anchor_valid: torch.Tensor,

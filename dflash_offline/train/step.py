@@ -114,7 +114,9 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
                 with phase("loss"):
                     ls, correct = block_loss(h, t.drafter.lm_head.weight, mb.labels, mb.weights,
                                              t.loss_chunk, cfg.loss_impl, soft_ids=mb.soft_ids,
-                                             soft_logprobs=mb.soft_logprobs, soft_weight=cfg.kd_weight)
+                                             soft_logprobs=mb.soft_logprobs, soft_weight=cfg.kd_weight,
+                                             dpace_alpha=cfg.dpace_alpha if cfg.loss_weights == "dpace" else None,
+                                             block_size=B)
                 _mark(phases, "loss")
             with phase("backward"):
                 (ls.double() * scale).float().backward()
