@@ -46,6 +46,15 @@ PRESETS = {
 }
 
 
+# The recipe (docs/benchmarks.md, "Drafter quality on the pycode fixture"): 8 drafter layers started
+# as copies of all 8 target layers, D-PACE slot weights, rows of 16,384 tokens (one micro-batch a step),
+# 8192 blocks a row, top-32 distillation at half weight.
+RECIPE = ("--global-batch-tokens 16384 --seq-len 16384 --num-anchors 8192 --kd-weight 0.5 --num-layers 8 "
+          "--init-layers 0,1,2,3,4,5,6,7 --loss-weights dpace --lr 2.5e-3")
+# The peer's budget is 372 steps of 16,384 tokens in rows of 4096 (see --peer-budget).
+PEER_ROWS = ["--seq-len", "4096", "--num-anchors", "2048"]
+
+
 def cli(*args, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     f = open(log, "w")
@@ -125,12 +134,17 @@ def main() -> int:
     ap.add_argument("--capture", default="1,2,3,4,5,6", help="layers extracted (train --layers picks among them)")
     ap.add_argument("--hidden-dtype", default="fp8", help="training cache: fp8 (half the bytes) or bfloat16")
     ap.add_argument("--topk", type=int, default=32, help="top-k log-probabilities in the training cache (for --kd-weight)")
-    ap.add_argument("--epochs", type=int, default=4)
-    ap.add_argument("--train-args", default="--global-batch-tokens 16384 --num-anchors 2048 --kd-weight 0.5 --init-layers 0,1,2,3,4", help="options given to every variant's train")
+    ap.add_argument("--gen-batch-tokens", type=int, default=1 << 20,
+                    help="generate --batch-tokens: 2048 rows of 128 + 384 tokens per decoding batch (the default "
+                         "512 rows leave the H200 launch-bound on this 17M target)")
+    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--train-args", default=RECIPE, help="options given to every variant's train")
     ap.add_argument("--variants", default="default")
     ap.add_argument("--concurrent", action="store_true",
                     help="train all variants at once (a quality comparison; their wall times are then shared)")
-    ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="steps between held-out walk estimates (the curve); 0 = at the end only (each costs seconds "
+                         "of the budget)")
     ap.add_argument("--peer-budget", action="store_true", help="also the peer's budget: 372 steps x 16K tokens on 4000 rows")
     ap.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts decoded (0: walk estimate only)")
     ap.add_argument("--max-new-tokens", type=int, default=384)
@@ -162,6 +176,7 @@ def main() -> int:
         args.device, args.fresh, args.max_new_tokens, args.eval_jobs = "cpu", min(args.fresh, 8), 24, 2
         args.eval_prompts, args.eval_every, peer_epochs = min(args.eval_prompts, 4), 2, 1
         train_args += ["--seq-len", "512", "--num-anchors", "64", "--global-batch-tokens", "1024", "--num-layers", "1",
+                       "--init-layers", "0",
                        "--loader-workers", "0"]
     summary: dict = {"args": vars(args), "phases_s": {}, "variants": {}}
 
@@ -178,6 +193,7 @@ def main() -> int:
         t0 = time.time()
         gen = cli("generate", "--target", target, "--prompts", sel, "--out", work / "fresh.parquet", "--devices",
                   args.device, "--max-new-tokens", 384 if not args.smoke else 32, "--compute-dtype", args.gen_dtype,
+                  "--batch-tokens", args.gen_batch_tokens,
                   "--no-progress", log=res / "generate.log")
         wait({"generate": gen}, {"generate": res / "generate.log"})
         summary["phases_s"]["generate"] = time.time() - t0
@@ -205,14 +221,16 @@ def main() -> int:
     save()
     print(f"data ready after {time.time() - t_start:.0f}s: {summary['train_cache']}", flush=True)
 
-    common = ["--target", target, "--devices", args.device, "--eval-cache", work / "cache-eval", "--eval-every",
-              args.eval_every, "--checkpoint-every", "100000", "--keep-checkpoints", "1", "--log-every", "20",
+    every = ["--eval-every", args.eval_every] if args.eval_every > 0 else []  # none: at the end only
+    common = ["--target", target, "--devices", args.device, "--eval-cache", work / "cache-eval", *every,
+              "--checkpoint-every", "100000", "--keep-checkpoints", "1", "--log-every", "20",
               "--no-progress", *train_args]
     jobs = {v: ["--cache", work / "cache-train", "--out", work / f"run-{v}", "--epochs", args.epochs, *common, *opts]
             for v, opts in variants.items()}
     if args.peer_budget:
         jobs["peer-budget"] = ["--cache", work / "cache-peer", "--out", work / "run-peer-budget", "--epochs", peer_epochs,
-                               *common, "--global-batch-tokens", "16384" if not args.smoke else "1024",
+                               *common, *(PEER_ROWS if not args.smoke else []),
+                               "--global-batch-tokens", "16384" if not args.smoke else "1024",
                                *variants[next(iter(variants))]]
     order = list(jobs)
     logs = {v: res / f"train-{v}.log" for v in order}
