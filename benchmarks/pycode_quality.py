@@ -129,7 +129,7 @@ def main() -> int:
     ap.add_argument("--work", default="/dev/shm/pycode")
     ap.add_argument("--results", default="results")
     ap.add_argument("--device", default="0")
-    ap.add_argument("--fresh", type=int, default=14000, help="training prompts to complete with the target (0: none)")
+    ap.add_argument("--fresh", type=int, default=12000, help="training prompts to complete with the target (0: none)")
     ap.add_argument("--gen-dtype", default="bfloat16", help="generate's compute dtype (bf16: twice the speed; the fixture's completions are fp32)")
     ap.add_argument("--capture", default="1,2,3,4,5,6", help="layers extracted (train --layers picks among them)")
     ap.add_argument("--hidden-dtype", default="fp8", help="training cache: fp8 (half the bytes) or bfloat16")
@@ -147,6 +147,8 @@ def main() -> int:
                          "of the budget)")
     ap.add_argument("--peer-budget", action="store_true", help="also the peer's budget: 372 steps x 16K tokens on 4000 rows")
     ap.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts decoded (0: walk estimate only)")
+    ap.add_argument("--sampled-temperature", type=float, default=1.0,
+                    help="also decode the held-out prompts sampling at this temperature (0 = greedy only)")
     ap.add_argument("--max-new-tokens", type=int, default=384)
     ap.add_argument("--eval-jobs", type=int, default=1, help="decoding processes per drafter (prompt slices)")
     ap.add_argument("--eval-batch-size", type=int, default=256,
@@ -264,24 +266,33 @@ def main() -> int:
     if args.eval_prompts > 0:
         slices = prompt_slices(eval_prompts, args.eval_prompts, args.eval_jobs, work)
         summary["decode_processes"] = len(slices)
+        # Greedy, checked token for token against the fixture's completions; then sampled (speculative
+        # sampling's rule: exact in distribution, so no token check), same prompts, seed 0.
+        kinds = [("decode", ["--reference", eval_rows])]
+        if args.sampled_temperature > 0:
+            kinds.append(("decode_sampled", ["--temperature", args.sampled_temperature, "--seed", "0", "--no-baseline"]))
         for v in order:  # one drafter at a time: its slices share the device
-            t0 = time.time()
-            names = [f"eval-{v}-{j}" for j in range(len(slices))]
-            logs = {n: res / f"{n}.log" for n in names}
-            for n in names:  # a report left by an earlier run must not pass for this run's
-                (work / f"{n}.json").unlink(missing_ok=True)
-            procs = {n: cli("eval", "--target", target, "--drafter", work / f"run-{v}" / "best", "--prompts", sl,
-                            "--reference", eval_rows, "--max-new-tokens", args.max_new_tokens, "--device", args.eval_device or args.device,
-                            "--dtype", "float32", "--batch-size", args.eval_batch_size, "--json", work / f"{n}.json",
-                            "--no-progress", log=logs[n])
-                     for n, sl in zip(names, slices)}
-            wait(procs, logs, reported=lambda n: (work / f"{n}.json").exists())
-            d = merge_decode([json.loads((work / f"{n}.json").read_text()) for n in names])
-            d["seconds"] = time.time() - t0
-            summary["variants"][v]["decode"] = d
-            save()
-            print(f"{v}: decoding tau {d['tau_pooled']:.3f} pooled, {d['tau_per_prompt_mean'] or float('nan'):.3f} "
-                  f"per-prompt mean, lossless {d['lossless']} ({d['seconds']:.0f}s)", flush=True)
+            for kind, extra in kinds:
+                t0 = time.time()
+                names = [f"eval-{v}-{kind}-{j}" for j in range(len(slices))]
+                logs = {n: res / f"{n}.log" for n in names}
+                for n in names:  # a report left by an earlier run must not pass for this run's
+                    (work / f"{n}.json").unlink(missing_ok=True)
+                procs = {n: cli("eval", "--target", target, "--drafter", work / f"run-{v}" / "best", "--prompts", sl,
+                                *extra, "--max-new-tokens", args.max_new_tokens, "--device",
+                                args.eval_device or args.device, "--dtype", "float32", "--batch-size",
+                                args.eval_batch_size, "--json", work / f"{n}.json", "--no-progress", log=logs[n])
+                         for n, sl in zip(names, slices)}
+                wait(procs, logs, reported=lambda n: (work / f"{n}.json").exists())
+                d = merge_decode([json.loads((work / f"{n}.json").read_text()) for n in names])
+                d["seconds"] = time.time() - t0
+                if kind == "decode_sampled":
+                    d["lossless"], d["temperature"] = None, args.sampled_temperature  # exact in distribution
+                summary["variants"][v][kind] = d
+                save()
+                print(f"{v} ({'greedy' if kind == 'decode' else f'temperature {args.sampled_temperature}'}): decoding "
+                      f"tau {d['tau_pooled']:.3f} pooled, {d['tau_per_prompt_mean'] or float('nan'):.3f} per-prompt "
+                      f"mean, lossless {d['lossless']} ({d['seconds']:.0f}s)", flush=True)
     summary["total_s"] = time.time() - t_start
     save()
     table = report(summary)
@@ -298,14 +309,14 @@ def report(summary: dict) -> str:
         lines.append(f"end to end (generate + extract + train of the first variant): {summary['end_to_end_s']:.0f}s "
                      f"= {summary['end_to_end_s'] / 60:.2f} device-minutes")
     lines.append(f"{'variant':<14} {'steps':>5} {'s/step':>7} {'walk pooled':>11} {'walk/prompt':>11} "
-                 f"{'rand.anch.':>10} {'decode pooled':>13} {'decode/prompt':>13} {'lossless':>8}")
+                 f"{'rand.anch.':>10} {'decode pooled':>13} {'decode/prompt':>13} {'lossless':>8} {'sampled':>8}")
     for v, r in summary["variants"].items():
-        b, d = r["best"], r.get("decode", {})
+        b, d, ds = r["best"], r.get("decode", {}), r.get("decode_sampled", {})
         dp = d.get("tau_per_prompt_mean")
         lines.append(f"{v:<14} {r['steps']:>5} {r['step_time_s']:>7.3f} {b['tau_pooled']:>11.3f} "
                      f"{b['tau_per_prompt_mean']:>11.3f} {b['tau_all_anchors']:>10.3f} "
                      f"{d.get('tau_pooled', float('nan')):>13.3f} {dp if dp is not None else float('nan'):>13.3f} "
-                     f"{str(d.get('lossless', '-')):>8}")
+                     f"{str(d.get('lossless', '-')):>8} {ds.get('tau_pooled', float('nan')):>8.3f}")
     return "\n".join(lines)
 
 

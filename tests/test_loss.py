@@ -91,6 +91,19 @@ def test_fused_equals_recompute_on_cuda_bf16_large_vocab():
     torch.testing.assert_close(lf, lr, rtol=1e-5, atol=1e-3)
     assert (cf == cr).float().mean() > 0.999
     torch.testing.assert_close(gf, gr, rtol=2e-2, atol=2e-3)
+    # The compiled passes (the trainer's GPU default), with D-PACE weights: the eager fused path's
+    # numbers up to float32 summation order.
+    out = {}
+    for compiled in (False, True):
+        h = hidden.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            total, correct = block_loss(h * 1.0, head, labels, weights, chunk_tokens=1024, dpace_alpha=0.5,
+                                        block_size=16, compiled=compiled)
+        (total * 0.37).backward()
+        out[compiled] = (total.detach(), correct, h.grad)
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-3)
+    assert (out[True][1] == out[False][1]).float().mean() > 0.999
+    torch.testing.assert_close(out[True][2], out[False][2], rtol=2e-2, atol=2e-3)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,3 +271,36 @@ def test_soft_target_validation():
         for kw, match in bad:
             with pytest.raises(ValueError, match=match):
                 block_loss(hidden, head, labels, weights, 9, impl, **kw)
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_compiled_passes_equal_the_eager_ones(soft):
+    """`compiled=True` (the trainer's GPU path: Inductor kernels over each chunk's logits) gives the
+    eager fused path's loss, hits and gradient, with D-PACE weights and a partial last chunk."""
+    from dflash_offline.train.loss import _compiled
+
+    hidden, head, labels, weights = _case(R=2, Q=48, H=32, V=301)
+    g = torch.Generator().manual_seed(5)
+    extra = {}
+    if soft:
+        ids = torch.rand(2, 48, 301, generator=g).argsort(-1)[..., :4].to(torch.int32)
+        logp = torch.log_softmax(torch.randn(2, 48, 4, generator=g), -1).to(torch.float16)
+        extra = dict(soft_ids=ids, soft_logprobs=logp, soft_weight=0.5)
+    out = {}
+    for compiled in (False, True):
+        h = hidden.clone().requires_grad_(True)
+        total, correct = block_loss(h * 1.0, head, labels, weights, chunk_tokens=40, dpace_alpha=0.5, block_size=8,
+                                    compiled=compiled, **extra)
+        (total * 0.37).backward()
+        out[compiled] = (total.detach(), correct, h.grad)
+    assert _compiled, "the compiled kernels were not used"
+    # 96 tokens in chunks of 40: the last chunk (16) ran eagerly, so one more call compiles nothing.
+    from dflash_offline.drafter.masks import count_recompiles
+
+    before = count_recompiles()
+    block_loss(hidden.clone().requires_grad_(True), head, labels, weights, chunk_tokens=40, dpace_alpha=0.5,
+               block_size=8, compiled=True, **extra)[0].backward()
+    assert count_recompiles() == before
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[True][1], out[False][1])
+    torch.testing.assert_close(out[True][2], out[False][2], rtol=1e-4, atol=1e-6)

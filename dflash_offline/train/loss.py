@@ -93,6 +93,41 @@ def _chunk_soft_loss(h: torch.Tensor, head_weight: torch.Tensor, labels: torch.T
     return (((1 - alpha) * ce + alpha * soft) * weights).sum(), correct
 
 
+def _head_stats(logits: torch.Tensor, y: torch.Tensor):
+    """[n, V] logits -> (logsumexp, the label's logit, argmax == label), read in float32."""
+    lf = logits.float()
+    return torch.logsumexp(lf, dim=-1), lf.gather(1, y[:, None]).squeeze(1), lf.argmax(-1) == y
+
+
+def _head_grad(logits: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype):
+    """w x (softmax - onehot(y)) in `dtype`: the gradient with respect to the logits, as the eager
+    path builds it in place (same operations, same order)."""
+    p = (logits.float() - lse[:, None]).exp()
+    label = torch.arange(p.shape[1], device=p.device)[None, :] == y[:, None]
+    return (torch.where(label, p - 1, p) * w[:, None]).to(dtype)
+
+
+def _head_grad_soft(logits, lse, y, w, ids, ps, alpha: float, dtype: torch.dtype):
+    """w x (softmax - t), t = (1 - alpha) onehot(y) + alpha p scattered on ids, in `dtype`."""
+    p = (logits.float() - lse[:, None]).exp()
+    label = torch.arange(p.shape[1], device=p.device)[None, :] == y[:, None]
+    p = torch.where(label, p - (1 - alpha), p).scatter_add(1, ids, ps * -alpha)
+    return (p * w[:, None]).to(dtype)
+
+
+# Compiled once (static shapes: a chunk's tokens and the vocabulary), used when the trainer compiles
+# (GPU): Inductor makes each one or two passes over the [chunk, vocab] logits, reading them in the
+# matmul's dtype, where the eager path makes about nine over a float32 copy (26 of a step's 108 ms
+# of device time for the pycode drafter, the head's matmuls 3 of them).
+_compiled: dict = {}
+
+
+def _fast(fn):
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=False)
+    return _compiled[fn]
+
+
 class _FusedHeadCE(torch.autograd.Function):
     """sum(weights x CE(h @ W.T, t)) for a frozen W; the input gradient is made in the forward.
 
@@ -103,7 +138,7 @@ class _FusedHeadCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, head_weight, labels, weights, chunk_tokens: int, need_grad: bool,
                 soft_ids=None, soft_logprobs=None, alpha: float = 0.0, dpace: float | None = None,
-                block_size: int = 1):
+                block_size: int = 1, compiled: bool = False):
         soft = soft_ids is not None and alpha > 0
         dt = _matmul_dtype(h, head_weight)
         w_mm = head_weight.to(dt)  # no copy when the head already has the matmul dtype (bf16 on GPU)
@@ -115,9 +150,16 @@ class _FusedHeadCE(torch.autograd.Function):
             for a in range(0, h.shape[0], chunk_tokens):  # with D-PACE, chunks hold whole blocks
                 sl = slice(a, a + chunk_tokens)
                 y, w = labels[sl], weights[sl]
-                logits = (h[sl].to(dt) @ w_mm.T).float()
-                lse = torch.logsumexp(logits, dim=-1)
-                hard_t = logits.gather(1, y[:, None]).squeeze(1)
+                logits = h[sl].to(dt) @ w_mm.T
+                # A short last chunk runs eagerly: a second shape would be a recompile every run.
+                fast = compiled and logits.shape[0] == min(chunk_tokens, h.shape[0])
+                if fast:
+                    lse, hard_t, correct[sl] = _fast(_head_stats)(logits, y)
+                else:
+                    logits = logits.float()
+                    lse = torch.logsumexp(logits, dim=-1)
+                    hard_t = logits.gather(1, y[:, None]).squeeze(1)
+                    correct[sl] = logits.argmax(-1) == y
                 if dpace is not None:
                     q = (hard_t - lse).exp()  # the drafter's probability of the slot's token
                     w = dpace_weights(q.view(-1, block_size), (w != 0).view(-1, block_size), dpace).view(-1)
@@ -125,12 +167,15 @@ class _FusedHeadCE(torch.autograd.Function):
                 if soft:
                     # Both target terms are read before the logits are overwritten by the gradient.
                     ids, ps = _soft_probs(soft_logprobs[sl], soft_ids[sl], w)
-                    soft_t = (ps * logits.gather(1, ids)).sum(-1)
+                    soft_t = (ps * logits.gather(1, ids).float()).sum(-1)
                     total += ((lse - (1 - alpha) * hard_t - alpha * soft_t) * w).sum()
                 else:
                     total += ((lse - hard_t) * w).sum()
-                correct[sl] = logits.argmax(-1) == y
-                if need_grad:
+                if need_grad and fast:
+                    p = (_fast(_head_grad_soft)(logits, lse, y, w, ids, ps, alpha, dt) if soft
+                         else _fast(_head_grad)(logits, lse, y, w, dt))
+                    grad_h[sl] = p @ w_mm
+                elif need_grad:
                     # d(w x CE)/dlogits = w x (softmax - onehot), built in place of the logits.
                     p = logits.sub_(lse[:, None]).exp_()
                     if soft:
@@ -155,7 +200,7 @@ class _FusedHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_total, g_correct):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * g_total.to(grad_h.dtype), None, None, None, None, None, None, None, None, None, None
+        return grad_h * g_total.to(grad_h.dtype), None, None, None, None, None, None, None, None, None, None, None
 
 
 def _check_soft(labels: torch.Tensor, soft_ids, soft_logprobs, soft_weight) -> float:
@@ -188,7 +233,8 @@ def _check_soft(labels: torch.Tensor, soft_ids, soft_logprobs, soft_weight) -> f
 def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                chunk_tokens: int = 4096, impl: str = "fused", soft_ids: torch.Tensor | None = None,
                soft_logprobs: torch.Tensor | None = None, soft_weight: float = 0.0,
-               dpace_alpha: float | None = None, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               dpace_alpha: float | None = None, block_size: int | None = None,
+               compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [R, Q, H], labels/weights [R, Q] -> (sum of weight x CE, correct [R, Q] bool, detached).
 
     With `soft_ids` (int [R, Q, k]) and `soft_logprobs` (float [R, Q, k]), the target's top-k for
@@ -199,6 +245,10 @@ def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Te
     With `dpace_alpha` (in [0, 1]) and `block_size` B (Q a multiple of B: blocks of B slots in a
     row), `weights` say only which tokens are scored and their total: each scored token weighs its
     D-PACE weight (see the module docstring), rescaled to that total.
+
+    `compiled` (the fused path; the trainer sets it on GPU): the element-wise passes over each
+    chunk's logits run as compiled kernels (static shapes: compiled once for the chunk length; a
+    shorter last chunk runs the eager passes).
     """
     if hidden.shape[:2] != labels.shape or labels.shape != weights.shape:
         raise ValueError(f"block_loss: hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)}, "
@@ -223,10 +273,10 @@ def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Te
     if impl == "fused" and not head_weight.requires_grad:
         if soft:
             total, correct = _FusedHeadCE.apply(h, head_weight, y, w, chunk_tokens, grad, sid, slp, alpha,
-                                                dpace_alpha, block_size or 1)
+                                                dpace_alpha, block_size or 1, compiled)
         else:
             total, correct = _FusedHeadCE.apply(h, head_weight, y, w, chunk_tokens, grad, None, None, 0.0,
-                                                dpace_alpha, block_size or 1)
+                                                dpace_alpha, block_size or 1, compiled)
         return total, correct.view_as(labels)
     if dpace_alpha is not None:
         # The reference path: the weights from a no-grad pass over the logits, then the plain loss.

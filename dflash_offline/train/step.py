@@ -116,7 +116,7 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
                                              t.loss_chunk, cfg.loss_impl, soft_ids=mb.soft_ids,
                                              soft_logprobs=mb.soft_logprobs, soft_weight=cfg.kd_weight,
                                              dpace_alpha=cfg.dpace_alpha if cfg.loss_weights == "dpace" else None,
-                                             block_size=B)
+                                             block_size=B, compiled=t.compile_loss and cfg.loss_impl == "fused")
                 _mark(phases, "loss")
             with phase("backward"):
                 (ls.double() * scale).float().backward()

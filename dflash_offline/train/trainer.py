@@ -37,6 +37,7 @@ class Trainer:
     opt: object  # AdamW
     sched: object  # LambdaLR (epochs; with --follow the loop sets each step's lr itself)
     loss_chunk: int
+    compile_loss: bool  # the loss's element-wise passes as compiled kernels (train.loss)
     ctrl: object  # the group that agrees on stopping: gloo, so the check never syncs with the GPU
 
     @property
@@ -120,4 +121,5 @@ def build_trainer(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tr
     warmup = max(1, math.ceil(cfg.warmup_ratio * plan.total_steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(plan.total_steps, warmup))
     return Trainer(cfg=cfg, plan=plan, rank=rank, world=world, device=device, cuda=cuda, bf16=bf16, out=out,
-                   drafter=drafter, model=model, params=params, opt=opt, sched=sched, loss_chunk=loss_chunk, ctrl=ctrl)
+                   drafter=drafter, model=model, params=params, opt=opt, sched=sched, loss_chunk=loss_chunk,
+                   compile_loss=cfg.compile_loss if cfg.compile_loss is not None else cuda, ctrl=ctrl)
