@@ -99,19 +99,15 @@ def _head_stats(logits: torch.Tensor, y: torch.Tensor):
     return torch.logsumexp(lf, dim=-1), lf.gather(1, y[:, None]).squeeze(1), lf.argmax(-1) == y
 
 
-def _head_grad(logits: torch.Tensor, lse: torch.Tensor, y: torch.Tensor, w: torch.Tensor, dtype: torch.dtype):
-    """w x (softmax - onehot(y)) in `dtype`: the gradient with respect to the logits, as the eager
-    path builds it in place (same operations, same order)."""
+def _head_grad(logits, lse, y, w, dtype: torch.dtype, ids=None, ps=None, alpha: float = 0.0):
+    """w x (softmax - t) in `dtype`, the gradient with respect to the logits, with t = onehot(y), or
+    with `ids`/`ps` the soft target (1 - alpha) onehot(y) + alpha ps scattered on ids: the values
+    the eager path builds in place (same operations, same order)."""
     p = (logits.float() - lse[:, None]).exp()
     label = torch.arange(p.shape[1], device=p.device)[None, :] == y[:, None]
-    return (torch.where(label, p - 1, p) * w[:, None]).to(dtype)
-
-
-def _head_grad_soft(logits, lse, y, w, ids, ps, alpha: float, dtype: torch.dtype):
-    """w x (softmax - t), t = (1 - alpha) onehot(y) + alpha p scattered on ids, in `dtype`."""
-    p = (logits.float() - lse[:, None]).exp()
-    label = torch.arange(p.shape[1], device=p.device)[None, :] == y[:, None]
-    p = torch.where(label, p - (1 - alpha), p).scatter_add(1, ids, ps * -alpha)
+    p = torch.where(label, p - (1 - alpha), p)
+    if ids is not None:
+        p = p.scatter_add(1, ids, ps * -alpha)
     return (p * w[:, None]).to(dtype)
 
 
@@ -153,13 +149,9 @@ class _FusedHeadCE(torch.autograd.Function):
                 logits = h[sl].to(dt) @ w_mm.T
                 # A short last chunk runs eagerly: a second shape would be a recompile every run.
                 fast = compiled and logits.shape[0] == min(chunk_tokens, h.shape[0])
-                if fast:
-                    lse, hard_t, correct[sl] = _fast(_head_stats)(logits, y)
-                else:
-                    logits = logits.float()
-                    lse = torch.logsumexp(logits, dim=-1)
-                    hard_t = logits.gather(1, y[:, None]).squeeze(1)
-                    correct[sl] = logits.argmax(-1) == y
+                if not fast:
+                    logits = logits.float()  # the eager passes below work on (and in place of) this copy
+                lse, hard_t, correct[sl] = (_fast(_head_stats) if fast else _head_stats)(logits, y)
                 if dpace is not None:
                     q = (hard_t - lse).exp()  # the drafter's probability of the slot's token
                     w = dpace_weights(q.view(-1, block_size), (w != 0).view(-1, block_size), dpace).view(-1)
@@ -172,7 +164,7 @@ class _FusedHeadCE(torch.autograd.Function):
                 else:
                     total += ((lse - hard_t) * w).sum()
                 if need_grad and fast:
-                    p = (_fast(_head_grad_soft)(logits, lse, y, w, ids, ps, alpha, dt) if soft
+                    p = (_fast(_head_grad)(logits, lse, y, w, dt, ids, ps, alpha) if soft
                          else _fast(_head_grad)(logits, lse, y, w, dt))
                     grad_h[sl] = p @ w_mm
                 elif need_grad:
@@ -266,17 +258,14 @@ def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Te
     h = hidden.reshape(-1, hidden.shape[-1])
     y, w = labels.reshape(-1), weights.reshape(-1)
     soft = soft_ids is not None and alpha > 0  # otherwise the hard path below, untouched
+    sid = slp = None
     if soft:
         k = soft_ids.shape[-1]
         sid, slp = soft_ids.reshape(-1, k), soft_logprobs.reshape(-1, k)
     grad = torch.is_grad_enabled() and h.requires_grad
     if impl == "fused" and not head_weight.requires_grad:
-        if soft:
-            total, correct = _FusedHeadCE.apply(h, head_weight, y, w, chunk_tokens, grad, sid, slp, alpha,
-                                                dpace_alpha, block_size or 1, compiled)
-        else:
-            total, correct = _FusedHeadCE.apply(h, head_weight, y, w, chunk_tokens, grad, None, None, 0.0,
-                                                dpace_alpha, block_size or 1, compiled)
+        total, correct = _FusedHeadCE.apply(h, head_weight, y, w, chunk_tokens, grad, sid, slp, alpha if soft else 0.0,
+                                            dpace_alpha, block_size or 1, compiled)
         return total, correct.view_as(labels)
     if dpace_alpha is not None:
         # The reference path: the weights from a no-grad pass over the logits, then the plain loss.
