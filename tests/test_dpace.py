@@ -99,9 +99,9 @@ def test_fused_and_recompute_equal_the_brute_force(alpha_kd, alpha, chunk):
         torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
 
 
-def test_total_is_the_data_weights_total_at_zero_loss_scale():
-    """The rescaling keeps a micro-batch's total weight: with every probability near 1 (CE near 0)
-    the loss is near 0 whatever the weighting, and with a constant CE c the loss is c x sum(w)."""
+def test_rescaled_weights_keep_the_data_weights_total():
+    """The rescaling keeps a micro-batch's total weight: with the same CE c on every token (uniform
+    logits) the loss is c x the data weights' total, whatever D-PACE makes of the slots."""
     hidden, head, labels, weights, ids, logp = _case(seed=1, dtype=torch.float32)
     hidden = torch.zeros_like(hidden)  # uniform logits: CE = log V for every token
     total, _ = block_loss(hidden, head.float(), labels, weights, chunk_tokens=64, dpace_alpha=0.5, block_size=4)

@@ -77,10 +77,11 @@ class TrainConfig:
     compile_layers: bool | None = opt(None, "Compile the drafter layer for training (fuses its elementwise work).", default_text="on GPU")
     """Compile the drafter's decoder layer for training (Inductor fuses its elementwise work with
     the flex kernels); None = on GPU, off on CPU."""
-    compile_loss: bool | None = opt(None, "Compile the loss's element-wise passes over each chunk's logits (fused kernels reading the matmul's dtype).", default_text="on GPU")
+    compile_loss: bool = opt(False, "Compile the loss's element-wise passes over each chunk's logits (fused kernels reading the matmul's dtype); off until measured on a GPU.")
     """Compile the fused loss's passes over each chunk's [tokens, vocabulary] logits (log-sum-exp,
-    the label's logit, argmax, the gradient) into a few Inductor kernels; None = on GPU, off on CPU.
-    Same numbers as the eager passes up to float32 summation order (tests/test_loss.py)."""
+    the label's logit, argmax, the gradient) into a few Inductor kernels. Same numbers as the eager
+    passes up to float32 summation order (tests/test_loss.py, CPU); off by default until its GPU
+    test and step time have been run on a GPU."""
     attention: str = opt("auto", "auto = compiled flex on GPU, SDPA + dense mask on CPU; sdpa = the dense baseline on GPU too.", choices=('auto', 'sdpa'))
     """auto = compiled flex_attention with a BlockMask on GPU, SDPA with a dense mask on CPU (no flex
     backward there); sdpa forces the dense path on GPU too (a baseline: O(Q x KV) mask memory)."""

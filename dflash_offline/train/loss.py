@@ -45,10 +45,16 @@ def _matmul_dtype(h: torch.Tensor, head_weight: torch.Tensor) -> torch.dtype:
     return h.dtype
 
 
-def _chunk_loss(h: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
+def _head_logits(h: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+    """float32 logits through the frozen head (autograd-visible: the checkpointed paths' forward).
+    Without autocast (the CPU fp32 path) the head, kept in the checkpoint's dtype, is cast to h's."""
     if h.dtype != head_weight.dtype and not torch.is_autocast_enabled(h.device.type):
         head_weight = head_weight.to(h.dtype)
-    logits = F.linear(h, head_weight).float()
+    return F.linear(h, head_weight).float()
+
+
+def _chunk_loss(h: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
+    logits = _head_logits(h, head_weight)
     ce = F.cross_entropy(logits, labels, reduction="none")
     correct = logits.argmax(-1) == labels
     return (ce * weights).sum(), correct
@@ -84,9 +90,7 @@ def _chunk_soft_loss(h: torch.Tensor, head_weight: torch.Tensor, labels: torch.T
                      ids: torch.Tensor, p: torch.Tensor, alpha: float):
     # The reference for the soft target: F.cross_entropy for the hard share, the top-k dot product
     # for the soft share; autograd makes (1 - alpha)(softmax - onehot) + alpha(softmax - p).
-    if h.dtype != head_weight.dtype and not torch.is_autocast_enabled(h.device.type):
-        head_weight = head_weight.to(h.dtype)
-    logits = F.linear(h, head_weight).float()
+    logits = _head_logits(h, head_weight)
     ce = F.cross_entropy(logits, labels, reduction="none")
     soft = torch.logsumexp(logits, dim=-1) - (p * logits.gather(1, ids)).sum(-1)
     correct = logits.argmax(-1) == labels
@@ -111,8 +115,8 @@ def _head_grad(logits, lse, y, w, dtype: torch.dtype, ids=None, ps=None, alpha: 
     return (p * w[:, None]).to(dtype)
 
 
-# Compiled once (static shapes: a chunk's tokens and the vocabulary), used when the trainer compiles
-# (GPU): Inductor makes each one or two passes over the [chunk, vocab] logits, reading them in the
+# Compiled once (static shapes: a chunk's tokens and the vocabulary), used with train --compile-loss
+# (for GPUs): Inductor makes each one or two passes over the [chunk, vocab] logits, reading them in the
 # matmul's dtype, where the eager path makes about nine over a float32 copy (26 of a step's 108 ms
 # of device time for the pycode drafter, the head's matmuls 3 of them).
 _compiled: dict = {}
@@ -238,7 +242,7 @@ def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Te
     row), `weights` say only which tokens are scored and their total: each scored token weighs its
     D-PACE weight (see the module docstring), rescaled to that total.
 
-    `compiled` (the fused path; the trainer sets it on GPU): the element-wise passes over each
+    `compiled` (the fused path; train --compile-loss): the element-wise passes over each
     chunk's logits run as compiled kernels (static shapes: compiled once for the chunk length; a
     shorter last chunk runs the eager passes).
     """
@@ -295,9 +299,7 @@ def _dpace_reference_weights(h, head_weight, y, w, chunk_tokens, alpha, block_si
         q = []
         for a in range(0, h.shape[0], chunk_tokens):
             sl = slice(a, a + chunk_tokens)
-            hw = head_weight if h.dtype == head_weight.dtype or torch.is_autocast_enabled(h.device.type) \
-                else head_weight.to(h.dtype)
-            q.append((-F.cross_entropy(F.linear(h[sl], hw).float(), y[sl], reduction="none")).exp())
+            q.append((-F.cross_entropy(_head_logits(h[sl], head_weight), y[sl], reduction="none")).exp())
         d = dpace_weights(torch.cat(q).view(-1, block_size), (w != 0).view(-1, block_size), alpha).view(-1)
         return d * (w.float().sum() / d.sum().clamp_min(torch.finfo(torch.float32).tiny))
 

@@ -122,4 +122,4 @@ def build_trainer(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tr
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(plan.total_steps, warmup))
     return Trainer(cfg=cfg, plan=plan, rank=rank, world=world, device=device, cuda=cuda, bf16=bf16, out=out,
                    drafter=drafter, model=model, params=params, opt=opt, sched=sched, loss_chunk=loss_chunk,
-                   compile_loss=cfg.compile_loss if cfg.compile_loss is not None else cuda, ctrl=ctrl)
+                   compile_loss=cfg.compile_loss, ctrl=ctrl)
