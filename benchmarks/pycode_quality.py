@@ -7,10 +7,11 @@ Runs the project's commands as a user would, each in its own process, and times 
      completions (a superset of layers: `train --layers` picks from it), and a held-out cache of
      the fixture's 200 eval completions (the walk estimate during and after training);
   3. `train`: each variant (the recipe's defaults unless a variant says otherwise), with the
-     held-out walk estimate every --eval-every steps (the curve of tau against time);
+     held-out walk estimate at the end, or every --eval-every steps (the curve of tau against time);
   4. `eval --prompts`: lossless speculative decoding of the 200 held-out prompts, checked token for
      token against the fixture's greedy completions (`--reference`), batched (--eval-batch-size
-     prompts per target forward, fp32) in --eval-jobs processes.
+     prompts per target forward, fp32) in --eval-jobs processes; then sampled at
+     --sampled-temperature (speculative sampling, exact in distribution: no token check).
 Optionally (--peer-budget) a drafter trained on the peer trainer's budget: 372 steps of 16,384
 tokens on the fixture's 4000 completions alone, decoded the same way.
 
