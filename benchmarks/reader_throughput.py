@@ -169,7 +169,7 @@ def rows_throughput(cache: str, seq_len: int, num_anchors: int, workers: int, st
     import numpy as np
 
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.train.stream import RowStream, make_loader
+    from dflash_offline.train.stream import RowStream, Span, make_loader
 
     reader = CacheReader(cache)
     refs, lengths = [], []
@@ -180,10 +180,10 @@ def rows_throughput(cache: str, seq_len: int, num_anchors: int, workers: int, st
     n, H = len(reader.manifest["capture"]["layer_ids"]), int(reader.shard(reader.shard_names[0]).group["hidden"].shape[2])
     spec = {"seed": 0, "seq_len": seq_len, "num_anchors": num_anchors, "block_size": 16, "mask_token_id": 1,
             "gamma": 7.0, "hidden_size": H, "num_layers": n}
-    stream = RowStream(cache, refs, np.asarray(lengths), spec, 0, 0, 1, 1, 0, steps)
+    stream = RowStream(cache, refs, np.asarray(lengths), spec, Span(0, 0, steps), 0, 1, 1)
     rows = len(stream.rows())
     steps = min(steps, rows)
-    stream = RowStream(cache, refs, np.asarray(lengths), spec, 0, 0, 1, 1, 0, steps)
+    stream = RowStream(cache, refs, np.asarray(lengths), spec, Span(0, 0, steps), 0, 1, 1)
     it = iter(make_loader(stream, workers, 4, pin=False))
     next(it)
     t0 = time.perf_counter()

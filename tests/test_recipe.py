@@ -129,7 +129,7 @@ def test_a_layer_subset_trains_exactly_as_a_cache_of_only_those_layers(layer_cac
 def test_distillation_targets_are_the_top_k_of_the_position_before_each_slot(layer_caches):
     from dflash_offline.cache.reader import CacheReader
     from dflash_offline.train.packing import pack_rows, epoch_order
-    from dflash_offline.train.stream import RowStream
+    from dflash_offline.train.stream import RowStream, Span
 
     superset, _ = layer_caches
     reader = CacheReader(str(superset))
@@ -145,7 +145,7 @@ def test_distillation_targets_are_the_top_k_of_the_position_before_each_slot(lay
     B, S = 8, 256
     spec = {"seed": 0, "seq_len": S, "num_anchors": 16, "block_size": B, "mask_token_id": 1, "gamma": 4.0,
             "hidden_size": 64, "num_layers": 5, "hidden_dtype": "bfloat16", "topk": 4, "anchors_per_sample": 512}
-    stream = RowStream(str(superset), refs, lengths, spec, 0, 0, 1, 1, 0, 2)
+    stream = RowStream(str(superset), refs, lengths, spec, Span(0, 0, 2), 0, 1, 1)
     rows = pack_rows(lengths, epoch_order(len(refs), 0, 0), S)
     for g, mb in enumerate(stream):
         # Where each row position comes from: (sample, token in sample).

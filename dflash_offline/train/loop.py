@@ -83,13 +83,16 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tra
             release_consumed(cfg, plan, start.window)  # a kill between checkpoint and release: finish it now
         segments = follow_segments(cfg, plan, rank, world, device, start, lambda seg: checkpoint(t, st, seg, seg.steps),
                                    lambda: st.step, lambda: st.last_ckpt, lambda: _agree_stop(t, st))
+        rows = None  # a loader per window: a window's shards are known only once committed
     else:
-        segments = epoch_segments(plan, st.step, stop)
+        segments = list(epoch_segments(plan, st.step, stop))
+        # One loader for all the epochs: its processes and read-ahead carry over the boundaries.
+        rows = _open_rows(t, plan.epochs.refs, plan.epochs.lengths, [_span(seg, st.step, stop) for seg in segments])
     try:
         last_seg = None
         for seg in segments:
             last_seg = seg
-            if not _train_segment(t, st, seg, stop, steplog, prof, held_out, recompiles0):
+            if not _train_segment(t, st, seg, stop, steplog, prof, held_out, recompiles0, rows):
                 break
         if st.stopping:
             if t.follow and last_seg is not None and st.last_ckpt != st.step:  # stopped while waiting for shards
@@ -105,6 +108,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tra
             log.info("rank %d done: data wait %.1f%% of %.1fs; recompiles %d", rank,
                      100 * st.wait_total / max(elapsed, 1e-9), elapsed, masks.count_recompiles() - recompiles0)
     finally:  # an error leaves the process group to the process's end: another rank may never reach a barrier
+        del rows  # the loader processes stop here
         steplog.close()
     if world > 1:
         dist.barrier()  # no rank tears the group down while another still talks to it
@@ -113,20 +117,19 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tra
         raise Stopped(st.stopping, stopped_message(st.stopping, out))
 
 
-def _train_segment(t: Trainer, st: LoopState, seg: Segment, stop: int | None, steplog: StepLog, prof,
-                   held_out: HeldOut | None, recompiles0: int) -> bool:
-    """The steps of one epoch or window, up to `stop`; False when the run ends here (the last step
-    or an agreed stop)."""
-    from dflash_offline.drafter import masks
-    from dflash_offline.train.profiling import phase
+def _span(seg: Segment, step: int, stop: int | None):
+    """The steps of `seg` from global step `step` up to `stop`, as a stream span."""
+    from dflash_offline.train.stream import Span
+
+    start = max(step - seg.base, 0)
+    return Span(seg.key, start, seg.steps if stop is None else max(start, min(seg.steps, stop - seg.base)))
+
+
+def _open_rows(t: Trainer, refs: list, lengths, spans: list):
+    """An iterator over this rank's micro-batches of `spans`, read ahead by the loader processes."""
     from dflash_offline.train.stream import RowSpec, RowStream, make_loader
 
-    cfg, rank = t.cfg, t.rank
-    in_seg0 = st.step - seg.base
-    end = seg.steps if stop is None else min(seg.steps, in_seg0 + (stop - st.step))
-    if end <= in_seg0:
-        return False
-    st.epoch = seg.key
+    cfg = t.cfg
     # The block size and mask token are the drafter's (plan.drafter, its config: their one owner
     # after the command line); the layers and widths the cache's.
     spec = RowSpec(seed=cfg.seed, seq_len=cfg.seq_len, num_anchors=cfg.num_anchors,
@@ -136,11 +139,28 @@ def _train_segment(t: Trainer, st: LoopState, seg: Segment, stop: int | None, st
                    cache_layers=t.plan.cache_layers,
                    layer_columns=None if t.plan.layer_columns is None else tuple(t.plan.layer_columns),
                    topk=t.plan.topk, anchors_per_sample=cfg.anchors_per_sample or None)
-    stream = RowStream(cfg.cache, seg.refs, seg.lengths, spec, seg.key, rank, t.world, t.plan.accum, in_seg0, end,
-                       pad_rows=t.follow)
+    stream = RowStream(cfg.cache, refs, lengths, spec, spans, t.rank, t.world, t.plan.accum, pad_rows=t.follow)
+    if len(stream) == 0:  # nothing left to train (a resumed finished run): no processes to start
+        return iter(())
     with spawning():  # loader processes start with the stop signals blocked, then ignore them
-        it = iter(make_loader(stream, cfg.loader_workers, cfg.prefetch, pin=t.cuda))
-    for s in range(in_seg0, end):
+        return iter(make_loader(stream, cfg.loader_workers, cfg.prefetch, pin=t.cuda))
+
+
+def _train_segment(t: Trainer, st: LoopState, seg: Segment, stop: int | None, steplog: StepLog, prof,
+                   held_out: HeldOut | None, recompiles0: int, rows=None) -> bool:
+    """The steps of one epoch or window, up to `stop`; False when the run ends here (the last step
+    or an agreed stop). `rows`: the run's loader when it spans the segments (epochs), else None
+    (a loader for this segment alone)."""
+    from dflash_offline.drafter import masks
+    from dflash_offline.train.profiling import phase
+
+    cfg, rank = t.cfg, t.rank
+    span = _span(seg, st.step, stop)
+    if span.end <= span.start:
+        return False
+    st.epoch = seg.key
+    it = rows if rows is not None else _open_rows(t, seg.refs, seg.lengths, [span])
+    for s in range(span.start, span.end):
         if prof is not None:
             prof.before(st.step + 1)
         result = optimizer_step(t, st, it, seg, s)

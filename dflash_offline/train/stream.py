@@ -10,6 +10,7 @@ order. Memory stays bounded at `num_workers x prefetch` rows whatever the cache 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -127,21 +128,35 @@ class MicroBatch:
         return self.tensors().get(name, default)
 
 
+class Span(NamedTuple):
+    """Steps [start, end) of one sample order: an epoch, or a follow window (its key seeds the
+    order and the anchors)."""
+
+    epoch: int
+    start: int
+    end: int
+
+
 class RowStream(torch.utils.data.IterableDataset):
+    """The micro-batches of one or more spans in turn. One stream over all of a run's epochs keeps
+    its loader processes from the first step to the last: a loader per epoch costs seconds per
+    epoch boundary to start its processes and to fill their read-ahead again."""
+
     def __init__(self, cache: str, refs: list[tuple[str, int]], lengths: np.ndarray, spec: RowSpec | dict,
-                 epoch: int, rank: int, world: int, accum: int, start_step: int, steps: int, pad_rows: bool = False):
+                 spans: Span | list[Span], rank: int, world: int, accum: int, pad_rows: bool = False):
         self.cache, self.refs, self.lengths, self.spec = cache, refs, lengths, RowSpec.of(spec)
         self.pad_rows = pad_rows  # rows past the packed ones are empty (weight 0): a follow window's last step
-        self.epoch, self.rank, self.world, self.accum = epoch, rank, world, accum
-        self.start_step, self.steps = start_step, steps
+        self.spans = [spans] if isinstance(spans, Span) else list(spans)
+        self.rank, self.world, self.accum = rank, world, accum
         self._reader = None
 
-    def rows(self) -> list[list[tuple[int, int]]]:
-        order = epoch_order(len(self.refs), self.spec.seed, self.epoch)
+    def rows(self, epoch: int | None = None) -> list[list[tuple[int, int]]]:
+        """The packed rows of `epoch`'s order (default: the first span's)."""
+        order = epoch_order(len(self.refs), self.spec.seed, self.spans[0].epoch if epoch is None else epoch)
         return pack_rows(self.lengths, order, self.spec.seq_len)
 
     def __len__(self) -> int:
-        return (self.steps - self.start_step) * self.accum
+        return sum(sp.end - sp.start for sp in self.spans) * self.accum
 
     def _read(self, ref: tuple, keep: int, out: np.ndarray, out_scale: np.ndarray | None, topk: int = 0):
         """(input_ids, loss_mask, hidden bits or None, hidden scale or None, top-k or None) of the
@@ -183,7 +198,7 @@ class RowStream(torch.utils.data.IterableDataset):
             raise RuntimeError(f"cache {self.cache}: shard {ref[0]}, sample {ref[1]} is unreadable "
                                f"({type(e).__name__}: {e}); check the cache with `dflash-offline verify`") from None
 
-    def make(self, global_row: int, packed: list[tuple[int, int]]) -> MicroBatch:
+    def make(self, epoch: int, global_row: int, packed: list[tuple[int, int]]) -> MicroBatch:
         sp = self.spec
         S, n, H = sp.seq_len, sp.captured_layers, sp.hidden_size
         # A subset of the captured layers (train --layers): the cache's [tokens, n_cache, H] rows are
@@ -223,7 +238,7 @@ class RowStream(torch.utils.data.IterableDataset):
             t += keep
         B = sp.block_size
         row = build_row(ids, masks, sp.seq_len, sp.num_anchors, B, sp.mask_token_id,
-                        loss_weights(B, sp.gamma), anchor_rng(sp.seed, self.epoch, global_row),
+                        loss_weights(B, sp.gamma), anchor_rng(sp.seed, epoch, global_row),
                         anchors_per_sample=sp.anchors_per_sample)
         as_t = lambda x: torch.from_numpy(np.ascontiguousarray(x))[None]  # noqa: E731 - [1, ...]
         soft = {}
@@ -243,18 +258,23 @@ class RowStream(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        rows = self.rows()
-        for k in range(self.start_step * self.accum, self.steps * self.accum):
-            if (k - self.start_step * self.accum) % nw != wid:
-                continue
-            step, micro = divmod(k, self.accum)
-            g = (step * self.accum + micro) * self.world + self.rank
-            if g >= len(rows) and self.pad_rows:
-                yield self.make(g, [])
-                continue
-            if g >= len(rows):
-                raise RuntimeError(f"row {g} does not exist in epoch {self.epoch} ({len(rows)} rows): plan and stream disagree")
-            yield self.make(g, rows[g])
+        n = 0  # micro-batches of the stream before this one: worker n % nw makes it
+        for span in self.spans:
+            rows = self.rows(span.epoch)
+            for k in range(span.start * self.accum, span.end * self.accum):
+                mine = n % nw == wid
+                n += 1
+                if not mine:
+                    continue
+                step, micro = divmod(k, self.accum)
+                g = (step * self.accum + micro) * self.world + self.rank
+                if g >= len(rows) and self.pad_rows:
+                    yield self.make(span.epoch, g, [])
+                    continue
+                if g >= len(rows):
+                    raise RuntimeError(f"row {g} does not exist in epoch {span.epoch} ({len(rows)} rows): "
+                                       "plan and stream disagree")
+                yield self.make(span.epoch, g, rows[g])
 
 
 def _loader_worker_init(worker_id: int) -> None:

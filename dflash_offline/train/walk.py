@@ -68,7 +68,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     from dflash_offline.cache.reader import CacheReader
     from dflash_offline.train.loss import block_loss, block_metrics
     from dflash_offline.train.packing import epoch_order, pack_rows
-    from dflash_offline.train.stream import RowSpec, RowStream, make_loader
+    from dflash_offline.train.stream import RowSpec, RowStream, Span, make_loader
 
     reader = CacheReader(cache)
     m = reader.manifest
@@ -90,7 +90,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     spec = RowSpec(seed=seed, seq_len=seq_len, num_anchors=num_anchors, block_size=B,
                    mask_token_id=cfg.mask_token_id, gamma=1.0, hidden_size=cfg.hidden_size,
                    captured_layers=n_cached, hidden_dtype=view.hidden_dtype)
-    stream = RowStream(cache, refs, lengths, spec, 0, 0, 1, 1, 0, steps)
+    stream = RowStream(cache, refs, lengths, spec, Span(0, 0, steps), 0, 1, 1)
     drafter = drafter.to(device)
     cuda = str(device).startswith("cuda")
     total: dict | None = None
