@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--compile-layers", default="off", choices=["on", "off"],
                     help="the compiled decoder layer (train's default on GPU); off = the eager layer, as the "
                     "Qwen3.6-27B recipe sets until the compiled one is measured at this shape")
+    ap.add_argument("--compile-loss", default="off", choices=["on", "off"],
+                    help="train --compile-loss: the loss's element-wise passes as compiled kernels")
     ap.add_argument("--keep", action="store_true", help="reuse --workdir's target and cache if they exist")
     ap.add_argument("--metrics", default=None, help="only recompute the figures from this metrics.jsonl of an "
                     "earlier run with the same shape options (no training)")
@@ -144,7 +146,8 @@ def main() -> None:
                       num_anchors=args.num_anchors, block_size=16, global_batch_tokens=args.seq_len * spe_rows,
                       epochs=100, max_steps=args.steps, mask_token_id=1 if args.tiny else 248070, loader_workers=args.loader_workers,
                       checkpoint_every=10**9, final_checkpoint=False, progress=False, log_every=1,
-                      attention=args.attention, loss_impl=args.loss_impl, compile_layers=args.compile_layers == "on")
+                      attention=args.attention, loss_impl=args.loss_impl, compile_layers=args.compile_layers == "on",
+                      compile_loss=args.compile_loss == "on")
     interrupted = False
     try:
         train.run(cfg)
@@ -162,7 +165,8 @@ def main() -> None:
         return 1
     res = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu", "torch": torch.__version__,
            "shape": "tiny" if args.tiny else "qwen3.5-27b drafter", "attention": args.attention,
-           "loss_impl": args.loss_impl, "compile_layers": args.compile_layers, "interrupted": interrupted, **figures(recs, args)}
+           "loss_impl": args.loss_impl, "compile_layers": args.compile_layers,
+           "compile_loss": args.compile_loss, "interrupted": interrupted, **figures(recs, args)}
     for k, v in res.items():
         print(f"{k}: {v}")
     if args.out:
@@ -172,9 +176,9 @@ def main() -> None:
 
 def figures(recs: list[dict], args) -> dict:
     """Throughput figures from the trainer's metrics.jsonl records. Steady state = every step after
-    the third (the first compiles). Each epoch restarts the loader processes, so an epoch's first
-    step waits for data; `within_epoch` leaves those steps out (this benchmark's small cache has
-    only rows / rows_per_step steps per epoch, a real cache thousands)."""
+    the third (the first compiles). `within_epoch` also leaves out each epoch's first step (this
+    benchmark's small cache has only rows / rows_per_step steps per epoch, a real cache thousands;
+    before one loader spanned the epochs, that step waited for new loader processes)."""
     steady = recs[3:]
     within = [r for i, r in enumerate(recs) if i >= 3 and r["epoch"] == recs[i - 1]["epoch"]]
     H, F, V = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
