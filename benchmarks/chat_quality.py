@@ -40,9 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from pycode_quality import cli, wait  # noqa: E402  (one way to run a phase's commands and wait for them)
 COMMITTED = ROOT / "benchmarks" / "chat_fixture"
-TRAIN_ARGS = ("--block-size 16 --num-layers 5 --init-layers 0,1,2,3,4 --kd-weight 0.5 --seq-len 4096 "
+TRAIN_ARGS = ("--block-size 16 --drafter-layers 5 --init-layers 0,1,2,3,4 --kd-weight 0.5 --seq-len 4096 "
               "--num-anchors 2048 --anchors-per-sample 512 --global-batch-tokens 16384")
-SMOKE_TRAIN_ARGS = ("--block-size 8 --num-layers 1 --init-layers 0 --kd-weight 0.5 --seq-len 512 --num-anchors 64 "
+SMOKE_TRAIN_ARGS = ("--block-size 8 --drafter-layers 1 --init-layers 0 --kd-weight 0.5 --seq-len 512 --num-anchors 64 "
                     "--anchors-per-sample 32 --global-batch-tokens 1024 --loader-workers 0")
 
 
@@ -220,7 +220,7 @@ def main() -> int:
     save()
 
     # 3. extract: the training cache and the held-out cache.
-    ext = ["--devices", args.device, "--layers", args.capture, "--max-len", "2048", "--compute-dtype", "float32",
+    ext = ["--devices", args.device, "--capture-layers", args.capture, "--max-len", "2048", "--compute-dtype", "float32",
            "--no-progress"]
     logs = {"extract-train": res / "extract-train.log", "extract-eval": res / "extract-eval.log"}
     procs = {"extract-train": cli("extract", "--target", target, "--data", work / "gen-train", "--cache",

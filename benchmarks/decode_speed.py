@@ -159,18 +159,19 @@ def part1(args, device: str) -> dict:
 
 def ceiling_recipe(name: str) -> dict:
     """The drafter the recipe stages/NAME trains: layers, block size, target layers it reads."""
-    import tomllib
+    from dflash_offline.config import ExtractConfig, TrainConfig
+    from dflash_offline.options import load_recipe
 
     stages = Path(__file__).resolve().parents[1] / "stages" / name
 
-    def read(f: str) -> dict:
+    def read(f: str, cls: type):  # the recipe as the stage reads it (earlier key names too), over the defaults
         p = stages / f
-        return tomllib.loads(p.read_text()) if p.is_file() else {}
+        return cls(**(load_recipe(p, cls) if p.is_file() else {}))
 
-    train, extract = read("train.toml"), read("extract.toml")
-    layers = extract.get("layers") or list(range(extract.get("num_layers", 5)))
-    return {"recipe": f"stages/{name}", "num_layers": train.get("num_layers", 5),
-            "block_size": train.get("block_size", 16), "target_layer_ids": list(layers)}
+    train, extract = read("train.toml", TrainConfig), read("extract.toml", ExtractConfig)
+    layers = extract.capture_layers or list(range(extract.capture_count))
+    return {"recipe": f"stages/{name}", "drafter_layers": train.drafter_layers,
+            "block_size": train.block_size, "target_layer_ids": list(layers)}
 
 
 def ceiling_ms(device: str, setup, fn, reps: int) -> float:
@@ -233,7 +234,7 @@ def ceiling_draft_ms(shape: dict, recipe: dict, context: int, blocks: list[int],
 
     ids = recipe["target_layer_ids"]
     cfg = DrafterConfig(hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
-                        num_hidden_layers=recipe["num_layers"], num_attention_heads=shape["num_attention_heads"],
+                        num_hidden_layers=recipe["drafter_layers"], num_attention_heads=shape["num_attention_heads"],
                         num_key_value_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"],
                         rms_norm_eps=shape["rms_norm_eps"], rope_theta=shape["rope_theta"],
                         vocab_size=shape["vocab_size"], max_position_embeddings=shape["max_position_embeddings"],
@@ -285,7 +286,7 @@ def part2(args, device: str) -> dict:
         shape.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                      linear_key_head_dim=16, linear_value_head_dim=16)
-        recipe.update(recipe="tiny", num_layers=1, block_size=4, target_layer_ids=[1, 3])
+        recipe.update(recipe="tiny", drafter_layers=1, block_size=4, target_layer_ids=[1, 3])
         name, context, reps = "tiny", min(context, 32), min(reps, 2)
     blocks = args.block_sizes or [recipe["block_size"]]
     L = shape["num_hidden_layers"]

@@ -4,7 +4,7 @@ Runs the project's commands as a user would, each in its own process, and times 
   1. `generate`: the fixture target's own greedy completions of --fresh training prompts
      (`prompts-train-40k.parquet`, fp32 like the fixture's completions);
   2. `extract`: one training cache of those completions plus the fixture's 4000 training
-     completions (a superset of layers: `train --layers` picks from it), and a held-out cache of
+     completions (a superset of layers: `train --target-layers` picks from it), and a held-out cache of
      the fixture's 200 eval completions (the walk estimate during and after training);
   3. `train`: each variant (the recipe's defaults unless a variant says otherwise), with the
      held-out walk estimate at the end, or every --eval-every steps (the curve of tau against time);
@@ -41,7 +41,7 @@ PRESETS = {
     "default": [],
     "row512": ["--anchors-per-sample", "0"],
     "lr6e-4": ["--lr", "6e-4"],
-    "layers1-5": ["--layers", "1,2,3,4,5"],
+    "layers1-5": ["--target-layers", "1,2,3,4,5"],
     "kd": ["--kd-weight", "0.5"],
     "lr2.5e-3": ["--lr", "2.5e-3"],
 }
@@ -50,7 +50,7 @@ PRESETS = {
 # The recipe (docs/benchmarks.md, "Drafter quality on the pycode fixture"): 8 drafter layers started
 # as copies of all 8 target layers, D-PACE slot weights, rows of 16,384 tokens (one micro-batch a step),
 # 8192 blocks a row, top-32 distillation at half weight.
-RECIPE = ("--global-batch-tokens 16384 --seq-len 16384 --num-anchors 8192 --kd-weight 0.5 --num-layers 8 "
+RECIPE = ("--global-batch-tokens 16384 --seq-len 16384 --num-anchors 8192 --kd-weight 0.5 --drafter-layers 8 "
           "--init-layers 0,1,2,3,4,5,6,7 --loss-weights dpace --lr 2.5e-3")
 # The peer's budget is 372 steps of 16,384 tokens in rows of 4096 (see --peer-budget).
 PEER_ROWS = ["--seq-len", "4096", "--num-anchors", "2048"]
@@ -132,7 +132,7 @@ def main() -> int:
     ap.add_argument("--device", default="0")
     ap.add_argument("--fresh", type=int, default=12000, help="training prompts to complete with the target (0: none)")
     ap.add_argument("--gen-dtype", default="bfloat16", help="generate's compute dtype (bf16: twice the speed; the fixture's completions are fp32)")
-    ap.add_argument("--capture", default="1,2,3,4,5,6", help="layers extracted (train --layers picks among them)")
+    ap.add_argument("--capture", default="1,2,3,4,5,6", help="layers extracted (train --target-layers picks among them)")
     ap.add_argument("--hidden-dtype", default="fp8", help="training cache: fp8 (half the bytes) or bfloat16")
     ap.add_argument("--topk", type=int, default=32, help="top-k log-probabilities in the training cache (for --kd-weight)")
     ap.add_argument("--gen-batch-tokens", type=int, default=1 << 20,
@@ -178,7 +178,7 @@ def main() -> int:
         fresh_prompts = work / f"smoke-{fresh_prompts.name}"
         args.device, args.fresh, args.max_new_tokens, args.eval_jobs = "cpu", min(args.fresh, 8), 24, 2
         args.eval_prompts, args.eval_every, peer_epochs = min(args.eval_prompts, 4), 2, 1
-        train_args += ["--seq-len", "512", "--num-anchors", "64", "--global-batch-tokens", "1024", "--num-layers", "1",
+        train_args += ["--seq-len", "512", "--num-anchors", "64", "--global-batch-tokens", "1024", "--drafter-layers", "1",
                        "--init-layers", "0",
                        "--loader-workers", "0"]
     summary: dict = {"args": vars(args), "phases_s": {}, "variants": {}}
@@ -201,7 +201,7 @@ def main() -> int:
         wait({"generate": gen}, {"generate": res / "generate.log"})
         summary["phases_s"]["generate"] = time.time() - t0
         data.append(work / "fresh.parquet")
-    ext = ["--devices", args.device, "--layers", args.capture, "--max-len", "512", "--compute-dtype", "float32",
+    ext = ["--devices", args.device, "--capture-layers", args.capture, "--max-len", "512", "--compute-dtype", "float32",
            "--no-progress", "--writers", "2" if not args.smoke else "1"]
     t0 = time.time()
     logs = {"extract-train": res / "extract-train.log", "extract-eval": res / "extract-eval.log"}

@@ -16,7 +16,7 @@ from dflash_offline.runtime.errors import UserError
 
 def _given(ctx: click.Context, **values) -> dict:
     """Only the options the user typed (so a --config recipe is not overridden by defaults), also
-    where the value typed means None (`--layers auto`: the rule, over a recipe's list); repeatable
+    where the value typed means None (`--capture-layers auto`: the rule, over a recipe's list); repeatable
     options as lists, left out when empty."""
     out = {}
     for name, value in values.items():
@@ -36,7 +36,31 @@ def _config(ctx: click.Context, cls: type, config_file: str | None, options: dic
     from dflash_offline.options import load_recipe, merge
 
     recipe = load_recipe(config_file, cls, ignore=ignore) if config_file else {}
-    return merge(cls, recipe, _given(ctx, **options))
+    return merge(cls, recipe, _renamed_given(cls, _given(ctx, **options)))
+
+
+_WAS = "was__"  # the parameter name of a renamed option's earlier spelling: was__<earlier field name>
+
+
+def _renamed_given(cls: type, given: dict) -> dict:
+    """The typed options with values given under an earlier name moved to the field's name (with a
+    one-line warning); both names at once is an error."""
+    from dataclasses import fields
+
+    from dflash_offline.options import warn_renamed
+
+    out = {k: v for k, v in given.items() if not k.startswith(_WAS)}
+    for f in fields(cls):
+        for was in f.metadata.get("old", ()):
+            if _WAS + was not in given:
+                continue
+            old_flag, new_flag = "--" + was.replace("_", "-"), flag_of(f)
+            if f.name in given:
+                raise UserError(f"{old_flag} and {new_flag} are one option ({old_flag} is its earlier name); "
+                                f"give {new_flag} only")
+            warn_renamed(old_flag, new_flag)
+            out[f.name] = given[_WAS + was]
+    return out
 
 
 class ByteSize(click.ParamType):
@@ -77,13 +101,15 @@ def default_text(f) -> str | None:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def option_of(f) -> click.Option:
+def option_of(f, was: str | None = None) -> click.Option:
     """The click option of a config field (options.opt): its spelling, type, choices, help and
     default text all come from the field. Its click default is None, so that `_given` tells what
-    the user typed from what a recipe or the field's default supplies."""
-    meta, flag, kind = f.metadata, flag_of(f), str(f.type)
-    kw: dict = {"default": None}
-    decls = [flag, f.name]
+    the user typed from what a recipe or the field's default supplies. `was`: one of the field's
+    earlier names, as a hidden option of the same type (`_renamed_given` reads it)."""
+    meta, kind = f.metadata, str(f.type)
+    flag = flag_of(f) if was is None else "--" + was.replace("_", "-")
+    kw: dict = {"default": None, "hidden": was is not None}
+    decls = [flag, f.name if was is None else _WAS + was]
     if kind.startswith("bool"):
         if meta.get("is_flag"):
             kw["is_flag"] = True
@@ -118,6 +144,7 @@ def config_options(cls: type, config_help: str = _CONFIG_HELP):
     def decorate(fn):
         params = [click.Option(["--config", "config_file"], type=click.Path(dir_okay=False), help=config_help)]
         params += [option_of(f) for f in cli_fields(cls)]
+        params += [option_of(f, was) for f in cli_fields(cls) for was in f.metadata.get("old", ())]
         fn.__click_params__ = getattr(fn, "__click_params__", []) + params[::-1]  # click reads them reversed
         return fn
     return decorate

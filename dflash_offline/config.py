@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_offline.options import check_at_least, check_choices, check_number, check_positive, opt
+from dflash_offline.options import check_at_least, check_choices, check_number, check_positive, opt, where
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.sampling import SamplingOptions
 from dflash_offline.evaluate.config import EvalConfig  # noqa: F401  (one import place for every stage's config)
@@ -31,10 +31,10 @@ class ExtractConfig:
     """Cache location: a local path or an fsspec URL."""
     devices: str = opt("cpu", "GPU indices like 0,1,2,3,4 (one worker process each), or cpu / cpu,cpu.")
     """`0,1,2,3,4` for one worker per GPU, `cpu` or `cpu,cpu` for CPU workers."""
-    layers: list[int] | None = opt(None, "Target layer ids to capture, e.g. 1,9,17,25,33.", default_text="the DFlash rule")
-    """Target decoder layer ids to capture; None = the DFlash rule with `num_layers` layers."""
-    num_layers: int = opt(5, "How many layers the DFlash rule picks.")
-    """How many layers the DFlash rule picks when `layers` is not given."""
+    capture_layers: list[int] | None = opt(None, "Target layer ids to capture, e.g. 1,9,17,25,33.", default_text="the DFlash rule", old=("layers",))
+    """Target decoder layer ids to capture; None = the DFlash rule with `capture_count` layers."""
+    capture_count: int = opt(5, "How many layers the DFlash rule picks (without --capture-layers).", old=("num_layers",))
+    """How many layers the DFlash rule picks when `capture_layers` is not given."""
     topk: int = opt(32, "Top-k log-probabilities per token, at most the vocabulary; 0 = none (skips the LM head).")
     """Top-k log-probabilities stored per token; 0 stores none and skips the LM head."""
     max_len: int = opt(4096, "Truncate samples to this many tokens.")
@@ -77,7 +77,7 @@ class ExtractConfig:
         if not self.cache:
             raise UserError("no cache location: pass --cache PATH|URL or set `cache` in --config")
         check_positive(self, "max_len", "batch_tokens", "shard_tokens", "sort_window", "chunk_tokens",
-                       "logits_chunk_tokens", "num_layers", "writers", "passes", "max_bytes")
+                       "logits_chunk_tokens", "capture_count", "writers", "passes", "max_bytes")
         check_at_least(self, "topk", 0, "0 = store no top-k and skip the LM head")
         if self.batch_tokens < self.max_len:
             raise UserError(
@@ -86,8 +86,12 @@ class ExtractConfig:
             )
         self.hidden_dtype = HIDDEN_DTYPE_ALIASES.get(self.hidden_dtype, self.hidden_dtype)  # bf16, fp8 in recipes too
         check_choices(self)
-        if self.layers is not None and len(set(self.layers)) != len(self.layers):
-            raise UserError(f"--layers {self.layers} lists a layer twice")
+        _distinct_layers(self)
+
+
+def _distinct_layers(cfg) -> None:
+    if cfg.capture_layers is not None and len(set(cfg.capture_layers)) != len(cfg.capture_layers):
+        raise UserError(f"{where(cfg, 'capture_layers')} {cfg.capture_layers} lists a layer twice")
 
 
 _E, _T = ExtractConfig(), TrainConfig()  # the stages' defaults: one source of truth for plan's
@@ -101,14 +105,14 @@ class PlanConfig:
     data: list[str] | None = opt(None, "Parquet file or folder of *.parquet; repeat for several.")
     cache: str | None = opt(None, "Where the cache would go: its free space is the budget.")
     max_bytes: int | None = opt(None, "A budget for the cache (e.g. 64GB).", size=True)
-    layers: list[int] | None = opt(None, "Target layer ids to capture.", default_text="the DFlash rule")
-    num_layers: int = opt(_E.num_layers, "How many layers the DFlash rule picks.", default_text="extract's")
+    capture_layers: list[int] | None = opt(None, "Target layer ids to capture.", default_text="the DFlash rule", old=("layers",))
+    capture_count: int = opt(_E.capture_count, "How many layers the DFlash rule picks.", default_text="extract's", old=("num_layers",))
     topk: int = opt(_E.topk, "Top-k log-probabilities per token.", default_text="extract's")
     max_len: int = opt(_E.max_len, "Truncation length.", default_text="extract's")
     extract_gpus: int = opt(5, "GPUs extracting, >= 1 (they divide the estimated hours).")
     train_gpus: int = opt(3, "GPUs training, >= 1 (they divide the estimated hours).")
     epochs: int = opt(_T.epochs, "Training epochs.", default_text="train's")
-    drafter_layers: int = _T.num_layers
+    drafter_layers: int = _T.drafter_layers
     seq_len: int = _T.seq_len
     num_anchors: int = _T.num_anchors
     block_size: int = _T.block_size
@@ -116,11 +120,10 @@ class PlanConfig:
     def validate(self) -> None:
         if not self.target or not self.data:
             raise UserError("plan: --target and --data are required")
-        check_positive(self, "max_bytes", "num_layers", "max_len", "extract_gpus", "train_gpus", "epochs",
+        check_positive(self, "max_bytes", "capture_count", "max_len", "extract_gpus", "train_gpus", "epochs",
                        "drafter_layers", "seq_len", "num_anchors", "block_size")
         check_at_least(self, "topk", 0, "0 = store no top-k")
-        if self.layers is not None and len(set(self.layers)) != len(self.layers):
-            raise UserError(f"--layers {self.layers} lists a layer twice")
+        _distinct_layers(self)
 
 
 @dataclass

@@ -90,7 +90,7 @@ def run(out: str, devices: str = "cpu") -> dict:
     if bad:
         raise RuntimeError(f"checksum mismatch in {bad}")
     train.run(TrainConfig(cache=str(cache), target=str(target), out=str(run_dir), devices=devices.split(",")[0],
-                          num_layers=2, block_size=8, num_anchors=16, seq_len=256, global_batch_tokens=512,
+                          drafter_layers=2, block_size=8, num_anchors=16, seq_len=256, global_batch_tokens=512,
                           lr=3e-3, epochs=3, mask_token_id=1, loader_workers=0, checkpoint_every=50))
     export = run_dir / "export"
     report = evaluate.run(EvalConfig(target=str(target), drafters=[str(export)], prompts=str(prompts_eval),

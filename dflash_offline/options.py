@@ -27,16 +27,18 @@ def _flag(name: str) -> str:
 
 def opt(default: Any = None, help: str = "", *, factory=None, flag: str | None = None,
         choices: tuple[str, ...] | None = None, size: bool = False, is_flag: bool = False,
-        default_text: str | None = None, resume: bool = False) -> Any:
+        default_text: str | None = None, resume: bool = False, old: tuple[str, ...] = ()) -> Any:
     """A config field that is also a command-line option (cli.py builds the option from it).
 
     help: the option's help, without its default (added from the field's default, or
     `default_text` where the default is a rule in words, e.g. "the DFlash rule"); flag: the option's
     spelling where it is not --field-name (a recipe uses the field's name); choices: the values it
     takes; size: a byte size (64GB, 512MiB); is_flag: a plain on-switch (no --no- form); resume:
-    part of a training run's identity (a checkpoint resumes only with the same value)."""
+    part of a training run's identity (a checkpoint resumes only with the same value); old: the
+    field's earlier names, still read from recipes, flags and checkpoints with a one-line warning
+    (`renamed`)."""
     meta = {"help": help, "flag": flag, "choices": choices, "size": size, "is_flag": is_flag,
-            "default_text": default_text, "resume": resume}
+            "default_text": default_text, "resume": resume, "old": tuple(old)}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -55,10 +57,29 @@ def flag_of(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or _flag(f.name)
 
 
+def renamed(cls: type) -> dict[str, str]:
+    """{earlier name: field name} of a config dataclass's renamed fields (opt's `old`)."""
+    return {o: f.name for f in dataclasses.fields(cls) for o in f.metadata.get("old", ())}
+
+
+_warned: set[str] = set()
+
+
+def warn_renamed(was: str, now: str) -> None:
+    """One line on stderr, once per process and name: an earlier name was used (it still works)."""
+    import sys
+
+    if was not in _warned:
+        _warned.add(was)
+        print(f"warning: {was} is now {now} (same meaning); the old name still works but will be removed",
+              file=sys.stderr, flush=True)
+
+
 class Recipe(dict):
     """A recipe's values by field name, and the file they were read from (`load_recipe`)."""
 
     path: Path | None = None
+    written: dict[str, str] = {}  # field name -> the key as the file spells it (an earlier name, dashes)
 
 
 def where(cfg, name: str) -> str:
@@ -117,7 +138,7 @@ def check_choices(cfg) -> None:
             raise UserError(f"{where(cfg, f.name)} {v!r}: choose {', '.join(choices[:-1])} or {choices[-1]}")
 
 
-def parse_int_list(text: str | list | None, option: str = "--layers") -> list[int] | None:
+def parse_int_list(text: str | list | None, option: str = "--capture-layers") -> list[int] | None:
     """`"1,9,17"` or `[1, 9, 17]` -> [1, 9, 17]; None or "" or "auto" -> None."""
     if text is None or (isinstance(text, str) and text.strip() in ("", "auto")):
         return None
@@ -199,10 +220,18 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> Reci
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"--config {path}: not valid TOML ({e})") from None
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    skip = {f.name for f in dataclasses.fields(ignore)} if ignore is not None else set()
+    skip = {f.name for f in dataclasses.fields(ignore)} | set(renamed(ignore)) if ignore is not None else set()
+    earlier = renamed(cls)
     out: dict[str, Any] = {}
+    written: dict[str, str] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if name in earlier and name not in fields:
+            if earlier[name] in raw or earlier[name].replace("_", "-") in raw:
+                raise UserError(f"--config {path}: keys {key!r} and {earlier[name]!r} are one option (the first is "
+                                f"its earlier name); keep {earlier[name]!r}")
+            warn_renamed(f"--config {path}: key {key!r}", repr(earlier[name]))
+            name = earlier[name]
         if name in skip and name not in fields:
             continue
         if name not in fields:
@@ -221,6 +250,7 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> Reci
             except ValueError as e:
                 raise UserError(f"--config {path}: key {key!r}: {e}") from None
         out[name] = _recipe_value(path, key, value, str(fields[name].type))
+        written[name] = key
     # Relative paths in a recipe are relative to the directory the command runs in, like CLI paths.
     for name, value in out.items():
         kind = str(fields[name].type)
@@ -229,7 +259,7 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> Reci
         elif "list[int]" in kind:  # ids as a list or as "1,9,17", as the option takes them
             out[name] = parse_int_list(value, option=f"--config {path}: key {name!r}")
     recipe = Recipe(out)
-    recipe.path = path
+    recipe.path, recipe.written = path, written
     return recipe
 
 
@@ -240,5 +270,6 @@ def merge(cls: type, recipe: dict[str, Any], cli_given: dict[str, Any]):
     cfg = cls(**values)
     path = getattr(recipe, "path", None)
     if path is not None:
-        cfg._origins = {k: f"--config {path}: key {k!r}" for k in recipe if k not in cli_given}
+        keys = getattr(recipe, "written", {})
+        cfg._origins = {k: f"--config {path}: key {keys.get(k, k)!r}" for k in recipe if k not in cli_given}
     return cfg

@@ -61,7 +61,7 @@ def make_plan(p: PlanConfig) -> dict:
 
     p.validate()
     info = read_target(p.target)
-    layer_ids = target.resolve_layers(info, p.layers, p.num_layers)
+    layer_ids = target.resolve_layers(info, p)
     target.check_topk(info, p.topk)
     source = data.scan(p.data, info.vocab_size)
     tokens = int(np.minimum(source.lengths, p.max_len).sum())

@@ -38,7 +38,7 @@ RESUME_OPTS = ["--topk", "4", "--max-len", "120", "--batch-tokens", "360", "--sh
                "--chunk-tokens", "128", "--no-progress"]
 # Small, fast options for the training tests (a step takes a few ms on the CPU).
 TRAIN = ["--seq-len", "256", "--num-anchors", "16", "--block-size", "8", "--global-batch-tokens", "512",
-         "--lr", "3e-3", "--mask-token-id", "1", "--num-layers", "2", "--loader-workers", "0", "--no-progress"]
+         "--lr", "3e-3", "--mask-token-id", "1", "--drafter-layers", "2", "--loader-workers", "0", "--no-progress"]
 # The uninterrupted runs resumed runs are compared with (straight_run).
 STRAIGHT = ["--epochs", "2", "--max-steps", "12", "--checkpoint-every", "100"]
 TINY_DATA_ROWS = 48

@@ -221,7 +221,7 @@ def target_weights_without_layers(s: Setup) -> Bad:
 
 
 def layer_out_of_range(s: Setup) -> Bad:
-    return Bad(opts={"layers": "1,3,8"}, expect=["--layers", "layer 8 does not exist", "0..7"])
+    return Bad(opts={"capture-layers": "1,3,8"}, expect=["--capture-layers", "layer 8 does not exist", "0..7"])
 
 
 def missing_gpu(s: Setup) -> Bad:
@@ -268,7 +268,7 @@ def other_topk(s: Setup) -> Bad:
 
 
 def other_layers(s: Setup) -> Bad:
-    return Bad(opts={"layers": "1,3,5"}, expect=["capture.layer_ids", "[1, 2, 3, 4, 5]", "[1, 3, 5]"])
+    return Bad(opts={"capture-layers": "1,3,5"}, expect=["capture.layer_ids", "[1, 2, 3, 4, 5]", "[1, 3, 5]"])
 
 
 def other_max_len(s: Setup) -> Bad:
@@ -540,7 +540,7 @@ def test_over_long_rows_are_truncated_with_one_warning(tiny_dense, tiny_data, tm
 
 
 TRAIN_OPTS = ["--seq-len", "128", "--num-anchors", "8", "--block-size", "8", "--global-batch-tokens", "128",
-              "--num-layers", "1", "--loader-workers", "0", "--no-progress", "--epochs", "1"]
+              "--drafter-layers", "1", "--loader-workers", "0", "--no-progress", "--epochs", "1"]
 
 
 def train_no_mask_token(s: Setup, out: Path) -> tuple[list, Bad]:

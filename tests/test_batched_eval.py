@@ -179,7 +179,7 @@ def test_eval_features_are_the_raw_layer_outputs_extraction_stores(tiny_dense, t
 
     data = make_tiny_data(tmp_path / "d.parquet", rows=3, min_len=20, max_len=40, seed=5)
     cache = tmp_path / "cache"
-    r = run_cli(extract_args(tiny_dense, data, cache, "--layers", "1,7", "--topk", "0"))
+    r = run_cli(extract_args(tiny_dense, data, cache, "--capture-layers", "1,7", "--topk", "0"))
     assert r.returncode == 0, r.stderr
     model, _ = load_target_for_decoding(str(tiny_dense), "cpu", "float32")
     session = TargetSession(model, [1, 7])

@@ -46,7 +46,7 @@ def test_every_option_is_a_config_field_with_the_default_its_help_states(name):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     checked = 0
     for p in cli.main.commands[name].params:
-        if p.name in NOT_FIELDS:
+        if p.name in NOT_FIELDS or p.hidden:  # hidden: a renamed option's earlier spelling (tested below)
             continue
         assert p.name in fields, f"{name} --{p.name.replace('_', '-')} is not a field of {cls.__name__}"
         m = re.search(r"\[default: ([^\]]+)\]", p.help or "")
@@ -70,7 +70,7 @@ def test_a_recipe_key_spelled_as_its_option_names_the_right_key(name, tmp_path):
     cls = COMMANDS[name]
     for p in cli.main.commands[name].params:
         flag = p.opts[0].lstrip("-").replace("-", "_")
-        if p.name in NOT_FIELDS or flag == p.name:
+        if p.name in NOT_FIELDS or flag == p.name or p.hidden:
             continue
         recipe = tmp_path / f"{flag}.toml"
         recipe.write_text(f'{flag} = "x"\n')
@@ -93,7 +93,8 @@ def test_a_recipe_size_reads_like_the_option(tmp_path):
 
 
 def _stage_params(name: str):
-    return [p for p in cli.main.commands[name].params if p.name not in NOT_FIELDS]
+    """The options a stage's --help shows (not a renamed option's hidden earlier spelling)."""
+    return [p for p in cli.main.commands[name].params if p.name not in NOT_FIELDS and not p.hidden]
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
@@ -147,7 +148,7 @@ def test_resume_identity_is_field_metadata():
 
     marked = [f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("resume")]
     assert list(RESUME_KEYS) == marked
-    assert {"block_size", "layers", "lr", "seed", "num_layers", "follow"} <= set(RESUME_KEYS)
+    assert {"block_size", "target_layers", "lr", "seed", "drafter_layers", "follow"} <= set(RESUME_KEYS)
     assert not {"out", "devices", "progress", "log_every", "eval_cache"} & set(RESUME_KEYS)
 
 

@@ -407,7 +407,7 @@ def test_eval_command_with_a_trained_drafter(kind, tiny_dense, tiny_hybrid, tmp_
     assert r.returncode == 0, r.stderr
     run = tmp_path / "run"
     r = run_cli(["train", "--target", folder, "--cache", cache, "--out", run, "--seq-len", "128", "--num-anchors", "8",
-                 "--block-size", "8", "--global-batch-tokens", "256", "--mask-token-id", "1", "--num-layers", "2",
+                 "--block-size", "8", "--global-batch-tokens", "256", "--mask-token-id", "1", "--drafter-layers", "2",
                  "--max-steps", "6", "--loader-workers", "0", "--no-progress"])
     assert r.returncode == 0, r.stderr
     rng = np.random.default_rng(3)

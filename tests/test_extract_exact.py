@@ -110,7 +110,7 @@ def test_layers_only_no_head(tiny_dense, tiny_data, tmp_path):
     """--topk 0 stores no logits and builds only layers 0..max(layer_ids); values still exact."""
     cache = tmp_path / "cache"
     r = run_cli(["extract", "--target", str(tiny_dense), "--data", str(tiny_data), "--cache", str(cache),
-                 *ARGS[:2], "--topk", "0", "--layers", "0,3", *ARGS[4:]])
+                 *ARGS[:2], "--topk", "0", "--capture-layers", "0,3", *ARGS[4:]])
     assert r.returncode == 0, r.stderr
     reader = CacheReader(str(cache))
     log = (cache / "logs" / "extract-rank0.log").read_text()

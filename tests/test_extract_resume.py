@@ -161,7 +161,7 @@ def test_config_recipe_and_cli_override(tiny_dense, tiny_data, tmp_path):
     recipe = tmp_path / "extract.toml"
     recipe.write_text(
         f'target = "{tiny_dense}"\ndata = ["{tiny_data}"]\ncache = "{cache}"\ndevices = "cpu"\n'
-        'layers = [1, 3]\ntopk = 4\nmax-len = 64\nbatch_tokens = 256\nshard_tokens = 4096\nprogress = false\n'
+        'capture_layers = [1, 3]\ntopk = 4\nmax-len = 64\nbatch_tokens = 256\nshard_tokens = 4096\nprogress = false\n'
     )
     r = run_cli(["extract", "--config", str(recipe), "--topk", "2"])
     assert r.returncode == 0, r.stderr

@@ -28,7 +28,7 @@ PASSES = 2
 EXTRACT = ["--devices", "cpu", "--topk", "0", "--max-len", "128", "--batch-tokens", "512", "--shard-tokens", "1024",
            "--no-progress", "--passes", str(PASSES)]
 TRAIN = ["--seq-len", "128", "--num-anchors", "8", "--block-size", "4", "--global-batch-tokens", "256",
-         "--mask-token-id", "1", "--num-layers", "1", "--epochs", "1", "--follow", "--stream", "--follow-window", "2",
+         "--mask-token-id", "1", "--drafter-layers", "1", "--epochs", "1", "--follow", "--stream", "--follow-window", "2",
          "--loader-workers", "0", "--checkpoint-every", "4", "--keep-checkpoints", "1", "--no-progress"]
 
 
@@ -180,7 +180,7 @@ def test_follow_resume_after_sigkill_equals_straight_run(tiny_dense, valid_cache
     cache = tmp_path / "cache"
     shutil.copytree(valid_cache, cache)  # a follower records itself in the manifest
     opts = ["--seq-len", "128", "--num-anchors", "8", "--block-size", "4", "--global-batch-tokens", "256",
-            "--mask-token-id", "1", "--num-layers", "1", "--epochs", "1", "--follow", "--follow-window", "2",
+            "--mask-token-id", "1", "--drafter-layers", "1", "--epochs", "1", "--follow", "--follow-window", "2",
             "--loader-workers", "0", "--checkpoint-every", "3", "--no-progress"]
     base = ["train", "--target", str(tiny_dense), "--cache", str(cache), *opts]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

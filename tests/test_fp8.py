@@ -64,7 +64,7 @@ def test_bytes_per_token_at_27b_width(tmp_path):
     sizes = {}
     for dtype, h, sc in (("bfloat16", x.view(torch.uint16).numpy(), None), ("float8_e4m3fn", bits.numpy(), scale.numpy())):
         loc = Location(str(tmp_path / dtype))
-        w = ShardWriter(loc, "s.zarr", ShardLayout(tokens=T, num_layers=n, hidden_size=H, topk=0, chunk_tokens=1024,
+        w = ShardWriter(loc, "s.zarr", ShardLayout(tokens=T, captured_layers=n, hidden_size=H, topk=0, chunk_tokens=1024,
                                                     layer_ids=list(range(n)), hidden_dtype=dtype))
         w.append_batch([(0, np.zeros(T, np.int32), np.ones(T, np.uint8))], h, None, None, sc)
         w.close("s")
@@ -112,7 +112,7 @@ def test_fp8_extraction_verifies_inspects_and_trains(tiny_dense, tiny_data, vali
     out = tmp_path / "run"
     r = run_cli(["train", "--target", str(tiny_dense), "--cache", str(fp8), "--out", str(out), "--seq-len", "128",
                  "--num-anchors", "8", "--block-size", "4", "--global-batch-tokens", "256", "--mask-token-id", "1",
-                 "--num-layers", "1", "--max-steps", "3", "--loader-workers", "0", "--no-progress"], timeout=600)
+                 "--drafter-layers", "1", "--max-steps", "3", "--loader-workers", "0", "--no-progress"], timeout=600)
     assert r.returncode == 0, r.stderr
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(recs) == 3 and all(np.isfinite(x["loss"]) for x in recs)

@@ -107,7 +107,7 @@ def test_fp8_cache_on_cuda_within_bound_and_trains(tiny_hybrid, tiny_data, tmp_p
     out = tmp_path / "run"
     r = run_cli(["train", "--target", str(tiny_hybrid), "--cache", str(tmp_path / "fp8"), "--out", str(out),
                  "--devices", "0", "--seq-len", "256", "--num-anchors", "16", "--block-size", "8",
-                 "--global-batch-tokens", "512", "--mask-token-id", "1", "--num-layers", "2", "--max-steps", "8",
+                 "--global-batch-tokens", "512", "--mask-token-id", "1", "--drafter-layers", "2", "--max-steps", "8",
                  "--loader-workers", "0", "--no-progress"], timeout=600)
     assert r.returncode == 0, r.stderr
     import json

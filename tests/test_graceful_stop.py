@@ -176,7 +176,7 @@ def test_follow_trainer_stopped_while_waiting_for_shards(tiny_dense, tiny_data, 
     from conftest import extract_args
 
     follow = ["--seq-len", "128", "--num-anchors", "8", "--block-size", "4", "--global-batch-tokens", "256",
-              "--mask-token-id", "1", "--num-layers", "1", "--epochs", "1", "--follow", "--follow-window", "2",
+              "--mask-token-id", "1", "--drafter-layers", "1", "--epochs", "1", "--follow", "--follow-window", "2",
               "--loader-workers", "0", "--checkpoint-every", "100", "--no-progress"]
     complete = tmp_path / "complete"
     shutil.copytree(valid_cache, complete)  # a follower records itself in the manifest

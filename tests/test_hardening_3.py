@@ -301,9 +301,9 @@ def test_option_syntax_errors_are_one_line(tiny_dense):
 
 def test_layer_rules_never_repeat_a_layer(tiny_dense, tiny_data, tmp_path):
     cache = tmp_path / "cache"
-    msg = _one_line(run_cli(extract_args(tiny_dense, tiny_data, cache, "--num-layers", "99")), 2, "error: ")
-    assert "--num-layers 99: the DFlash rule" in msg and "at most 5 here" in msg
-    msg = _one_line(run_cli(extract_args(tiny_dense, tiny_data, cache, "--layers", "1,1,2")), 2, "error: ")
+    msg = _one_line(run_cli(extract_args(tiny_dense, tiny_data, cache, "--capture-count", "99")), 2, "error: ")
+    assert "--capture-count 99: the DFlash rule" in msg and "at most 5 here" in msg
+    msg = _one_line(run_cli(extract_args(tiny_dense, tiny_data, cache, "--capture-layers", "1,1,2")), 2, "error: ")
     assert "lists a layer twice" in msg
     assert not (cache / "manifest.json").exists()
 
@@ -447,7 +447,7 @@ def test_damaged_target_config_values_are_one_line(tiny_hybrid, tiny_data, tmp_p
     cfg = json.loads((t / "config.json").read_text())
     (cfg.get("text_config") or cfg)[key] = value
     (t / "config.json").write_text(json.dumps(cfg))
-    msg = _one_line(run_cli(extract_args(t, tiny_data, tmp_path / "cache", "--layers", "1,2")), 2, "error: ")
+    msg = _one_line(run_cli(extract_args(t, tiny_data, tmp_path / "cache", "--capture-layers", "1,2")), 2, "error: ")
     assert str(t / "config.json") in msg and expect in msg, msg
     assert not (tmp_path / "cache" / "manifest.json").exists()
 

@@ -69,7 +69,7 @@ def test_layer_stats_and_outlier_channels(tmp_path):
         capture={"layer_ids": layers, "topk": 0, "hidden_dtype": "bfloat16", "max_len": 64},
         source={"files": [], "rows": 6}, plan={"shard_tokens": 0, "sort_window": 0, "num_shards": 1}))
     loc.makedirs("shards")
-    w = ShardWriter(loc, tmp_shard_rel("shard-000000"), ShardLayout(tokens=6 * 40, num_layers=2, hidden_size=H,
+    w = ShardWriter(loc, tmp_shard_rel("shard-000000"), ShardLayout(tokens=6 * 40, captured_layers=2, hidden_size=H,
                                                                      topk=0, chunk_tokens=64, layer_ids=layers))
     values = []
     for sid in range(6):
@@ -188,7 +188,7 @@ def test_status_of_a_run_that_crashed(valid_cache, tiny_dense, tmp_path):
     out = tmp_path / "run"
     r = run_cli(["train", "--target", tiny_dense, "--cache", valid_cache, "--out", out, "--seq-len", "128",
                  "--num-anchors", "8", "--block-size", "8", "--global-batch-tokens", "128", "--mask-token-id", "1",
-                 "--num-layers", "1", "--checkpoint-every", "2", "--loader-workers", "0", "--no-progress"],
+                 "--drafter-layers", "1", "--checkpoint-every", "2", "--loader-workers", "0", "--no-progress"],
                 env={"DFLASH_OFFLINE_RAISE_AT": "train-step:3"})
     assert r.returncode == 1 and "injected failure at train-step" in r.stderr, r.stderr
     r = run_cli(["status", out])
@@ -209,7 +209,7 @@ def test_status_of_a_killed_run_names_its_last_step(valid_cache, tiny_dense, tmp
     out = tmp_path / "run"
     r = run_cli(["train", "--target", tiny_dense, "--cache", valid_cache, "--out", out, "--seq-len", "128",
                  "--num-anchors", "8", "--block-size", "8", "--global-batch-tokens", "128", "--mask-token-id", "1",
-                 "--num-layers", "1", "--checkpoint-every", "100", "--loader-workers", "0", "--no-progress"],
+                 "--drafter-layers", "1", "--checkpoint-every", "100", "--loader-workers", "0", "--no-progress"],
                 env={"DFLASH_OFFLINE_KILL_AT": "train-step:5"})
     assert r.returncode == -signal.SIGKILL, r.stderr
     st = json.loads(run_cli(["status", out, "--json"]).stdout)

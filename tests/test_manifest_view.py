@@ -13,7 +13,7 @@ def test_view_of_a_committed_cache(valid_cache):
     m = json.loads((valid_cache / "manifest.json").read_text())
     v = ManifestView.of(m)
     assert v.status == m["status"] == "complete"
-    assert (v.hidden_size, v.vocab_size, v.target_layers) == (m["target"]["hidden_size"], m["target"]["vocab_size"],
+    assert (v.hidden_size, v.vocab_size, v.num_target_layers) == (m["target"]["hidden_size"], m["target"]["vocab_size"],
                                                               m["target"]["num_layers"])
     assert v.weights_fingerprint == m["target"]["weights_fingerprint"] and v.config_sha256 == m["target"]["config_sha256"]
     assert list(v.layer_ids) == m["capture"]["layer_ids"] and v.hidden_dtype == m["capture"]["hidden_dtype"]

@@ -94,7 +94,7 @@ def layer_caches(valid_cache, tiny_dense, tiny_data, tmp_path_factory):
     from conftest import extract_args
 
     subset = tmp_path_factory.mktemp("layers") / "subset"
-    r = run_cli(extract_args(tiny_dense, tiny_data, subset, "--layers", "2,4", "--topk", "0"), timeout=300)
+    r = run_cli(extract_args(tiny_dense, tiny_data, subset, "--capture-layers", "2,4", "--topk", "0"), timeout=300)
     assert r.returncode == 0, r.stderr
     return valid_cache, subset
 
@@ -110,7 +110,7 @@ def _losses(out):
 
 def test_a_layer_subset_trains_exactly_as_a_cache_of_only_those_layers(layer_caches, tiny_dense, tmp_path):
     superset, subset = layer_caches
-    a = _train(tiny_dense, superset, tmp_path / "a", "--layers", "4,2")  # any order: the cache's is used
+    a = _train(tiny_dense, superset, tmp_path / "a", "--target-layers", "4,2")  # any order: the cache's is used
     assert a.returncode == 0, a.stderr
     b = _train(tiny_dense, subset, tmp_path / "b")
     assert b.returncode == 0, b.stderr
@@ -121,7 +121,7 @@ def test_a_layer_subset_trains_exactly_as_a_cache_of_only_those_layers(layer_cac
     cfg = json.loads((tmp_path / "a" / "export" / "config.json").read_text())
     assert cfg["dflash_config"]["target_layer_ids"] == [2, 4]
     # A layer the cache does not hold: one line, before any work.
-    r = _train(tiny_dense, superset, tmp_path / "c", "--layers", "2,6")
+    r = _train(tiny_dense, superset, tmp_path / "c", "--target-layers", "2,6")
     assert r.returncode == 2 and "holds layers [1, 2, 3, 4, 5], not [6]" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "c" / "metrics.jsonl").exists()
 

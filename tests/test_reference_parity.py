@@ -251,7 +251,7 @@ def own_cache(tiny_dense, tmp_path_factory):
                              "input_ids": pa.array([p + c for p, c in zip(prompts, completions)], pa.list_(pa.int32())),
                              "loss_mask": pa.array([[0] * len(p) + [1] * len(c) for p, c in zip(prompts, completions)],
                                                    pa.list_(pa.int8()))}), root / "own.parquet")
-    r = run_cli(extract_args(tiny_dense, root / "own.parquet", root / "cache", "--layers", ",".join(map(str, LAYERS)),
+    r = run_cli(extract_args(tiny_dense, root / "own.parquet", root / "cache", "--capture-layers", ",".join(map(str, LAYERS)),
                              "--topk", "0"))
     assert r.returncode == 0, r.stderr
     return root / "cache"

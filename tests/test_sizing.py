@@ -55,7 +55,7 @@ target = "{tiny_dense}"
 data = "{tiny_data}"
 cache = "{tmp_path / 'cache'}"
 devices = "cpu"
-layers = [1, 3, 6]
+capture_layers = [1, 3, 6]
 topk = 4
 max_len = 64
 batch_tokens = 512
@@ -71,7 +71,7 @@ extract_gpus = 2
     tokens = int(np.minimum(scan([str(tiny_data)], info.vocab_size).lengths, 64).sum())
     assert p["layer_ids"] == [1, 3, 6] and p["topk"] == 4 and p["tokens"] == tokens
     assert p["max_bytes"] == 1000 and p["extract"]["gpus"] == 2 and p["free_bytes"] > 0
-    r = run_cli(["plan", "--config", recipe, "--topk", "2", "--max-len", "32", "--layers", "2,4", "--json"])
+    r = run_cli(["plan", "--config", recipe, "--topk", "2", "--max-len", "32", "--capture-layers", "2,4", "--json"])
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
     assert p["topk"] == 2 and p["layer_ids"] == [2, 4] and p["tokens"] < tokens
@@ -80,7 +80,7 @@ extract_gpus = 2
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown key 'lr'" in r.stderr, r.stderr
     # The deployment's own recipe, its target and data replaced by the tiny ones.
     r = run_cli(["plan", "--config", ROOT / "stages" / "qwen3.6-27b" / "extract.toml", "--target", tiny_dense,
-                 "--data", tiny_data, "--layers", "auto", "--json"])
+                 "--data", tiny_data, "--capture-layers", "auto", "--json"])
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
     assert p["topk"] == 32 and p["layer_ids"] == [1, 2, 3, 4, 5]

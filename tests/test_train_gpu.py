@@ -24,7 +24,7 @@ def test_compiled_training_on_cuda_no_recompiles(tiny_hybrid, tmp_path):
     out = tmp_path / "run"
     r = run_cli(["train", "--target", str(tiny_hybrid), "--cache", str(cache), "--out", str(out), "--devices", "0",
                  "--seq-len", "256", "--num-anchors", "16", "--block-size", "8", "--global-batch-tokens", "512",
-                 "--lr", "3e-3", "--mask-token-id", "1", "--num-layers", "2", "--epochs", "3", "--max-steps", "60",
+                 "--lr", "3e-3", "--mask-token-id", "1", "--drafter-layers", "2", "--epochs", "3", "--max-steps", "60",
                  "--loader-workers", "2", "--no-progress"], timeout=600)
     assert r.returncode == 0, r.stderr
     m = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -57,7 +57,7 @@ def test_init_layers_refuses_a_wrong_count_a_missing_layer_and_other_shapes(tiny
 def test_train_refuses_bad_init_layers_before_work(tiny_dense, arith_cache, tmp_path):
     out = tmp_path / "run"
     r = run_cli(["train", "--target", tiny_dense, "--cache", arith_cache, "--out", out, "--devices", "cpu",
-                 "--num-layers", "2", "--init-layers", "1,2,3", "--mask-token-id", "7", "--no-progress"])
+                 "--drafter-layers", "2", "--init-layers", "1,2,3", "--mask-token-id", "7", "--no-progress"])
     assert r.returncode == 2
     assert "--init-layers 1,2,3: one target layer per drafter layer, 2 expected" in r.stderr
     assert "Traceback" not in r.stderr

@@ -17,7 +17,7 @@ class ManifestView:
     status: str  # "extracting" | "complete"
     hidden_size: int  # the target's
     vocab_size: int  # the target's
-    target_layers: int  # the target's decoder layers
+    num_target_layers: int  # the target's decoder layers
     weights_fingerprint: str | None
     config_sha256: str | None
     layer_ids: tuple[int, ...]  # the captured layers, in the cache's order
@@ -36,7 +36,7 @@ class ManifestView:
     def of(cls, m: dict) -> "ManifestView":
         target, capture, plan = m["target"], m["capture"], m["plan"]
         return cls(
-            status=m["status"], hidden_size=int(target["hidden_size"]), vocab_size=int(target["vocab_size"]), target_layers=int(target["num_layers"]),
+            status=m["status"], hidden_size=int(target["hidden_size"]), vocab_size=int(target["vocab_size"]), num_target_layers=int(target["num_layers"]),
             weights_fingerprint=target.get("weights_fingerprint"), config_sha256=target.get("config_sha256"),
             layer_ids=tuple(capture["layer_ids"]), hidden_dtype=capture["hidden_dtype"],
             topk=int(capture.get("topk") or 0), num_shards=int(plan["num_shards"]),

@@ -343,7 +343,7 @@ def read_layer_tensors(target_dir: str, target_layers: list[int], drafter: "DFla
     flag = "--init-layers"
     if len(target_layers) != cfg.num_hidden_layers:
         raise UserError(f"{flag} {','.join(map(str, target_layers))}: one target layer per drafter layer, "
-                        f"{cfg.num_hidden_layers} expected (--num-layers)")
+                        f"{cfg.num_hidden_layers} expected (--drafter-layers)")
     bad = [j for j in target_layers if not 0 <= j < info.num_layers]
     if bad:
         raise UserError(f"{flag}: layer ids {bad} are outside the target's layers 0..{info.num_layers - 1}")

@@ -59,7 +59,7 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     cfg.validate()
     devices = parse_devices(cfg.devices)
     info = read_target(cfg.target)
-    layer_ids = target.resolve_layers(info, cfg.layers, cfg.num_layers)
+    layer_ids = target.resolve_layers(info, cfg)
     target.check_topk(info, cfg.topk)
     if launch is None:
         check_devices_exist(devices)

@@ -31,22 +31,31 @@ def _rule_limit(num_layers: int) -> int:
     return max(n for n in range(1, num_layers + 1) if len(set(default_layer_ids(num_layers, n))) == n)
 
 
-def resolve_layers(info: TargetInfo, layers: list[int] | None, n: int) -> list[int]:
+def resolve_layers(info: TargetInfo, cfg) -> list[int]:
+    """The target layer ids to capture: `cfg.capture_layers`, or the DFlash rule's
+    `cfg.capture_count` (extract's and plan's configs); messages name the option as given."""
+    from dflash_offline.options import where
+
+    layers, n = cfg.capture_layers, cfg.capture_count
     if layers is None:
         if info.num_layers < 5:
-            raise UserError(f"target has {info.num_layers} layers; give --layers explicitly (the DFlash rule needs at least 5)")
+            raise UserError(f"target has {info.num_layers} layers; give {where(cfg, 'capture_layers')} explicitly "
+                            "(the DFlash rule needs at least 5)")
         ids = default_layer_ids(info.num_layers, n)
         if len(set(ids)) < len(ids):
-            raise UserError(f"--num-layers {n}: the DFlash rule spreads the captured layers over layers 1..{info.num_layers - 3} "
-                            f"of this {info.num_layers}-layer target and would repeat one ({ids}); lower --num-layers "
-                            f"(at most {_rule_limit(info.num_layers)} here) or give distinct --layers")
+            count = where(cfg, "capture_count")
+            raise UserError(f"{count} {n}: the DFlash rule spreads the captured layers over layers "
+                            f"1..{info.num_layers - 3} of this {info.num_layers}-layer target and would repeat one "
+                            f"({ids}); lower {count} (at most {_rule_limit(info.num_layers)} here) or give distinct "
+                            f"{where(cfg, 'capture_layers')}")
     else:
         ids = list(layers)
     bad = [i for i in ids if i < 0 or i >= info.num_layers]
     if bad:
-        raise UserError(f"--layers {ids}: layer {bad[0]} does not exist; the target has layers 0..{info.num_layers - 1}")
+        raise UserError(f"{where(cfg, 'capture_layers')} {ids}: layer {bad[0]} does not exist; the target has layers "
+                        f"0..{info.num_layers - 1}")
     if ids != sorted(ids):
-        raise UserError(f"--layers {ids}: give layer ids in increasing order")
+        raise UserError(f"{where(cfg, 'capture_layers')} {ids}: give layer ids in increasing order")
     return ids
 
 

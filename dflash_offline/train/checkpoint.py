@@ -171,6 +171,15 @@ def load_checkpoint(ck_dir: str):
 RESUME_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("resume"))
 
 
+def saved_config(config: dict) -> dict:
+    """A checkpoint's saved TrainConfig with fields saved under an earlier name (a checkpoint from
+    before a rename: num_layers, layers) under their current one."""
+    from dflash_offline.options import renamed
+
+    now = renamed(TrainConfig)
+    return {now.get(k, k) if now.get(k, k) not in config else k: v for k, v in config.items()}
+
+
 def check_resume(cfg: TrainConfig, cache_fingerprint: str) -> None:
     """Refuse, before any process starts, to resume a checkpoint made on another cache or with
     other settings (a changed lr would be silently overridden by the saved optimizer state)."""
@@ -186,8 +195,9 @@ def check_resume(cfg: TrainConfig, cache_fingerprint: str) -> None:
     if state["cache_fingerprint"] != cache_fingerprint:
         raise UserError(f"{ck} was trained on another cache (its fingerprint differs); use a new --out")
     defaults = TrainConfig()
+    saved = saved_config(state["config"])
     for key in RESUME_KEYS:
-        theirs = state["config"].get(key, getattr(defaults, key))  # a key newer than the checkpoint: its default
+        theirs = saved.get(key, getattr(defaults, key))  # a key newer than the checkpoint: its default
         if theirs != getattr(cfg, key):
             raise UserError(f"{ck} was made with {key} = {theirs}, this run has {getattr(cfg, key)}; "
                             "use the same settings to resume, or a new --out")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_offline.options import check_at_least, check_choices, check_number, check_positive, opt
+from dflash_offline.options import check_at_least, check_choices, check_number, check_positive, opt, where
 from dflash_offline.runtime.errors import UserError
 
 @dataclass
@@ -18,7 +18,7 @@ class TrainConfig:
     """Run folder: checkpoints step-N/, metrics.jsonl, TensorBoard events, logs/, export/."""
     devices: str = opt("cpu", "GPU indices like 5,6,7 (one DDP process each, NCCL), or cpu / cpu,cpu (gloo).")
     """`5,6,7` for one DDP process per GPU (NCCL), `cpu` or `cpu,cpu` (gloo)."""
-    num_layers: int = opt(5, "Drafter layers.", resume=True)
+    drafter_layers: int = opt(5, "Drafter layers.", resume=True, old=("num_layers",))
     """Drafter decoder layers."""
     block_size: int = opt(16, "Draft block size.", resume=True)
     gamma: float | None = opt(None, "Loss decay over slots, > 0: slot k weighs exp(-(k-1)/gamma).", default_text="7 for block 16, 5 for 10, 4 for 8", resume=True)
@@ -29,7 +29,7 @@ class TrainConfig:
     """Anchors each sample (sequence) of a row draws, as the method defines the budget; a row's
     draws beyond `num_anchors` are subsampled uniformly. 0: one uniform draw of `num_anchors` over
     the whole row, however many samples it packs."""
-    layers: list[int] | None = opt(None, "Target layer ids the drafter reads, a subset of the cache's, e.g. 1,3,5,6.", default_text="all the cache holds", resume=True)
+    target_layers: list[int] | None = opt(None, "Target layer ids the drafter reads, a subset of the cache's, e.g. 1,3,5,6.", default_text="all the cache holds", resume=True, old=("layers",))
     """Target layer ids the drafter reads, a subset of those the cache holds (in the cache's order);
     None = all of them. One extraction of a superset serves a whole layer ablation."""
     init_layers: list[int] | None = opt(None, "Target layer ids whose weights start the drafter's layers, one per drafter layer, e.g. 0,1,2,3,4 (dense targets shaped like the drafter).", default_text="random")
@@ -119,7 +119,7 @@ class TrainConfig:
         for name in ("cache", "target", "out"):
             if not getattr(self, name):
                 raise UserError(f"train: --{name} is required (or set `{name}` in --config)")
-        check_positive(self, "num_layers", "block_size", "num_anchors", "seq_len", "global_batch_tokens", "epochs",
+        check_positive(self, "drafter_layers", "block_size", "num_anchors", "seq_len", "global_batch_tokens", "epochs",
                        "checkpoint_every", "keep_checkpoints", "log_every", "loss_chunk_tokens", "follow_window",
                        "prefetch", "max_steps", "eval_every", "eval_samples")
         if self.block_size < 2:
@@ -157,8 +157,9 @@ class TrainConfig:
         if self.follow and self.epochs != 1:
             raise UserError(f"--follow consumes every committed shard once, so --epochs must be 1 (got {self.epochs}); "
                             "for several epochs extract with --passes N")
-        if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
-            raise UserError(f"--layers {self.layers}: give distinct layer ids the cache holds")
+        ids = self.target_layers
+        if ids is not None and (not ids or len(set(ids)) != len(ids)):
+            raise UserError(f"{where(self, 'target_layers')} {ids}: give distinct layer ids the cache holds")
 
     def resolved_lr(self, hidden_size: int) -> float:
         return self.lr if self.lr is not None else auto_lr(hidden_size)

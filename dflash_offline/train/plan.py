@@ -37,7 +37,7 @@ class TrainPlan:
     drafter: dict  # DrafterConfig as a dict (as state.json records it)
     cache_fingerprint: str
     hidden_size: int
-    num_layers_captured: int  # layers the drafter reads
+    captured_layers: int  # layers the drafter reads (of the cache's)
     cache_layers: int  # layers the cache holds
     layer_columns: list[int] | None  # their columns in the cache's rows, None for all
     topk: int

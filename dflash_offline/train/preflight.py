@@ -16,6 +16,7 @@ from pathlib import Path
 from dflash_offline.cache.view import ManifestView
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
+from dflash_offline.options import where
 from dflash_offline.runtime.launch import torchrun_launch
 from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.train.checkpoint import check_resume
@@ -106,7 +107,7 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     _check_row_memory(cfg, len(layer_ids) * v.hidden_size)
     topk = _check_soft_targets(cfg, v)
     dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
-                                     num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
+                                     num_layers=cfg.drafter_layers, mask_token_id=cfg.mask_token_id)
     dcfg.chat = v.chat  # how the training text was rendered: carried into the export
     if cfg.init_layers:
         read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg)  # shapes only: one line if they do not fit
@@ -122,7 +123,7 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     plan = TrainPlan(
         devices=devices, world=world, accum=accum, total_steps=spe * cfg.epochs, drafter=asdict(dcfg),
         cache_fingerprint=manifest_fingerprint(m), hidden_size=v.hidden_size,
-        num_layers_captured=len(layer_ids), cache_layers=len(v.layer_ids), layer_columns=columns,
+        captured_layers=len(layer_ids), cache_layers=len(v.layer_ids), layer_columns=columns,
         topk=topk, hidden_dtype=v.hidden_dtype, lr=cfg.resolved_lr(v.hidden_size),
         epochs=EpochPlan(refs=refs, lengths=lengths, rows_per_epoch=rows, steps_per_epoch=spe),
     )
@@ -177,16 +178,17 @@ def _check_cache_target(cfg: TrainConfig, v: ManifestView) -> None:
 
 def layer_choice(cfg: TrainConfig, v: ManifestView) -> tuple[list[int], list[int] | None]:
     """(layer ids the drafter reads, their columns in the cache's rows, or None for all of them).
-    `--layers` picks a subset of the captured layers by id; the drafter reads them in the cache's
-    order, as a cache holding only those layers would store them."""
+    `--target-layers` picks a subset of the captured layers by id; the drafter reads them in the
+    cache's order, as a cache holding only those layers would store them."""
     captured = list(v.layer_ids)
-    if cfg.layers is None:
+    if cfg.target_layers is None:
         return captured, None
-    missing = [i for i in cfg.layers if i not in captured]
+    missing = [i for i in cfg.target_layers if i not in captured]
     if missing:
-        raise UserError(f"--layers {','.join(map(str, cfg.layers))}: the cache {cfg.cache} holds layers {captured}, not "
-                        f"{missing}; choose among those, or extract a cache with --layers that include them")
-    cols = [k for k, i in enumerate(captured) if i in cfg.layers]
+        raise UserError(f"{where(cfg, 'target_layers')} {','.join(map(str, cfg.target_layers))}: the cache {cfg.cache} "
+                        f"holds layers {captured}, not {missing}; choose among those, or extract a cache with "
+                        "--capture-layers that include them")
+    cols = [k for k, i in enumerate(captured) if i in cfg.target_layers]
     return [captured[k] for k in cols], cols
 
 
@@ -247,7 +249,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     layer_ids, columns = layer_choice(cfg, v)
     topk = _check_soft_targets(cfg, v)
     dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
-                                     num_layers=cfg.num_layers, mask_token_id=cfg.mask_token_id)
+                                     num_layers=cfg.drafter_layers, mask_token_id=cfg.mask_token_id)
     dcfg.chat = v.chat  # how the training text was rendered: carried into the export
     if cfg.init_layers:
         read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg)  # shapes only: one line if they do not fit
@@ -262,7 +264,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     plan = TrainPlan(
         devices=devices, world=world, accum=accum, total_steps=total, drafter=asdict(dcfg),
         cache_fingerprint=follow_fingerprint(m), hidden_size=v.hidden_size,
-        num_layers_captured=len(layer_ids), cache_layers=len(v.layer_ids), layer_columns=columns,
+        captured_layers=len(layer_ids), cache_layers=len(v.layer_ids), layer_columns=columns,
         topk=topk, hidden_dtype=v.hidden_dtype, lr=cfg.resolved_lr(v.hidden_size),
         follow=FollowPlan(num_shards=v.num_shards, consumer=mine, plan_tokens=int(tokens)),
     )

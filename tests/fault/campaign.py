@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXTRACT = ["--devices", "cpu", "--topk", "4", "--max-len", "128", "--batch-tokens", "512", "--shard-tokens", "1024",
            "--no-progress"]
 TRAIN = ["--seq-len", "256", "--num-anchors", "16", "--block-size", "8", "--global-batch-tokens", "512",
-         "--lr", "3e-3", "--mask-token-id", "1", "--num-layers", "2", "--loader-workers", "0", "--epochs", "2",
+         "--lr", "3e-3", "--mask-token-id", "1", "--drafter-layers", "2", "--loader-workers", "0", "--epochs", "2",
          "--checkpoint-every", "3", "--no-progress"]
 
 
