@@ -81,8 +81,8 @@ class ExtractConfig:
         check_at_least(self, "topk", 0, "0 = store no top-k and skip the LM head")
         if self.batch_tokens < self.max_len:
             raise UserError(
-                f"--batch-tokens {self.batch_tokens} is smaller than --max-len {self.max_len}: "
-                "one batch must hold the longest sample; raise --batch-tokens or lower --max-len"
+                f"{where(self, 'batch_tokens')} {self.batch_tokens} is smaller than {where(self, 'max_len')} "
+                f"{self.max_len}: one batch must hold the longest sample; raise the first or lower the second"
             )
         self.hidden_dtype = HIDDEN_DTYPE_ALIASES.get(self.hidden_dtype, self.hidden_dtype)  # bf16, fp8 in recipes too
         check_choices(self)
@@ -171,14 +171,13 @@ class GenerateConfig(SamplingOptions):
         if not self.prompts:
             raise UserError("generate: give --prompts PARQUET (files or folders with an input_ids column)")
         check_positive(self, "max_new_tokens", "batch_tokens", "chunk_prompts")
-        check_number(self, "temperature", 0, open_high=True, must=">= 0 and finite", why="0 = greedy")
-        check_number(self, "top_p", 0, 1, open_low=True, must="in (0, 1]",
-                     why="the probability mass of the tokens sampling keeps")
+        self.check_sampling()
         if self.top_p < 1 and self.temperature == 0:
-            raise UserError(f"--top-p {self.top_p} applies to sampling, but --temperature is 0 (greedy); give "
-                            "--temperature > 0 to sample, or leave --top-p out")
+            raise UserError(f"{where(self, 'top_p')} {self.top_p} applies to sampling, but --temperature is 0 "
+                            "(greedy); give --temperature > 0 to sample, or leave --top-p out")
         if self.eos_token_ids is not None and any(i < 0 for i in self.eos_token_ids):
-            raise UserError(f"--eos-token-ids {self.eos_token_ids}: token ids are >= 0")
+            raise UserError(f"{where(self, 'eos_token_ids')} {self.eos_token_ids}: token ids are >= 0; give the "
+                            "target's end-of-sequence ids, or leave the option out to read them from the target")
 
 
 @dataclass

@@ -43,6 +43,17 @@ class SamplingOptions:
     seed: int = opt(0, "Sampling: the noise of each prompt depends only on (seed, prompt id, output position).")
     """Sampling: the noise for prompt id i and output position t depends only on (seed, i, t)."""
 
+    def check_sampling(self) -> None:
+        """The shared options' ranges, each named as it was given (flag or recipe key): NaN and
+        infinite temperatures are refused, and seeds are >= 0 (the noise keys on 63 bits of it,
+        so a negative seed would repeat another's noise)."""
+        from dflash_offline.options import check_at_least, check_number
+
+        check_number(self, "temperature", 0, open_high=True, must=">= 0 and finite", why="0 = greedy")
+        check_number(self, "top_p", 0, 1, open_low=True, must="in (0, 1]",
+                     why="the probability mass of the tokens sampling keeps")
+        check_at_least(self, "seed", 0, "it keys the sampling noise")
+
 
 @dataclass(frozen=True)
 class Sampling:

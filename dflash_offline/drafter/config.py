@@ -113,8 +113,9 @@ class DrafterConfig:
 
     @classmethod
     def from_target(cls, target_dir: str, target_layer_ids: list[int], block_size: int = 16, num_layers: int = 5,
-                    mask_token_id: int | None = None) -> "DrafterConfig":
-        """Widths equal to the target's (the DFlash drafter shares its embedding and LM head)."""
+                    mask_token_id: int | None = None, mask_flag: str = "--mask-token-id") -> "DrafterConfig":
+        """Widths equal to the target's (the DFlash drafter shares its embedding and LM head).
+        `mask_flag`: how a given mask_token_id was given (a flag, or a recipe's key), for messages."""
         info = read_target(target_dir)
         cfg = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
         text = cfg.get("text_config") or cfg
@@ -130,7 +131,7 @@ class DrafterConfig:
                                 f"pass --mask-token-id")
         if not 0 <= mask_token_id < info.vocab_size:
             # Say where the id came from: the option the user gave, or the target's tokenizer files.
-            where = (f"--mask-token-id {mask_token_id}" if given else
+            where = (f"{mask_flag} {mask_token_id}" if given else
                      f"{info.path}: the tokenizer's mask token {by_id.get(mask_token_id, '?')!r} has id {mask_token_id}, which is")
             fix = "" if given else "; pass --mask-token-id with an id of the model's vocabulary"
             raise UserError(f"{where} outside the target's vocabulary (0..{info.vocab_size - 1}, config.json's "

@@ -333,17 +333,19 @@ def target_tensors(info, wanted: set[str]):
 
 
 def read_layer_tensors(target_dir: str, target_layers: list[int], drafter: "DFlashDrafter | None" = None,
-                       cfg: DrafterConfig | None = None) -> dict[str, Tensor]:
+                       cfg: DrafterConfig | None = None,
+                       flags: tuple[str, str] = ("--init-layers", "--drafter-layers")) -> dict[str, Tensor]:
     """The target tensors that start the drafter's layers: {drafter parameter name: tensor}, one
     target layer per drafter layer. Checks (one line each) that there is one id per drafter layer,
     that each exists, and that every tensor of the drafter's layer is in the target with its shape;
-    with `drafter=None` only the shapes are read (a preflight check: no tensor is loaded)."""
+    with `drafter=None` only the shapes are read (a preflight check: no tensor is loaded). `flags`:
+    how the layer ids and the drafter's depth were given (flags or recipe keys), for messages."""
     cfg = drafter.cfg if drafter is not None else cfg
     info = read_target(target_dir)
-    flag = "--init-layers"
+    flag, depth = flags
     if len(target_layers) != cfg.num_hidden_layers:
         raise UserError(f"{flag} {','.join(map(str, target_layers))}: one target layer per drafter layer, "
-                        f"{cfg.num_hidden_layers} expected (--drafter-layers)")
+                        f"{cfg.num_hidden_layers} expected ({depth})")
     bad = [j for j in target_layers if not 0 <= j < info.num_layers]
     if bad:
         raise UserError(f"{flag}: layer ids {bad} are outside the target's layers 0..{info.num_layers - 1}")

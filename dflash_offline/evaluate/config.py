@@ -91,6 +91,7 @@ class EvalConfig(SamplingOptions):
                             "--prompts")
         check_positive(self, "max_new_tokens", "seq_len", "num_anchors", "walk_batch_rows", "batch_size",
                        "max_prompts", "max_rows", "max_samples")
+        self.check_sampling()
         if problem := Sampling(self.temperature, self.top_p, self.seed, self.top_k).problem():
             raise UserError(f"eval: {problem}")
         if self.temperature > 0 and self.reference:

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dflash_offline.config import GenerateConfig
+from dflash_offline.options import where as origin
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.launch import Launch, join_ranks, torchrun_launch
@@ -141,8 +142,9 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     bad = [e for e in eos if not 0 <= e < info.vocab_size]
     if bad:
         # Say where the ids came from: the option the user gave, or the target's file.
-        where = f"--eos-token-ids {bad}" if given else f"{read_from}: eos_token_id {bad}"
-        fix = "" if given else "; give --eos-token-ids (or --ignore-eos) to decode anyway"
+        where = f"{origin(cfg, 'eos_token_ids')} {bad}" if given else f"{read_from}: eos_token_id {bad}"
+        fix = ("; give the target's end-of-sequence ids, or leave the option out to read them from the target"
+               if given else "; give --eos-token-ids (or --ignore-eos) to decode anyway")
         raise UserError(f"{where}: outside the target's vocabulary [0, {info.vocab_size}){fix}")
     cuda = any(d != "cpu" for d in devices)
     compile = cfg.compile

@@ -214,7 +214,8 @@ def eos_source(target_dir: str) -> tuple[set[int], Path | None]:
                 items = eos if isinstance(eos, list) else [eos]
                 if not all(isinstance(e, int) and not isinstance(e, bool) for e in items):
                     raise UserError(f"{f}: eos_token_id {json.dumps(eos)} is not a token id or a list of token ids "
-                                    "(integers); fix the file, or give --eos-token-ids")
+                                    "(integers); fix the file (generate --eos-token-ids and eval --ignore-eos "
+                                    "override it)")
                 return set(items), f
     return set(), None
 

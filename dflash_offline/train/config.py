@@ -125,13 +125,14 @@ class TrainConfig:
         if self.block_size < 2:
             raise UserError("--block-size must be at least 2 (slot 0 is the anchor, slots 1.. are drafted)")
         if self.seq_len <= self.block_size:
-            raise UserError(f"--seq-len must exceed --block-size ({self.block_size}), got {self.seq_len}: a row must "
-                            "hold an anchor and its drafted tokens; raise --seq-len or lower --block-size")
+            raise UserError(f"{where(self, 'seq_len')} must exceed {where(self, 'block_size')} ({self.block_size}), "
+                            f"got {self.seq_len}: a row must hold an anchor and its drafted tokens; raise the first "
+                            "or lower the second")
         # A row's capacity beyond its positions is masked padding; beyond the default as well, a typo
         # that would allocate (anchors x block) tables of that size.
         if self.num_anchors > max(self.seq_len, TrainConfig.num_anchors):
-            raise UserError(f"--num-anchors {self.num_anchors} exceeds --seq-len {self.seq_len}: each anchor is a "
-                            "distinct position of a row; lower --num-anchors")
+            raise UserError(f"{where(self, 'num_anchors')} {self.num_anchors} exceeds {where(self, 'seq_len')} "
+                            f"{self.seq_len}: each anchor is a distinct position of a row; lower the first")
         check_at_least(self, "anchors_per_sample", 0, "0 = one draw per row")
         check_at_least(self, "profile_steps", 0, "0 = off")
         check_at_least(self, "loader_workers", 0, "0 = read in the training process")

@@ -107,10 +107,12 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     _check_row_memory(cfg, len(layer_ids) * v.hidden_size)
     topk = _check_soft_targets(cfg, v)
     dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
-                                     num_layers=cfg.drafter_layers, mask_token_id=cfg.mask_token_id)
+                                     num_layers=cfg.drafter_layers, mask_token_id=cfg.mask_token_id,
+                                     mask_flag=where(cfg, "mask_token_id"))
     dcfg.chat = v.chat  # how the training text was rendered: carried into the export
     if cfg.init_layers:
-        read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg)  # shapes only: one line if they do not fit
+        read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg,  # shapes only: one line if they do not fit
+                           flags=(where(cfg, "init_layers"), where(cfg, "drafter_layers")))
     world = _world(devices)
     accum = step_accumulation(cfg, world)
     # Rows per epoch vary a little with the order; every epoch runs as many steps as the
@@ -249,10 +251,12 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     layer_ids, columns = layer_choice(cfg, v)
     topk = _check_soft_targets(cfg, v)
     dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
-                                     num_layers=cfg.drafter_layers, mask_token_id=cfg.mask_token_id)
+                                     num_layers=cfg.drafter_layers, mask_token_id=cfg.mask_token_id,
+                                     mask_flag=where(cfg, "mask_token_id"))
     dcfg.chat = v.chat  # how the training text was rendered: carried into the export
     if cfg.init_layers:
-        read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg)  # shapes only: one line if they do not fit
+        read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg,  # shapes only: one line if they do not fit
+                           flags=(where(cfg, "init_layers"), where(cfg, "drafter_layers")))
     if cfg.eval_cache:
         _check_eval_cache(cfg, layer_ids, v)
     world = _world(devices)

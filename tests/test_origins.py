@@ -1,0 +1,81 @@
+"""Every message about a value names where it came from: the flag the user typed, or the recipe
+key and file it was read from; the shared sampling options are checked the same way in every
+command that takes them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conftest import TRAIN, run_cli
+from dflash_offline.config import EvalConfig, ExtractConfig, GenerateConfig, TrainConfig
+from dflash_offline.options import load_recipe, merge
+from dflash_offline.runtime.errors import UserError
+
+REQUIRED = {
+    TrainConfig: 'cache = "c"\ntarget = "t"\nout = "o"\n',
+    ExtractConfig: 'target = "t"\ndata = "d"\ncache = "c"\n',
+    GenerateConfig: 'target = "t"\nprompts = "p"\nout = "o"\n',
+    EvalConfig: 'target = "t"\ndrafters = "d"\nprompts = "p"\n',
+}
+
+
+def _from_recipe(tmp_path, cls, body: str):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(REQUIRED[cls] + body)
+    return merge(cls, load_recipe(recipe, cls), {}), recipe
+
+
+@pytest.mark.parametrize("cls", [GenerateConfig, EvalConfig], ids=["generate", "eval"])
+@pytest.mark.parametrize("bad, expect", [
+    ("temperature = nan", "key 'temperature' must be >= 0 and finite, got nan (0 = greedy)"),
+    ("temperature = inf", "key 'temperature' must be >= 0 and finite, got inf (0 = greedy)"),
+    ("temperature = -1.0", "key 'temperature' must be >= 0 and finite, got -1.0"),
+    ("temperature = 1.0\ntop_p = 0.0", "key 'top_p' must be in (0, 1], got 0.0"),
+    ("seed = -1", "key 'seed' must be >= 0 (it keys the sampling noise), got -1"),
+    ("seed = 4611686018427387904", "key 'seed' 4611686018427387904 is too large"),
+])
+def test_sampling_options_are_checked_alike_and_named_by_their_key(tmp_path, cls, bad, expect):
+    """generate and eval share the sampling options and their checks: a NaN or infinite
+    temperature and a negative seed (whose noise would repeat another seed's) are refused."""
+    cfg, recipe = _from_recipe(tmp_path, cls, bad + "\n")
+    with pytest.raises(UserError) as e:
+        cfg.validate()
+    assert str(e.value).startswith(f"--config {recipe}: ") and expect in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_eval_refuses_a_non_finite_temperature_from_the_command_line(value):
+    with pytest.raises(UserError, match=r"^--temperature must be >= 0 and finite, got (nan|inf)"):
+        EvalConfig(target="t", drafters=["d"], prompts="p", temperature=value).validate()
+
+
+@pytest.mark.parametrize("cls, body, expect", [
+    (TrainConfig, "seq_len = 8\nblock_size = 8", "key 'seq_len' must exceed --config {r}: key 'block_size' (8), got 8"),
+    (TrainConfig, "seq_len = 64\nnum_anchors = 100000", "key 'num_anchors' 100000 exceeds --config {r}: key 'seq_len' 64"),
+    (ExtractConfig, "max_len = 64\nbatch_tokens = 32", "key 'batch_tokens' 32 is smaller than --config {r}: key 'max_len' 64"),
+    (ExtractConfig, "capture_layers = [1, 1]", "key 'capture_layers' [1, 1] lists a layer twice"),
+    (GenerateConfig, "eos_token_ids = [-2]", "key 'eos_token_ids' [-2]: token ids are >= 0"),
+    (GenerateConfig, "top_p = 0.5", "key 'top_p' 0.5 applies to sampling, but --temperature is 0"),
+])
+def test_cross_checks_name_recipe_keys(tmp_path, cls, body, expect):
+    cfg, recipe = _from_recipe(tmp_path, cls, body + "\n")
+    with pytest.raises(UserError) as e:
+        cfg.validate()
+    assert str(e.value).startswith(f"--config {recipe}: ") and expect.format(r=recipe) in str(e.value), str(e.value)
+
+
+def test_a_mask_token_from_a_recipe_is_named_by_its_key(tiny_dense, arith_cache, tmp_path):
+    """Checked against the target's vocabulary in preflight: the message names the recipe key
+    the id came from, not a --mask-token-id the user never typed."""
+    recipe = tmp_path / "train.toml"
+    recipe.write_text("mask_token_id = 99999\n")
+    args = [a for a in TRAIN]
+    i = args.index("--mask-token-id")
+    del args[i:i + 2]
+    r = run_cli(["train", "--config", recipe, "--target", tiny_dense, "--cache", arith_cache, "--out",
+                 tmp_path / "run", *args], timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"error: --config {recipe}: key 'mask_token_id' 99999 outside the target's vocabulary"), \
+        r.stderr
