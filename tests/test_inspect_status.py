@@ -429,6 +429,10 @@ def test_a_complete_manifest_edited_by_hand_is_named_not_read_in_part(valid_cach
     (lambda m: m["shards"][0].pop("checksum"), "lacks integer samples, tokens, bytes, a checksum or its sample_ids"),
     (lambda m: m.pop("capture"), "no capture"),
     (lambda m: m["plan"].update(num_shards="5"), "plan.num_shards is not an integer"),
+    (lambda m: m.pop("target"), "no target"),
+    (lambda m: m["target"].update(hidden_size="64x"), "target lacks a model_type and integer num_layers"),
+    (lambda m: m["capture"].update(layer_ids=[1.5, 2]), "capture.layer_ids is not a list of integers (it holds [1.5, 2])"),
+    (lambda m: m["shards"][0].update(sample_ids=[["a", "b"]]), "sample_ids is not a list of [first, last] integer"),
 ])
 def test_a_malformed_manifest_is_one_line_not_a_key_error(valid_cache, tmp_path, edit, says):
     """Valid JSON of the wrong shape is named as a damaged manifest by every command that reads it."""

@@ -79,3 +79,29 @@ def test_a_mask_token_from_a_recipe_is_named_by_its_key(tiny_dense, arith_cache,
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith(f"error: --config {recipe}: key 'mask_token_id' 99999 outside the target's vocabulary"), \
         r.stderr
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda d: d["dflash_config"].update(mask_token_id=600), "mask_token_id 600 is outside the vocabulary"),
+    (lambda d: d.update(block_size=8.5), "key 'block_size' must be a positive integer, got 8.5"),
+    (lambda d: d["dflash_config"].update(target_layer_ids="1,2"), "key 'dflash_config.target_layer_ids' must list"),
+    (lambda d: d["dflash_config"].update(mask_token_id="1"), "key 'dflash_config.mask_token_id' must be an integer"),
+    (lambda d: d.pop("hidden_size"), "missing ['hidden_size']"),
+    (lambda d: d["dflash_config"].update(block_size=4), "block_size 8 and dflash_config.block_size 4 disagree"),
+    (lambda d: d.update(rms_norm_eps=True), "key 'rms_norm_eps' must be a positive number, got True"),
+])
+def test_a_damaged_export_config_is_one_line_naming_the_file(tiny_dense, tmp_path, edit, says):
+    """An export's config.json edited by hand (or written by another program): `eval` and anything
+    that loads the drafter name the file and the key instead of failing inside the model."""
+    import json
+
+    from dflash_offline.drafter.config import DrafterConfig
+    from dflash_offline.drafter.export import load_exported
+
+    d = DrafterConfig.from_target(str(tiny_dense), [1, 3], block_size=8, num_layers=1, mask_token_id=1).to_export_dict()
+    d["architectures"] = ["DFlashDraftModel"]
+    edit(d)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(UserError) as e:
+        load_exported(str(tmp_path), str(tiny_dense))
+    assert str(e.value).startswith(f"{tmp_path / 'config.json'}: ") and says in str(e.value), str(e.value)

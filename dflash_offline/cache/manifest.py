@@ -135,7 +135,7 @@ class ManifestStore:
             raise UserError(f"{self.loc.path()}: a generate output (the target's completions as Parquet parts), not a "
                             f"cache: extract it with `dflash-offline extract --data {self.loc.path()}`, or see "
                             f"`dflash-offline status {self.loc.path()}`")
-        missing = [k for k in ("format", "status", "capture", "plan", "shards", "totals") if k not in m] \
+        missing = [k for k in ("format", "status", "target", "capture", "plan", "shards", "totals") if k not in m] \
             if isinstance(m, dict) else ["(not an object)"]
         if missing:
             raise UserError(f"{self.loc.url(MANIFEST)}: damaged or not a dflash-offline manifest (no "
@@ -297,8 +297,17 @@ def _malformed(m: dict) -> str | None:
     def ints(d, keys) -> bool:
         return isinstance(d, dict) and all(isinstance(d.get(k), int) and not isinstance(d.get(k), bool) for k in keys)
 
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not ints(m["target"], ("num_layers", "hidden_size", "vocab_size")) \
+            or not isinstance(m["target"].get("model_type"), str):
+        return "target lacks a model_type and integer num_layers, hidden_size and vocab_size"
     if not isinstance(m["capture"], dict):
         return "capture is not an object"
+    ids = m["capture"].get("layer_ids")
+    if not isinstance(ids, list) or not ids or not all(is_int(i) for i in ids):
+        return f"capture.layer_ids is not a list of integers (it holds {json.dumps(ids)})"
     if not ints(m["plan"], ("num_shards",)):
         return "plan.num_shards is not an integer"
     if not ints(m["totals"], ("samples", "tokens", "bytes")):
@@ -314,6 +323,8 @@ def _malformed(m: dict) -> str | None:
         if not ints(e, ("samples", "tokens", "bytes")) or not isinstance(e.get("checksum"), str) \
                 or not isinstance(e.get("sample_ids"), list):
             return f"shards[{i}] ({e['name']}) lacks integer samples, tokens, bytes, a checksum or its sample_ids"
+        if not all(isinstance(r, list) and len(r) == 2 and all(is_int(x) for x in r) for r in e["sample_ids"]):
+            return f"shards[{i}] ({e['name']}): sample_ids is not a list of [first, last] integer id ranges"
     return None
 
 

@@ -175,17 +175,42 @@ class DrafterConfig:
         }
 
     @classmethod
-    def from_export_dict(cls, d: dict) -> "DrafterConfig":
+    def from_export_dict(cls, d: dict, source: str = "drafter config.json") -> "DrafterConfig":
+        """The config of an export's config.json (`source`: its path, for messages). Every value is
+        checked for its type and range here, so a hand-edited or foreign file is one line naming the
+        file and key, not an exception inside the model's construction."""
         dc = d.get("dflash_config") or {}
         names = [f for f in cls.__dataclass_fields__
                  if f not in ("target_layer_ids", "mask_token_id", "rope_theta", "mask_token", "target", "chat")]
         missing = [n for n in names if n not in d] + [n for n in ("target_layer_ids", "mask_token_id") if dc.get(n) is None]
         if missing:
-            raise UserError(f"drafter config.json: missing {missing}")
-        return cls(**{n: d[n] for n in names}, rope_theta=config_rope_theta(d),
-                   target_layer_ids=list(dc["target_layer_ids"]), mask_token_id=int(dc["mask_token_id"]),
-                   mask_token=dc.get("mask_token"), target=(d.get("dflash_offline") or {}).get("target"),
-                   chat=dc.get("chat"))
+            raise UserError(f"{source}: missing {missing}; not a complete DFlash drafter export")
+
+        def whole(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for n in names:
+            kind = str(cls.__dataclass_fields__[n].type)
+            ok = whole(d[n]) and d[n] > 0 if kind == "int" else \
+                isinstance(d[n], (int, float)) and not isinstance(d[n], bool) and d[n] > 0
+            if not ok:
+                raise UserError(f"{source}: key {n!r} must be a positive {'integer' if kind == 'int' else 'number'}, "
+                                f"got {d[n]!r}")
+        ids, mask = dc["target_layer_ids"], dc["mask_token_id"]
+        if not isinstance(ids, list) or not ids or not all(whole(i) and 0 <= i < d["num_target_layers"] for i in ids):
+            raise UserError(f"{source}: key 'dflash_config.target_layer_ids' must list layer ids of the target "
+                            f"(0..{d['num_target_layers'] - 1}), got {ids!r}")
+        if not whole(mask):
+            raise UserError(f"{source}: key 'dflash_config.mask_token_id' must be an integer token id, got {mask!r}")
+        if dc.get("block_size") is not None and dc["block_size"] != d["block_size"]:
+            raise UserError(f"{source}: block_size {d['block_size']!r} and dflash_config.block_size "
+                            f"{dc['block_size']!r} disagree; the two must be equal")
+        try:
+            return cls(**{n: d[n] for n in names}, rope_theta=config_rope_theta(d), target_layer_ids=list(ids),
+                       mask_token_id=mask, mask_token=dc.get("mask_token"),
+                       target=(d.get("dflash_offline") or {}).get("target"), chat=dc.get("chat"))
+        except ValueError as e:  # the config's own consistency checks (__post_init__)
+            raise UserError(f"{source}: {e}") from None
 
 
 def target_identity(info) -> dict:

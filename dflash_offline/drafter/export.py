@@ -94,7 +94,7 @@ def load_exported(out_dir: str, target_dir: str | None = None) -> DFlashDrafter:
         raise UserError(f"{root}: no readable drafter config.json ({e})") from None
     if "DFlashDraftModel" not in (d.get("architectures") or []):
         raise UserError(f"{root / EXPORT_CONFIG}: not a DFlashDraftModel config")
-    drafter = DFlashDrafter(DrafterConfig.from_export_dict(d))
+    drafter = DFlashDrafter(DrafterConfig.from_export_dict(d, str(root / EXPORT_CONFIG)))
     wanted = drafter.trainable_state_dict()
     with safe_open(str(root / EXPORT_WEIGHTS), framework="pt", device="cpu") as sf:
         keys = set(sf.keys())
