@@ -258,7 +258,7 @@ def ceiling_draft_ms(shape: dict, recipe: dict, context: int, blocks: list[int],
                ceiling_ms(device, lambda: None, lambda: d.context_kv(hidden[:, context:context + B],
                                                                      positions[:, context:context + B]), reps))
            for B in blocks}
-    print(f"ceiling: drafter of {recipe['num_layers']} layer(s), ms per block of B (draft, context update): "
+    print(f"ceiling: drafter of {recipe['drafter_layers']} layer(s), ms per block of B (draft, context update): "
           f"{json.dumps(out)}", flush=True)
     return out
 
@@ -327,7 +327,7 @@ def part2(args, device: str) -> dict:
     command = "python benchmarks/decode_speed.py " + shlex.join(argv)  # --out FILE: its name alone
     desc = (f"{'tiny' if args.tiny else 'Qwen3.6-27B'}-shaped hybrid target ({L} layers, Gated DeltaNet 3:1 attention, "
             f"hidden {shape['hidden_size']}, vocab {shape['vocab_size']}), random weights; the {recipe['recipe']} "
-            f"drafter ({recipe['num_layers']} layer{'s' * (recipe['num_layers'] != 1)}, features of "
+            f"drafter ({recipe['drafter_layers']} layer{'s' * (recipe['drafter_layers'] != 1)}, features of "
             f"{len(recipe['target_layer_ids'])} target layers)")
     shapes = []
     for B in blocks:

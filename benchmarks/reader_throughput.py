@@ -47,7 +47,8 @@ def write_zarr_cache(root: Path, lengths: list[int], n: int, H: int, seed: int, 
     shards = [lengths[i:i + per_shard] for i in range(0, len(lengths), per_shard)]
     loc = Location(str(root))
     store = ManifestStore(loc)
-    store.init_or_check(new_manifest(target={"note": "synthetic"}, capture={"layer_ids": list(range(n)), "topk": 0,
+    store.init_or_check(new_manifest(target={"note": "synthetic", "model_type": "synthetic", "num_layers": n,
+                                             "hidden_size": H, "vocab_size": 1 << 16}, capture={"layer_ids": list(range(n)), "topk": 0,
                                                                              "hidden_dtype": "bfloat16"},
                                      source={"files": [], "rows": len(lengths)},
                                      plan={"shard_tokens": 0, "sort_window": 0, "num_shards": len(shards)}))
