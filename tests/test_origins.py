@@ -105,3 +105,27 @@ def test_a_damaged_export_config_is_one_line_naming_the_file(tiny_dense, tmp_pat
     with pytest.raises(UserError) as e:
         load_exported(str(tmp_path), str(tiny_dense))
     assert str(e.value).startswith(f"{tmp_path / 'config.json'}: ") and says in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("file, edit, says", [
+    ("tokenizer_config.json", lambda d: d.setdefault("added_tokens_decoder", {}).update({"x": {"content": "<q>"}}),
+     "tokenizer_config.json: added_tokens_decoder key 'x' holds \"x\", not a token id"),
+    ("tokenizer.json", lambda d: d.setdefault("added_tokens", []).append({"content": "<q>"}),
+     "tokenizer.json: added_tokens[{n}].id holds null, not a token id"),
+])
+def test_damaged_tokenizer_files_are_one_line_naming_the_file_and_key(tiny_dense, tmp_path, file, edit, says):
+    import json
+    import shutil
+
+    from dflash_offline.drafter.config import mask_token_from_tokenizer
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_dense, target)
+    path = target / file
+    d = json.loads(path.read_text()) if path.is_file() else {}
+    n = len(d.get("added_tokens") or [])
+    edit(d)
+    path.write_text(json.dumps(d))
+    with pytest.raises(UserError) as e:
+        mask_token_from_tokenizer(target)
+    assert str(e.value).startswith(str(path)) and says.format(n=n) in str(e.value), str(e.value)

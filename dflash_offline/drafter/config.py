@@ -59,15 +59,26 @@ def _tokenizer_vocab(root: Path) -> tuple[list, dict[str, int], dict[int, str]]:
         except json.JSONDecodeError as e:
             raise UserError(f"{p}: not valid JSON ({e})") from None
 
+    def token_id(v, file: str, key: str) -> int:
+        """An id as the file holds it: an integer (or its decimal string, as JSON object keys are)."""
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            return v
+        if isinstance(v, str) and v.isdigit():
+            return int(v)
+        raise UserError(f"{root / file}: {key} holds {json.dumps(v)}, not a token id (an integer >= 0); the "
+                        "tokenizer files are damaged: restore them from the model's release")
+
     tok_cfg, special, tok_json = load("tokenizer_config.json"), load("special_tokens_map.json"), load("tokenizer.json")
     vocab: dict[str, int] = {}  # content -> id, from every place a tokenizer lists added tokens
     model_vocab = (tok_json.get("model") or {}).get("vocab")
     if isinstance(model_vocab, dict):
-        vocab.update({str(k): int(v) for k, v in model_vocab.items()})
-    for t in tok_json.get("added_tokens") or []:
-        vocab[str(t.get("content"))] = int(t["id"])
+        vocab.update({str(k): token_id(v, "tokenizer.json", f"model.vocab[{k!r}]") for k, v in model_vocab.items()})
+    for n, t in enumerate(tok_json.get("added_tokens") or []):
+        got = t.get("id") if isinstance(t, dict) else None
+        vocab[str(t.get("content") if isinstance(t, dict) else t)] = token_id(got, "tokenizer.json", f"added_tokens[{n}].id")
     for i, t in (tok_cfg.get("added_tokens_decoder") or {}).items():
-        vocab[str(t.get("content") if isinstance(t, dict) else t)] = int(i)
+        vocab[str(t.get("content") if isinstance(t, dict) else t)] = token_id(
+            i, "tokenizer_config.json", f"added_tokens_decoder key {i!r}")
     declared = [d.get("content") if isinstance(d, dict) else d for d in (tok_cfg.get("mask_token"), special.get("mask_token"))]
     return declared, vocab, {v: k for k, v in vocab.items()}
 
