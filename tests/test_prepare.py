@@ -147,6 +147,12 @@ def _bad(tmp_path):
     _chat.write_jsonl(mixed_ids / "a.jsonl", [{"id": k, "prompt": str(k), "response": "b"} for k in range(1, 6)])
     _chat.write_jsonl(mixed_ids / "b.jsonl", [{"id": "s0", **pair}])
     cases["position id taken"] = (mixed_ids, [], "its id 's0' is not an integer, so it takes its position 5")
+    float_first = p / "float-first"
+    float_first.mkdir()
+    _chat.write_jsonl(float_first / "a.jsonl", [{"id": 3.0, **pair}, {"id": 0, **pair}])
+    cases["an integer id a position took"] = (float_first, [], "id 0 was already used by "
+                                              f"{float_first / 'a.jsonl'}: line 1 (its id '3.0' is not an integer, so it "
+                                              "took its position 0)")
     cases["messages as text"] = (_chat.write_jsonl(p / "s.jsonl", [{"messages": "[]"}]), [], "is a string")
     cases["unknown text part"] = (_chat.write_jsonl(p / "part.jsonl", [{"messages": [
         {"role": "user", "content": [{"type": "refusal", "text": "x"}]}]}]), [], "is not a text part")

@@ -118,7 +118,9 @@ def select(records: list[Record], responses: str, eval_fraction: float, dedup: b
             why = f"its id {rec.source_id!r} is not an integer, so it" if rec.source_id is not None else "it has no id, so it"
             raise UserError(f"{rec.where}: {why} takes its position {conv_id} as id, which {ids[conv_id]} already uses; "
                             "give every record an integer id, or none")
-        ids[conv_id] = rec.where
+        ids[conv_id] = rec.where if rec.own_id is not None else (
+            f"{rec.where} (its id {rec.source_id!r} is not an integer, so it took its position {conv_id})"
+            if rec.source_id is not None else f"{rec.where} (it has no id, so it took its position {conv_id})")
         why = "ends with the user (unanswered)" if unanswered else problem(rec, responses)
         if why is not None:
             sel.dropped[why] += 1
