@@ -129,3 +129,23 @@ def test_damaged_tokenizer_files_are_one_line_naming_the_file_and_key(tiny_dense
     with pytest.raises(UserError) as e:
         mask_token_from_tokenizer(target)
     assert str(e.value).startswith(str(path)) and says.format(n=n) in str(e.value), str(e.value)
+
+
+def test_a_bad_prompt_in_a_part_folder_names_its_part_and_row(tmp_path):
+    """eval --prompts with a generate/prepare output folder: the row is counted within its part
+    file, which is named (the folder's parts are read as one table)."""
+    import pyarrow as pa
+
+    from dflash_offline.evaluate.inputs import read_prompts
+    from dflash_offline.rows.parts import OutputStore, new_manifest, write_part
+
+    store = OutputStore(tmp_path)
+    store.init_or_check(new_manifest(target={}, settings={}, source={}, plan={"num_parts": 2}))
+    for k, rows in enumerate(([[1, 2], [3]], [[4], [5, 600], [6]])):
+        first = 2 * k
+        table = pa.table({"id": pa.array(range(first, first + len(rows)), pa.int64()),
+                          "input_ids": pa.array(rows, pa.list_(pa.int32()))})
+        name, size = write_part(tmp_path, f"part-{k:06d}", table)
+        store.commit_part({"name": f"part-{k:06d}", "file": name, "rows": len(rows)})
+    with pytest.raises(UserError, match=rf"^--prompts {tmp_path}: part-000001.parquet: row 1 holds token id 600"):
+        read_prompts(str(tmp_path), vocab_size=512)

@@ -53,6 +53,23 @@ def _read_table(option: str, path: str, columns: tuple[str, ...], fix: str):
     return table
 
 
+def _row_place(option: str, path: str, row: int) -> str:
+    """Where row `row` of what `_read_table` read lies: the file, or a part folder's part file and
+    the row within it (the table concatenates the parts)."""
+    if not Path(path).is_dir():
+        return f"{option} {path}: row {row}"
+    import pyarrow.parquet as pq
+
+    from dflash_offline.rows.parts import listed_parts
+
+    for f in listed_parts(path):
+        n = pq.read_metadata(f).num_rows
+        if row < n:
+            return f"{option} {path}: {Path(f).name}: row {row}"
+        row -= n
+    return f"{option} {path}: row {row}"
+
+
 def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None) -> tuple[list[int], list[list[int]]]:
     """(ids, prompts) from a Parquet file with `input_ids` (and optional `id`); one line per problem."""
     import pyarrow as pa
@@ -77,15 +94,15 @@ def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None) -> 
         raise UserError(f"--prompts {path}: the file holds no rows; give at least one prompt")
     for row, toks in enumerate(prompts):
         if toks is None:
-            raise UserError(f"--prompts {path}: row {row} is null; every prompt needs at least one token")
+            raise UserError(f"{_row_place('--prompts', path, row)} is null; every prompt needs at least one token")
         if not toks:
-            raise UserError(f"--prompts {path}: row {row} is empty; every prompt needs at least one token")
+            raise UserError(f"{_row_place('--prompts', path, row)} is empty; every prompt needs at least one token")
         if None in toks:
-            raise UserError(f"--prompts {path}: row {row} of column input_ids holds a null element (position "
+            raise UserError(f"{_row_place('--prompts', path, row)} of column input_ids holds a null element (position "
                             f"{toks.index(None)}); every entry must be a token id: fix or drop that row")
         bad = next((t for t in toks if not 0 <= int(t) < vocab_size), None)
         if bad is not None:
-            raise UserError(f"--prompts {path}: row {row} holds token id {bad}, outside the target's vocabulary "
+            raise UserError(f"{_row_place('--prompts', path, row)} holds token id {bad}, outside the target's vocabulary "
                             f"(0..{vocab_size - 1}); tokenize with the target's tokenizer")
     return [int(i) for i in ids], [[int(t) for t in toks] for toks in prompts]
 
