@@ -137,6 +137,12 @@ def not_parquet(s: Setup) -> Bad:
     return Bad(opts={"data": [f]}, expect=["not-parquet.parquet", "not a readable Parquet file"])
 
 
+def conversations_not_prepared(s: Setup) -> Bad:
+    f = s.tmp / "chats.jsonl"
+    f.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+    return Bad(opts={"data": [f]}, expect=["chats.jsonl", "not a readable Parquet file", "dflash-offline prepare"])
+
+
 def truncated_parquet(s: Setup) -> Bad:
     ids, masks = good_rows(8)
     f = write_parquet(s.tmp / "truncated.parquet", input_ids=ilist(ids), loss_mask=ilist(masks, pa.int8()))
@@ -321,6 +327,7 @@ CASES = [
     ("loss_mask-values-not-0-1", loss_mask_values, True,
      ()),
     ("not-parquet", not_parquet, True, ()),
+    ("conversations-not-prepared", conversations_not_prepared, True, ()),
     ("truncated-parquet", truncated_parquet, True, ()),
     ("data-path-missing", data_missing, True, ()),
     ("data-folder-without-parquet", data_folder_empty, True, ()),

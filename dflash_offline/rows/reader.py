@@ -150,7 +150,11 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
             pf = pq.ParquetFile(path)
             schema = pf.schema_arrow
         except Exception as e:  # pyarrow raises several types for a bad file
-            raise UserError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+            hint = ("; conversation data (.jsonl, .json) goes through `dflash-offline prepare` first, which writes "
+                    "the token rows this option reads" if str(path).endswith((".jsonl", ".json", ".txt")) else
+                    f"; {option} takes Parquet with an input_ids column (the input contract), or a prepare or "
+                    "generate output folder")
+            raise UserError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e}){hint}") from None
         names = set(schema.names)
         if "input_ids" not in names:
             raise UserError(f"{path}: missing column 'input_ids' (columns: {', '.join(schema.names)})")
