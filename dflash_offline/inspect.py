@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dflash_offline.cache.view import ManifestView
 from dflash_offline.cache.reader import CacheReader, bf16_bits_to_float32
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.text import TRAINED_MARKS, decode_spans, load_tokenizer, render, render_ansi, use_color
@@ -79,17 +80,17 @@ class CacheView:
         self.tokenizer_path = tokenizer  # None: the target folder the manifest names
         self._tokenizers: dict = {}
         self._reader = CacheReader(self.path)
-        self.manifest = self._reader.manifest
-        cap = self.manifest["capture"]
-        self.layer_ids: list[int] = list(cap["layer_ids"])
-        self.topk: int = int(cap["topk"])
-        self.hidden_size: int = int(self.manifest["target"]["hidden_size"])
-        self.status: str = self.manifest["status"]
+        self.manifest = self._reader.manifest  # the shard entries are read from it; every other fact from `view`
+        self.view = ManifestView.of(self.manifest)
+        self.layer_ids: list[int] = list(self.view.layer_ids)
+        self.topk: int = self.view.topk
+        self.hidden_size: int = self.view.hidden_size
+        self.status: str = self.view.status
 
     def __repr__(self) -> str:
-        t = self.manifest["totals"]
-        return (f"<cache {self.path}: {self.status}, {len(self.manifest['shards'])}/{self.manifest['plan']['num_shards']} "
-                f"shards, {t['samples']} samples, {t['tokens']} tokens, layers {self.layer_ids}>")
+        v, t = self.view, self.view.totals
+        return (f"<cache {self.path}: {self.status}, {v.shards_committed}/{v.num_shards} "
+                f"shards, {t.samples} samples, {t.tokens} tokens, layers {self.layer_ids}>")
 
     # -- tables ---------------------------------------------------------------------------------
 
@@ -131,12 +132,12 @@ class CacheView:
     def tokenizer(self, where: str | None = None):
         """The `tokenizers.Tokenizer` of the cache's target (tokenizer.json in the folder the
         manifest names, or in `where` / open_cache's `tokenizer`), loaded once."""
-        where = str(where or self.tokenizer_path or self.manifest["target"]["path"])
+        where = str(where or self.tokenizer_path or self.view.target_path)
         if where not in self._tokenizers:
             self._tokenizers[where] = load_tokenizer(
                 where, "give the model folder that holds tokenizer.json with --tokenizer DIR (in Python: "
                 "open_cache(path, tokenizer=DIR))",
-                "the target folder the cache's manifest names" if where == self.manifest["target"]["path"] else "")
+                "the target folder the cache's manifest names" if where == self.view.target_path else "")
         return self._tokenizers[where]
 
     def _token_sample(self, max_tokens: int, seed: int) -> np.ndarray:
@@ -222,17 +223,16 @@ class CacheView:
     # -- text -----------------------------------------------------------------------------------
 
     def summary(self, stats: bool = True, max_tokens: int = 16384) -> str:
-        m = self.manifest
-        t, tg = m["totals"], m["target"]
+        v, t = self.view, self.view.totals
         lines = [
             repr(self),
-            f"target: {tg['path']} ({tg['model_type']}, {tg['num_layers']} layers, hidden {tg['hidden_size']}, "
-            f"vocabulary {tg['vocab_size']})",
-            f"capture: layers {self.layer_ids}, top-k {self.topk}, {m['capture']['hidden_dtype']}"
-            + (f", computed in {m['capture']['compute_dtype']}" if m["capture"].get("compute_dtype") else "")
-            + f", max length {m['capture']['max_len']}",
-            f"source: {m['source']['rows']} rows in {len(m['source']['files'])} files; "
-            f"{t['bytes'] / 1e9:.3f} GB on storage ({t['bytes'] / max(t['tokens'], 1):.0f} bytes/token)",
+            f"target: {v.target_path} ({v.model_type}, {v.num_target_layers} layers, hidden {v.hidden_size}, "
+            f"vocabulary {v.vocab_size})",
+            f"capture: layers {self.layer_ids}, top-k {self.topk}, {v.hidden_dtype}"
+            + (f", computed in {v.compute_dtype}" if v.compute_dtype else "")
+            + f", max length {v.max_len}",
+            f"source: {v.source_rows} rows in {v.source_files} files; "
+            f"{t.bytes / 1e9:.3f} GB on storage ({t.bytes / max(t.tokens, 1):.0f} bytes/token)",
         ]
         recs = self.shard_records()
         if recs:
@@ -245,7 +245,7 @@ class CacheView:
                 lines.append(f"{r['shard']:<16} {r['samples']:>8} {r['tokens']:>10} {r['bytes'] / 1e6:>9.1f}  "
                              f"{r['first_id']}..{r['last_id']} ({r['id_ranges']} range{'s' if r['id_ranges'] > 1 else ''})")
             if stats:
-                lines.append(f"per layer, over {min(max_tokens, t['tokens'])} tokens of random samples:")
+                lines.append(f"per layer, over {min(max_tokens, t.tokens)} tokens of random samples:")
                 lines.append(f"{'layer':>5} {'mean':>9} {'std':>9} {'absmax':>9} {'rms':>9} {'|token|':>9}  outlier channels")
                 for r in self.layer_stat_records(max_tokens):
                     oc = ", ".join(map(str, r["outlier_channels"])) or "-"
@@ -259,7 +259,7 @@ def sample_text(s: SampleView, color: bool | None = None) -> str:
     colour (ANSI; None: when stdout is a terminal) or between TRAINED_MARKS."""
     spans = s.spans()
     color = use_color(color)
-    where = s.cache.tokenizer_path or s.cache.manifest["target"]["path"]
+    where = s.cache.tokenizer_path or s.cache.view.target_path
     head = (f"sample {s.sample_id} of {s.cache.path} ({s.shard}): {len(s)} tokens, {int(s.loss_mask.sum())} trained "
             + ("(in green)" if color else "(between {} and {})".format(*TRAINED_MARKS)) + f"; decoded with {where}")
     return head + "\n" + (render_ansi(spans) if color else render(spans))

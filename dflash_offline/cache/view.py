@@ -10,11 +10,22 @@ renamed one fails in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class Totals(NamedTuple):
+    """The committed shards' sums."""
+
+    samples: int
+    tokens: int
+    bytes: int
 
 
 @dataclass(frozen=True)
 class ManifestView:
     status: str  # "extracting" | "complete"
+    target_path: str  # the model folder extract read (for information; not compared)
+    model_type: str
     hidden_size: int  # the target's
     vocab_size: int  # the target's
     num_target_layers: int  # the target's decoder layers
@@ -31,16 +42,26 @@ class ManifestView:
     max_shard_bytes: int | None
     consumers: tuple[str, ...]  # trainers registered to consume it (train --follow)
     chat: dict | None  # how the training text was rendered (prepare's chat settings), carried to the export
+    compute_dtype: str | None  # the dtype the target ran in (None: a cache from before it was recorded)
+    max_len: int | None  # samples were cut to this many tokens
+    totals: Totals
+    source_rows: int | None  # input rows extract read
+    source_files: int  # input files extract read
 
     @classmethod
     def of(cls, m: dict) -> "ManifestView":
-        target, capture, plan = m["target"], m["capture"], m["plan"]
+        target, capture, plan, totals, source = m["target"], m["capture"], m["plan"], m["totals"], m.get("source") or {}
         return cls(
-            status=m["status"], hidden_size=int(target["hidden_size"]), vocab_size=int(target["vocab_size"]), num_target_layers=int(target["num_layers"]),
+            status=m["status"], target_path=str(target.get("path", "")), model_type=str(target.get("model_type", "")),
+            hidden_size=int(target["hidden_size"]), vocab_size=int(target["vocab_size"]),
+            num_target_layers=int(target["num_layers"]),
             weights_fingerprint=target.get("weights_fingerprint"), config_sha256=target.get("config_sha256"),
             layer_ids=tuple(capture["layer_ids"]), hidden_dtype=capture["hidden_dtype"],
             topk=int(capture.get("topk") or 0), num_shards=int(plan["num_shards"]),
             shards_committed=len(m.get("shards") or []), plan_tokens=plan.get("tokens"),
             released=len(m.get("released") or []), budget_bytes=m.get("budget_bytes"),
             max_shard_bytes=m.get("max_shard_bytes"), consumers=tuple(m.get("consumers") or {}), chat=m.get("chat"),
+            compute_dtype=capture.get("compute_dtype"), max_len=capture.get("max_len"),
+            totals=Totals(int(totals["samples"]), int(totals["tokens"]), int(totals["bytes"])),
+            source_rows=source.get("rows"), source_files=len(source.get("files") or []),
         )
