@@ -63,14 +63,6 @@ def _dequantized(bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return dequantize(bits.view(R, S, n, width // n), scale, torch.bfloat16).view(R, S, width)
 
 
-def device_hidden(mb: dict) -> dict:
-    """A dict of row arrays on its device (the held-out walk's blocks): fp8 bits and scales ->
-    bf16 `target_hidden`, dequantised there; bf16 rows pass through."""
-    if "target_hidden_scale" in mb:
-        mb["target_hidden"] = _dequantized(mb.pop("target_hidden_bits"), mb.pop("target_hidden_scale"))
-    return mb
-
-
 @dataclass
 class MicroBatch:
     """One packed training row as the loader delivers it, every tensor [1, ...]: the drafter's

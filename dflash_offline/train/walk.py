@@ -202,7 +202,7 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
     from dflash_offline.cache.reader import CacheReader
     from dflash_offline.train.loss import block_loss
     from dflash_offline.train.packing import build_row, loss_weights, pack_rows
-    from dflash_offline.train.stream import device_hidden
+    from dflash_offline.train.stream import MicroBatch
 
     t0 = time.time()
     device = str(device)
@@ -262,21 +262,23 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
         arr = {k: np.stack([b[k] for _, b in batch] + [np.zeros_like(batch[0][1][k])] * (R - len(batch)))
                for k in batch[0][1]}
         t = {k: torch.from_numpy(v) for k, v in arr.items()}
-        if fp8:  # dequantised on the device, as in training
-            t["target_hidden_bits"], t["target_hidden_scale"] = t.pop("bits"), t.pop("scale")
-        else:
-            t["target_hidden"] = t.pop("bits").view(torch.bfloat16)
-        t = device_hidden({k: v.to(device) for k, v in t.items()})
-        mask = build(t["doc_ids"], t["anchors"], t["anchor_valid"], B)
+        # The same typed row as training's; fp8 bits are dequantised on the device, as there.
+        hidden = ({"target_hidden_bits": t["bits"], "target_hidden_scale": t["scale"]} if fp8 else
+                  {"target_hidden": t["bits"].view(torch.bfloat16)})
+        mb = MicroBatch(row=torch.arange(R), doc_ids=t["doc_ids"], ctx_positions=t["positions"], anchors=t["anchors"],
+                        anchor_valid=t["anchor_valid"], block_ids=t["block_ids"],
+                        block_positions=t["block_positions"], labels=t["labels"], weights=t["weights"],
+                        **hidden).on(device)
+        mask = build(mb.doc_ids, mb.anchors, mb.anchor_valid, B)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            h = drafter(t["target_hidden"], t["block_ids"], t["positions"], t["block_positions"], mask)
-            _, correct = block_loss(h, drafter.lm_head.weight, t["labels"], t["weights"], loss_chunk_tokens)
+            h = drafter(mb.target_hidden, mb.block_ids, mb.ctx_positions, mb.block_positions, mask)
+            _, correct = block_loss(h, drafter.lm_head.weight, mb.labels, mb.weights, loss_chunk_tokens)
         # block_metrics' rule: a slot counts when its argmax is the label and it is scored
         # (inside the sample, on a loss-mask token); an unscored slot ends the run.
-        scored = (t["weights"] > 0).view(R, A, B)[:, :, 1:]
+        scored = (mb.weights > 0).view(R, A, B)[:, :, 1:]
         hit = correct.view(R, A, B)[:, :, 1:] & scored
         acc = torch.cumprod(hit.to(torch.int32), dim=2).sum(dim=2).cpu().numpy()
-        valid = t["anchor_valid"]
+        valid = mb.anchor_valid
         slot_hit[:] += hit[valid].sum(0).double().cpu().numpy()
         slot_count[:] += scored[valid].sum(0).double().cpu().numpy()
         for i, (r, b) in enumerate(batch):
