@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_offline.options import check_choices, check_positive, opt
+from dflash_offline.options import check_choices, check_positive, opt, where
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.sampling import Sampling, SamplingOptions
 
@@ -101,5 +101,5 @@ class EvalConfig(SamplingOptions):
         # As train's rule (anchors beyond a short row's positions are masked padding, up to the
         # default count): a typo would allocate (anchors x block) tables after all the decoding.
         if self.cache and self.num_anchors > max(self.seq_len, EvalConfig.num_anchors):
-            raise UserError(f"--num-anchors {self.num_anchors} exceeds --seq-len {self.seq_len}: the cache estimate's "
-                            "anchors are distinct positions of a row; lower --num-anchors")
+            raise UserError(f"{where(self, 'num_anchors')} {self.num_anchors} exceeds {where(self, 'seq_len')} "
+                            f"{self.seq_len}: the cache estimate's anchors are distinct positions of a row; lower the first")

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+from dflash_offline.options import where
 from dflash_offline.evaluate.config import EvalConfig
 from dflash_offline.evaluate.decoders import Decoders
 from dflash_offline.evaluate.speculative import Decoded, load_target_for_decoding, summarize, tokens_per_s
@@ -153,7 +154,7 @@ def run(cfg: EvalConfig) -> dict:
                         "one with --log-dir") from None
     devices = parse_devices(cfg.device)
     if len(devices) != 1:
-        raise UserError(f"--device {cfg.device}: eval runs on one device (e.g. 0 or cpu)")
+        raise UserError(f"{where(cfg, 'device')} {cfg.device}: eval runs on one device (e.g. 0 or cpu)")
     device = devices[0]
     check_devices_exist(devices, option="--device")
     import torch
@@ -167,8 +168,8 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.cache:
         widest = max(d.cfg.block_size for _, d in drafters)
         if cfg.seq_len <= widest:
-            raise UserError(f"--seq-len {cfg.seq_len} must exceed the drafter's block size ({widest}): the cache "
-                            "estimate's rows hold an anchor and its drafted tokens; raise --seq-len")
+            raise UserError(f"{where(cfg, 'seq_len')} {cfg.seq_len} must exceed the drafter's block size ({widest}): "
+                            "the cache estimate's rows hold an anchor and its drafted tokens; raise it")
     report: dict = {"format": REPORT_FORMAT, "target": str(Path(cfg.target).absolute()), "device": device, "dtype": cfg.dtype,
                     "torch": torch.__version__,
                     "drafters": [{"path": str(p), "block_size": d.cfg.block_size} for p, d in drafters]}
@@ -220,9 +221,9 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     ids, prompts = read_prompts(cfg.prompts, tinfo.vocab_size, cfg.max_prompts)
     longest = max(range(len(prompts)), key=lambda k: len(prompts[k]))
     if tinfo.max_positions is not None and len(prompts[longest]) + cfg.max_new_tokens > tinfo.max_positions:
-        raise UserError(f"--prompts {cfg.prompts}: row {longest}: a prompt of {len(prompts[longest])} tokens + "
-                        f"--max-new-tokens {cfg.max_new_tokens} exceeds the target's context ({tinfo.max_positions} "
-                        "positions); lower --max-new-tokens or leave out the longest prompts")
+        raise UserError(f"{where(cfg, 'prompts')} {cfg.prompts}: row {longest}: a prompt of {len(prompts[longest])} "
+                        f"tokens + {where(cfg, 'max_new_tokens')} {cfg.max_new_tokens} exceeds the target's context "
+                        f"({tinfo.max_positions} positions); lower the new tokens or leave out the longest prompts")
     eos = set() if cfg.ignore_eos else eos_ids(cfg.target)
     reference = read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos) if cfg.reference else None
     tok = show_tokenizer(cfg.target, cfg.show)  # --show: the target's tokenizer.json, or one line now
@@ -309,9 +310,9 @@ def batch_fits(cfg: EvalConfig, device: str):
     try:
         yield
     except torch.OutOfMemoryError:
-        raise UserError(f"--batch-size {cfg.batch_size}: a batch of that many prompts (cache: the longest prompt + "
-                        f"--max-new-tokens {cfg.max_new_tokens} + drafted blocks per row) does not fit in the memory of "
-                        f"{device}; lower --batch-size") from None
+        raise UserError(f"{where(cfg, 'batch_size')} {cfg.batch_size}: a batch of that many prompts (cache: the "
+                        f"longest prompt + {cfg.max_new_tokens} new tokens + drafted blocks per row) does not fit in "
+                        f"the memory of {device}; lower --batch-size") from None
 
 
 def format_report(report: dict) -> str:
