@@ -149,3 +149,14 @@ def test_a_bad_prompt_in_a_part_folder_names_its_part_and_row(tmp_path):
         store.commit_part({"name": f"part-{k:06d}", "file": name, "rows": len(rows)})
     with pytest.raises(UserError, match=rf"^--prompts {tmp_path}: part-000001.parquet: row 1 holds token id 600"):
         read_prompts(str(tmp_path), vocab_size=512)
+
+
+def test_a_path_from_a_recipe_is_named_by_its_key(tiny_dense, arith_cache, tmp_path):
+    """Paths too: a held-out cache a recipe names is refused naming the recipe's key and file."""
+    recipe = tmp_path / "train.toml"
+    missing = tmp_path / "no-eval-cache"
+    recipe.write_text(f'eval_cache = "{missing}"\n')
+    r = run_cli(["train", "--config", recipe, "--target", tiny_dense, "--cache", arith_cache, "--out",
+                 tmp_path / "run", *TRAIN], timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"error: --config {recipe}: key 'eval_cache' {missing}: no cache there"), r.stderr

@@ -153,7 +153,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     max_prompt = int(lengths.max())
     per_row = max_prompt + cfg.max_new_tokens
     if cfg.batch_tokens < per_row:
-        raise UserError(f"--batch-tokens {cfg.batch_tokens} cannot hold one row of {per_row} positions (the longest "
+        raise UserError(f"{origin(cfg, 'batch_tokens')} {cfg.batch_tokens} cannot hold one row of {per_row} positions (the longest "
                         f"prompt, {max_prompt} tokens, + --max-new-tokens {cfg.max_new_tokens}); raise --batch-tokens")
     rows = min(cfg.batch_tokens // per_row, cfg.chunk_prompts, source.rows)
     if chat is not None:
@@ -200,7 +200,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     if free is not None and need * (2 if merged else 1) > free:
         from dflash_offline.runtime.units import human_bytes
 
-        raise UserError(f"--out {cfg.out}: the output needs up to {human_bytes(need * (2 if merged else 1))} but "
+        raise UserError(f"{origin(cfg, 'out')} {cfg.out}: the output needs up to {human_bytes(need * (2 if merged else 1))} but "
                         f"{human_bytes(free)} is free there; free space or choose another --out")
     if cuda:
         warning = target.check_kernels(info, devices)
@@ -231,7 +231,7 @@ def run(cfg: GenerateConfig) -> dict:
     folder, merged = output_folder(cfg.out)
     why = Location(str(folder)).unwritable()
     if why:
-        raise UserError(f"--out {cfg.out}: cannot write there ({why}); choose a writable location")
+        raise UserError(f"{origin(cfg, 'out')} {cfg.out}: cannot write there ({why}); choose a writable location")
     _check_output(folder, merged)  # before the log folder is made inside it
     log_dir = cfg.log_dir or str(folder / "logs")
     name = f"generate-rank{launch.rank}" if launch else "generate-launcher"
@@ -247,7 +247,7 @@ def run(cfg: GenerateConfig) -> dict:
     if launch is None:
         run_lock = Location(str(folder)).try_run_lock()  # held until this process exits
         if run_lock is None:
-            raise UserError(f"--out {cfg.out}: another generate is writing this output (it holds "
+            raise UserError(f"{origin(cfg, 'out')} {cfg.out}: another generate is writing this output (it holds "
                             f"{folder / '.run.lock'}); wait for it or stop it, then run again")
     claim_heartbeat()  # this process holds the output now: a refused rerun never wrote its heartbeat
     store = parts.OutputStore(folder)
