@@ -294,11 +294,11 @@ def committed_names(m: dict) -> set[str]:
 def _malformed(m: dict) -> str | None:
     """The first field every reader relies on that has the wrong shape (a hand edit, another
     program's file), or None: named in one line rather than met as a KeyError deep in a reader."""
-    def ints(d, keys) -> bool:
-        return isinstance(d, dict) and all(isinstance(d.get(k), int) and not isinstance(d.get(k), bool) for k in keys)
-
     def is_int(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
+
+    def ints(d, keys) -> bool:
+        return isinstance(d, dict) and all(is_int(d.get(k)) for k in keys)
 
     # An empty target or capture is a synthetic cache's (benchmarks, tests); a filled one is read.
     if not isinstance(m["target"], dict):
@@ -308,8 +308,8 @@ def _malformed(m: dict) -> str | None:
         return "target lacks a model_type and integer num_layers, hidden_size and vocab_size"
     if not isinstance(m["capture"], dict):
         return "capture is not an object"
-    ids = m["capture"].get("layer_ids", [0])
-    if not isinstance(ids, list) or not ids or not all(is_int(i) for i in ids):
+    ids = m["capture"].get("layer_ids")
+    if "layer_ids" in m["capture"] and (not isinstance(ids, list) or not ids or not all(is_int(i) for i in ids)):
         return f"capture.layer_ids is not a list of integers (it holds {json.dumps(ids)})"
     if not ints(m["plan"], ("num_shards",)):
         return "plan.num_shards is not an integer"

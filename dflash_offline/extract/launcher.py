@@ -22,7 +22,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from dflash_offline.options import where as origin
+from dflash_offline.options import where
 from dflash_offline.cache.manifest import ManifestStore, binds_nothing, check_compatible, committed_names, new_manifest
 from dflash_offline.cache.shards import delete_released, shard_name
 from dflash_offline.config import ExtractConfig
@@ -66,7 +66,7 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
         check_devices_exist(devices)
     if loc.remote and (len(devices) > 1 or (launch and launch.world_size > 1)):
         raise UserError(
-            f"{origin(cfg, 'cache')} {cfg.cache}: several workers need a lock to share one manifest, and URL caches "
+            f"{where(cfg, 'cache')} {cfg.cache}: several workers need a lock to share one manifest, and URL caches "
             "(object stores) have none; use a local or shared file system path, or one device"
         )
     compute_dtype = resolve_compute_dtype(cfg.compute_dtype, devices, launch)
@@ -159,7 +159,7 @@ def run(cfg: ExtractConfig) -> dict:
     name = f"extract-rank{launch.rank}" if launch else "extract-launcher"
     why = loc.unwritable()
     if why:
-        raise UserError(f"{origin(cfg, 'cache')} {cfg.cache}: cannot write there ({why}); choose a writable location")
+        raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: cannot write there ({why}); choose a writable location")
     if not loc.remote and not os.path.exists(loc.path("manifest.json")):  # before its log folder is made
         refuse_foreign_folder(loc.path(), "--cache", "a cache", "manifest.json", CACHE_OWN_ENTRIES,
                               ("manifest.json.tmp-",))
@@ -171,7 +171,7 @@ def run(cfg: ExtractConfig) -> dict:
     except OSError as e:  # before anything else: no log, no cache, one line
         if refusal := log_dir_refusal(cfg.log_dir, e):
             raise refusal from None
-        raise UserError(f"{origin(cfg, 'cache')} {cfg.cache}: cannot write its log folder {log_folder(cfg, loc)} "
+        raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: cannot write its log folder {log_folder(cfg, loc)} "
                         f"({e.strerror or e}); choose a writable location (or --log-dir)") from None
     install_stop_handlers()  # SIGTERM/SIGINT: finish the shards being written, commit them, exit
     join_ranks(launch)  # a launch other than torchrun: every rank is there before any work
@@ -186,10 +186,10 @@ def run(cfg: ExtractConfig) -> dict:
         try:
             run_lock = loc.try_run_lock()  # held until this process exits
         except OSError as e:
-            raise UserError(f"{origin(cfg, 'cache')} {cfg.cache}: cannot write there ({e.strerror or e}); choose a writable "
+            raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: cannot write there ({e.strerror or e}); choose a writable "
                             "location") from None
         if run_lock is None:
-            raise UserError(f"{origin(cfg, 'cache')} {cfg.cache}: another extract is running on this cache (it holds "
+            raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: another extract is running on this cache (it holds "
                             f"{loc.path('.run.lock')}); wait for it or stop it, then run again")
     claim_heartbeat()  # this process holds the cache now: a refused rerun never wrote its heartbeat
     store = ManifestStore(loc)

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from dflash_offline.options import where as origin
+from dflash_offline.options import where
 from dflash_offline.config import PrepareConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
@@ -45,7 +45,7 @@ def _limits(cfg: PrepareConfig, info):
     from dflash_offline.prepare.rows import Limits
 
     if cfg.max_len is not None:
-        return Limits(cfg.max_len, cfg.truncate, True, f"{origin(cfg, 'max_len')} {cfg.max_len}")
+        return Limits(cfg.max_len, cfg.truncate, True, f"{where(cfg, 'max_len')} {cfg.max_len}")
     ctx = info.max_positions or 1 << 62
     return Limits(ctx, False, False, f"the target's context ({ctx} positions, max_position_embeddings)")
 
@@ -67,7 +67,7 @@ def run(cfg: PrepareConfig) -> dict:
     info = read_target(cfg.target)
     tokenizer = load_chat_tokenizer(cfg.target)
     if len(tokenizer) > info.vocab_size:  # ids past the embedding: another model's tokenizer
-        raise UserError(f"{origin(cfg, 'target')} {cfg.target}: its tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
+        raise UserError(f"{where(cfg, 'target')} {cfg.target}: its tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
                         f"is {info.vocab_size}; the folder mixes a tokenizer and a model that do not belong together")
     heartbeat(phase="read")
     records = list(read_records(cfg.data, cfg.format))
@@ -134,7 +134,7 @@ def run(cfg: PrepareConfig) -> dict:
 
     run_lock = Location(str(out)).try_run_lock()  # held until this process exits
     if run_lock is None:
-        raise UserError(f"{origin(cfg, 'out')} {cfg.out}: another prepare is writing this output (it holds {out / '.run.lock'}); "
+        raise UserError(f"{where(cfg, 'out')} {cfg.out}: another prepare is writing this output (it holds {out / '.run.lock'}); "
                         "wait for it or stop it, then run again")
     claim_heartbeat()
     heartbeat(phase="write")

@@ -177,7 +177,11 @@ def saved_config(config: dict) -> dict:
     from dflash_offline.options import renamed
 
     now = renamed(TrainConfig)
-    return {now.get(k, k) if now.get(k, k) not in config else k: v for k, v in config.items()}
+    out = dict(config)
+    for was, name in now.items():
+        if was in out and name not in out:  # a key saved under both names keeps the current one's value
+            out[name] = out.pop(was)
+    return out
 
 
 def check_resume(cfg: TrainConfig, cache_fingerprint: str) -> None:

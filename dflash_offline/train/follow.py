@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_offline.options import where as origin
+from dflash_offline.options import where
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
@@ -27,7 +27,7 @@ def window_misfit(cfg: TrainConfig, m: dict) -> str | None:
     both); fewer than that would leave extraction paused and the trainer waiting, forever."""
     budget, biggest = m.get("budget_bytes"), m.get("max_shard_bytes")
     if budget and biggest and cfg.follow_window * biggest > budget:
-        return (f"{origin(cfg, 'follow_window')} {cfg.follow_window} shards of up to {biggest / 1e6:.1f} MB do not fit the cache's "
+        return (f"{where(cfg, 'follow_window')} {cfg.follow_window} shards of up to {biggest / 1e6:.1f} MB do not fit the cache's "
                 f"budget ({budget / 1e6:.1f} MB, extract --max-bytes): extraction would pause and the trainer wait "
                 f"forever; lower --follow-window to {max(1, budget // biggest)} or raise the budget")
     return None

@@ -22,7 +22,7 @@ import socket
 from pathlib import Path
 from typing import NamedTuple
 
-from dflash_offline.options import where as origin
+from dflash_offline.options import where
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.launch import join_ranks, torchrun_launch
@@ -50,7 +50,7 @@ def run(cfg: TrainConfig) -> None:
     try:
         open_process_log(out / "logs", name)
     except OSError as e:  # before anything else: no log, no run folder, one line
-        raise UserError(f"{origin(cfg, 'out')} {cfg.out}: cannot write its log folder {out / 'logs'} ({e.strerror or e}); "
+        raise UserError(f"{where(cfg, 'out')} {cfg.out}: cannot write its log folder {out / 'logs'} ({e.strerror or e}); "
                         "choose a writable run folder") from None
     install_stop_handlers()  # SIGTERM/SIGINT: finish the step, checkpoint, exit
     join_ranks(launch)  # a launch other than torchrun: every rank is there before any work
@@ -64,7 +64,7 @@ def run(cfg: TrainConfig) -> None:
 
         run_lock = Location(str(out)).try_run_lock()  # held until this process exits
         if run_lock is None:
-            raise UserError(f"{origin(cfg, 'out')} {cfg.out}: another training run is using this folder (it holds "
+            raise UserError(f"{where(cfg, 'out')} {cfg.out}: another training run is using this folder (it holds "
                             f"{out / '.run.lock'}); wait for it or stop it, then run again")
     claim_heartbeat()  # this process holds the run now: a refused rerun never wrote its heartbeat
     if launch is not None:

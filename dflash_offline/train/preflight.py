@@ -13,11 +13,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from dflash_offline.options import where as origin
+from dflash_offline.options import where
 from dflash_offline.cache.view import ManifestView
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
-from dflash_offline.options import where
 from dflash_offline.runtime.launch import torchrun_launch
 from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.train.checkpoint import check_resume
@@ -43,9 +42,7 @@ def step_accumulation(cfg: TrainConfig, world: int) -> int:
 
 def preflight(cfg: TrainConfig) -> TrainPlan:
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.drafter.config import DrafterConfig
     from dflash_offline.drafter.export import check_export_dest
-    from dflash_offline.drafter.model import read_layer_tensors
     from dflash_offline.train.packing import manifest_fingerprint, pack_rows, epoch_order, steps_per_epoch
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
     from dflash_offline.runtime.paths import require_kind
@@ -64,11 +61,11 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     m = reader.manifest
     v = ManifestView.of(m)
     if v.status != "complete":
-        raise UserError(f"{origin(cfg, 'cache')} {cfg.cache}: extraction is not complete ({v.shards_committed}/{v.num_shards} "
+        raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: extraction is not complete ({v.shards_committed}/{v.num_shards} "
                         "shards); finish it by running the extract command again, or train with --follow --epochs 1")
     _check_cache_target(cfg, v)
     if v.released:
-        raise UserError(f"{origin(cfg, 'cache')} {cfg.cache}: {v.released} of its shards were consumed and deleted by a "
+        raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: {v.released} of its shards were consumed and deleted by a "
                         "streaming trainer (train --follow --stream), so it no longer holds all its samples; "
                         "extract a new cache")
     t0 = time.time()
@@ -76,19 +73,19 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     scored = False
     for name in reader.shard_names:
         if not reader.loc.exists(f"shards/{name}.zarr"):
-            raise UserError(f"{origin(cfg, 'cache')} {cfg.cache}: shard {name} is listed in manifest.json but missing on storage; "
+            raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: shard {name} is listed in manifest.json but missing on storage; "
                             "re-extract it (delete its entry from a copy of the manifest) or restore it")
         try:
             sh = reader.shard(name)
         except Exception as e:
-            raise UserError(f"{origin(cfg, 'cache')} {cfg.cache}: shard {name} does not open ({type(e).__name__}: {e})") from None
+            raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: shard {name} does not open ({type(e).__name__}: {e})") from None
         if cfg.verify == "full":
             try:
                 ok = sh.compute_checksum() == sh.entry["checksum"]
             except Exception:  # a chunk's CRC32C failed while reading
                 ok = False
             if not ok:
-                raise UserError(f"{origin(cfg, 'cache')} {cfg.cache}: shard {name} does not match its checksum (corrupted data); "
+                raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: shard {name} does not match its checksum (corrupted data); "
                                 "re-extract it")
         # A cache whose loss masks are all zero trains nothing: read them until one token is scored
         # (the first shard, for any real data: one byte per token).
@@ -99,7 +96,7 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     log.info("cache: %d shards, %d samples checked (%s) in %.1fs", len(reader.shard_names), len(refs), cfg.verify,
              time.time() - t0)
     if not scored:
-        raise UserError(f"{origin(cfg, 'cache')} {cfg.cache}: every loss_mask value is 0, so no token would be trained on; extract "
+        raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: every loss_mask value is 0, so no token would be trained on; extract "
                         "data whose loss_mask marks the tokens to learn (e.g. 1 on the completions)")
     import numpy as np
 
@@ -107,13 +104,7 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     layer_ids, columns = layer_choice(cfg, v)
     _check_row_memory(cfg, len(layer_ids) * v.hidden_size)
     topk = _check_soft_targets(cfg, v)
-    dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
-                                     num_layers=cfg.drafter_layers, mask_token_id=cfg.mask_token_id,
-                                     mask_flag=where(cfg, "mask_token_id"))
-    dcfg.chat = v.chat  # how the training text was rendered: carried into the export
-    if cfg.init_layers:
-        read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg,  # shapes only: one line if they do not fit
-                           flags=(where(cfg, "init_layers"), where(cfg, "drafter_layers")))
+    dcfg = _drafter_config(cfg, layer_ids, v)
     world = _world(devices)
     accum = step_accumulation(cfg, world)
     # Rows per epoch vary a little with the order; every epoch runs as many steps as the
@@ -160,7 +151,7 @@ def _check_row_memory(cfg: TrainConfig, features: int) -> None:
     row = cfg.seq_len * features * 2
     avail = _available_memory()
     if avail is not None and row * 2 > avail:
-        raise UserError(f"{origin(cfg, 'seq_len')} {cfg.seq_len}: one row of hidden states needs {row / 1e9:.1f} GB of host memory "
+        raise UserError(f"{where(cfg, 'seq_len')} {cfg.seq_len}: one row of hidden states needs {row / 1e9:.1f} GB of host memory "
                         f"({features} features a token in bf16), more than half of the {avail / 1e9:.1f} GB available; "
                         "lower --seq-len")
 
@@ -172,11 +163,28 @@ def _check_cache_target(cfg: TrainConfig, v: ManifestView) -> None:
     for key, theirs, mine in (("weights_fingerprint", v.weights_fingerprint, info.weights_fingerprint),
                               ("config_sha256", v.config_sha256, info.config_sha256)):
         if theirs != mine:
-            raise UserError(f"{origin(cfg, 'cache')} {cfg.cache} was extracted from another target (target.{key} differs from "
-                            f"{origin(cfg, 'target')} {cfg.target}); extract a cache with this target or pass the one it was made from")
+            raise UserError(f"{where(cfg, 'cache')} {cfg.cache} was extracted from another target (target.{key} differs from "
+                            f"{where(cfg, 'target')} {cfg.target}); extract a cache with this target or pass the one it was made from")
     if v.hidden_dtype not in ("bfloat16", "float8_e4m3fn"):
-        raise UserError(f"{origin(cfg, 'cache')} {cfg.cache} stores hidden states as {v.hidden_dtype!r}, which this "
+        raise UserError(f"{where(cfg, 'cache')} {cfg.cache} stores hidden states as {v.hidden_dtype!r}, which this "
                         "version cannot read (bfloat16, float8_e4m3fn); re-extract with --hidden-dtype bfloat16 or fp8")
+
+
+def _drafter_config(cfg: TrainConfig, layer_ids: list[int], v: ManifestView):
+    """The drafter's config (DrafterConfig) from the target and the options (its mask token and the
+    --init-layers start checked against the target: shapes only, no tensor loaded), with the
+    cache's chat settings."""
+    from dflash_offline.drafter.config import DrafterConfig
+    from dflash_offline.drafter.model import read_layer_tensors
+
+    dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
+                                     num_layers=cfg.drafter_layers, mask_token_id=cfg.mask_token_id,
+                                     mask_flag=where(cfg, "mask_token_id"))
+    dcfg.chat = v.chat  # how the training text was rendered: carried into the export
+    if cfg.init_layers:
+        read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg,  # shapes only: one line if they do not fit
+                           flags=(where(cfg, "init_layers"), where(cfg, "drafter_layers")))
+    return dcfg
 
 
 def layer_choice(cfg: TrainConfig, v: ManifestView) -> tuple[list[int], list[int] | None]:
@@ -201,7 +209,7 @@ def _check_soft_targets(cfg: TrainConfig, v: ManifestView) -> int:
         return 0
     k = v.topk
     if k == 0:
-        raise UserError(f"{origin(cfg, 'kd_weight')} {cfg.kd_weight}: the cache {cfg.cache} holds no top-k log-probabilities "
+        raise UserError(f"{where(cfg, 'kd_weight')} {cfg.kd_weight}: the cache {cfg.cache} holds no top-k log-probabilities "
                         "(extracted with --topk 0); extract with --topk 32, or train with --kd-weight 0")
     return k
 
@@ -217,8 +225,6 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     step trains on is fixed once its window's shards are committed (`follow_window_rows`)."""
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore, committed_names
-    from dflash_offline.drafter.config import DrafterConfig
-    from dflash_offline.drafter.model import read_layer_tensors
     from dflash_offline.train.packing import follow_fingerprint
 
     store = ManifestStore(Location(cfg.cache))
@@ -234,7 +240,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     _check_cache_target(cfg, v)
     tokens = v.plan_tokens
     if tokens is None:
-        raise UserError(f"{origin(cfg, 'cache')} {cfg.cache} was made by an older version (its plan has no token count), so --follow "
+        raise UserError(f"{where(cfg, 'cache')} {cfg.cache} was made by an older version (its plan has no token count), so --follow "
                         "cannot size the schedule; train without --follow once extraction is complete")
     problem = window_misfit(cfg, m)
     if problem:
@@ -242,22 +248,16 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     mine = str(Path(cfg.out).resolve())
     others = sorted(c for c in v.consumers if c != mine)
     if v.released and mine not in v.consumers:
-        raise UserError(f"{origin(cfg, 'cache')} {cfg.cache}: {v.released} shards were already consumed and deleted by "
+        raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: {v.released} shards were already consumed and deleted by "
                         f"another trainer ({', '.join(others)}); this run would miss them; extract a new cache")
     budget, biggest = v.budget_bytes, v.max_shard_bytes
     if budget and biggest and not cfg.stream and v.num_shards * biggest > budget:
-        raise UserError(f"{origin(cfg, 'cache')} {cfg.cache} has a budget ({budget / 1e6:.1f} MB) that holds about "
+        raise UserError(f"{where(cfg, 'cache')} {cfg.cache} has a budget ({budget / 1e6:.1f} MB) that holds about "
                         f"{budget // biggest} of its {v.num_shards} shards; without --stream nothing is "
                         "released and both stages would wait forever: add --stream")
     layer_ids, columns = layer_choice(cfg, v)
     topk = _check_soft_targets(cfg, v)
-    dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
-                                     num_layers=cfg.drafter_layers, mask_token_id=cfg.mask_token_id,
-                                     mask_flag=where(cfg, "mask_token_id"))
-    dcfg.chat = v.chat  # how the training text was rendered: carried into the export
-    if cfg.init_layers:
-        read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg,  # shapes only: one line if they do not fit
-                           flags=(where(cfg, "init_layers"), where(cfg, "drafter_layers")))
+    dcfg = _drafter_config(cfg, layer_ids, v)
     if cfg.eval_cache:
         _check_eval_cache(cfg, layer_ids, v)
     world = _world(devices)
@@ -293,18 +293,18 @@ def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], v: ManifestView) -
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"{origin(cfg, 'eval_cache')} {cfg.eval_cache}: unreadable manifest ({type(e).__name__}: {e})") from None
+        raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache}: unreadable manifest ({type(e).__name__}: {e})") from None
     if held is None:
-        raise UserError(f"{origin(cfg, 'eval_cache')} {cfg.eval_cache}: no cache there (no manifest.json); extract the held-out "
+        raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache}: no cache there (no manifest.json); extract the held-out "
                         "completions into it first")
     held_v = ManifestView.of(held)
     if held_v.status != "complete":
-        raise UserError(f"{origin(cfg, 'eval_cache')} {cfg.eval_cache}: extraction is not complete; finish it first")
+        raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache}: extraction is not complete; finish it first")
     if held_v.weights_fingerprint != v.weights_fingerprint:
-        raise UserError(f"{origin(cfg, 'eval_cache')} {cfg.eval_cache} was extracted from another target than --cache {cfg.cache}")
+        raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} was extracted from another target than --cache {cfg.cache}")
     missing = [i for i in layer_ids if i not in held_v.layer_ids]
     if missing:
-        raise UserError(f"{origin(cfg, 'eval_cache')} {cfg.eval_cache} holds layers {list(held_v.layer_ids)}, not {missing} "
+        raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} holds layers {list(held_v.layer_ids)}, not {missing} "
                         "that the drafter reads; extract it with the training cache's layers")
 
 

@@ -36,7 +36,7 @@ class RowSpec:
     captured_layers: int  # layers per row the stream delivers (the drafter's, in its order)
     hidden_dtype: str = "bfloat16"
     cache_layers: int | None = None  # layers the cache holds per token; None = captured_layers
-    layer_columns: tuple[int, ...] | None = None  # which of them, when a subset (train --layers)
+    layer_columns: tuple[int, ...] | None = None  # which of them, when a subset (train --target-layers)
     topk: int = 0
     anchors_per_sample: int | None = None
 
@@ -193,7 +193,7 @@ class RowStream(torch.utils.data.IterableDataset):
     def make(self, epoch: int, global_row: int, packed: list[tuple[int, int]]) -> MicroBatch:
         sp = self.spec
         S, n, H = sp.seq_len, sp.captured_layers, sp.hidden_size
-        # A subset of the captured layers (train --layers): the cache's [tokens, n_cache, H] rows are
+        # A subset of the captured layers (train --target-layers): the cache's [tokens, n_cache, H] rows are
         # read whole, then the chosen columns are kept, in the drafter's order.
         cols = None if sp.layer_columns is None else list(sp.layer_columns)
         n_cache = sp.cache_layers if sp.cache_layers is not None else n

@@ -32,7 +32,7 @@ def cache_layer_columns(manifest: dict, drafter_cfg, cache: str) -> list[int] | 
     """Where the drafter's layers sit on the cache's layer axis (hidden is [tokens, n, H]), in the
     drafter's order (its fc reads them concatenated in that order); None when the drafter reads
     every captured layer in the cache's order. A drafter trained on a subset of the captured
-    layers (`train --layers`) is scored on those columns; a layer the cache lacks is refused."""
+    layers (`train --target-layers`) is scored on those columns; a layer the cache lacks is refused."""
     v = ManifestView.of(manifest)
     have = [int(i) for i in v.layer_ids]
     want = [int(i) for i in drafter_cfg.target_layer_ids]
