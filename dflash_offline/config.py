@@ -227,4 +227,4 @@ class PrepareConfig:
         check_number(self, "eval_fraction", 0, 1, open_high=True, must="in [0, 1)")
         check_positive(self, "max_len", "chunk_records")
         if self.truncate and self.max_len is None:
-            raise UserError("--truncate cuts rows to --max-len: give --max-len too")
+            raise UserError(f"{where(self, 'truncate')} cuts rows to --max-len: give --max-len too")

@@ -21,7 +21,9 @@ from dflash_offline.runtime.errors import UserError
 _LARGEST = 1 << 50
 
 
-def _flag(name: str) -> str:
+def as_flag(name: str) -> str:
+    """An option's name as its flag (`max_len` -> `--max-len`): how a message names a value when
+    no config says where it came from (`where` does when one does)."""
     return "--" + name.replace("_", "-")
 
 
@@ -54,7 +56,7 @@ def cli_fields(cls: type) -> list[dataclasses.Field]:
 
 def flag_of(f: dataclasses.Field) -> str:
     """The option a field is set by: its own spelling, or --field-name."""
-    return f.metadata.get("flag") or _flag(f.name)
+    return f.metadata.get("flag") or as_flag(f.name)
 
 
 def renamed(cls: type) -> dict[str, str]:
@@ -89,7 +91,7 @@ def where(cfg, name: str) -> str:
     if origin:
         return origin
     fields = {f.name: f for f in dataclasses.fields(cfg)} if dataclasses.is_dataclass(cfg) else {}
-    return flag_of(fields[name]) if name in fields else _flag(name)
+    return flag_of(fields[name]) if name in fields else as_flag(name)
 
 
 def _integer(cfg, name: str) -> int | None:

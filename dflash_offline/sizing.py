@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from dflash_offline.config import PlanConfig
+from dflash_offline.options import where
 from dflash_offline.extract.plan import bytes_per_token
 from dflash_offline.targets.folder import read_target, tensor_entries
 
@@ -60,16 +61,16 @@ def make_plan(p: PlanConfig) -> dict:
     from dflash_offline.targets import model as target
 
     p.validate()
-    info = read_target(p.target)
+    info = read_target(p.target, where(p, "target"))
     layer_ids = target.resolve_layers(info, p)
-    target.check_topk(info, p.topk)
-    source = data.scan(p.data, info.vocab_size)
+    target.check_topk(info, p.topk, where(p, "topk"))
+    source = data.scan(p.data, info.vocab_size, where(p, "data"))
     tokens = int(np.minimum(source.lengths, p.max_len).sum())
     free = None
     if p.cache:
         from dflash_offline.cache.location import Location
 
-        loc = Location(p.cache)
+        loc = Location(p.cache, where(p, "cache"))
         probe = loc
         if not loc.remote:
             import os

@@ -160,3 +160,60 @@ def test_a_path_from_a_recipe_is_named_by_its_key(tiny_dense, arith_cache, tmp_p
                  tmp_path / "run", *TRAIN], timeout=300)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith(f"error: --config {recipe}: key 'eval_cache' {missing}: no cache there"), r.stderr
+
+
+def _prompts_file(path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": [0], "input_ids": [[5, 6, 7]]}), path)
+    return path
+
+
+@pytest.mark.parametrize("command, key, value, says", [
+    ("train", "target", "{tmp}/no-target", "{value}: no such folder"),
+    ("train", "devices", "gpu0", "'gpu0': 'gpu0' is not a GPU index or 'cpu'"),
+    ("train", "out", "{tmp}/a-file", "{value}: cannot write its log folder"),
+    ("extract", "target", "{tmp}/no-target", "{value}: no such folder"),
+    ("extract", "max_bytes", "1KB", "1.00 kB cannot hold one shard"),
+    ("extract", "cache", "memory://c", "{value}: memory:// lives inside one process"),
+    ("plan", "data", "{tmp}/no-data.parquet", "{value}: no such file or folder"),
+    ("generate", "out", "{tmp}/foreign", "{value}: the folder exists, is not empty and holds no generate manifest"),
+    ("prepare", "out", "{tmp}/a-file", "{value}: is a file; give a folder"),
+    ("eval", "prompts", "{tmp}/foreign", "{value}: a folder, not a file"),
+    ("eval", "drafters", "{tmp}/foreign", "{value}: neither a drafter export"),
+    ("eval", "device", "gpu0", "'gpu0': 'gpu0' is not a GPU index or 'cpu'"),
+    ("eval", "implied_for", "no-such-gpu", "{value}: no measured target shape of that name"),
+])
+def test_values_a_recipe_gave_are_named_by_their_key_at_every_depth(tiny_dense, arith_cache, tiny_data, tmp_path,
+                                                                     command, key, value, says):
+    """A value read from a recipe is named by its key and file wherever it is refused: in the
+    launcher, and in the readers below it (target folder, devices, cache location, output
+    folders, eval's inputs), which take the name from the command's config."""
+    (tmp_path / "a-file").write_text("not a folder\n")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("someone's\n")
+    prompts = _prompts_file(tmp_path / "prompts.parquet")
+    value = value.format(tmp=tmp_path)
+    given = {
+        "train": {"target": tiny_dense, "cache": arith_cache, "out": tmp_path / "run"},
+        "extract": {"target": tiny_dense, "data": tiny_data, "cache": tmp_path / "cache"},
+        "plan": {"target": tiny_dense, "data": tiny_data},
+        "generate": {"target": tiny_dense, "prompts": prompts, "out": tmp_path / "gen"},
+        "prepare": {"target": tiny_dense, "data": tmp_path / "chats.jsonl", "out": tmp_path / "prep"},
+        "eval": {"target": tiny_dense, "drafters": tmp_path / "no-drafter", "prompts": prompts},
+    }[command]
+    given.pop(key, None)
+    flags = {"drafters": "--drafter"}
+    args = [command, "--config", tmp_path / "recipe.toml"]
+    for name, v in given.items():
+        args += [flags.get(name, "--" + name.replace("_", "-")), v]
+    if command == "train":
+        args += TRAIN
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(f"{key} = {value!r}\n".replace("'", '"'))
+    r = run_cli(args, timeout=300)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    want = f"error: --config {recipe}: key '{key}' " + says.format(value=value)
+    assert r.stderr.startswith(want), r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr

@@ -19,7 +19,9 @@ def is_url(path: str) -> bool:
 
 
 class Location:
-    def __init__(self, root: str):
+    def __init__(self, root: str, option: str = "--cache"):
+        """root: a folder or an fsspec URL; option: how messages name it (the flag, or the recipe
+        key and file it came from)."""
         root = str(root)
         if root.startswith("file://"):
             root = root[len("file://"):]
@@ -34,14 +36,14 @@ class Location:
             if protocol == "memory":
                 from dflash_offline.runtime.errors import UserError
 
-                raise UserError(f"--cache {root}: memory:// lives inside one process and workers are separate "
+                raise UserError(f"{option} {root}: memory:// lives inside one process and workers are separate "
                                 "processes; use a path (e.g. /dev/shm/cache) instead")
             try:
                 self.fs, self._base = fsspec.core.url_to_fs(root, **self.storage_options)
             except (ImportError, ValueError) as e:
                 from dflash_offline.runtime.errors import UserError
 
-                raise UserError(f"--cache {root}: fsspec cannot open this URL ({e}); install the backend "
+                raise UserError(f"{option} {root}: fsspec cannot open this URL ({e}); install the backend "
                                 f"for '{protocol}://' (e.g. pip install s3fs for s3://)") from None
         else:
             self.storage_options = {}

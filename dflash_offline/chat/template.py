@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_offline.chat.formats import Message
+from dflash_offline.options import as_flag
 from dflash_offline.runtime.errors import UserError
 
 log = logging.getLogger("dflash.chat")
@@ -122,31 +124,34 @@ class ChatTemplate:
 
     @classmethod
     def load(cls, target: str, chat_template: str | None = None, thinking: str | None = None,
-             system: str | None = None, end_ids: list[int] | None = None, tokenizer=None) -> "ChatTemplate":
+             system: str | None = None, end_ids: list[int] | None = None, tokenizer=None,
+             said: Callable[[str], str] = as_flag) -> "ChatTemplate":
         """The target folder's tokenizer with its own template, or the template in `chat_template`
-        (a file). Refuses, in one line, a tokenizer without a template when none is given."""
-        tokenizer = tokenizer or load_chat_tokenizer(target)
+        (a file). Refuses, in one line, a tokenizer without a template when none is given. `said`:
+        how messages name an option (`partial(options.where, cfg)`: the flag or recipe key)."""
+        tokenizer = tokenizer or load_chat_tokenizer(target, said("target"))
         if chat_template:
             try:
                 template = Path(chat_template).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
-                raise UserError(f"--chat-template {chat_template}: cannot read it ({e})") from None
+                raise UserError(f"{said('chat_template')} {chat_template}: cannot read it ({e})") from None
             source = str(chat_template)
         else:
             template = tokenizer.chat_template
             if isinstance(template, dict):  # several named templates: the default one
                 template = template.get("default")
             if not template:
-                raise UserError(f"--target {target}: its tokenizer has no chat template; give one with "
+                raise UserError(f"{said('target')} {target}: its tokenizer has no chat template; give one with "
                                 "--chat-template FILE (a Jinja file, as in tokenizer_config.json's chat_template)")
             source = "tokenizer"
         if thinking is not None and thinking not in THINKING:
-            raise UserError(f"--thinking {thinking!r}: choose on or off")
+            raise UserError(f"{said('thinking')} {thinking!r}: choose on or off")
         reads = "enable_thinking" in template
         if thinking is not None and not reads:
-            log.warning("--thinking %s: the chat template does not read `enable_thinking`; it renders the same "
-                        "either way", thinking)
-        _check_syntax(tokenizer, template, "--chat-template " + source if chat_template else f"--target {target}")
+            log.warning("%s %s: the chat template does not read `enable_thinking`; it renders the same "
+                        "either way", said("thinking"), thinking)
+        _check_syntax(tokenizer, template, f"{said('chat_template')} {source}" if chat_template
+                      else f"{said('target')} {target}")
         settings = ChatSettings(hashlib.sha256(template.encode()).hexdigest(), source, thinking, system or None, reads)
         ends = list(end_ids or [])
         if tokenizer.eos_token_id is not None:

@@ -212,19 +212,20 @@ class DFlashDrafter(nn.Module):
         """The export names: the module tree mirrors the reference's, minus the frozen parts."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(FROZEN_PREFIXES)}
 
-    def load_frozen_from_target(self, target_dir: str) -> None:
+    def load_frozen_from_target(self, target_dir: str, option: str = "--target") -> None:
         """Copy the target's embedding and LM head (exactly, in the checkpoint's dtype) from its
-        safetensors; no other tensor is read and the target model is never built."""
+        safetensors; no other tensor is read and the target model is never built. `option`: how a
+        message names the target folder (the flag, or the recipe key and file it came from)."""
         info = read_target(target_dir)
         want = {"model.embed_tokens.weight"} | (set() if info.tie_word_embeddings else {"lm_head.weight"})
         found = {name: sf.get_tensor(key) for name, sf, key in target_tensors(info, want)}
         missing = sorted(want - found.keys())
         if missing:
-            raise UserError(f"--target {target_dir}: no {missing} in its safetensors")
+            raise UserError(f"{option} {target_dir}: no {missing} in its safetensors")
         expected = (self.cfg.vocab_size, self.cfg.hidden_size)
         for name, t in found.items():
             if tuple(t.shape) != expected:
-                raise UserError(f"--target {target_dir}: {name} has shape {tuple(t.shape)}, the drafter expects {expected}")
+                raise UserError(f"{option} {target_dir}: {name} has shape {tuple(t.shape)}, the drafter expects {expected}")
         embed = found["model.embed_tokens.weight"]
         # Tied: a copy, not a shared Parameter, so the two stay independent tensors in state_dict.
         head = embed.clone() if info.tie_word_embeddings else found["lm_head.weight"]

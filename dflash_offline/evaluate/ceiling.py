@@ -153,14 +153,14 @@ def load_shapes(path: str | Path | None = None) -> list[MeasuredShape]:
     return out
 
 
-def find_shape(name: str, path: str | Path | None = None) -> MeasuredShape:
+def find_shape(name: str, path: str | Path | None = None, option: str = "--implied-for") -> MeasuredShape:
     """The measured shape called `name` (case-insensitive) in the table (see load_shapes)."""
     shapes = load_shapes(path)
     for s in shapes:
         if s.name.lower() == name.strip().lower():
             return s
     known = ", ".join(s.name for s in shapes) or "none yet"
-    raise UserError(f"--implied-for {name}: no measured target shape of that name in {Path(path or TABLE).name}; "
+    raise UserError(f"{option} {name}: no measured target shape of that name in {Path(path or TABLE).name}; "
                     f"known: {known}; {MEASURE_HINT}")
 
 

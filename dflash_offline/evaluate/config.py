@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from dflash_offline.options import check_choices, check_positive, opt, where
 from dflash_offline.runtime.errors import UserError
@@ -103,3 +105,10 @@ class EvalConfig(SamplingOptions):
         if self.cache and self.num_anchors > max(self.seq_len, EvalConfig.num_anchors):
             raise UserError(f"{where(self, 'num_anchors')} {self.num_anchors} exceeds {where(self, 'seq_len')} "
                             f"{self.seq_len}: the cache estimate's anchors are distinct positions of a row; lower the first")
+
+
+# How eval's messages name an option, for code below the command that gets values, not the config:
+# `partial(where, cfg)` names the flag the user typed or the recipe key and file a value came from;
+# AS_FLAGS, without a config, the flag (`drafters` -> --drafter).
+Said = Callable[[str], str]
+AS_FLAGS: Said = partial(where, EvalConfig)

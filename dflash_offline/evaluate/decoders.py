@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 
 from dflash_offline.evaluate import kv_batch, static
+from dflash_offline.evaluate.config import AS_FLAGS, Said
 from dflash_offline.evaluate.speculative import (Decoded, DFlashProposer, TargetSession, greedy_decode,
                                                  speculative_decode)
 from dflash_offline.runtime.errors import UserError
@@ -30,17 +31,19 @@ class Decoders:
     """The target alone and speculative decoding of a list of prompts, by the chosen decoder."""
 
     def __init__(self, model, choice: str, batch_size: int, max_prompt_len: int, max_new: int, eos: set[int],
-                 sampling: Sampling, device: str, dtype: str):
+                 sampling: Sampling, device: str, dtype: str, said: Said = AS_FLAGS):
         self.model, self.batch_size, self.max_new, self.eos = model, batch_size, max_new, eos
         self.max_prompt_len, self.sampling, self.device, self.dtype = max_prompt_len, sampling, device, dtype
         why_not = static.unsupported_reason(model)
         if choice == "static" and why_not is not None:
-            raise UserError(f"--decoder static cannot run this target: {why_not}; use --decoder transformers (or auto)")
+            raise UserError(f"{said('decoder')} static cannot run this target: {why_not}; use --decoder transformers "
+                            "(or auto)")
         self.static = choice != "transformers" and why_not is None
         self.kv_reason = kv_batch.unsupported_reason(model) if batch_size > 1 and not self.static else None
         if self.kv_reason is not None and not sampling.greedy:
-            raise UserError(f"--temperature {sampling.temperature}: this target is decoded in batches by re-running "
-                            f"whole sequences ({self.kv_reason}), which decodes greedily only; use --batch-size 1")
+            raise UserError(f"{said('temperature')} {sampling.temperature}: this target is decoded in batches by "
+                            f"re-running whole sequences ({self.kv_reason}), which decodes greedily only; use "
+                            "--batch-size 1")
         shape = "one prompt at a time" if batch_size == 1 else f"{batch_size} prompts per forward"
         if self.static:
             graphs = " with CUDA graphs" if device.startswith("cuda") else ""

@@ -27,11 +27,12 @@ import logging
 import os
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 
 from dflash_offline.options import where
-from dflash_offline.evaluate.config import EvalConfig
+from dflash_offline.evaluate.config import AS_FLAGS, EvalConfig, Said
 from dflash_offline.evaluate.decoders import Decoders
 from dflash_offline.evaluate.speculative import Decoded, load_target_for_decoding, summarize, tokens_per_s
 from dflash_offline.evaluate.inputs import check_prompts_path, read_prompts, read_reference, warn_chat_mismatch
@@ -53,7 +54,7 @@ GPU_BATCH_SIZE = 64
 # ----------------------------------------------------------------------------------------------
 # Inputs (evaluate/inputs.py reads and checks the prompt and reference files)
 
-def load_drafter(path: str, target_dir: str):
+def load_drafter(path: str, target_dir: str, said: Said = AS_FLAGS):
     """A drafter from an export folder (config.json) or a training checkpoint (step-N/), with the
     target's frozen embedding and LM head; refuses a drafter made for another target shape."""
     from dflash_offline.drafter.export import EXPORT_WEIGHTS, load_exported
@@ -62,7 +63,7 @@ def load_drafter(path: str, target_dir: str):
 
     root = Path(path)
     if root.is_file():
-        raise UserError(f"--drafter {path}: a file, not a folder; give a drafter export folder (RUN/export, with "
+        raise UserError(f"{said('drafters')} {path}: a file, not a folder; give a drafter export folder (RUN/export, with "
                         "config.json + model.safetensors) or a checkpoint folder (RUN/step-N)")
     if (root / "state.json").is_file() and (root / "drafter.safetensors").is_file():
         drafter = load_checkpoint(str(root))
@@ -73,21 +74,21 @@ def load_drafter(path: str, target_dir: str):
                             "--run RUN --to DIR) or restore the file from a copy")
         drafter = load_exported(str(root))
     else:
-        raise UserError(f"--drafter {path}: neither a drafter export (config.json + model.safetensors) nor a "
+        raise UserError(f"{said('drafters')} {path}: neither a drafter export (config.json + model.safetensors) nor a "
                         "training checkpoint (step-N/ with state.json)")
-    info = read_target(target_dir)
+    info = read_target(target_dir, said("target"))
     cfg = drafter.cfg
     if (cfg.hidden_size, cfg.vocab_size) != (info.hidden_size, info.vocab_size) or max(cfg.target_layer_ids) >= info.num_layers:
-        raise UserError(f"--drafter {path} was made for a target with hidden {cfg.hidden_size}, vocabulary "
-                        f"{cfg.vocab_size} and layers {cfg.target_layer_ids}; --target {target_dir} has hidden "
+        raise UserError(f"{said('drafters')} {path} was made for a target with hidden {cfg.hidden_size}, vocabulary "
+                        f"{cfg.vocab_size} and layers {cfg.target_layer_ids}; {said('target')} {target_dir} has hidden "
                         f"{info.hidden_size}, vocabulary {info.vocab_size}, {info.num_layers} layers")
     trained_for = cfg.target or {}
     differs = [k for k in ("weights_fingerprint", "config_sha256") if trained_for.get(k) not in (None, getattr(info, k))]
     if differs:
-        log.warning("--drafter %s was trained for target %r (%s differs from --target %s): its acceptance here "
-                    "says little about the target it was made for", path, trained_for.get("name"), " and ".join(differs),
-                    target_dir)
-    drafter.load_frozen_from_target(target_dir)
+        log.warning("%s %s was trained for target %r (%s differs from %s %s): its acceptance here "
+                    "says little about the target it was made for", said("drafters"), path, trained_for.get("name"), " and ".join(differs),
+                    said("target"), target_dir)
+    drafter.load_frozen_from_target(target_dir, said("target"))
     return drafter.eval().requires_grad_(False)
 
 
@@ -95,25 +96,38 @@ def load_drafter(path: str, target_dir: str):
 # The command
 
 
-def _check_cache_target(cache: str, target: str) -> None:
+def _check_cache_target(cfg: EvalConfig) -> None:
     """--cache must hold the completions of --target, the model whose features it stores: another
     target's cache would score the drafter on features it never sees when serving."""
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore
     from dflash_offline.targets.folder import read_target
 
+    cache, target, option = cfg.cache, cfg.target, where(cfg, "cache")
     try:
-        m = ManifestStore(Location(cache)).read_committed()  # an edited one: before any decoding
+        m = ManifestStore(Location(cache, option)).read_committed()  # an edited one: before any decoding
     except UserError:
         raise
     except Exception as e:
-        raise UserError(f"--cache {cache}: unreadable manifest ({type(e).__name__}: {e})") from None
+        raise UserError(f"{option} {cache}: unreadable manifest ({type(e).__name__}: {e})") from None
     if m is None:
-        raise UserError(f"--cache {cache}: no cache there (no manifest.json); extract the held-out completions into it")
-    info = read_target(target)
+        raise UserError(f"{option} {cache}: no cache there (no manifest.json); extract the held-out completions into it")
+    info = read_target(target, where(cfg, "target"))
     if m.get("target", {}).get("weights_fingerprint") != info.weights_fingerprint:
-        raise UserError(f"--cache {cache} was extracted from another target than --target {target}; give the cache "
+        raise UserError(f"{option} {cache} was extracted from another target than {where(cfg, 'target')} {target}; give the cache "
                         "of this target's completions (or the target the cache was made from)")
+
+
+def _check_cache_layers(cfg: EvalConfig, drafters) -> None:
+    """Every drafter reads layers --cache holds, checked before any prompt decodes (the cache walk
+    runs after the decoding)."""
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore
+    from dflash_offline.train.walk import cache_layer_columns
+
+    m = ManifestStore(Location(cfg.cache, where(cfg, "cache"))).read_committed()
+    for _, d in drafters:
+        cache_layer_columns(m, d.cfg, cfg.cache, where(cfg, "cache"))
 
 
 def log_folder(cfg: EvalConfig) -> Path:
@@ -134,38 +148,40 @@ def run(cfg: EvalConfig) -> dict:
     from dflash_offline.runtime.logs import log_dir_refusal, open_process_log
 
     cfg.validate()
-    require_kind(cfg.cache, "--cache", True, "a cache folder (the one with manifest.json)")
-    check_prompts_path(cfg.prompts)
-    require_kind(cfg.reference, "--reference", False, "a Parquet file of the target's greedy completions")
-    require_kind(cfg.json_path, "--json", False, "a file name for the JSON report")
-    check_report_dest(cfg.json_path)
+    said = partial(where, cfg)
+    require_kind(cfg.cache, said("cache"), True, "a cache folder (the one with manifest.json)")
+    check_prompts_path(cfg.prompts, said)
+    require_kind(cfg.reference, said("reference"), False, "a Parquet file of the target's greedy completions")
+    require_kind(cfg.json_path, said("json_path"), False, "a file name for the JSON report")
+    check_report_dest(cfg.json_path, said("json_path"))
     if cfg.cache:
-        _check_cache_target(cfg.cache, cfg.target)
+        _check_cache_target(cfg)
     if cfg.implied_for:
         from dflash_offline.evaluate.ceiling import find_shape
 
-        find_shape(cfg.implied_for)  # an unknown name: one line now, not after the decoding
+        find_shape(cfg.implied_for, option=said("implied_for"))  # an unknown name: one line now, not after the decoding
     try:
         open_process_log(log_folder(cfg), "eval")
     except OSError as e:  # one line naming the folder, before any work
-        if refusal := log_dir_refusal(cfg.log_dir, e):
+        if refusal := log_dir_refusal(cfg.log_dir, e, where(cfg, "log_dir")):
             raise refusal from None
         raise UserError(f"cannot write the log folder {log_folder(cfg)} ({e.strerror or e}); choose a writable "
                         "one with --log-dir") from None
-    devices = parse_devices(cfg.device)
+    devices = parse_devices(cfg.device, said("device"))
     if len(devices) != 1:
         raise UserError(f"{where(cfg, 'device')} {cfg.device}: eval runs on one device (e.g. 0 or cpu)")
     device = devices[0]
-    check_devices_exist(devices, option="--device")
+    check_devices_exist(devices, said("device"))
     import torch
 
     from dflash_offline.runtime.launch import single_thread_compute
 
     single_thread_compute()
-    drafters = [(p, load_drafter(p, cfg.target)) for p in cfg.drafters]  # all refused before any decoding
+    drafters = [(p, load_drafter(p, cfg.target, said)) for p in cfg.drafters]  # all refused before any decoding
     if cfg.prompts:
         warn_chat_mismatch(cfg.prompts, drafters)
     if cfg.cache:
+        _check_cache_layers(cfg, drafters)
         widest = max(d.cfg.block_size for _, d in drafters)
         if cfg.seq_len <= widest:
             raise UserError(f"{where(cfg, 'seq_len')} {cfg.seq_len} must exceed the drafter's block size ({widest}): "
@@ -178,13 +194,15 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.cache:
         report["cache"] = str(cfg.cache)
         for i, (path, d) in enumerate(drafters):
-            walk = walk_acceptance(cfg.cache, d, device, cfg.max_samples, batch_rows=cfg.walk_batch_rows)
+            walk = walk_acceptance(cfg.cache, d, device, cfg.max_samples, batch_rows=cfg.walk_batch_rows,
+                                   option=where(cfg, "cache"))
             log.info("cache walk for %s: tau %.3f pooled, %.3f per-prompt mean, over %d rounds of %d samples (%.1fs)",
                      path, walk["tau_pooled"], walk["tau_per_prompt_mean"], walk["rounds"], walk["samples"],
                      walk["seconds"])
             report["drafters"][i]["cache_walk"] = walk
             t0 = time.time()
-            est = cache_acceptance(cfg.cache, d, device, cfg.seq_len, cfg.num_anchors, cfg.max_rows)
+            est = cache_acceptance(cfg.cache, d, device, cfg.seq_len, cfg.num_anchors, cfg.max_rows,
+                                   option=where(cfg, "cache"))
             log.info("cache estimate for %s: tau %.3f over %d random blocks (%.1fs)", path, est["tau"], est["blocks"],
                      time.time() - t0)
             report["drafters"][i]["cache_estimate"] = est
@@ -217,15 +235,16 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     from dflash_offline.targets.folder import read_target
 
     # Inputs are checked before the target loads: a bad prompt or reference file costs nothing.
-    tinfo = read_target(cfg.target)
-    ids, prompts = read_prompts(cfg.prompts, tinfo.vocab_size, cfg.max_prompts)
+    tinfo = read_target(cfg.target, where(cfg, "target"))
+    said = partial(where, cfg)
+    ids, prompts = read_prompts(cfg.prompts, tinfo.vocab_size, cfg.max_prompts, said)
     longest = max(range(len(prompts)), key=lambda k: len(prompts[k]))
     if tinfo.max_positions is not None and len(prompts[longest]) + cfg.max_new_tokens > tinfo.max_positions:
         raise UserError(f"{where(cfg, 'prompts')} {cfg.prompts}: row {longest}: a prompt of {len(prompts[longest])} "
                         f"tokens + {where(cfg, 'max_new_tokens')} {cfg.max_new_tokens} exceeds the target's context "
                         f"({tinfo.max_positions} positions); lower the new tokens or leave out the longest prompts")
     eos = set() if cfg.ignore_eos else eos_ids(cfg.target)
-    reference = read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos) if cfg.reference else None
+    reference = read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos, said) if cfg.reference else None
     tok = show_tokenizer(cfg.target, cfg.show)  # --show: the target's tokenizer.json, or one line now
     # With a reference the target-alone decode (as long as the speculative one) is needed only for
     # the speed-up figure, so it runs only when asked for.
@@ -239,7 +258,7 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
                    else ("baseline" if baseline else None)})
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.seed, cfg.top_k)
     decoders = Decoders(model, cfg.decoder, cfg.batch_size, max(len(p) for p in prompts), cfg.max_new_tokens, eos,
-                        sampling, device, cfg.dtype)
+                        sampling, device, cfg.dtype, said)
     report.update({"decoder": decoders.name, "decoding": decoders.describe, "batch_size": cfg.batch_size,
                    "sampling": dataclasses.asdict(sampling)})
     log.info("decoder: %s; %s", decoders.describe,

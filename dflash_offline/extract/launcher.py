@@ -58,20 +58,21 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
 
     cfg.validate()
-    devices = parse_devices(cfg.devices)
-    info = read_target(cfg.target)
+    devices = parse_devices(cfg.devices, where(cfg, "devices"))
+    info = read_target(cfg.target, where(cfg, "target"))
     layer_ids = target.resolve_layers(info, cfg)
-    target.check_topk(info, cfg.topk)
+    target.check_topk(info, cfg.topk, where(cfg, "topk"))
     if launch is None:
-        check_devices_exist(devices)
+        check_devices_exist(devices, where(cfg, "devices"))
     if loc.remote and (len(devices) > 1 or (launch and launch.world_size > 1)):
         raise UserError(
             f"{where(cfg, 'cache')} {cfg.cache}: several workers need a lock to share one manifest, and URL caches "
             "(object stores) have none; use a local or shared file system path, or one device"
         )
-    compute_dtype = resolve_compute_dtype(cfg.compute_dtype, devices, launch)
+    compute_dtype = resolve_compute_dtype(cfg.compute_dtype, devices, launch,
+                                          (where(cfg, "devices"), where(cfg, "compute_dtype")))
     t0 = time.time()
-    source = data.scan(cfg.data, info.vocab_size)
+    source = data.scan(cfg.data, info.vocab_size, where(cfg, "data"))
     log.info("input: %d files, %d rows, %d tokens (scanned in %.1fs)", len(source.files), source.rows,
              int(source.lengths.sum()), time.time() - t0)
     # After the options, devices and data (building the model on the meta device costs seconds, the
@@ -119,7 +120,7 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
         if max(shard_bytes) > cfg.max_bytes:
             j = int(np.argmax(shard_bytes))
             raise UserError(
-                f"--max-bytes {human_bytes(cfg.max_bytes)} cannot hold one shard: {shard_name(j)} needs about "
+                f"{where(cfg, 'max_bytes')} {human_bytes(cfg.max_bytes)} cannot hold one shard: {shard_name(j)} needs about "
                 f"{human_bytes(shard_bytes[j])} ({tokens_of[j]} tokens x {bpt} bytes/token); raise "
                 "--max-bytes, or lower --shard-tokens, --max-len, --topk or the number of layers")
         if whole > cfg.max_bytes:
@@ -155,21 +156,21 @@ def run(cfg: ExtractConfig) -> dict:
 
     launch = torchrun_launch()
     cfg.validate()  # no log folder for a run that names no cache
-    loc = Location(cfg.cache)
+    loc = Location(cfg.cache, where(cfg, "cache"))
     name = f"extract-rank{launch.rank}" if launch else "extract-launcher"
     why = loc.unwritable()
     if why:
         raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: cannot write there ({why}); choose a writable location")
     if not loc.remote and not os.path.exists(loc.path("manifest.json")):  # before its log folder is made
-        refuse_foreign_folder(loc.path(), "--cache", "a cache", "manifest.json", CACHE_OWN_ENTRIES,
+        refuse_foreign_folder(loc.path(), where(cfg, "cache"), "a cache", "manifest.json", CACHE_OWN_ENTRIES,
                               ("manifest.json.tmp-",))
         # shards/ is ours only if it holds shard folders (a killed first run's debris), nothing else.
-        refuse_foreign_folder(loc.path("shards"), "--cache", "a cache", "manifest.json", set(),
+        refuse_foreign_folder(loc.path("shards"), where(cfg, "cache"), "a cache", "manifest.json", set(),
                               ("shard-", "tmp-shard-"))
     try:
         log_path = open_process_log(log_folder(cfg, loc), name)
     except OSError as e:  # before anything else: no log, no cache, one line
-        if refusal := log_dir_refusal(cfg.log_dir, e):
+        if refusal := log_dir_refusal(cfg.log_dir, e, where(cfg, "log_dir")):
             raise refusal from None
         raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: cannot write its log folder {log_folder(cfg, loc)} "
                         f"({e.strerror or e}); choose a writable location (or --log-dir)") from None

@@ -90,23 +90,23 @@ def output_folder(out: str) -> tuple[Path, Path | None]:
 OWN_ENTRIES = {"logs", ".run.lock", ".manifest.lock"}
 
 
-def _check_output(folder: Path, merged: Path | None) -> None:
+def _check_output(folder: Path, merged: Path | None, option: str = "--out") -> None:
     """Nothing the tool did not create is overwritten: an existing output must be ours."""
     from dflash_offline.rows import parts
 
     ours = (folder / parts.MANIFEST).is_file()
     if merged is not None and merged.exists() and not ours:
-        raise UserError(f"--out {merged}: the file exists and was not written by `generate` (no {folder / parts.MANIFEST}); "
+        raise UserError(f"{option} {merged}: the file exists and was not written by `generate` (no {folder / parts.MANIFEST}); "
                         "choose another --out (nothing is overwritten)")
     if folder.is_file():
-        raise UserError(f"--out {folder}: is a file; give a folder, or a path ending in .parquet")
+        raise UserError(f"{option} {folder}: is a file; give a folder, or a path ending in .parquet")
     # Its own log folder and locks do not count: a refused first run (or another torchrun rank)
     # may have made them before any manifest existed.
     if folder.is_dir() and not ours and any(p.name not in OWN_ENTRIES for p in folder.iterdir()):
-        raise UserError(f"--out {folder}: the folder exists, is not empty and holds no generate manifest; choose a new "
+        raise UserError(f"{option} {folder}: the folder exists, is not empty and holds no generate manifest; choose a new "
                         "or empty folder (nothing is overwritten)")
     if ours and parts.read_manifest(folder) is None:
-        raise UserError(f"--out {folder}: {folder / parts.MANIFEST} is not a generate manifest; choose another --out")
+        raise UserError(f"{option} {folder}: {folder / parts.MANIFEST} is not a generate manifest; choose another --out")
 
 
 def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: Launch | None):
@@ -118,12 +118,13 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     from dflash_offline.targets.folder import eos_source, read_target
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
 
-    devices = parse_devices(cfg.devices)
-    info = read_target(cfg.target)
+    devices = parse_devices(cfg.devices, origin(cfg, "devices"))
+    info = read_target(cfg.target, origin(cfg, "target"))
     if launch is None:
-        check_devices_exist(devices)
-    compute_dtype = resolve_compute_dtype(cfg.compute_dtype, devices, launch)
-    source = data.scan(cfg.prompts, info.vocab_size, option="--prompts", need_mask=False)
+        check_devices_exist(devices, origin(cfg, "devices"))
+    compute_dtype = resolve_compute_dtype(cfg.compute_dtype, devices, launch,
+                                          (origin(cfg, "devices"), origin(cfg, "compute_dtype")))
+    source = data.scan(cfg.prompts, info.vocab_size, option=origin(cfg, "prompts"), need_mask=False)
     lengths = source.lengths
     from dflash_offline.generate.turns import conversation_settings
 
@@ -232,10 +233,10 @@ def run(cfg: GenerateConfig) -> dict:
     why = Location(str(folder)).unwritable()
     if why:
         raise UserError(f"{origin(cfg, 'out')} {cfg.out}: cannot write there ({why}); choose a writable location")
-    _check_output(folder, merged)  # before the log folder is made inside it
+    _check_output(folder, merged, origin(cfg, "out"))  # before the log folder is made inside it
     log_dir = cfg.log_dir or str(folder / "logs")
     name = f"generate-rank{launch.rank}" if launch else "generate-launcher"
-    open_command_log(cfg.log_dir, log_dir, name, cfg.out)
+    open_command_log(cfg.log_dir, log_dir, name, cfg.out, (origin(cfg, "log_dir"), origin(cfg, "out")))
     install_stop_handlers()
     join_ranks(launch)  # a launch other than torchrun: every rank is there before any work
     t0 = time.time()

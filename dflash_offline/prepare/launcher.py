@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 from dflash_offline.options import where
@@ -30,15 +31,15 @@ log = logging.getLogger("dflash.prepare")
 SPLITS = ("train", "eval")
 
 
-def _check_out(out: Path) -> None:
+def _check_out(out: Path, option: str = "--out") -> None:
     from dflash_offline.rows.parts import MANIFEST, read_manifest
     from dflash_offline.runtime.paths import refuse_foreign_folder
 
     if out.is_file():
-        raise UserError(f"--out {out}: is a file; give a folder")
+        raise UserError(f"{option} {out}: is a file; give a folder")
     ours = any((out / s / MANIFEST).is_file() and read_manifest(out / s) is not None for s in SPLITS)
     if not ours:
-        refuse_foreign_folder(out, "--out", "a prepare output", "train/manifest.json", {"logs", ".run.lock", *SPLITS})
+        refuse_foreign_folder(out, option, "a prepare output", "train/manifest.json", {"logs", ".run.lock", *SPLITS})
 
 
 def _limits(cfg: PrepareConfig, info):
@@ -59,23 +60,25 @@ def run(cfg: PrepareConfig) -> dict:
 
     cfg.validate()
     out = Path(cfg.out)
-    _check_out(out)
-    open_command_log(cfg.log_dir, cfg.log_dir or str(out / "logs"), "prepare", cfg.out)
+    _check_out(out, where(cfg, "out"))
+    open_command_log(cfg.log_dir, cfg.log_dir or str(out / "logs"), "prepare", cfg.out,
+                     (where(cfg, "log_dir"), where(cfg, "out")))
     install_stop_handlers()
     t0 = time.time()
     heartbeat(phase="preflight")
-    info = read_target(cfg.target)
-    tokenizer = load_chat_tokenizer(cfg.target)
+    info = read_target(cfg.target, where(cfg, "target"))
+    tokenizer = load_chat_tokenizer(cfg.target, where(cfg, "target"))
     if len(tokenizer) > info.vocab_size:  # ids past the embedding: another model's tokenizer
         raise UserError(f"{where(cfg, 'target')} {cfg.target}: its tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
                         f"is {info.vocab_size}; the folder mixes a tokenizer and a model that do not belong together")
     heartbeat(phase="read")
-    records = list(read_records(cfg.data, cfg.format))
+    records = list(read_records(cfg.data, cfg.format, where(cfg, "data")))
     if not records:
-        raise UserError(f"--data {' '.join(cfg.data)}: no records")
+        raise UserError(f"{where(cfg, 'data')} {' '.join(cfg.data)}: no records")
     chat = any(r.messages is not None for r in records)
     tmpl = ChatTemplate.load(cfg.target, cfg.chat_template, cfg.thinking, cfg.system,
-                             end_ids=sorted(eos_ids(cfg.target)), tokenizer=tokenizer) if chat else None
+                             end_ids=sorted(eos_ids(cfg.target)), tokenizer=tokenizer,
+                             said=partial(where, cfg)) if chat else None
     sel = select.select(records, cfg.responses, cfg.eval_fraction, cfg.dedup, cfg.drop_unanswered)
     from dflash_offline.chat.formats import cut_off_files
 
@@ -124,7 +127,7 @@ def run(cfg: PrepareConfig) -> dict:
     made = sum(t.table.num_rows for s in SPLITS for t in tables[s] if t is not None)
     if made == 0 and not any(committed.values()):
         dropped = sel.dropped + sum((t.dropped for s in SPLITS for t in tables[s] if t is not None), Counter())
-        raise UserError(f"--data: no row is left after filtering ({sel.read} records read; dropped: "
+        raise UserError(f"{where(cfg, 'data')}: no row is left after filtering ({sel.read} records read; dropped: "
                         f"{', '.join(f'{n} {why}' for why, n in dropped.most_common()) or 'none'}); check --format, "
                         "--max-len and --responses")
     if stop_requested():

@@ -105,11 +105,12 @@ def rendezvous_store():
     return _rendezvous_store
 
 
-def parse_devices(spec: str) -> list[str]:
-    """`"0,1,2"` -> `["cuda:0", "cuda:1", "cuda:2"]`; `"cpu,cpu"` -> two CPU workers."""
+def parse_devices(spec: str, option: str = "--devices") -> list[str]:
+    """`"0,1,2"` -> `["cuda:0", "cuda:1", "cuda:2"]`; `"cpu,cpu"` -> two CPU workers. `option`: how
+    messages name the value (the flag, or the recipe key and file)."""
     items = [s.strip() for s in str(spec).split(",") if s.strip()]
     if not items:
-        raise UserError(f"--devices {spec!r} is empty: give GPU indices like 0,1,2 or 'cpu'")
+        raise UserError(f"{option} {spec!r} is empty: give GPU indices like 0,1,2 or 'cpu'")
     out = []
     for s in items:
         if s == "cpu":
@@ -119,10 +120,10 @@ def parse_devices(spec: str) -> list[str]:
         elif s.startswith("cuda:") and s[5:].isdigit():
             out.append(s)
         else:
-            raise UserError(f"--devices: {s!r} is not a GPU index or 'cpu' (example: --devices 0,1,2,3,4)")
+            raise UserError(f"{option} {spec!r}: {s!r} is not a GPU index or 'cpu' (example: 0,1,2,3,4)")
     gpus = [d for d in out if d != "cpu"]
     if len(set(gpus)) != len(gpus):
-        raise UserError(f"--devices {spec!r} lists a GPU twice: one worker process per GPU")
+        raise UserError(f"{option} {spec!r} lists a GPU twice: one worker process per GPU")
     return out
 
 
@@ -149,7 +150,8 @@ def single_thread_compute() -> None:
     torch.set_num_threads(int(os.environ.get("DFLASH_THREADS", "1")) or 1)
 
 
-def resolve_compute_dtype(name: str, devices: list[str], launch: Launch | None) -> str:
+def resolve_compute_dtype(name: str, devices: list[str], launch: Launch | None,
+                          options: tuple[str, str] = ("--devices", "--compute-dtype")) -> str:
     """`auto` -> bfloat16 on GPUs, float32 on CPUs; one dtype per cache, so no mixing of the two."""
     kinds = {"cpu" if d == "cpu" else "cuda" for d in devices}
     if launch is not None:
@@ -157,6 +159,7 @@ def resolve_compute_dtype(name: str, devices: list[str], launch: Launch | None) 
     if name != "auto":
         return name
     if len(kinds) > 1:
-        raise UserError("--devices mixes CPU and GPU workers with --compute-dtype auto (bf16 on GPU, fp32 on CPU); "
-                        "choose one kind of device or set --compute-dtype")
+        devices_option, dtype_option = options
+        raise UserError(f"{devices_option} mixes CPU and GPU workers with {dtype_option} auto (bf16 on GPU, fp32 on "
+                        f"CPU); choose one kind of device or set {dtype_option}")
     return "bfloat16" if kinds == {"cuda"} else "float32"

@@ -32,26 +32,29 @@ log = logging.getLogger("dflash")
 # Logs
 
 
-def log_dir_refusal(log_dir_option: str | None, e: OSError) -> UserError | None:
+def log_dir_refusal(log_dir_option: str | None, e: OSError, option: str = "--log-dir") -> UserError | None:
     """The one line for a `--log-dir` folder that cannot hold a log; None when no --log-dir was
-    given (the caller names its own default folder)."""
+    given (the caller names its own default folder). `option`: how the message names it (the
+    flag, or the recipe key and file)."""
     if not log_dir_option:
         return None
-    return UserError(f"--log-dir {log_dir_option}: cannot write the log folder there ({e.strerror or e}); choose a "
+    return UserError(f"{option} {log_dir_option}: cannot write the log folder there ({e.strerror or e}); choose a "
                      "writable folder")
 
 
-def open_command_log(log_dir_option: str | None, log_dir: str, name: str, out: str) -> Path:
+def open_command_log(log_dir_option: str | None, log_dir: str, name: str, out: str,
+                     options: tuple[str, str] = ("--log-dir", "--out")) -> Path:
     """The process log of a command that writes into --out (generate, prepare): a folder that
-    cannot be written is one line naming --log-dir when it was given, else --out."""
+    cannot be written is one line naming --log-dir when it was given, else --out (`options`: how
+    the two are named, the flags or the recipe keys and file)."""
     from dflash_offline.runtime.errors import UserError
 
     try:
         return open_process_log(log_dir, name)
     except OSError as e:
-        if refusal := log_dir_refusal(log_dir_option, e):
+        if refusal := log_dir_refusal(log_dir_option, e, options[0]):
             raise refusal from None
-        raise UserError(f"--out {out}: cannot write its log folder {log_dir} ({e.strerror or e}); choose a "
+        raise UserError(f"{options[1]} {out}: cannot write its log folder {log_dir} ({e.strerror or e}); choose a "
                         "writable location (or --log-dir)") from None
 
 

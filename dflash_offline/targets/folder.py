@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -46,6 +46,8 @@ class TargetInfo:
     tie_word_embeddings: bool
     max_positions: int | None = None  # max_position_embeddings: the longest sequence it was made for
     layer_types: tuple[str, ...] = ()  # its decoder layers' types, as its config lists them (targets/families.py)
+    # How messages name the folder: the flag, or the recipe key and file the path came from.
+    option: str = field(default="--target", compare=False)
 
     def manifest_entry(self) -> dict:
         return {
@@ -151,14 +153,15 @@ def _data_sample(path: Path, samples: int = 16, block: int = 1 << 16) -> bytes:
     return b"".join(out)
 
 
-def read_target(path: str) -> TargetInfo:
-    """Read config.json and the safetensors headers; no torch, no weights."""
+def read_target(path: str, option: str = "--target") -> TargetInfo:
+    """Read config.json and the safetensors headers; no torch, no weights. `option`: how messages
+    name the folder (the flag, or the recipe key and file it was given in)."""
     root = Path(path)
     cfg_path = root / "config.json"
     if not root.is_dir():
-        raise UserError(f"--target {path}: no such folder (expected a Hugging Face model folder)")
+        raise UserError(f"{option} {path}: no such folder (expected a Hugging Face model folder)")
     if not cfg_path.is_file():
-        raise UserError(f"--target {path}: no config.json in the folder")
+        raise UserError(f"{option} {path}: no config.json in the folder")
     cfg = _read_json(cfg_path)
     text = cfg.get("text_config") or cfg
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
@@ -172,10 +175,10 @@ def read_target(path: str) -> TargetInfo:
                             "download the model again")
     if int(text["num_hidden_layers"]) < 1:
         raise UserError(f"{cfg_path}: num_hidden_layers is {text['num_hidden_layers']}: the target has no decoder "
-                        "layers whose hidden states could be captured; point --target at a causal language model")
+                        "layers whose hidden states could be captured; give a causal language model as the target")
     files = sorted(root.glob("*.safetensors"))
     if not files:
-        raise UserError(f"--target {path}: no *.safetensors weights in the folder")
+        raise UserError(f"{option} {path}: no *.safetensors weights in the folder")
     _check_weight_files(root, files)
     fp = hashlib.sha256()
     for f in files:
@@ -195,6 +198,7 @@ def read_target(path: str) -> TargetInfo:
         weights_fingerprint="sha256:" + fp.hexdigest(), hybrid=hybrid, layer_types=layer_types, weight_files=files,
         tie_word_embeddings=tie,
         max_positions=int(text["max_position_embeddings"]) if text.get("max_position_embeddings") else None,
+        option=option,
     )
 
 

@@ -59,9 +59,9 @@ def resolve_layers(info: TargetInfo, cfg) -> list[int]:
     return ids
 
 
-def check_topk(info: TargetInfo, topk: int) -> None:
+def check_topk(info: TargetInfo, topk: int, option: str = "--topk") -> None:
     if topk > info.vocab_size:
-        raise UserError(f"--topk must be at most the target's vocabulary ({info.vocab_size} tokens), got {topk}; "
+        raise UserError(f"{option} must be at most the target's vocabulary ({info.vocab_size} tokens), got {topk}; "
                         "the default is 32")
 
 
@@ -151,8 +151,8 @@ def _text_config(info: TargetInfo, keep_layers: int, need_head: bool):
 
         what = "; ".join(ln.strip() for ln in str(e).splitlines() if ln.strip()) or type(e).__name__
         if info.model_type not in CONFIG_MAPPING:  # not a damaged file: a model transformers does not know
-            raise UserError(f"--target {info.path}: transformers {transformers.__version__} cannot build it as a "
-                            f"causal language model ({what[:200]}); point --target at a decoder-only causal LM") from None
+            raise UserError(f"{info.option} {info.path}: transformers {transformers.__version__} cannot build it as a "
+                            f"causal language model ({what[:200]}); give a decoder-only causal LM as the target") from None
         raise UserError(f"{info.path / 'config.json'}: transformers {transformers.__version__} refuses it ({what[:300]}); "
                         "fix the file or download the model again") from None
     if keep_layers < config.num_hidden_layers:
@@ -187,24 +187,24 @@ def check_weights(info: TargetInfo, keep_layers: int, need_head: bool) -> None:
         import transformers
 
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"--target {info.path}: transformers {transformers.__version__} cannot build it as a causal "
-                        f"language model ({first[:200]}); point --target at a decoder-only causal LM") from None
+        raise UserError(f"{info.option} {info.path}: transformers {transformers.__version__} cannot build it as a causal "
+                        f"language model ({first[:200]}); give a decoder-only causal LM as the target") from None
     finally:
         hf_logging.set_verbosity(verbosity)
     wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if not any(k.startswith("model.layers.") for k in wanted) or "model.embed_tokens.weight" not in wanted:
         kind = type(model).__name__
-        raise UserError(f"--target {info.path}: a {kind}, not a decoder-only language model with model.embed_tokens "
-                        "and model.layers (the Llama/Qwen layout the drafter reads); point --target at such a model")
+        raise UserError(f"{info.option} {info.path}: a {kind}, not a decoder-only language model with model.embed_tokens "
+                        "and model.layers (the Llama/Qwen layout the drafter reads); give such a model as the target")
     found = tensor_entries(info.weight_files)
     for name, shape in wanted.items():
         if name == "lm_head.weight" and (not need_head or info.tie_word_embeddings):
             continue
         if name not in found:
-            raise UserError(f"--target {info.path}: no tensor for {name} in the safetensors files; is the folder complete?")
+            raise UserError(f"{info.option} {info.path}: no tensor for {name} in the safetensors files; is the folder complete?")
         fname, key, got = found[name]
         if got != shape:
-            raise UserError(f"--target {info.path}: {fname} holds {key} with shape {got}, but config.json implies {shape}")
+            raise UserError(f"{info.option} {info.path}: {fname} holds {key} with shape {got}, but config.json implies {shape}")
 
 
 def load_target(info: TargetInfo, device: str, compute_dtype: str, keep_layers: int, need_head: bool):
@@ -246,7 +246,7 @@ def load_target(info: TargetInfo, device: str, compute_dtype: str, keep_layers: 
         if info.tie_word_embeddings:
             model.lm_head.weight = model.get_input_embeddings().weight
     if missing:
-        raise UserError(f"--target {info.path}: weights missing for {len(missing)} tensors, e.g. {missing[:3]}")
+        raise UserError(f"{info.option} {info.path}: weights missing for {len(missing)} tensors, e.g. {missing[:3]}")
     log.info("target loaded on %s: %d of %d layers, head %s, dtype %s", device, keep_layers,
              info.num_layers, "on" if need_head else "off", dtype)
     return model

@@ -124,7 +124,8 @@ class TrainConfig:
                        "checkpoint_every", "keep_checkpoints", "log_every", "loss_chunk_tokens", "follow_window",
                        "prefetch", "max_steps", "eval_every", "eval_samples")
         if self.block_size < 2:
-            raise UserError("--block-size must be at least 2 (slot 0 is the anchor, slots 1.. are drafted)")
+            raise UserError(f"{where(self, 'block_size')} must be at least 2 (slot 0 is the anchor, slots 1.. are "
+                            f"drafted), got {self.block_size}")
         if self.seq_len <= self.block_size:
             raise UserError(f"{where(self, 'seq_len')} must exceed {where(self, 'block_size')} ({self.block_size}), "
                             f"got {self.seq_len}: a row must hold an anchor and its drafted tokens; raise the first "
@@ -152,13 +153,14 @@ class TrainConfig:
         check_number(self, "dpace_alpha", 0, 1, must="in [0, 1]", why="the smoothing a in (1 - a) x q + a")
         check_choices(self)
         if self.eval_every is not None and not self.eval_cache:
-            raise UserError("--eval-every sets how often --eval-cache is measured; give --eval-cache CACHE (a held-out "
-                            "cache of the target's own completions) or leave --eval-every out")
+            raise UserError(f"{where(self, 'eval_every')} sets how often --eval-cache is measured; give --eval-cache "
+                            "CACHE (a held-out cache of the target's own completions) or leave it out")
         if self.stream and not self.follow:
-            raise UserError("--stream needs --follow (it releases shards of a cache that extraction is still filling)")
+            raise UserError(f"{where(self, 'stream')} needs --follow (it releases shards of a cache that extraction is "
+                            "still filling)")
         if self.follow and self.epochs != 1:
-            raise UserError(f"--follow consumes every committed shard once, so --epochs must be 1 (got {self.epochs}); "
-                            "for several epochs extract with --passes N")
+            raise UserError(f"{where(self, 'follow')} consumes every committed shard once, so {where(self, 'epochs')} "
+                            f"must be 1 (got {self.epochs}); for several epochs extract with --passes N")
         ids = self.target_layers
         if ids is not None and (not ids or len(set(ids)) != len(ids)):
             raise UserError(f"{where(self, 'target_layers')} {ids}: give distinct layer ids the cache holds")

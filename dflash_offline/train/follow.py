@@ -148,7 +148,7 @@ def follow_segments(cfg: TrainConfig, plan: TrainPlan, rank: int, world: int, de
 
     G, N = cfg.follow_window, plan.follow.num_shards
     window, base, tokens_before = start.window, start.window_start, start.tokens_before
-    store = ManifestStore(Location(cfg.cache))
+    store = ManifestStore(Location(cfg.cache, where(cfg, "cache")))
     flag = torch.zeros(1, dtype=torch.int64, device=device if device.startswith("cuda") else "cpu")
     prev = None
     while window * G < N:
@@ -225,7 +225,7 @@ def release_consumed(cfg: TrainConfig, plan: TrainPlan, window: int) -> None:
     n = min(window * cfg.follow_window, plan.follow.num_shards)
     if n == 0:
         return
-    loc = Location(cfg.cache)
+    loc = Location(cfg.cache, where(cfg, "cache"))
     finished = [shard_name(i) for i in range(n)]
     store = ManifestStore(loc)
     pending = store.record_consumed(plan.follow.consumer, finished, release=cfg.stream)

@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+from dflash_offline.options import where
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.train.run_folder import BEST, HELD_OUT_LOG
@@ -44,7 +45,8 @@ class HeldOut:
 
             heartbeat(phase="held-out evaluation", step=step)
             t0 = time.perf_counter()
-            est = walk_acceptance(self.cfg.eval_cache, self.drafter, self.device, max_samples=self.cfg.eval_samples)
+            est = walk_acceptance(self.cfg.eval_cache, self.drafter, self.device, max_samples=self.cfg.eval_samples,
+                                  option=where(self.cfg, "eval_cache"))
             rec = {"step": step, "tau_pooled": est["tau_pooled"], "tau_per_prompt_mean": est["tau_per_prompt_mean"],
                    "tau_all_anchors": est["tau_all_anchors"], "rounds": est["rounds"], "samples": est["samples"],
                    "seconds": time.perf_counter() - t0, "train_s": t0 - self.t0}

@@ -46,7 +46,7 @@ def run(cfg: TrainConfig) -> None:
     cfg.validate()  # options first: a run that names no --out has no folder to check
     out = Path(cfg.out)
     name = f"train-rank{launch.rank}" if launch else "train-launcher"
-    refuse_foreign_run(out)  # before its log folder is made
+    refuse_foreign_run(out, where(cfg, "out"))  # before its log folder is made
     try:
         open_process_log(out / "logs", name)
     except OSError as e:  # before anything else: no log, no run folder, one line

@@ -48,13 +48,13 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     from dflash_offline.runtime.paths import require_kind
 
     cfg.validate()
-    require_kind(cfg.cache, "--cache", True, "the cache folder extract wrote (the one with manifest.json)")
-    require_kind(cfg.eval_cache, "--eval-cache", True, "a held-out cache folder (the one with manifest.json)")
+    require_kind(cfg.cache, where(cfg, "cache"), True, "the cache folder extract wrote (the one with manifest.json)")
+    require_kind(cfg.eval_cache, where(cfg, "eval_cache"), True, "a held-out cache folder (the one with manifest.json)")
     for dest in (EXPORT, BEST):  # the run ends writing them: refused now, not after the training
         check_export_dest(Path(cfg.out).absolute() / dest)
-    devices = parse_devices(cfg.devices)
+    devices = parse_devices(cfg.devices, where(cfg, "devices"))
     if torchrun_launch() is None:
-        check_devices_exist(devices)
+        check_devices_exist(devices, where(cfg, "devices"))
     if cfg.follow:
         return _preflight_follow(cfg, devices)
     reader = CacheReader(cfg.cache)
@@ -159,7 +159,7 @@ def _check_row_memory(cfg: TrainConfig, features: int) -> None:
 def _check_cache_target(cfg: TrainConfig, v: ManifestView) -> None:
     from dflash_offline.targets.folder import read_target
 
-    info = read_target(cfg.target)
+    info = read_target(cfg.target, where(cfg, "target"))
     for key, theirs, mine in (("weights_fingerprint", v.weights_fingerprint, info.weights_fingerprint),
                               ("config_sha256", v.config_sha256, info.config_sha256)):
         if theirs != mine:
@@ -227,7 +227,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     from dflash_offline.cache.manifest import ManifestStore, committed_names
     from dflash_offline.train.packing import follow_fingerprint
 
-    store = ManifestStore(Location(cfg.cache))
+    store = ManifestStore(Location(cfg.cache, where(cfg, "cache")))
     t0 = last = time.time()
     while (m := store.read()) is None:
         if time.time() - last > 30:
@@ -289,7 +289,7 @@ def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], v: ManifestView) -
     from dflash_offline.cache.location import Location
 
     try:
-        held = ManifestStore(Location(cfg.eval_cache)).read_committed()  # an edited one: before training
+        held = ManifestStore(Location(cfg.eval_cache, where(cfg, "eval_cache"))).read_committed()  # an edited one: before training
     except UserError:
         raise
     except Exception as e:

@@ -29,16 +29,17 @@ def is_run_folder(p: Path) -> bool:
                            or any((p / "logs").glob("train-*")))
 
 
-def refuse_foreign_run(out: Path) -> None:
-    """--out is a run folder (it holds a checkpoint), or holds nothing but what a first run makes."""
+def refuse_foreign_run(out: Path, option: str = "--out") -> None:
+    """--out is a run folder (it holds a checkpoint), or holds nothing but what a first run makes
+    (`option`: how messages name it, the flag or the recipe key and file)."""
     if not list_checkpoints(out):
-        refuse_foreign_folder(out, "--out", "a training run", "step-N/ checkpoint", RUN_OWN_ENTRIES,
+        refuse_foreign_folder(out, option, "a training run", "step-N/ checkpoint", RUN_OWN_ENTRIES,
                               (".tmp-", f".{EXPORT}.", f".{BEST}."))
         # Names this stage makes are ours only if they hold what it writes: a run truncates its
         # metrics on a restart, which would rewrite someone else's file of that name.
         for name in ("metrics.jsonl", HELD_OUT_LOG):
             if (out / name).is_file() and not _our_jsonl(out / name):
-                raise UserError(f"--out {out}: its {name} was not written by `train` (not a file of JSON lines "
+                raise UserError(f"{option} {out}: its {name} was not written by `train` (not a file of JSON lines "
                                 "with a step); choose a new or empty folder (nothing was changed)")
 
 

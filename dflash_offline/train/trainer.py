@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_offline.options import where
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.logs import heartbeat
@@ -97,7 +98,7 @@ def build_trainer(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tr
         drafter = DFlashDrafter(dcfg)
     heartbeat(phase="load weights")
     fault_point("load-weights")
-    drafter.load_frozen_from_target(cfg.target)
+    drafter.load_frozen_from_target(cfg.target, where(cfg, "target"))
     if cfg.init_layers:
         drafter.init_layers_from_target(cfg.target, cfg.init_layers)
     drafter.to(device)

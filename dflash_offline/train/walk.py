@@ -28,20 +28,21 @@ from dflash_offline.cache.view import ManifestView
 from dflash_offline.runtime.errors import UserError
 
 
-def cache_layer_columns(manifest: dict, drafter_cfg, cache: str) -> list[int] | None:
+def cache_layer_columns(manifest: dict, drafter_cfg, cache: str, option: str = "--cache") -> list[int] | None:
     """Where the drafter's layers sit on the cache's layer axis (hidden is [tokens, n, H]), in the
     drafter's order (its fc reads them concatenated in that order); None when the drafter reads
     every captured layer in the cache's order. A drafter trained on a subset of the captured
-    layers (`train --target-layers`) is scored on those columns; a layer the cache lacks is refused."""
+    layers (`train --target-layers`) is scored on those columns; a layer the cache lacks is refused
+    (`option`: how the message names the cache, the flag or the recipe key and file)."""
     v = ManifestView.of(manifest)
     have = [int(i) for i in v.layer_ids]
     want = [int(i) for i in drafter_cfg.target_layer_ids]
     missing = [i for i in want if i not in have]
     if missing:
-        raise UserError(f"--cache {cache} holds layers {have} but the drafter reads {want} (no {missing}); "
+        raise UserError(f"{option} {cache} holds layers {have} but the drafter reads {want} (no {missing}); "
                         "extract the held-out cache with the drafter's layers")
     if (v.hidden_size, v.vocab_size) != (drafter_cfg.hidden_size, drafter_cfg.vocab_size):
-        raise UserError(f"--cache {cache} was made from a target of hidden {v.hidden_size} and vocabulary "
+        raise UserError(f"{option} {cache} was made from a target of hidden {v.hidden_size} and vocabulary "
                         f"{v.vocab_size}; the drafter has {drafter_cfg.hidden_size} and {drafter_cfg.vocab_size}")
     return None if want == have else [have.index(i) for i in want]
 
@@ -59,9 +60,11 @@ def _select_layers(target_hidden, columns: list[int] | None, num_layers: int):
 
 
 def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors: int,
-                     max_rows: int | None = None, seed: int = 0, loss_chunk_tokens: int = 4096) -> dict:
+                     max_rows: int | None = None, seed: int = 0, loss_chunk_tokens: int = 4096,
+                     option: str = "--cache") -> dict:
     """tau and per-slot top-1 accuracy of `drafter` on a cache's samples, packed as in training
-    (rows of seq_len, num_anchors random blocks per row, fixed seed), scored against the data."""
+    (rows of seq_len, num_anchors random blocks per row, fixed seed), scored against the data.
+    `option`: how messages name the cache (the flag, or the recipe key and file)."""
     import torch
 
     from dflash_offline.drafter import masks
@@ -73,7 +76,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     reader = CacheReader(cache)
     m = reader.manifest
     cfg = drafter.cfg
-    columns = cache_layer_columns(m, cfg, cache)
+    columns = cache_layer_columns(m, cfg, cache, option)
     view = ManifestView.of(m)
     n_cached = len(view.layer_ids)
     refs, lengths = [], []
@@ -111,7 +114,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     finally:
         drafter.train(was_training)
     if total is None or float(total["blocks"]) == 0:
-        raise UserError(f"--cache {cache}: no valid draft block (no two consecutive loss-mask tokens)")
+        raise UserError(f"{option} {cache}: no valid draft block (no two consecutive loss-mask tokens)")
     cnt = total["slot_count"].cpu().numpy()
     acc = np.where(cnt > 0, total["slot_correct"].cpu().numpy() / np.maximum(cnt, 1), 0.0)
     return {"rows": steps, "blocks": int(total["blocks"]), "tau": float(total["tau_sum"] / total["blocks"]),
@@ -165,7 +168,7 @@ class _ContextRow:
 
 def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None, max_new: int | None = None,
                     seq_len: int | None = None, anchors_per_row: int = 512, batch_rows: int = 4,
-                    per_sample: bool = False, loss_chunk_tokens: int = 4096) -> dict:
+                    per_sample: bool = False, loss_chunk_tokens: int = 4096, option: str = "--cache") -> dict:
     """Acceptance of `drafter` on a cache's samples as greedy speculative decoding would see it.
 
     For each sample (the first `max_samples` in manifest order): every candidate anchor p
@@ -194,7 +197,8 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
     and counted in truncated_samples); a row's anchors go `anchors_per_row` at a time, `batch_rows`
     such blocks of anchors (each with its row's context) per forward. Shapes are the same for every
     forward of a call (flex compiles once). Runs in-process without grad; a drafter in train mode
-    is switched to eval and back (the trainer can call this on a held-out cache)."""
+    is switched to eval and back (the trainer can call this on a held-out cache; `option` names
+    the cache in messages: --cache, --eval-cache, or the recipe key and file)."""
     import torch
 
     from dflash_offline.drafter import masks
@@ -213,7 +217,7 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
     m = reader.manifest
     cfg = drafter.cfg
     B = cfg.block_size
-    columns = cache_layer_columns(m, cfg, cache)
+    columns = cache_layer_columns(m, cfg, cache, option)
     fp8 = ManifestView.of(m).hidden_dtype == FP8
     refs: list[_Sample] = []
     for name in reader.shard_names:
@@ -223,7 +227,7 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
     if max_samples is not None:
         refs = refs[:max_samples]
     if not refs:
-        raise UserError(f"--cache {cache}: no samples to walk")
+        raise UserError(f"{option} {cache}: no samples to walk")
     lengths = np.asarray([r.length for r in refs], np.int64)
     S = int(seq_len) if seq_len else int(lengths.max())
     A = max(1, min(anchors_per_row, S - 1))  # a row has at most S - 1 candidates
@@ -343,7 +347,7 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
             else:
                 skipped += 1
     if not rounds_of:
-        raise UserError(f"--cache {cache}: no sample with a completion of two tokens or more to walk")
+        raise UserError(f"{option} {cache}: no sample with a completion of two tokens or more to walk")
     rounds_of.sort()
     flat = np.asarray([a for _, r, _ in rounds_of for a in r], np.int64)
     every = np.concatenate(anchor_acc) if anchor_acc else np.zeros(0, np.int64)
