@@ -402,7 +402,7 @@ def main() -> int:
         tmp = Path(tempfile.mkdtemp(prefix="decode-speed-"))
         args.target = str(make_tiny_target(tmp / "target"))
         args.prompts = str(make_tiny_data(tmp / "prompts.parquet", rows=6, min_len=4, max_len=20))
-        d = DFlashDrafter(DrafterConfig.from_target(args.target, [1, 3], block_size=4, num_layers=1, mask_token_id=1))
+        d = DFlashDrafter(DrafterConfig.from_target(args.target, [1, 3], block_size=4, drafter_layers=1, mask_token_id=1))
         args.drafter = [str(export_drafter(d, str(tmp / "drafter")))]
         args.dtype, args.max_new_tokens, args.batch1_prompts, args.batch_size = "float32", 12, 2, 4
         args.ignore_eos = True

@@ -56,7 +56,7 @@ def run(out: str, devices: str = "cpu") -> dict:
 
         tmp = root / ".tiny-target.tmp"  # renamed into place once trained: a killed demo leaves no half-trained target
         shutil.rmtree(tmp, ignore_errors=True)
-        make_tiny_target(tmp, kind="qwen3", num_layers=8)
+        make_tiny_target(tmp, kind="qwen3", num_target_layers=8)
         fit = train_tiny_target(tmp)
         tmp.rename(target)
         print(f"target:   trained a tiny Qwen3 ({target}) for {fit['steps']} steps on progression text in "

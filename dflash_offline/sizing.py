@@ -31,7 +31,7 @@ def decoder_matrix_params(info) -> int:
     safetensors headers: what a forward multiplies per token. Vision towers and MTP heads excluded."""
     total = 0
     for name, entry in tensor_entries(info.weight_files).items():
-        if name.startswith("model.layers.") and len(entry.shape) == 2 and int(name.split(".")[2]) < info.num_layers:
+        if name.startswith("model.layers.") and len(entry.shape) == 2 and int(name.split(".")[2]) < info.num_target_layers:
             total += math.prod(entry.shape)
     return total
 

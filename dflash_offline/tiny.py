@@ -13,10 +13,10 @@ import numpy as np
 TINY_VOCAB = 512
 
 
-def tiny_config(kind: str = "qwen3", num_layers: int = 8):
+def tiny_config(kind: str = "qwen3", num_target_layers: int = 8):
     from transformers import Qwen3Config
 
-    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_target_layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                   rms_norm_eps=1e-6, tie_word_embeddings=False)
     if kind == "qwen3":
@@ -30,7 +30,7 @@ def tiny_config(kind: str = "qwen3", num_layers: int = 8):
     raise ValueError(f"unknown tiny target kind {kind!r}; use qwen3 or qwen3_5")
 
 
-def make_tiny_target(out: str | Path, kind: str = "qwen3", num_layers: int = 8, seed: int = 0) -> Path:
+def make_tiny_target(out: str | Path, kind: str = "qwen3", num_target_layers: int = 8, seed: int = 0) -> Path:
     """Save a seeded random tiny causal LM to `out` (config.json + model.safetensors).
 
     kind: `qwen3` (dense), `qwen3_5` (hybrid text model), or `qwen3_5_vl` (the hybrid text model
@@ -47,11 +47,11 @@ def make_tiny_target(out: str | Path, kind: str = "qwen3", num_layers: int = 8, 
 
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
-        cfg = Qwen3_5Config(text_config=tiny_config("qwen3_5", num_layers).to_dict(), vision_config=vision,
+        cfg = Qwen3_5Config(text_config=tiny_config("qwen3_5", num_target_layers).to_dict(), vision_config=vision,
                             tie_word_embeddings=False)
         model = Qwen3_5ForConditionalGeneration(cfg)
     else:
-        model = AutoModelForCausalLM.from_config(tiny_config(kind, num_layers), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(tiny_config(kind, num_target_layers), dtype=torch.float32)
     # Random init gives tiny, near-uniform logits; scale the head so top-k has clear winners.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)

@@ -180,7 +180,7 @@ def fitted_drafter(target, session, prompts, completions, layers, block_size: in
     for i, x in enumerate(seqs):
         feats[i, :len(x)] = session.start(x.tolist())[1]
     torch.manual_seed(0)
-    d = DFlashDrafter(DrafterConfig.from_target(str(target), layers, block_size=block_size, num_layers=2, mask_token_id=1))
+    d = DFlashDrafter(DrafterConfig.from_target(str(target), layers, block_size=block_size, drafter_layers=2, mask_token_id=1))
     d.load_frozen_from_target(str(target))
     masks = [np.r_[np.zeros(len(p)), np.ones(len(x) - len(p))].astype(np.int8) for x, p in zip(seqs, prompts)]
     return fit_drafter_to_samples(d, feats, seqs, masks, steps=40, anchors=24)

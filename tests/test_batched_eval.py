@@ -131,7 +131,7 @@ def test_batched_equals_one_prompt_decoding_with_oracle_drafts(target, corrupt, 
 def test_batched_equals_one_prompt_decoding_with_a_drafter(target, decoder):
     folder, model, prompts, reference = target
     torch.manual_seed(0)
-    cfg = DrafterConfig.from_target(str(folder), LAYERS, block_size=4, num_layers=2, mask_token_id=1)
+    cfg = DrafterConfig.from_target(str(folder), LAYERS, block_size=4, drafter_layers=2, mask_token_id=1)
     d = DFlashDrafter(cfg)
     d.load_frozen_from_target(str(folder))
     d.eval()
@@ -207,7 +207,7 @@ def test_kv_batched_decoding_on_cuda_equals_one_prompt(kind, tiny_dense, tiny_hy
     rng = np.random.default_rng(12)
     prompts = [rng.integers(2, 512, size=int(n)).tolist() for n in (3, 40, 11, 27, 8, 19)]
     torch.manual_seed(0)
-    d = DFlashDrafter(DrafterConfig.from_target(str(folder), LAYERS, block_size=4, num_layers=2, mask_token_id=1))
+    d = DFlashDrafter(DrafterConfig.from_target(str(folder), LAYERS, block_size=4, drafter_layers=2, mask_token_id=1))
     d.load_frozen_from_target(str(folder))
     d.eval()
     session = TargetSession(model, LAYERS)

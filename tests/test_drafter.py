@@ -68,9 +68,9 @@ def make_inputs(cfg: DrafterConfig, anchors: list[int], S: int, seed: int = 0, R
     return hidden, ids, ctx_pos, blk_pos, dense_mask(anchors, S, B).expand(R, -1, -1, -1)
 
 
-def tiny_drafter(target: Path, num_layers: int = 2, block_size: int = 4, seed: int = 0) -> DFlashDrafter:
+def tiny_drafter(target: Path, drafter_layers: int = 2, block_size: int = 4, seed: int = 0) -> DFlashDrafter:
     torch.manual_seed(seed)
-    cfg = DrafterConfig.from_target(str(target), LAYER_IDS, block_size=block_size, num_layers=num_layers,
+    cfg = DrafterConfig.from_target(str(target), LAYER_IDS, block_size=block_size, drafter_layers=drafter_layers,
                                     mask_token_id=MASK_ID)
     d = DFlashDrafter(cfg)
     d.load_frozen_from_target(str(target))
@@ -91,7 +91,7 @@ def test_from_target_reads_widths_and_explicit_mask(tiny_dense, tiny_hybrid):
             cfg.head_dim, cfg.vocab_size, cfg.max_position_embeddings) == (64, 128, 4, 2, 16, 512, 1024)
     assert (cfg.num_hidden_layers, cfg.block_size, cfg.num_target_layers, cfg.mask_token_id) == (5, 16, 8, MASK_ID)
     assert cfg.rope_theta == 10000.0 and cfg.rms_norm_eps == 1e-6 and cfg.target_layer_ids == LAYER_IDS
-    hyb = DrafterConfig.from_target(str(tiny_hybrid), [1, 2, 3, 4, 5], mask_token_id=3, block_size=8, num_layers=1)
+    hyb = DrafterConfig.from_target(str(tiny_hybrid), [1, 2, 3, 4, 5], mask_token_id=3, block_size=8, drafter_layers=1)
     assert (hyb.hidden_size, hyb.head_dim, hyb.num_target_layers, hyb.block_size) == (64, 16, 8, 8)
     with pytest.raises(UserError):
         DrafterConfig.from_target(str(tiny_dense), [1, 8], mask_token_id=MASK_ID)  # layer 8 does not exist
@@ -142,7 +142,7 @@ def test_frozen_parts_equal_target_tensors(tiny_dense, tmp_path):
 
     from dflash_offline.tiny import tiny_config
 
-    c = tiny_config("qwen3", num_layers=8)
+    c = tiny_config("qwen3", num_target_layers=8)
     c.tie_word_embeddings = True
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(c).save_pretrained(tmp_path / "tied")
@@ -160,7 +160,7 @@ def test_frozen_parts_from_multimodal_checkpoint(tmp_path):
     t = make_tiny_target(tmp_path / "vl", kind="qwen3_5_vl")
     ref = tensors_of(t)
     assert "model.language_model.embed_tokens.weight" in ref
-    d = tiny_drafter(t, num_layers=1)
+    d = tiny_drafter(t, drafter_layers=1)
     assert torch.equal(d.embed_tokens.weight, ref["model.language_model.embed_tokens.weight"])
     assert torch.equal(d.lm_head.weight, ref["lm_head.weight"])
 
@@ -190,7 +190,7 @@ def test_only_trainable_parts_get_gradients(tiny_dense):
 
 
 def test_bad_inputs_raise(tiny_dense):
-    d = tiny_drafter(tiny_dense, num_layers=1)
+    d = tiny_drafter(tiny_dense, drafter_layers=1)
     hidden, ids, cp, bp, mask = make_inputs(d.cfg, anchors=[3], S=5)
     with pytest.raises(ValueError, match="features"):
         d(hidden[..., :-1], ids, cp, bp, mask)
@@ -256,7 +256,7 @@ def naive_forward(d: DFlashDrafter, hidden, ids, anchors, S):
 
 
 def test_kv_injection_matches_naive_reference(tiny_dense):
-    d = tiny_drafter(tiny_dense, num_layers=2, block_size=4).float()
+    d = tiny_drafter(tiny_dense, drafter_layers=2, block_size=4).float()
     anchors, S = [3, 7], 10
     hidden, ids, cp, bp, mask = make_inputs(d.cfg, anchors, S, seed=3)
     with torch.no_grad():
@@ -270,7 +270,7 @@ def test_kv_injection_matches_naive_reference(tiny_dense):
 
 
 def test_export_round_trip(tiny_dense, tmp_path):
-    d = tiny_drafter(tiny_dense, num_layers=2)
+    d = tiny_drafter(tiny_dense, drafter_layers=2)
     out = export_drafter(d, str(tmp_path / "export"))
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert not list(tmp_path.glob(".export*"))  # no temp folder left behind

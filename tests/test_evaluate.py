@@ -42,7 +42,7 @@ def target(request, tiny_dense, tiny_hybrid):
 
 def random_drafter(folder, block_size=8, seed=0) -> DFlashDrafter:
     torch.manual_seed(seed)
-    cfg = DrafterConfig.from_target(str(folder), LAYERS, block_size=block_size, num_layers=2, mask_token_id=1)
+    cfg = DrafterConfig.from_target(str(folder), LAYERS, block_size=block_size, drafter_layers=2, mask_token_id=1)
     d = DFlashDrafter(cfg)
     d.load_frozen_from_target(str(folder))
     return d.eval()
@@ -320,7 +320,7 @@ def test_walk_equals_decoding_tau_on_own_greedy_completions(own_cache, tiny_dens
     model, _ = load_target_for_decoding(str(tiny_dense), "cpu", "float32")
     session = TargetSession(model, layers)
     torch.manual_seed(0)
-    cfg = DrafterConfig.from_target(str(tiny_dense), layers, block_size=WALK_B, num_layers=2, mask_token_id=1)
+    cfg = DrafterConfig.from_target(str(tiny_dense), layers, block_size=WALK_B, drafter_layers=2, mask_token_id=1)
     drafter = DFlashDrafter(cfg)
     drafter.load_frozen_from_target(str(tiny_dense))
     for fitted in (False, True):
@@ -371,7 +371,7 @@ def test_random_anchor_estimate_reads_a_layer_subset(own_cache, tiny_dense):
     from dflash_offline.runtime.errors import UserError
 
     cache, _, _ = own_cache
-    cfg = DrafterConfig.from_target(str(tiny_dense), [4, 2], block_size=WALK_B, num_layers=2, mask_token_id=1)
+    cfg = DrafterConfig.from_target(str(tiny_dense), [4, 2], block_size=WALK_B, drafter_layers=2, mask_token_id=1)
     torch.manual_seed(1)
     d = DFlashDrafter(cfg)
     d.load_frozen_from_target(str(tiny_dense))
@@ -381,7 +381,7 @@ def test_random_anchor_estimate_reads_a_layer_subset(own_cache, tiny_dense):
     assert est["blocks"] == walk["anchors"]
     assert est["tau"] == pytest.approx(walk["tau_all_anchors"], rel=1e-12)
     assert est["slot_accuracy"] == pytest.approx(walk["slot_accuracy"], rel=1e-12)
-    bad = DFlashDrafter(DrafterConfig.from_target(str(tiny_dense), [2, 6], block_size=WALK_B, num_layers=1,
+    bad = DFlashDrafter(DrafterConfig.from_target(str(tiny_dense), [2, 6], block_size=WALK_B, drafter_layers=1,
                                                   mask_token_id=1))
     for fn in (lambda: walk_acceptance(str(cache), bad, "cpu"),
                lambda: cache_acceptance(str(cache), bad, "cpu", 128, 16)):

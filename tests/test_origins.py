@@ -98,7 +98,7 @@ def test_a_damaged_export_config_is_one_line_naming_the_file(tiny_dense, tmp_pat
     from dflash_offline.drafter.config import DrafterConfig
     from dflash_offline.drafter.export import load_exported
 
-    d = DrafterConfig.from_target(str(tiny_dense), [1, 3], block_size=8, num_layers=1, mask_token_id=1).to_export_dict()
+    d = DrafterConfig.from_target(str(tiny_dense), [1, 3], block_size=8, drafter_layers=1, mask_token_id=1).to_export_dict()
     d["architectures"] = ["DFlashDraftModel"]
     edit(d)
     (tmp_path / "config.json").write_text(json.dumps(d))

@@ -139,7 +139,7 @@ def small(tmp_path_factory):
     from dflash_offline.tiny import tiny_config
 
     folder = tmp_path_factory.mktemp("targets") / "tiny-qwen3-v8"
-    cfg = tiny_config("qwen3", num_layers=4)
+    cfg = tiny_config("qwen3", num_target_layers=4)
     cfg.vocab_size = VOCAB
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -152,7 +152,7 @@ def small(tmp_path_factory):
 
 def small_drafter(folder, block_size: int, seed: int = 1) -> DFlashDrafter:
     torch.manual_seed(seed)
-    d = DFlashDrafter(DrafterConfig.from_target(str(folder), LAYERS, block_size=block_size, num_layers=1,
+    d = DFlashDrafter(DrafterConfig.from_target(str(folder), LAYERS, block_size=block_size, drafter_layers=1,
                                                 mask_token_id=1))
     d.load_frozen_from_target(str(folder))
     return d.eval()

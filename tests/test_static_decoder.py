@@ -281,7 +281,7 @@ def test_hybrid_and_sliding_window_targets_are_refused(tiny_hybrid, tiny_dense, 
     assert "'gemma2' is not one of" in unsupported_reason(other)
 
     torch.manual_seed(0)
-    d = DFlashDrafter(DrafterConfig.from_target(str(tiny_hybrid), [1, 3], block_size=4, num_layers=1, mask_token_id=1))
+    d = DFlashDrafter(DrafterConfig.from_target(str(tiny_hybrid), [1, 3], block_size=4, drafter_layers=1, mask_token_id=1))
     d.load_frozen_from_target(str(tiny_hybrid))
     export = export_drafter(d.eval(), str(tmp_path / "export"))
     prompts = tmp_path / "prompts.parquet"

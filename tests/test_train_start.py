@@ -15,9 +15,9 @@ from dflash_offline.drafter.masks import count_recompiles, dense_mask
 from dflash_offline.runtime.errors import UserError
 
 
-def _drafter(target, num_layers=2, seed=0) -> DFlashDrafter:
+def _drafter(target, drafter_layers=2, seed=0) -> DFlashDrafter:
     torch.manual_seed(seed)
-    d = DFlashDrafter(DrafterConfig.from_target(str(target), [1, 3, 5], num_layers=num_layers, mask_token_id=7))
+    d = DFlashDrafter(DrafterConfig.from_target(str(target), [1, 3, 5], drafter_layers=drafter_layers, mask_token_id=7))
     d.load_frozen_from_target(str(target))
     return d
 
@@ -43,13 +43,13 @@ def test_init_layers_copies_the_target_layers_exactly(tiny_dense):
 
 
 def test_init_layers_refuses_a_wrong_count_a_missing_layer_and_other_shapes(tiny_dense, tiny_hybrid):
-    cfg = DrafterConfig.from_target(str(tiny_dense), [1, 3, 5], num_layers=2, mask_token_id=7)
+    cfg = DrafterConfig.from_target(str(tiny_dense), [1, 3, 5], drafter_layers=2, mask_token_id=7)
     with pytest.raises(UserError, match="one target layer per drafter layer, 2 expected"):
         read_layer_tensors(str(tiny_dense), [1, 2, 3], cfg=cfg)
     with pytest.raises(UserError, match=r"outside the target's layers 0\.\.7"):
         read_layer_tensors(str(tiny_dense), [1, 8], cfg=cfg)
     assert read_layer_tensors(str(tiny_dense), [0, 7], cfg=cfg) == {}  # shapes only, nothing loaded
-    hcfg = DrafterConfig.from_target(str(tiny_hybrid), [1], num_layers=1, mask_token_id=7)
+    hcfg = DrafterConfig.from_target(str(tiny_hybrid), [1], drafter_layers=1, mask_token_id=7)
     with pytest.raises(UserError, match="leave --init-layers out"):
         read_layer_tensors(str(tiny_hybrid), [0], cfg=hcfg)
 
@@ -83,7 +83,7 @@ def test_compiled_layers_train_as_the_eager_module_and_leave_inference_eager(tin
     autograd, no code generation on CPU) gives the eager forward and gradients; its graph is
     compiled once for every layer (no recompile), and eval-mode or no-grad calls never use it."""
     torch._dynamo.reset()
-    eager, comp = _drafter(tiny_dense, num_layers=3), _drafter(tiny_dense, num_layers=3)
+    eager, comp = _drafter(tiny_dense, drafter_layers=3), _drafter(tiny_dense, drafter_layers=3)
     comp.compile_layers(backend="aot_eager")
     batch = _batch(eager)
     before = count_recompiles()
@@ -123,7 +123,7 @@ def test_compiled_layers_on_cuda_match_eager_under_flex_and_bf16(tiny_dense):
     against the eager module: same forward and gradients to bf16 rounding, one graph."""
     from dflash_offline.drafter.masks import flex_block_mask
 
-    eager, comp = _drafter(tiny_dense, num_layers=3).cuda(), _drafter(tiny_dense, num_layers=3).cuda()
+    eager, comp = _drafter(tiny_dense, drafter_layers=3).cuda(), _drafter(tiny_dense, drafter_layers=3).cuda()
     comp.compile_layers()
     hidden, block_ids, ctx_pos, block_pos, _ = _batch(eager, R=2, S=256, anchors=(3, 40, 100, 200))
     a = torch.tensor([[3, 40, 100, 200]] * 2)

@@ -123,16 +123,16 @@ class DrafterConfig:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
 
     @classmethod
-    def from_target(cls, target_dir: str, target_layer_ids: list[int], block_size: int = 16, num_layers: int = 5,
+    def from_target(cls, target_dir: str, target_layer_ids: list[int], block_size: int = 16, drafter_layers: int = 5,
                     mask_token_id: int | None = None, mask_flag: str = "--mask-token-id") -> "DrafterConfig":
         """Widths equal to the target's (the DFlash drafter shares its embedding and LM head).
         `mask_flag`: how a given mask_token_id was given (a flag, or a recipe's key), for messages."""
         info = read_target(target_dir)
         cfg = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
         text = cfg.get("text_config") or cfg
-        bad = [i for i in target_layer_ids if not 0 <= i < info.num_layers]
+        bad = [i for i in target_layer_ids if not 0 <= i < info.num_target_layers]
         if bad or not target_layer_ids:
-            raise UserError(f"target layer ids {list(target_layer_ids)}: the target has layers 0..{info.num_layers - 1}")
+            raise UserError(f"target layer ids {list(target_layer_ids)}: the target has layers 0..{info.num_target_layers - 1}")
         declared, vocab, by_id = _tokenizer_vocab(info.path)  # read once: a 27B tokenizer.json is large
         given = mask_token_id is not None
         if not given:
@@ -151,13 +151,13 @@ class DrafterConfig:
         # MoE targets may carry no dense intermediate_size; 3x hidden is what released drafters use.
         inter = text.get("intermediate_size") or 3 * info.hidden_size
         return cls(
-            hidden_size=info.hidden_size, intermediate_size=int(inter), num_hidden_layers=num_layers,
+            hidden_size=info.hidden_size, intermediate_size=int(inter), num_hidden_layers=drafter_layers,
             num_attention_heads=heads, num_key_value_heads=int(text.get("num_key_value_heads", heads)),
             head_dim=int(text.get("head_dim") or info.hidden_size // heads),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=config_rope_theta(text),
             vocab_size=info.vocab_size, max_position_embeddings=int(text.get("max_position_embeddings", 40960)),
             block_size=block_size, target_layer_ids=list(target_layer_ids), mask_token_id=int(mask_token_id),
-            num_target_layers=info.num_layers, mask_token=by_id.get(int(mask_token_id)),
+            num_target_layers=info.num_target_layers, mask_token=by_id.get(int(mask_token_id)),
             target=target_identity(info),
         )
 

@@ -347,9 +347,9 @@ def read_layer_tensors(target_dir: str, target_layers: list[int], drafter: "DFla
     if len(target_layers) != cfg.num_hidden_layers:
         raise UserError(f"{flag} {','.join(map(str, target_layers))}: one target layer per drafter layer, "
                         f"{cfg.num_hidden_layers} expected ({depth})")
-    bad = [j for j in target_layers if not 0 <= j < info.num_layers]
+    bad = [j for j in target_layers if not 0 <= j < info.num_target_layers]
     if bad:
-        raise UserError(f"{flag}: layer ids {bad} are outside the target's layers 0..{info.num_layers - 1}")
+        raise UserError(f"{flag}: layer ids {bad} are outside the target's layers 0..{info.num_target_layers - 1}")
     shapes = {name: tuple(t.shape) for name, t in (drafter or DFlashDrafter.meta(cfg)).named_parameters()
               if name.startswith("layers.")}
     want: dict[str, str] = {}  # target key -> drafter name

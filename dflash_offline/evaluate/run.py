@@ -78,10 +78,10 @@ def load_drafter(path: str, target_dir: str, said: Said = AS_FLAGS):
                         "training checkpoint (step-N/ with state.json)")
     info = read_target(target_dir, said("target"))
     cfg = drafter.cfg
-    if (cfg.hidden_size, cfg.vocab_size) != (info.hidden_size, info.vocab_size) or max(cfg.target_layer_ids) >= info.num_layers:
+    if (cfg.hidden_size, cfg.vocab_size) != (info.hidden_size, info.vocab_size) or max(cfg.target_layer_ids) >= info.num_target_layers:
         raise UserError(f"{said('drafters')} {path} was made for a target with hidden {cfg.hidden_size}, vocabulary "
                         f"{cfg.vocab_size} and layers {cfg.target_layer_ids}; {said('target')} {target_dir} has hidden "
-                        f"{info.hidden_size}, vocabulary {info.vocab_size}, {info.num_layers} layers")
+                        f"{info.hidden_size}, vocabulary {info.vocab_size}, {info.num_target_layers} layers")
     trained_for = cfg.target or {}
     differs = [k for k in ("weights_fingerprint", "config_sha256") if trained_for.get(k) not in (None, getattr(info, k))]
     if differs:

@@ -165,7 +165,7 @@ def load_target_for_decoding(target_dir: str, device: str, dtype: str):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     info = read_target(target_dir)
-    model = load_target(info, device, dtype, info.num_layers, need_head=True)
+    model = load_target(info, device, dtype, info.num_target_layers, need_head=True)
     return model, info
 
 

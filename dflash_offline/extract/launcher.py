@@ -78,7 +78,7 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     # After the options, devices and data (building the model on the meta device costs seconds, the
     # import of transformers: those refusals come first and fast), before the existing cache is
     # compared with this run (a broken target is the cause to name, not the mismatch it makes).
-    target.check_weights(info, info.num_layers if cfg.topk > 0 else max(layer_ids) + 1, cfg.topk > 0)
+    target.check_weights(info, info.num_target_layers if cfg.topk > 0 else max(layer_ids) + 1, cfg.topk > 0)
     # make_plan's passes, built once and kept apart for the manifest's shards_per_pass.
     per_pass = [pass_plan(source.lengths, cfg.max_len, cfg.shard_tokens, cfg.sort_window, p) for p in range(cfg.passes)]
     shards = [s for plan in per_pass for s in plan]

@@ -85,7 +85,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     reader = RowReader(src)
     info = read_target(job.target_path)
     need_head = cfg.topk > 0
-    keep = info.num_layers if need_head else max(job.layer_ids) + 1
+    keep = info.num_target_layers if need_head else max(job.layer_ids) + 1
     t0 = time.time()
     heartbeat(phase="load target")
     fault_point("load-target")

@@ -172,7 +172,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     # After the options, devices and prompts (building the model on the meta device costs seconds,
     # the import of transformers: those refusals come first and fast), before an existing output is
     # compared with this run (a broken target is the cause to name, not the mismatch it makes).
-    target.check_weights(info, info.num_layers, need_head=True)
+    target.check_weights(info, info.num_target_layers, need_head=True)
     wanted = parts.new_manifest(target=info.manifest_entry(), settings=settings, source=source.manifest_entry(),
                                 plan={"chunk_prompts": cfg.chunk_prompts, "num_parts": len(chunks)}, chat=chat)
     existing = parts.OutputStore(folder).read() if folder.is_dir() else None
@@ -407,7 +407,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
     heartbeat(phase="load target")
     t0 = time.time()
     fault_point("load-target")
-    model = load_target(info, device, job.compute_dtype, info.num_layers, need_head=True)
+    model = load_target(info, device, job.compute_dtype, info.num_target_layers, need_head=True)
     log.info("loaded target in %.1fs", time.time() - t0)
     # Conversation prompts grow turn by turn: any prompt that fits the context may come.
     longest = job.max_prompt_len if job.chat is None else max(

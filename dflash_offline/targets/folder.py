@@ -36,7 +36,7 @@ def checkpoint_name(key: str) -> str:
 class TargetInfo:
     path: Path
     model_type: str
-    num_layers: int
+    num_target_layers: int  # its decoder layers (config.json's num_hidden_layers)
     hidden_size: int
     vocab_size: int
     config_sha256: str
@@ -51,7 +51,7 @@ class TargetInfo:
 
     def manifest_entry(self) -> dict:
         return {
-            "path": str(self.path), "model_type": self.model_type, "num_layers": self.num_layers,
+            "path": str(self.path), "model_type": self.model_type, "num_layers": self.num_target_layers,
             "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
             "config_sha256": self.config_sha256, "weights_fingerprint": self.weights_fingerprint,
         }
@@ -192,7 +192,7 @@ def read_target(path: str, option: str = "--target") -> TargetInfo:
     tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     return TargetInfo(
         path=root.absolute(), model_type=str(text.get("model_type", cfg.get("model_type"))),
-        num_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
+        num_target_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
         vocab_size=int(text["vocab_size"]),
         config_sha256=hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest(),
         weights_fingerprint="sha256:" + fp.hexdigest(), hybrid=hybrid, layer_types=layer_types, weight_files=files,

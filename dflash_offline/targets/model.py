@@ -18,17 +18,17 @@ from dflash_offline.targets import families
 
 log = logging.getLogger("dflash.target")
 
-def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
+def default_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
     """The DFlash rule: n ids spread from layer 1 to layer L-3, `round(1 + k (L-4) / (n-1))`."""
     if n == 1:
         return [1]
     # floor(x + 0.5): round half up, not Python's round-half-to-even.
-    return [int(1 + k * (num_layers - 4) / (n - 1) + 0.5) for k in range(n)]
+    return [int(1 + k * (num_target_layers - 4) / (n - 1) + 0.5) for k in range(n)]
 
 
-def _rule_limit(num_layers: int) -> int:
+def _rule_limit(num_target_layers: int) -> int:
     """The most layers the DFlash rule spreads over this depth without repeating one."""
-    return max(n for n in range(1, num_layers + 1) if len(set(default_layer_ids(num_layers, n))) == n)
+    return max(n for n in range(1, num_target_layers + 1) if len(set(default_layer_ids(num_target_layers, n))) == n)
 
 
 def resolve_layers(info: TargetInfo, cfg) -> list[int]:
@@ -38,22 +38,22 @@ def resolve_layers(info: TargetInfo, cfg) -> list[int]:
 
     layers, n = cfg.capture_layers, cfg.capture_count
     if layers is None:
-        if info.num_layers < 5:
-            raise UserError(f"target has {info.num_layers} layers; give {where(cfg, 'capture_layers')} explicitly "
+        if info.num_target_layers < 5:
+            raise UserError(f"target has {info.num_target_layers} layers; give {where(cfg, 'capture_layers')} explicitly "
                             "(the DFlash rule needs at least 5)")
-        ids = default_layer_ids(info.num_layers, n)
+        ids = default_layer_ids(info.num_target_layers, n)
         if len(set(ids)) < len(ids):
             count = where(cfg, "capture_count")
             raise UserError(f"{count} {n}: the DFlash rule spreads the captured layers over layers "
-                            f"1..{info.num_layers - 3} of this {info.num_layers}-layer target and would repeat one "
-                            f"({ids}); lower {count} (at most {_rule_limit(info.num_layers)} here) or give distinct "
+                            f"1..{info.num_target_layers - 3} of this {info.num_target_layers}-layer target and would repeat one "
+                            f"({ids}); lower {count} (at most {_rule_limit(info.num_target_layers)} here) or give distinct "
                             f"{where(cfg, 'capture_layers')}")
     else:
         ids = list(layers)
-    bad = [i for i in ids if i < 0 or i >= info.num_layers]
+    bad = [i for i in ids if i < 0 or i >= info.num_target_layers]
     if bad:
         raise UserError(f"{where(cfg, 'capture_layers')} {ids}: layer {bad[0]} does not exist; the target has layers "
-                        f"0..{info.num_layers - 1}")
+                        f"0..{info.num_target_layers - 1}")
     if ids != sorted(ids):
         raise UserError(f"{where(cfg, 'capture_layers')} {ids}: give layer ids in increasing order")
     return ids
@@ -248,7 +248,7 @@ def load_target(info: TargetInfo, device: str, compute_dtype: str, keep_layers: 
     if missing:
         raise UserError(f"{info.option} {info.path}: weights missing for {len(missing)} tensors, e.g. {missing[:3]}")
     log.info("target loaded on %s: %d of %d layers, head %s, dtype %s", device, keep_layers,
-             info.num_layers, "on" if need_head else "off", dtype)
+             info.num_target_layers, "on" if need_head else "off", dtype)
     return model
 
 

@@ -178,7 +178,7 @@ def _drafter_config(cfg: TrainConfig, layer_ids: list[int], v: ManifestView):
     from dflash_offline.drafter.model import read_layer_tensors
 
     dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
-                                     num_layers=cfg.drafter_layers, mask_token_id=cfg.mask_token_id,
+                                     drafter_layers=cfg.drafter_layers, mask_token_id=cfg.mask_token_id,
                                      mask_flag=where(cfg, "mask_token_id"))
     dcfg.chat = v.chat  # how the training text was rendered: carried into the export
     if cfg.init_layers:

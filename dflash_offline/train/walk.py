@@ -47,12 +47,12 @@ def cache_layer_columns(manifest: dict, drafter_cfg, cache: str, option: str = "
     return None if want == have else [have.index(i) for i in want]
 
 
-def _select_layers(target_hidden, columns: list[int] | None, num_layers: int):
+def _select_layers(target_hidden, columns: list[int] | None, captured_layers: int):
     """[R, S, n*H] with all captured layers -> [R, S, len(columns)*H] with the drafter's."""
     if columns is None:
         return target_hidden
     R, S, width = target_hidden.shape
-    return target_hidden.view(R, S, num_layers, width // num_layers)[:, :, columns].reshape(R, S, -1)
+    return target_hidden.view(R, S, captured_layers, width // captured_layers)[:, :, columns].reshape(R, S, -1)
 
 
 # ----------------------------------------------------------------------------------------------
