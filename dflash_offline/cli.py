@@ -47,20 +47,11 @@ def _renamed_given(cls: type, given: dict) -> dict:
     one-line warning); both names at once is an error."""
     from dataclasses import fields
 
-    from dflash_offline.options import warn_renamed
+    from dflash_offline.options import as_flag, under_current_names
 
-    out = {k: v for k, v in given.items() if not k.startswith(_WAS)}
-    for f in fields(cls):
-        for was in f.metadata.get("old", ()):
-            if _WAS + was not in given:
-                continue
-            old_flag, new_flag = "--" + was.replace("_", "-"), flag_of(f)
-            if f.name in given:
-                raise UserError(f"{old_flag} and {new_flag} are one option ({old_flag} is its earlier name); "
-                                f"give {new_flag} only")
-            warn_renamed(old_flag, new_flag)
-            out[f.name] = given[_WAS + was]
-    return out
+    flags = {f.name: flag_of(f) for f in fields(cls)}
+    return under_current_names(cls, {k.removeprefix(_WAS): v for k, v in given.items()},
+                               lambda name: flags.get(name) or as_flag(name))
 
 
 class ByteSize(click.ParamType):

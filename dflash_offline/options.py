@@ -64,6 +64,31 @@ def renamed(cls: type) -> dict[str, str]:
     return {o: f.name for f in dataclasses.fields(cls) for o in f.metadata.get("old", ())}
 
 
+def under_current_names(cls: type, values: dict[str, Any], spell=None, where: str = "") -> dict[str, Any]:
+    """`values`, keyed by field names or a field's earlier names (opt's `old`), with each earlier
+    name moved to its field's: the one reading of `old` that flags (cli.py), recipes
+    (`load_recipe`) and a checkpoint's saved config (train/checkpoint.py) share.
+
+    spell(name): how the source writes a name (`--num-layers`; a recipe's `key 'num_layers'`, after
+    `where`, "--config FILE: "), for one warning line per earlier name used and the one-line refusal
+    of both names at once. Without it (a checkpoint's saved config) the move is quiet, and a config
+    saved under both names keeps the current one's value."""
+    out = dict(values)
+    for was, name in renamed(cls).items():
+        if was not in out:
+            continue
+        value = out.pop(was)
+        if name in out:
+            if spell is None:
+                continue
+            raise UserError(f"{where}{spell(was)} and {spell(name)} are one option ({spell(was)} is its earlier "
+                            f"name); give {spell(name)} only")
+        if spell is not None:
+            warn_renamed(where + spell(was), spell(name))
+        out[name] = value
+    return out
+
+
 _warned: set[str] = set()
 
 
@@ -223,17 +248,15 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> Reci
         raise UserError(f"--config {path}: not valid TOML ({e})") from None
     fields = {f.name: f for f in dataclasses.fields(cls)}
     skip = {f.name for f in dataclasses.fields(ignore)} | set(renamed(ignore)) if ignore is not None else set()
-    earlier = renamed(cls)
+    written = {key.replace("-", "_"): key for key in raw}  # a name -> the key as the file spells it
+    named = under_current_names(cls, {key.replace("-", "_"): value for key, value in raw.items()},
+                                lambda name: f"key {written.get(name, name)!r}", f"--config {path}: ")
+    for was, name in renamed(cls).items():  # a value's messages name the key as written
+        if was in written and name not in written:
+            written[name] = written[was]
     out: dict[str, Any] = {}
-    written: dict[str, str] = {}
-    for key, value in raw.items():
-        name = key.replace("-", "_")
-        if name in earlier and name not in fields:
-            if earlier[name] in raw or earlier[name].replace("_", "-") in raw:
-                raise UserError(f"--config {path}: keys {key!r} and {earlier[name]!r} are one option (the first is "
-                                f"its earlier name); keep {earlier[name]!r}")
-            warn_renamed(f"--config {path}: key {key!r}", repr(earlier[name]))
-            name = earlier[name]
+    for name, value in named.items():
+        key = written[name]
         if name in skip and name not in fields:
             continue
         if name not in fields:
@@ -252,14 +275,13 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> Reci
             except ValueError as e:
                 raise UserError(f"--config {path}: key {key!r}: {e}") from None
         out[name] = _recipe_value(path, key, value, str(fields[name].type))
-        written[name] = key
     # Relative paths in a recipe are relative to the directory the command runs in, like CLI paths.
     for name, value in out.items():
         kind = str(fields[name].type)
         if isinstance(value, str) and kind.startswith("list[str]"):  # one path where a list of paths is expected
             out[name] = [value]
         elif "list[int]" in kind:  # ids as a list or as "1,9,17", as the option takes them
-            out[name] = parse_int_list(value, option=f"--config {path}: key {name!r}")
+            out[name] = parse_int_list(value, option=f"--config {path}: key {written[name]!r}")
     recipe = Recipe(out)
     recipe.path, recipe.written = path, written
     return recipe

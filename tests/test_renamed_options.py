@@ -92,9 +92,20 @@ def test_stage_recipes_with_their_earlier_keys_load_the_same(recipe, tmp_path, c
 
 def test_a_recipe_with_both_names_of_one_option_is_refused(tmp_path):
     recipe = tmp_path / "train.toml"
-    recipe.write_text("num_layers = 2\ndrafter_layers = 3\n")
-    with pytest.raises(UserError, match=r"keys 'num_layers' and 'drafter_layers' are one option"):
+    recipe.write_text("num-layers = 2\ndrafter_layers = 3\n")
+    with pytest.raises(UserError) as e:
         load_recipe(recipe, TrainConfig)
+    assert str(e.value) == (f"--config {recipe}: key 'num-layers' and key 'drafter_layers' are one option (key "
+                            "'num-layers' is its earlier name); give key 'drafter_layers' only")
+
+
+def test_one_warning_names_the_earlier_key_as_written(tmp_path, capsys):
+    recipe = tmp_path / "train.toml"
+    recipe.write_text("num-layers = 2\n")
+    assert load_recipe(recipe, TrainConfig)["drafter_layers"] == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"warning: --config {recipe}: key 'num-layers' is now key 'drafter_layers' (same meaning); the "
+                   "old name still works but will be removed"]
 
 
 def test_a_value_from_an_earlier_key_is_named_as_written(tmp_path):

@@ -174,14 +174,9 @@ RESUME_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadat
 def saved_config(config: dict) -> dict:
     """A checkpoint's saved TrainConfig with fields saved under an earlier name (a checkpoint from
     before a rename: num_layers, layers) under their current one."""
-    from dflash_offline.options import renamed
+    from dflash_offline.options import under_current_names
 
-    now = renamed(TrainConfig)
-    out = dict(config)
-    for was, name in now.items():
-        if was in out and name not in out:  # a key saved under both names keeps the current one's value
-            out[name] = out.pop(was)
-    return out
+    return under_current_names(TrainConfig, config)
 
 
 def check_resume(cfg: TrainConfig, cache_fingerprint: str) -> None:
