@@ -3,6 +3,7 @@ only after its process log is open."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import sys
 
@@ -84,8 +85,8 @@ def default_text(f) -> str | None:
     meta = f.metadata
     if meta.get("default_text") is not None:
         return meta["default_text"]
-    v = f.default
-    if meta.get("is_flag") or v is None or isinstance(v, (list, tuple)) or v == "":
+    v = f.default  # MISSING for a field with a default factory (a list: nothing to state)
+    if meta.get("is_flag") or v is None or v is dataclasses.MISSING or isinstance(v, (list, tuple)) or v == "":
         return None
     if isinstance(v, bool):
         return "on" if v else "off"

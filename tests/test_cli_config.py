@@ -116,6 +116,16 @@ def test_options_are_built_from_the_config_fields(name):
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_help_states_no_object_repr(name):
+    """A field with a default factory (a repeatable option) states no default: its help once
+    showed `[default: <dataclasses._MISSING_TYPE object at 0x...>]`."""
+    from click.testing import CliRunner
+
+    out = CliRunner().invoke(cli.main, [name, "--help"], terminal_width=200).output
+    assert "--" in out and " object at 0x" not in out and "MISSING" not in out, out
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_no_default_is_written_twice(name):
     """A default is stated in words (`default_text`) only where it is a rule, never the field's own
     value written again (which could drift from it)."""
