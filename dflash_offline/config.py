@@ -79,6 +79,7 @@ class ExtractConfig:
         check_positive(self, "max_len", "batch_tokens", "shard_tokens", "sort_window", "chunk_tokens",
                        "logits_chunk_tokens", "capture_count", "writers", "passes", "max_bytes")
         check_at_least(self, "topk", 0, "0 = store no top-k and skip the LM head")
+        check_at_least(self, "max_len", 2, "a sample must hold a token and one to draft after it")
         if self.batch_tokens < self.max_len:
             raise UserError(
                 f"{where(self, 'batch_tokens')} {self.batch_tokens} is smaller than {where(self, 'max_len')} "

@@ -372,14 +372,21 @@ def test_eval_refuses_zero_prompts_and_another_targets_cache(tiny_dense, arith_c
 
 
 def test_training_on_all_zero_loss_masks_is_refused(tiny_dense, tmp_path):
+    """extract refuses input with nothing to train on; a cache whose cut (--max-len) left nothing
+    to train on is refused by train."""
     from dflash_offline.tiny import make_tiny_data
 
     data = make_tiny_data(tmp_path / "d.parquet", rows=8, min_len=40, max_len=80)
     t = pq.read_table(data)
     zero = pa.array([[0] * len(m) for m in t.column("loss_mask").to_pylist()], t.schema.field("loss_mask").type)
     pq.write_table(t.set_column(t.column_names.index("loss_mask"), "loss_mask", zero), data)
+    msg = _one_line(run_cli(extract_args(tiny_dense, data, tmp_path / "refused")), 2, "error: ")
+    assert msg.startswith(f"error: --data {data}: no row has a token to train on"), msg
+    assert not (tmp_path / "refused" / "manifest.json").exists()
+    last = pa.array([[0] * (len(m) - 1) + [1] for m in t.column("loss_mask").to_pylist()], t.schema.field("loss_mask").type)
+    pq.write_table(t.set_column(t.column_names.index("loss_mask"), "loss_mask", last), data)
     cache = tmp_path / "cache"
-    r = run_cli(extract_args(tiny_dense, data, cache))
+    r = run_cli(extract_args(tiny_dense, data, cache, "--max-len", "32"))  # the cut drops every trained token
     assert r.returncode == 0, r.stderr[-2000:]
     out = tmp_path / "run"
     msg = _one_line(run_cli(["train", "--target", tiny_dense, "--cache", cache, "--out", out, "--devices", "cpu", *TRAIN]),

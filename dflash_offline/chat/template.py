@@ -101,14 +101,28 @@ class TextRow:
     turns: list[int] = field(default_factory=list)  # assistant turn numbers (0-based) trained in this row
 
 
+# Files one of which a tokenizer is built from; without any, transformers 5 builds an empty
+# tokenizer for the model type (one token), which would tokenize everything to nothing.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
 def load_chat_tokenizer(target: str, option: str = "--target"):
     from transformers import AutoTokenizer
 
+    if Path(target).is_dir() and not any((Path(target) / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"{option} {target}: no tokenizer files in the folder (none of {', '.join(TOKENIZER_FILES)}); "
+                        "copy the model's tokenizer files into it")
     try:
-        return AutoTokenizer.from_pretrained(target)
-    except Exception as e:  # missing files, unknown class: one line
-        raise UserError(f"{option} {target}: no usable tokenizer there ({type(e).__name__}: {str(e)[:200]}); the "
-                        "model folder needs its tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+        tokenizer = AutoTokenizer.from_pretrained(target)
+    except Exception as e:  # damaged files, unknown class: one line (transformers' text spans lines)
+        what = " ".join(str(e).split())
+        raise UserError(f"{option} {target}: transformers cannot load its tokenizer ({type(e).__name__}: "
+                        f"{what[:300]}); check the folder's tokenizer files (tokenizer.json, tokenizer_config.json) "
+                        "and config.json") from None
+    if len(tokenizer) < 2:
+        raise UserError(f"{option} {target}: its tokenizer holds {len(tokenizer)} token(s); the tokenizer files are "
+                        "damaged or missing: copy the model's tokenizer files into the folder")
+    return tokenizer
 
 
 class ChatTemplate:

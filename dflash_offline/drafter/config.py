@@ -17,6 +17,7 @@ from pathlib import Path
 
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.targets.folder import read_target
+from dflash_offline.targets.tokenizer import TokenizerFiles, read_tokenizer_files
 
 log = logging.getLogger("dflash.drafter")
 
@@ -39,48 +40,13 @@ def config_rope_theta(text: dict) -> float:
 
 def mask_token_from_tokenizer(root: Path) -> int | None:
     """The mask token's id from the tokenizer files, or None when the tokenizer declares none."""
-    return _mask_id(*_tokenizer_vocab(root)[:2])
+    return _mask_id(read_tokenizer_files(root))
 
 
-def _mask_id(declared_names: list, vocab: dict[str, int]) -> int | None:
-    for declared in declared_names:
-        if declared and declared in vocab:
-            return vocab[declared]
-    return vocab.get("<|MASK|>")
-
-
-def _tokenizer_vocab(root: Path) -> tuple[list, dict[str, int], dict[int, str]]:
-    """(declared mask token names, content -> id, id -> content of the added/special tokens)."""
-
-    def load(name: str) -> dict:
-        p = root / name
-        try:
-            return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
-        except json.JSONDecodeError as e:
-            raise UserError(f"{p}: not valid JSON ({e})") from None
-
-    def token_id(v, file: str, key: str) -> int:
-        """An id as the file holds it: an integer (or its decimal string, as JSON object keys are)."""
-        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
-            return v
-        if isinstance(v, str) and v.isdigit():
-            return int(v)
-        raise UserError(f"{root / file}: {key} holds {json.dumps(v)}, not a token id (an integer >= 0); the "
-                        "tokenizer files are damaged: restore them from the model's release")
-
-    tok_cfg, special, tok_json = load("tokenizer_config.json"), load("special_tokens_map.json"), load("tokenizer.json")
-    vocab: dict[str, int] = {}  # content -> id, from every place a tokenizer lists added tokens
-    model_vocab = (tok_json.get("model") or {}).get("vocab")
-    if isinstance(model_vocab, dict):
-        vocab.update({str(k): token_id(v, "tokenizer.json", f"model.vocab[{k!r}]") for k, v in model_vocab.items()})
-    for n, t in enumerate(tok_json.get("added_tokens") or []):
-        got = t.get("id") if isinstance(t, dict) else None
-        vocab[str(t.get("content") if isinstance(t, dict) else t)] = token_id(got, "tokenizer.json", f"added_tokens[{n}].id")
-    for i, t in (tok_cfg.get("added_tokens_decoder") or {}).items():
-        vocab[str(t.get("content") if isinstance(t, dict) else t)] = token_id(
-            i, "tokenizer_config.json", f"added_tokens_decoder key {i!r}")
-    declared = [d.get("content") if isinstance(d, dict) else d for d in (tok_cfg.get("mask_token"), special.get("mask_token"))]
-    return declared, vocab, {v: k for k, v in vocab.items()}
+def _mask_id(files: TokenizerFiles) -> int | None:
+    """The declared mask token (mask_token), else `<|MASK|>` where the vocabulary has it."""
+    found = files.declared_id("mask_token")
+    return found if found is not None else files.vocab.get("<|MASK|>")
 
 
 @dataclass
@@ -133,10 +99,11 @@ class DrafterConfig:
         bad = [i for i in target_layer_ids if not 0 <= i < info.num_target_layers]
         if bad or not target_layer_ids:
             raise UserError(f"target layer ids {list(target_layer_ids)}: the target has layers 0..{info.num_target_layers - 1}")
-        declared, vocab, by_id = _tokenizer_vocab(info.path)  # read once: a 27B tokenizer.json is large
+        files = read_tokenizer_files(info.path)  # read once: a 27B tokenizer.json is large
+        by_id = files.by_id
         given = mask_token_id is not None
         if not given:
-            mask_token_id = _mask_id(declared, vocab)
+            mask_token_id = _mask_id(files)
             if mask_token_id is None:
                 raise UserError(f"{target_dir}: the tokenizer declares no mask token (mask_token or <|MASK|>); "
                                 f"pass --mask-token-id")

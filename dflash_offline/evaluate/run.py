@@ -244,6 +244,10 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
                         f"tokens + {where(cfg, 'max_new_tokens')} {cfg.max_new_tokens} exceeds the target's context "
                         f"({tinfo.max_positions} positions); lower the new tokens or leave out the longest prompts")
     eos = set() if cfg.ignore_eos else eos_ids(cfg.target)
+    if not eos and not cfg.ignore_eos:
+        log.warning("%s %s names no end-of-sequence id (generation_config.json, config.json, tokenizer files): "
+                    "every decode runs to %s %d", where(cfg, "target"), cfg.target, where(cfg, "max_new_tokens"),
+                    cfg.max_new_tokens)
     reference = read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos, said) if cfg.reference else None
     tok = show_tokenizer(cfg.target, cfg.show)  # --show: the target's tokenizer.json, or one line now
     # With a reference the target-alone decode (as long as the speculative one) is needed only for

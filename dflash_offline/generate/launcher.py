@@ -134,9 +134,9 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
         if over.size:
             fi, fr = source.file_of_row(int(over[0]))
             raise UserError(
-                f"{source.files[fi].path}: row {fr}: a prompt of {int(lengths[over[0]])} tokens + --max-new-tokens "
+                f"{source.files[fi].path}: row {fr}: a prompt of {int(lengths[over[0]])} tokens + {origin(cfg, 'max_new_tokens')} "
                 f"{cfg.max_new_tokens} exceeds the target's context ({info.max_positions} positions; {over.size} "
-                "prompt(s) do); lower --max-new-tokens or leave out the longest prompts")
+                "prompt(s) do); lower the new tokens or leave out the longest prompts")
     given = cfg.eos_token_ids is not None
     read, read_from = (set(), None) if cfg.ignore_eos or given else eos_source(cfg.target)
     eos = [] if cfg.ignore_eos else sorted(cfg.eos_token_ids if given else read)
@@ -154,8 +154,9 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     max_prompt = int(lengths.max())
     per_row = max_prompt + cfg.max_new_tokens
     if cfg.batch_tokens < per_row:
-        raise UserError(f"{origin(cfg, 'batch_tokens')} {cfg.batch_tokens} cannot hold one row of {per_row} positions (the longest "
-                        f"prompt, {max_prompt} tokens, + --max-new-tokens {cfg.max_new_tokens}); raise --batch-tokens")
+        raise UserError(f"{origin(cfg, 'batch_tokens')} {cfg.batch_tokens} cannot hold one row of {per_row} positions (the "
+                        f"longest prompt, {max_prompt} tokens, + {origin(cfg, 'max_new_tokens')} {cfg.max_new_tokens}); "
+                        "raise the first")
     rows = min(cfg.batch_tokens // per_row, cfg.chunk_prompts, source.rows)
     if chat is not None:
         if compile:
@@ -203,6 +204,10 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
 
         raise UserError(f"{origin(cfg, 'out')} {cfg.out}: the output needs up to {human_bytes(need * (2 if merged else 1))} but "
                         f"{human_bytes(free)} is free there; free space or choose another --out")
+    if not eos and not cfg.ignore_eos:  # every completion runs to the limit, chat turns never end: said loudly
+        log.warning("%s %s names no end-of-sequence id (not generation_config.json, config.json nor the tokenizer "
+                    "files): every completion runs to %s %d; give --eos-token-ids (or --ignore-eos to say so)",
+                    origin(cfg, "target"), cfg.target, origin(cfg, "max_new_tokens"), cfg.max_new_tokens)
     if cuda:
         warning = target.check_kernels(info, devices)
         if warning:

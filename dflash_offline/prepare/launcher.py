@@ -46,6 +46,10 @@ def _limits(cfg: PrepareConfig, info):
     from dflash_offline.prepare.rows import Limits
 
     if cfg.max_len is not None:
+        if info.max_positions is not None and cfg.max_len > info.max_positions:  # asked for: said, not refused
+            log.warning("%s %d exceeds the target's context (%d positions, max_position_embeddings): rows past it "
+                        "are kept, and generate and extract refuse or cut them; give at most %d to drop them here",
+                        where(cfg, "max_len"), cfg.max_len, info.max_positions, info.max_positions)
         return Limits(cfg.max_len, cfg.truncate, True, f"{where(cfg, 'max_len')} {cfg.max_len}")
     ctx = info.max_positions or 1 << 62
     return Limits(ctx, False, False, f"the target's context ({ctx} positions, max_position_embeddings)")
@@ -68,9 +72,11 @@ def run(cfg: PrepareConfig) -> dict:
     heartbeat(phase="preflight")
     info = read_target(cfg.target, where(cfg, "target"))
     tokenizer = load_chat_tokenizer(cfg.target, where(cfg, "target"))
-    if len(tokenizer) > info.vocab_size:  # ids past the embedding: another model's tokenizer
-        raise UserError(f"{where(cfg, 'target')} {cfg.target}: its tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
-                        f"is {info.vocab_size}; the folder mixes a tokenizer and a model that do not belong together")
+    top = max(tokenizer.get_vocab().values(), default=-1)  # its largest id: added tokens may leave gaps
+    if top >= info.vocab_size:  # ids past the embedding: another model's tokenizer
+        raise UserError(f"{where(cfg, 'target')} {cfg.target}: its tokenizer has token ids up to {top} "
+                        f"({tokenizer.convert_ids_to_tokens(top)!r}) but the model's vocabulary is {info.vocab_size}; "
+                        "the folder mixes a tokenizer and a model that do not belong together")
     heartbeat(phase="read")
     records = list(read_records(cfg.data, cfg.format, where(cfg, "data")))
     if not records:

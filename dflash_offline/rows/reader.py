@@ -67,6 +67,7 @@ class Source:
     ids: np.ndarray  # int64 [rows], the id of each global row
     lengths: np.ndarray  # int64 [rows], untruncated token counts
     max_token: int
+    trained_tokens: int = -1  # tokens with loss_mask 1 (prompt_len: past the prompt), untruncated; -1: not counted
 
     @property
     def rows(self) -> int:
@@ -85,12 +86,13 @@ class Source:
         """Plain fields, to cross a process spawn (`from_state` rebuilds it in the worker)."""
         return {"files": [{"path": str(f.path), "rows": f.rows, "sha256": f.sha256,
                            "row_group_starts": f.row_group_starts, "mask_column": f.mask_column} for f in self.files],
-                "ids": self.ids, "lengths": self.lengths, "max_token": self.max_token}
+                "ids": self.ids, "lengths": self.lengths, "max_token": self.max_token,
+                "trained_tokens": self.trained_tokens}
 
     @classmethod
     def from_state(cls, st: dict) -> "Source":
         return cls(files=[SourceFile(**f) for f in st["files"]], ids=st["ids"], lengths=st["lengths"],
-                   max_token=st["max_token"])
+                   max_token=st["max_token"], trained_tokens=st.get("trained_tokens", -1))
 
     def manifest_entry(self) -> dict:
         return {
@@ -143,7 +145,7 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
     files = resolve_files(paths, option)
     out_files: list[SourceFile] = []
     ids_all, lens_all = [], []
-    max_token = -1
+    max_token, trained = -1, 0
     offset = 0
     for path in files:
         try:
@@ -229,6 +231,7 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
                     if bad.size:
                         row = int(np.searchsorted(np.cumsum(lens), int(bad[0]), side="right"))
                         raise UserError(f"{path}: row {base + row}: loss_mask holds {int(mvals[bad[0]])}; only 0 and 1 are allowed")
+                trained += int(pc.sum(pc.cast(mflat, pa.int64())).as_py() or 0)
             elif mask_col == "prompt_len":
                 if mask.null_count:
                     r = base + int(np.flatnonzero(mask.is_null().to_numpy(zero_copy_only=False))[0])
@@ -240,6 +243,7 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
                     raise UserError(
                         f"{path}: row {base + r}: prompt_len {int(pl[r])} is outside [0, {int(lens[r])}] (the row's length)"
                     )
+                trained += int((lens - pl).sum())
             if has_id:
                 ids_all.append(ids_as_int64(str(path), tab.column("id"), base))
             else:
@@ -271,7 +275,8 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
         src = Source(out_files, ids, lengths, max_token)
         fi, fr = src.file_of_row(r)
         raise UserError(f"{out_files[fi].path}: row {fr}: id {int(ids[r])} is negative; ids must be >= 0")
-    return Source(files=out_files, ids=ids, lengths=lengths, max_token=max_token)
+    return Source(files=out_files, ids=ids, lengths=lengths, max_token=max_token,
+                  trained_tokens=trained if need_mask else -1)
 
 
 class RowReader:

@@ -204,9 +204,10 @@ def read_target(path: str, option: str = "--target") -> TargetInfo:
 
 def eos_source(target_dir: str) -> tuple[set[int], Path | None]:
     """End-of-sequence ids from generation_config.json (else config.json) of the target folder, and
-    the file they came from (None: neither names any), so a message about them can name it. Read in
-    their own type: a value that is not an integer (a string, a float, true) is refused naming the
-    file, not converted."""
+    the file they came from (None: nothing names any), so a message about them can name it; where
+    neither config names one, the tokenizer's declared eos_token (tokenizer_config.json, as a
+    server's chat completion stops at it). Read in their own type: a value that is not an integer
+    (a string, a float, true) is refused naming the file, not converted."""
     root = Path(target_dir)
     for name in ("generation_config.json", "config.json"):
         f = root / name
@@ -221,6 +222,11 @@ def eos_source(target_dir: str) -> tuple[set[int], Path | None]:
                                     "(integers); fix the file (generate --eos-token-ids and eval --ignore-eos "
                                     "override it)")
                 return set(items), f
+    from dflash_offline.targets.tokenizer import read_tokenizer_files
+
+    eos = read_tokenizer_files(root).declared_id("eos_token")
+    if eos is not None:
+        return {eos}, root / "tokenizer_config.json"
     return set(), None
 
 
