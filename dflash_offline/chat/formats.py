@@ -2,7 +2,8 @@
 
 Inputs: JSONL, JSON (an array of records, or an object holding one under `data`), Parquet, and
 Hugging Face `datasets` folders (`save_to_disk`: Arrow files, a `DatasetDict` folder reads its
-`train` split or every split); files, folders and globs. Formats, detected per file or given with
+`train` split; one without is refused, as reading its validation and test splits into training
+would be); files, folders and globs. Formats, detected per file or given with
 `--format`:
 
 | format | a record holds |
@@ -14,8 +15,8 @@ Hugging Face `datasets` folders (`save_to_disk`: Arrow files, a `DatasetDict` fo
 | `text` | `text`: plain text, every token trained (no chat template) |
 
 A record whose *structure* is wrong (a turn without a role or a value, an unknown role, a value
-that is not text, a file mixing formats) is refused in one line naming the file and record: it
-means the file is not what it claims to be. A record that is well formed but unusable (empty, no
+that is not text or not valid Unicode, a file mixing formats) is refused in one line naming the
+file and record: it means the file is not what it claims to be. A record that is well formed but unusable (empty, no
 reply) is not an error: `prepare` drops it and counts the reason. No torch here.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import glob
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -139,6 +141,37 @@ def _decode(raw: bytes, path: Path, where: str) -> str:
                         "convert the file to UTF-8") from None
 
 
+def _too_deep(path: Path, where: str) -> UserError:
+    # json's parser recurses once per level and stops at Python's recursion limit with a bare RecursionError.
+    return UserError(f"{path}: {where}: not readable JSON (arrays or objects nested deeper than Python's parser "
+                     "goes); a record is a few levels deep, so the text is damaged: fix or remove it")
+
+
+# A \ud800-\udfff escape: JSON lets one stand alone (half of a UTF-16 pair), which no UTF-8 text
+# holds; the parser keeps it, and it fails only when the text is encoded (tokenizer, Parquet).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _check_unicode(rec: object, raw: str | None, path: Path, where: str) -> None:
+    """Refuse a record holding a lone surrogate, naming the field. `raw`, its text, is searched first:
+    only records that write such an escape are walked (None: walk it)."""
+    if raw is not None and not _SURROGATE_ESCAPE.search(raw):
+        return
+    todo = [(rec, "", False)]
+    while todo:  # iterative: a record may be nested as deep as the parser allows
+        v, at, key = todo.pop()
+        if isinstance(v, dict):
+            todo.extend((x, f"{at}.{k}" if at else str(k), False) for k, x in reversed(v.items()))
+            todo.extend((k, at, True) for k in v)  # popped first: a bad key never reaches a message as a path
+        elif isinstance(v, list):
+            todo.extend((x, f"{at}[{i}]", False) for i, x in reversed(list(enumerate(v))))
+        elif isinstance(v, str) and (bad := next((c for c in v if "\ud800" <= c <= "\udfff"), None)):
+            at = (f"a key of `{at}`" if at else "a key") if key else f"`{at}`" if at else "the record"
+            raise UserError(f"{path}: {where}: {at} holds \\u{ord(bad):04x}, half of a UTF-16 "
+                            "surrogate pair without its other half: not valid Unicode text; fix the escape or remove "
+                            "that record")
+
+
 def iter_raw(path: Path) -> Iterator[tuple[str, object]]:
     """(where, raw record) pairs of one input: a file, a `datasets` folder or a hub name."""
     kind = "datasets" if path.is_dir() else _kind(path) if path.exists() else "hub"
@@ -149,10 +182,14 @@ def iter_raw(path: Path) -> Iterator[tuple[str, object]]:
                 if not line:
                     continue
                 try:
-                    yield f"line {n}", json.loads(line)
+                    rec = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise UserError(f"{path}: line {n}: not valid JSON ({e.msg} at column {e.colno}); every line "
                                     "of a .jsonl file must be one JSON record") from None
+                except RecursionError:
+                    raise _too_deep(path, f"line {n}") from None
+                _check_unicode(rec, line, path, f"line {n}")
+                yield f"line {n}", rec
     elif kind == "json":
         yield from _iter_json(path)
     elif kind in ("parquet", "arrow", "datasets"):
@@ -179,11 +216,15 @@ def _iter_json(path: Path) -> Iterator[tuple[str, object]]:
             hint = (" (one JSON record per line? then name the file .jsonl)" if e.msg == "Extra data" else "")
             raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); expected an array of records"
                             + hint) from None
+        except RecursionError:
+            raise _too_deep(path, "file") from None
         data = obj.get("data") if isinstance(obj, dict) else None
         if not isinstance(data, list):
             raise UserError(f"{path}: a JSON object without a `data` list; expected an array of records (or "
                             "JSON Lines, one record per line, as .jsonl)")
+        escapes = None if _SURROGATE_ESCAPE.search(text) else ""  # searched once, not once per record
         for n, rec in enumerate(data):
+            _check_unicode(rec, escapes, path, f"record {n}")
             yield f"record {n}", rec
         return
     if text[i:i + 1] != "[":
@@ -202,8 +243,11 @@ def _iter_json(path: Path) -> Iterator[tuple[str, object]]:
             return
         if text[i] == "]":
             return
+        start = i
         try:
             rec, i = dec.raw_decode(text, i)
+        except RecursionError:
+            raise _too_deep(path, f"record {n}") from None
         except json.JSONDecodeError as e:
             # Cut off at the end (the file stops inside its last record): the parser fails at the end
             # of the text, or inside a string that no quote closes before it ends.
@@ -218,6 +262,7 @@ def _iter_json(path: Path) -> Iterator[tuple[str, object]]:
                 return
             raise UserError(f"{path}: record {n}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") \
                 from None
+        _check_unicode(rec, text[start:i], path, f"record {n}")
         yield f"record {n}", rec
         n += 1
 
@@ -270,18 +315,52 @@ def _iter_arrow(path: Path, kind: str) -> Iterator[tuple[str, object]]:
             raise UserError(f"{f}: not a readable Arrow file ({e})") from None
 
 
+_REDO = "the `datasets` folder is damaged: save it again (save_to_disk) or copy it whole"
+
+
+def _datasets_json(file: Path) -> dict:
+    """A `save_to_disk` metadata file (state.json, dataset_dict.json), a JSON object; a damaged one
+    is refused naming it (a hand-edited or cut-off copy)."""
+    try:
+        obj = json.loads(file.read_bytes())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{file}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); {_REDO}") from None
+    except (ValueError, RecursionError, OSError) as e:  # not UTF-8, nested absurdly, unreadable
+        raise UserError(f"{file}: not readable JSON ({type(e).__name__}); {_REDO}") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{file}: a JSON {type(obj).__name__}, not an object; {_REDO}")
+    return obj
+
+
 def _datasets_arrow_files(folder: Path) -> list[Path]:
     """The Arrow files of a `save_to_disk` folder, in their recorded order: a Dataset folder's
-    state.json lists them; a DatasetDict folder holds one such folder per split (train, or all)."""
+    state.json lists them; a DatasetDict folder holds one such folder per split, of which the
+    `train` one is read (the others are evaluation data: reading them into training is refused)."""
     if (folder / "dataset_dict.json").is_file():
-        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
-        chosen = ["train"] if "train" in splits else splits
-        return [f for s in chosen for f in _datasets_arrow_files(folder / s)]
+        dd = folder / "dataset_dict.json"
+        splits = _datasets_json(dd).get("splits")
+        if not isinstance(splits, list) or not all(isinstance(x, str) and x for x in splits):
+            raise UserError(f"{dd}: `splits` is {json.dumps(splits)[:60]}, not a list of split names; {_REDO}")
+        if "train" not in splits:
+            raise UserError(f"{folder}: a `datasets` DatasetDict folder without a `train` split (its splits: "
+                            f"{', '.join(splits) or 'none'}); give the split to read as its own folder"
+                            + (f", e.g. {folder / splits[0]}" if splits else ""))
+        if not (folder / "train").is_dir():
+            raise UserError(f"{dd} lists the split `train` but {folder / 'train'} is not there; {_REDO}")
+        return _datasets_arrow_files(folder / "train")
     state = folder / "state.json"
     if state.is_file():
-        names = [d["filename"] for d in json.loads(state.read_text()).get("_data_files", [])]
-        if names:
-            return [folder / n for n in names]
+        files = _datasets_json(state).get("_data_files") or []
+        if not isinstance(files, list):
+            raise UserError(f"{state}: `_data_files` is {json.dumps(files)[:60]}, not a list of files; {_REDO}")
+        for k, d in enumerate(files):
+            name = d.get("filename") if isinstance(d, dict) else None
+            if not isinstance(name, str) or not name:
+                raise UserError(f"{state}: `_data_files` entry {k} has no `filename` ({json.dumps(d)[:60]}); {_REDO}")
+            if not (folder / name).is_file():
+                raise UserError(f"{state}: `_data_files` entry {k} names {name}, which is not in {folder}; {_REDO}")
+        if files:
+            return [folder / d["filename"] for d in files]
     found = sorted(folder.glob("*.arrow"))
     if not found:
         raise UserError(f"{folder}: a `datasets` folder without Arrow files")

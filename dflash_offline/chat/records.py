@@ -1,14 +1,17 @@
 """Raw records (dicts from formats.py) -> `Record`s: the format detected per file, each record
 checked for structure and normalised (roles to system/user/assistant/tool, ShareGPT's variants
-mapped, Alpaca's instruction and input joined)."""
+mapped, Alpaca's instruction and input joined). Content parts that are not text (images, audio)
+are left out of the text, with one warning that counts the records that held them."""
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
-from dflash_offline.chat.formats import (FORMATS, OPENAI_ROLES, forget_cut_off_files, PAIR_RESPONSE_KEYS, SHAREGPT_ROLES, Message, Record,
-                                         iter_raw, resolve_inputs)
+from dflash_offline.chat.formats import (FORMATS, OPENAI_ROLES, PAIR_RESPONSE_KEYS, SHAREGPT_ROLES, Message, Record,
+                                         forget_cut_off_files, iter_raw, resolve_inputs)
 from dflash_offline.runtime.errors import UserError
 
 
@@ -37,6 +40,40 @@ def _keys(rec: object) -> str:
     return ", ".join(sorted(map(str, rec.keys()))[:8]) if isinstance(rec, dict) else type(rec).__name__
 
 
+def _json_type(v: object) -> str:
+    return {type(None): "null", bool: "true or false", int: "a number", float: "a number", str: "a string",
+            list: "a list", dict: "an object"}.get(type(v), f"a {type(v).__name__}")
+
+
+def _not_a_record(raw: object, fmt: str | None) -> str | None:
+    """Why `raw` is no record (of `fmt`, or of any format), when a field says so: a known field that
+    is null or of the wrong type is named (detect_format takes a null as absent, so `{"prompt": null,
+    "response": ...}` would read as an unknown format), as are token rows and non-objects."""
+    if not isinstance(raw, dict):
+        return (f"not a JSON object but {_json_type(raw)}; a record is an object such as {{\"messages\": [...]}}"
+                + (" (one JSON array of records is a .json file)" if isinstance(raw, list) else ""))
+    if fmt is None and "input_ids" in raw:  # a tokenized file: nothing to render
+        to = "extract --data" if "loss_mask" in raw or "prompt_len" in raw else "generate --prompts"
+        return (f"token rows (`input_ids`), not conversations: prepare renders chat records; give the file "
+                f"straight to `dflash-offline {to}`")
+    for key, want, kind in (("messages", "a list of messages", "messages"), ("conversations", "a list of turns",
+                            "sharegpt"), ("conversation", "a list of turns", "sharegpt"),
+                            ("turns", "a list of the user's messages", "turns"), ("text", "text", "text")):
+        v = raw.get(key)
+        if key in raw and fmt in (None, kind) and not isinstance(v, str if key == "text" else list):
+            if isinstance(v, str) and v.lstrip().startswith(("[", "{")):
+                return (f"`{key}` is a string (JSON text?), not {want}; store it as a list (decode it before "
+                        "writing the file)")
+            return f"`{key}` is {_json_type(v)}, not {want}; fix or remove that record"
+    for ask, replies in (("prompt", PAIR_RESPONSE_KEYS), ("instruction", ("output",))):
+        answers = [k for k in replies if k in raw]
+        null = next((k for k in (ask, *answers) if raw[k] is None), None) if ask in raw and answers else None
+        if fmt in (None, "pair") and null:
+            return (f"`{null}` is null, not text; a `pair` record needs `{ask}` and `{answers[0]}` as text; fix or "
+                    "remove that record")
+    return None
+
+
 def _string(value, what: str, where: str, allow_none: bool = False) -> str:
     if value is None and allow_none:
         return ""
@@ -59,7 +96,8 @@ def _own_id(rec: dict) -> tuple[int | None, str | None]:
     return None, None
 
 
-def _messages_record(rec: dict, where: str) -> list[Message]:
+def _messages_record(rec: dict, where: str, left_out: list[tuple[str, str]]) -> list[Message]:
+    """The messages; (where, kind) of each non-text content part left out is appended to `left_out`."""
     out = []
     for k, m in enumerate(rec["messages"]):
         at = f"{where}: message {k}"
@@ -73,15 +111,21 @@ def _messages_record(rec: dict, where: str) -> list[Message]:
         content = m.get("content")
         if isinstance(content, list):  # content parts: the text parts joined (Chat and Responses API names)
             parts = []
-            for p in content:
-                kind = p.get("type", "text") if isinstance(p, dict) else None
+            for j, p in enumerate(content):
+                if not isinstance(p, dict):
+                    raise UserError(f"{at}: content part {j} is {_json_type(p)}, not an object such as "
+                                    "{\"type\": \"text\", \"text\": ...}; fix or remove that record")
+                kind = p.get("type") or "text"
                 if kind in ("text", "input_text", "output_text"):
                     if not isinstance(p.get("text"), str):
                         raise UserError(f"{at}: a {kind} content part without text")
                     parts.append(p["text"])
-                elif isinstance(p, dict) and "text" in p:  # a text-carrying part of an unknown kind: not dropped silently
+                elif p.get("text") is not None:  # a text-carrying part of an unknown kind: not dropped silently
+                    # (`is not None`: Arrow rows hold every part's fields, null where a part has none)
                     raise UserError(f"{at}: content part of type {kind!r} carries text but is not a text part "
                                     "(text, input_text, output_text); convert it to one")
+                else:  # an image, audio, file: the drafter trains on text (counted, one warning)
+                    left_out.append((at, str(kind)))
             content = "".join(parts)
         if "content" not in m and not m.get("tool_calls"):
             raise UserError(f"{at}: no `content`; every message needs one (\"\" for an empty reply)")
@@ -156,6 +200,8 @@ def read_records(paths: list[str], fmt: str = "auto", option: str = "--data") ->
         raise UserError(f"--format {fmt!r}: choose auto, {', '.join(FORMATS)}")
     forget_cut_off_files()
     index = 0
+    left_out: list[tuple[str, str]] = []  # per record: its non-text content parts
+    with_parts, first_parts, kinds = 0, None, Counter()
     for path in resolve_inputs(paths, option):
         file_fmt = None if fmt == "auto" else fmt
         first_where = None
@@ -164,16 +210,12 @@ def read_records(paths: list[str], fmt: str = "auto", option: str = "--data") ->
             found = detect_format(raw)
             if fmt != "auto":
                 if found != fmt and not (fmt == "text" and isinstance(raw, dict) and "text" in raw):
-                    raise UserError(f"{where}: not a {fmt!r} record (keys: {_keys(raw)}); check --format")
-            elif found is None and isinstance(raw, dict) and any(isinstance(raw.get(k), str) for k in (
-                    "messages", "conversations")):
-                key = next(k for k in ("messages", "conversations") if isinstance(raw.get(k), str))
-                raise UserError(f"{where}: `{key}` is a string (JSON text?), not a list of turns; store it as a list "
-                                "(decode it before writing the file)")
+                    why = _not_a_record(raw, fmt)
+                    raise UserError(f"{where}: " + (why or f"not a {fmt!r} record (keys: {_keys(raw)}); check --format"))
             elif found is None:
-                raise UserError(f"{where}: unknown record format (keys: {_keys(raw)}); expected `messages`, "
-                                "`conversations` (ShareGPT), `prompt` + `response`, `instruction` + `output`, or "
-                                "`text`; or pass --format")
+                raise UserError(f"{where}: " + (_not_a_record(raw, None) or (
+                    f"unknown record format (keys: {_keys(raw)}); expected `messages`, `conversations` (ShareGPT), "
+                    "`prompt` + `response`, `instruction` + `output`, or `text`; or pass --format")))
             elif file_fmt is None:
                 file_fmt, first_where = found, where_in
             elif found != file_fmt:
@@ -184,7 +226,17 @@ def read_records(paths: list[str], fmt: str = "auto", option: str = "--data") ->
             if kind == "text":
                 yield Record(index, where, own, source_id, text=_string(raw.get("text"), "`text`", where))
             else:
-                msgs = {"messages": _messages_record, "sharegpt": _sharegpt_record, "pair": _pair_record,
-                        "turns": _turns_record}[kind](raw, where)
+                msgs = _messages_record(raw, where, left_out) if kind == "messages" else {
+                    "sharegpt": _sharegpt_record, "pair": _pair_record, "turns": _turns_record}[kind](raw, where)
+                if left_out:
+                    with_parts += 1
+                    first_parts = first_parts or f"{left_out[0][0]} ({left_out[0][1]})"
+                    kinds.update(k for _, k in left_out)
+                    left_out.clear()
                 yield Record(index, where, own, source_id, messages=msgs)
             index += 1
+    if with_parts:  # told, not silent: the records stay, rendered from their text
+        logging.getLogger("dflash.prepare").warning(
+            "%d record(s) hold content parts that are not text (%s): those parts are left out, the text of the "
+            "record is kept (the drafter trains on text alone); the first: %s", with_parts,
+            ", ".join(f"{n} {k}" for k, n in kinds.most_common()), first_parts)
