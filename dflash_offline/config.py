@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_offline.options import check_at_least, check_choices, check_number, check_positive, opt, where
+from dflash_offline.options import also, check_at_least, check_choices, check_number, check_positive, opt, where
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.sampling import SamplingOptions
 from dflash_offline.evaluate.config import EvalConfig  # noqa: F401  (one import place for every stage's config)
@@ -82,7 +82,7 @@ class ExtractConfig:
         check_at_least(self, "max_len", 2, "a sample must hold a token and one to draft after it")
         if self.batch_tokens < self.max_len:
             raise UserError(
-                f"{where(self, 'batch_tokens')} {self.batch_tokens} is smaller than {where(self, 'max_len')} "
+                f"{where(self, 'batch_tokens')} {self.batch_tokens} is smaller than {also(self, 'max_len')} "
                 f"{self.max_len}: one batch must hold the longest sample; raise the first or lower the second"
             )
         self.hidden_dtype = HIDDEN_DTYPE_ALIASES.get(self.hidden_dtype, self.hidden_dtype)  # bf16, fp8 in recipes too

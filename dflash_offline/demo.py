@@ -78,7 +78,8 @@ def run(out: str, devices: str = "cpu") -> dict:
 
     generated, cache, run_dir = root / "generated", root / "cache", root / "train"
     generate.run(GenerateConfig(target=str(target), prompts=[str(prompts_train)], out=str(generated), devices=devices,
-                                max_new_tokens=NEW_TOKENS, chunk_prompts=256, batch_tokens=128 * (20 + NEW_TOKENS)))
+                                max_new_tokens=NEW_TOKENS, chunk_prompts=256, batch_tokens=128 * (20 + NEW_TOKENS),
+                                ignore_eos=True))  # the tiny target has no end-of-sequence token: its lines run on
     extract.run(ExtractConfig(target=str(target), data=[str(generated)], cache=str(cache), devices=devices,
                               topk=8, max_len=256, batch_tokens=2048, shard_tokens=8192))
     from dflash_offline.cache.reader import CacheReader
@@ -94,7 +95,7 @@ def run(out: str, devices: str = "cpu") -> dict:
                           lr=3e-3, epochs=3, mask_token_id=1, loader_workers=0, checkpoint_every=50))
     export = run_dir / "export"
     report = evaluate.run(EvalConfig(target=str(target), drafters=[str(export)], prompts=str(prompts_eval),
-                                     max_new_tokens=NEW_TOKENS, json_path=str(root / "eval.json")))
+                                     max_new_tokens=NEW_TOKENS, ignore_eos=True, json_path=str(root / "eval.json")))
     e = report["drafters"][0]
     print(f"\ntarget:    {target}\nprompts:   {prompts_train} (training), {prompts_eval} (held out)\n"
           f"generated: {generated} (the target's own completions; logs in {generated / 'logs'})\n"

@@ -119,6 +119,20 @@ def where(cfg, name: str) -> str:
     return flag_of(fields[name]) if name in fields else as_flag(name)
 
 
+def also(cfg, name: str) -> str:
+    """`where`, for a second option named in a message about a first: a recipe key without its
+    file again ("key 'block_size'"), a flag as typed."""
+    origin = where(cfg, name)
+    return origin.split(": ", 1)[1] if origin.startswith("--config ") else origin
+
+
+def replaced(cfg, **changes):
+    """dataclasses.replace that keeps where the unchanged values came from (`where`)."""
+    new = dataclasses.replace(cfg, **changes)
+    new._origins = {k: v for k, v in getattr(cfg, "_origins", {}).items() if k not in changes}
+    return new
+
+
 def _integer(cfg, name: str) -> int | None:
     """The option's value, refused in one line unless it is an integer (or None)."""
     v = getattr(cfg, name)

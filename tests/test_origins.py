@@ -52,9 +52,9 @@ def test_eval_refuses_a_non_finite_temperature_from_the_command_line(value):
 
 
 @pytest.mark.parametrize("cls, body, expect", [
-    (TrainConfig, "seq_len = 8\nblock_size = 8", "key 'seq_len' must exceed --config {r}: key 'block_size' (8), got 8"),
-    (TrainConfig, "seq_len = 64\nnum_anchors = 100000", "key 'num_anchors' 100000 exceeds --config {r}: key 'seq_len' 64"),
-    (ExtractConfig, "max_len = 64\nbatch_tokens = 32", "key 'batch_tokens' 32 is smaller than --config {r}: key 'max_len' 64"),
+    (TrainConfig, "seq_len = 8\nblock_size = 8", "key 'seq_len' must exceed key 'block_size' (8), got 8"),
+    (TrainConfig, "seq_len = 64\nnum_anchors = 100000", "key 'num_anchors' 100000 exceeds key 'seq_len' 64"),
+    (ExtractConfig, "max_len = 64\nbatch_tokens = 32", "key 'batch_tokens' 32 is smaller than key 'max_len' 64"),
     (ExtractConfig, "capture_layers = [1, 1]", "key 'capture_layers' [1, 1] lists a layer twice"),
     (GenerateConfig, "eos_token_ids = [-2]", "key 'eos_token_ids' [-2]: token ids are >= 0"),
     (GenerateConfig, "top_p = 0.5", "key 'top_p' 0.5 applies to sampling, but --temperature is 0"),

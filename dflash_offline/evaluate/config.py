@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from dflash_offline.options import check_choices, check_positive, opt, where
+from dflash_offline.options import also, check_at_least, check_choices, check_positive, opt, where
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.sampling import Sampling, SamplingOptions
 
@@ -84,13 +84,15 @@ class EvalConfig(SamplingOptions):
         if not self.prompts and not self.cache:
             raise UserError("eval: give --prompts PARQUET (speculative decoding) and/or --cache CACHE (estimate)")
         if self.parity is not None and (self.parity <= 0 or not self.cache):
-            raise UserError("eval: --parity N needs N > 0 and --cache (a held-out cache of the target's own greedy "
-                            "completions: their prompts are decoded and compared with the walk)")
+            raise UserError(f"eval: {where(self, 'parity')} {self.parity} needs N > 0 and --cache (a held-out cache "
+                            "of the target's own greedy completions: their prompts are decoded and compared with the walk)")
         if self.reference and not self.prompts:
-            raise UserError("eval: --reference checks the outputs of --prompts; give the prompts it completes too")
+            raise UserError(f"eval: {where(self, 'reference')} checks the outputs of --prompts; give the prompts it "
+                            "completes too")
         if self.show < 0 or (self.show and not self.prompts):
-            raise UserError(f"eval: --show {self.show} prints the first N decoded prompts: give N >= 0 (0 = off) and "
-                            "--prompts")
+            raise UserError(f"eval: {where(self, 'show')} {self.show} prints the first N decoded prompts: give N >= 0 "
+                            "(0 = off) and --prompts")
+        check_at_least(self, "top_k", 0, "0 = the whole vocabulary")
         check_positive(self, "max_new_tokens", "seq_len", "num_anchors", "walk_batch_rows", "batch_size",
                        "max_prompts", "max_rows", "max_samples")
         self.check_sampling()
@@ -103,7 +105,7 @@ class EvalConfig(SamplingOptions):
         # As train's rule (anchors beyond a short row's positions are masked padding, up to the
         # default count): a typo would allocate (anchors x block) tables after all the decoding.
         if self.cache and self.num_anchors > max(self.seq_len, EvalConfig.num_anchors):
-            raise UserError(f"{where(self, 'num_anchors')} {self.num_anchors} exceeds {where(self, 'seq_len')} "
+            raise UserError(f"{where(self, 'num_anchors')} {self.num_anchors} exceeds {also(self, 'seq_len')} "
                             f"{self.seq_len}: the cache estimate's anchors are distinct positions of a row; lower the first")
 
 

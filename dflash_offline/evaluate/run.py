@@ -31,7 +31,7 @@ from functools import partial
 from pathlib import Path
 
 
-from dflash_offline.options import where
+from dflash_offline.options import also, replaced, where
 from dflash_offline.evaluate.config import AS_FLAGS, EvalConfig, Said
 from dflash_offline.evaluate.decoders import Decoders
 from dflash_offline.evaluate.speculative import Decoded, load_target_for_decoding, summarize, tokens_per_s
@@ -229,7 +229,7 @@ def run(cfg: EvalConfig) -> dict:
 
 def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     if cfg.batch_size is None:
-        cfg = dataclasses.replace(cfg, batch_size=GPU_BATCH_SIZE if device.startswith("cuda") else 1)
+        cfg = replaced(cfg, batch_size=GPU_BATCH_SIZE if device.startswith("cuda") else 1)
     from tqdm import tqdm
 
     from dflash_offline.targets.folder import read_target
@@ -241,15 +241,15 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     longest = max(range(len(prompts)), key=lambda k: len(prompts[k]))
     if tinfo.max_positions is not None and len(prompts[longest]) + cfg.max_new_tokens > tinfo.max_positions:
         raise UserError(f"{where(cfg, 'prompts')} {cfg.prompts}: row {longest}: a prompt of {len(prompts[longest])} "
-                        f"tokens + {where(cfg, 'max_new_tokens')} {cfg.max_new_tokens} exceeds the target's context "
+                        f"tokens + {also(cfg, 'max_new_tokens')} {cfg.max_new_tokens} exceeds the target's context "
                         f"({tinfo.max_positions} positions); lower the new tokens or leave out the longest prompts")
     eos = set() if cfg.ignore_eos else eos_ids(cfg.target)
-    if not eos and not cfg.ignore_eos:
+    reference = read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos, said) if cfg.reference else None
+    tok = show_tokenizer(cfg.target, cfg.show)  # --show: the target's tokenizer.json, or one line now
+    if not eos and not cfg.ignore_eos:  # after the refusals: a warning line must not precede an error line
         log.warning("%s %s names no end-of-sequence id (generation_config.json, config.json, tokenizer files): "
                     "every decode runs to %s %d", where(cfg, "target"), cfg.target, where(cfg, "max_new_tokens"),
                     cfg.max_new_tokens)
-    reference = read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos, said) if cfg.reference else None
-    tok = show_tokenizer(cfg.target, cfg.show)  # --show: the target's tokenizer.json, or one line now
     # With a reference the target-alone decode (as long as the speculative one) is needed only for
     # the speed-up figure, so it runs only when asked for.
     baseline = cfg.baseline if cfg.baseline is not None else not cfg.reference

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dflash_offline.config import GenerateConfig
-from dflash_offline.options import where as origin
+from dflash_offline.options import also, where as origin
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.launch import Launch, join_ranks, torchrun_launch
@@ -155,7 +155,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     per_row = max_prompt + cfg.max_new_tokens
     if cfg.batch_tokens < per_row:
         raise UserError(f"{origin(cfg, 'batch_tokens')} {cfg.batch_tokens} cannot hold one row of {per_row} positions (the "
-                        f"longest prompt, {max_prompt} tokens, + {origin(cfg, 'max_new_tokens')} {cfg.max_new_tokens}); "
+                        f"longest prompt, {max_prompt} tokens, + {also(cfg, 'max_new_tokens')} {cfg.max_new_tokens}); "
                         "raise the first")
     rows = min(cfg.batch_tokens // per_row, cfg.chunk_prompts, source.rows)
     if chat is not None:

@@ -139,7 +139,7 @@ def check_devices_exist(devices: list[str], option: str = "--devices") -> None:
     if missing:
         raise UserError(
             f"{option} asks for GPU {','.join(map(str, missing))} but this machine has {count} CUDA "
-            f"device(s){' (torch sees no CUDA)' if count == 0 else ''}; use {option} cpu to run on the CPU"
+            f"device(s){' (torch sees no CUDA)' if count == 0 else ''}; give cpu to run on the CPU"
         )
 
 

@@ -34,20 +34,21 @@ def _rule_limit(num_target_layers: int) -> int:
 def resolve_layers(info: TargetInfo, cfg) -> list[int]:
     """The target layer ids to capture: `cfg.capture_layers`, or the DFlash rule's
     `cfg.capture_count` (extract's and plan's configs); messages name the option as given."""
-    from dflash_offline.options import where
+    from dflash_offline.options import also, where
 
     layers, n = cfg.capture_layers, cfg.capture_count
     if layers is None:
         if info.num_target_layers < 5:
-            raise UserError(f"target has {info.num_target_layers} layers; give {where(cfg, 'capture_layers')} explicitly "
-                            "(the DFlash rule needs at least 5)")
+            raise UserError(f"target has {info.num_target_layers} layers, too few for the DFlash rule to pick "
+                            f"{where(cfg, 'capture_count')} {n} (it spreads them over layers 1..L-3 of L >= 5); give "
+                            f"{also(cfg, 'capture_layers')} explicitly")
         ids = default_layer_ids(info.num_target_layers, n)
         if len(set(ids)) < len(ids):
             count = where(cfg, "capture_count")
             raise UserError(f"{count} {n}: the DFlash rule spreads the captured layers over layers "
                             f"1..{info.num_target_layers - 3} of this {info.num_target_layers}-layer target and would repeat one "
-                            f"({ids}); lower {count} (at most {_rule_limit(info.num_target_layers)} here) or give distinct "
-                            f"{where(cfg, 'capture_layers')}")
+                            f"({ids}); lower it (at most {_rule_limit(info.num_target_layers)} here) or give distinct "
+                            f"{also(cfg, 'capture_layers')}")
     else:
         ids = list(layers)
     bad = [i for i in ids if i < 0 or i >= info.num_target_layers]

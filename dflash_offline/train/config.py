@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_offline.options import check_at_least, check_choices, check_number, check_positive, opt, where
+from dflash_offline.options import also, check_at_least, check_choices, check_number, check_positive, opt, where
 from dflash_offline.runtime.errors import UserError
 
 @dataclass
@@ -127,13 +127,13 @@ class TrainConfig:
             raise UserError(f"{where(self, 'block_size')} must be at least 2 (slot 0 is the anchor, slots 1.. are "
                             f"drafted), got {self.block_size}")
         if self.seq_len <= self.block_size:
-            raise UserError(f"{where(self, 'seq_len')} must exceed {where(self, 'block_size')} ({self.block_size}), "
+            raise UserError(f"{where(self, 'seq_len')} must exceed {also(self, 'block_size')} ({self.block_size}), "
                             f"got {self.seq_len}: a row must hold an anchor and its drafted tokens; raise the first "
                             "or lower the second")
         # A row's capacity beyond its positions is masked padding; beyond the default as well, a typo
         # that would allocate (anchors x block) tables of that size.
         if self.num_anchors > max(self.seq_len, TrainConfig.num_anchors):
-            raise UserError(f"{where(self, 'num_anchors')} {self.num_anchors} exceeds {where(self, 'seq_len')} "
+            raise UserError(f"{where(self, 'num_anchors')} {self.num_anchors} exceeds {also(self, 'seq_len')} "
                             f"{self.seq_len}: each anchor is a distinct position of a row; lower the first")
         check_at_least(self, "anchors_per_sample", 0, "0 = one draw per row")
         check_at_least(self, "profile_steps", 0, "0 = off")
