@@ -22,7 +22,6 @@ from dflash_offline.config import EvalConfig, ExtractConfig, GenerateConfig, Tra
 from dflash_offline.runtime.errors import UserError
 
 TRAIN_PROMPTS, EVAL_PROMPTS, NEW_TOKENS = 512, 32, 64
-OURS = {"tiny-target", "prompts-train.parquet", "prompts-eval.parquet", "generated", "cache", "train", "eval.json"}
 MARK = ".dflash-demo"  # written first into a folder the demo makes or finds empty: "this folder is a demo's"
 
 
@@ -33,11 +32,9 @@ def _check_out(root: Path) -> None:
         raise UserError(f"--out {root}: exists and is not a folder; choose a new folder")
     if not root.is_dir() or (root / MARK).exists():
         return
-    names = {p.name for p in root.iterdir()}
-    # A folder an earlier version of the demo made (before the mark): only the demo's names, and
-    # its trained target.
-    legacy = names <= OURS | {".tiny-target.tmp"} and (root / "tiny-target" / "config.json").is_file()
-    if names and not legacy:
+    # Without the mark only an empty folder is the demo's: a folder holding files of the demo's names
+    # (a model folder called tiny-target, a prompts-train.parquet) may well be the user's own.
+    if any(root.iterdir()):
         raise UserError(f"--out {root}: the folder exists, is not empty and is not a demo's (no {MARK} in it); "
                         "choose a new or empty folder (nothing was changed)")
 

@@ -260,7 +260,9 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> Reci
         raise UserError(f"--config {path}: cannot read it ({e.strerror or e}); give a TOML recipe file") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"--config {path}: not valid TOML ({e})") from None
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    # The options only: a field without one (train's final_checkpoint, for benchmarks) is not a
+    # setting a user makes, and a recipe that set it would change a run no --help describes.
+    fields = {f.name: f for f in cli_fields(cls)}
     skip = {f.name for f in dataclasses.fields(ignore)} | set(renamed(ignore)) if ignore is not None else set()
     written = {key.replace("-", "_"): key for key in raw}  # a name -> the key as the file spells it
     named = under_current_names(cls, {key.replace("-", "_"): value for key, value in raw.items()},

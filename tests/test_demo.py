@@ -48,6 +48,14 @@ def test_demo_refuses_a_folder_it_did_not_make_before_any_work(tmp_path):
     assert r.returncode == 2 and "is not a demo's" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert sorted(p.name for p in user.iterdir()) == ["README.md", "prompts-train.parquet"]
     assert (user / "prompts-train.parquet").read_text() == "my precious data"
+    # Only names the demo uses, and a model folder called tiny-target: still the user's, not a demo's.
+    named = tmp_path / "named"
+    (named / "tiny-target").mkdir(parents=True)
+    (named / "tiny-target" / "config.json").write_text("{}")
+    (named / "prompts-train.parquet").write_text("my precious data")
+    r = run_cli(["demo", "--out", named])
+    assert r.returncode == 2 and "is not a demo's" in r.stderr, r.stderr
+    assert (named / "prompts-train.parquet").read_text() == "my precious data" and not (named / ".dflash-demo").exists()
     afile = tmp_path / "afile"
     afile.write_text("x")
     r = run_cli(["demo", "--out", afile])

@@ -10,6 +10,7 @@ torch: the modules (drafter.model) and the export (drafter.export) import this, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -151,6 +152,37 @@ class DrafterConfig:
                               **({"chat": self.chat} if self.chat else {})},
             **({"dflash_offline": {"target": self.target}} if self.target else {}),
         }
+
+    @classmethod
+    def saved_problem(cls, d: dict) -> str | None:
+        """What is wrong with a config a checkpoint saved (`dataclasses.asdict` in state.json), as
+        "drafter.KEY ...", or None: every field there, in its own type (a hand-edited "8" is not 8)."""
+        def whole(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name, f in cls.__dataclass_fields__.items():
+            if name not in d:
+                if f.default is dataclasses.MISSING:
+                    return f"drafter.{name} is missing"
+                continue
+            v, kind = d[name], str(f.type)
+            ok = (whole(v) if kind == "int" else isinstance(v, (int, float)) and not isinstance(v, bool)
+                  if kind == "float" else isinstance(v, list) and all(whole(i) for i in v) if kind == "list[int]"
+                  else True)
+            if not ok:
+                return f"drafter.{name} is {json.dumps(v)}, not {'a list of integers' if kind == 'list[int]' else 'an integer' if kind == 'int' else 'a number'}"
+        return None
+
+    @classmethod
+    def from_saved(cls, d: dict, source: str) -> "DrafterConfig":
+        """The config a checkpoint saved, checked (`saved_problem`); `source` names the file."""
+        problem = cls.saved_problem(d)
+        if problem:
+            raise UserError(f"{source}: {problem}; the checkpoint is damaged: use another checkpoint of the run")
+        try:
+            return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        except ValueError as e:  # the config's own consistency checks (__post_init__)
+            raise UserError(f"{source}: {e}; the checkpoint is damaged: use another checkpoint of the run") from None
 
     @classmethod
     def from_export_dict(cls, d: dict, source: str = "drafter config.json") -> "DrafterConfig":

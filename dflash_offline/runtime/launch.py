@@ -137,9 +137,10 @@ def check_devices_exist(devices: list[str], option: str = "--devices") -> None:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     missing = [g for g in gpus if g >= count]
     if missing:
+        fix = "set it to cpu" if option.startswith("--config ") else f"use {option} cpu"  # a recipe key, or the flag
         raise UserError(
             f"{option} asks for GPU {','.join(map(str, missing))} but this machine has {count} CUDA "
-            f"device(s){' (torch sees no CUDA)' if count == 0 else ''}; give cpu to run on the CPU"
+            f"device(s){' (torch sees no CUDA)' if count == 0 else ''}; {fix} to run on the CPU"
         )
 
 

@@ -53,6 +53,11 @@ def read_tokenizer_files(root: Path) -> TokenizerFiles:
                         "tokenizer files are damaged: restore them from the model's release")
 
     tok_cfg, special, tok_json = load("tokenizer_config.json"), load("special_tokens_map.json"), load("tokenizer.json")
+    for file, key, kind in (("tokenizer.json", "added_tokens", list), ("tokenizer_config.json", "added_tokens_decoder", dict)):
+        got = (tok_json if file == "tokenizer.json" else tok_cfg).get(key)
+        if got is not None and not isinstance(got, kind):
+            raise UserError(f"{root / file}: {key} holds a JSON {type(got).__name__}, not {'an array' if kind is list else 'an object'}; "
+                            "the tokenizer files are damaged: restore them from the model's release")
     vocab: dict[str, int] = {}
     model_vocab = (tok_json.get("model") or {}).get("vocab")
     if isinstance(model_vocab, dict):

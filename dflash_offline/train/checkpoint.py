@@ -116,6 +116,10 @@ def checkpoint_damage(ck: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> st
                         return f"{name}: damaged or not a checkpoint's state (no {key})"
                 if not isinstance(state["config"], dict) or not isinstance(state["drafter"], dict):
                     return f"{name}: damaged or not a checkpoint's state (config or drafter is not an object)"
+                from dflash_offline.drafter.config import DrafterConfig
+
+                if problem := DrafterConfig.saved_problem(state["drafter"]):
+                    return f"{name}: {problem}"
             elif name.endswith(".safetensors"):
                 with open(f, "rb") as fh:
                     head = fh.read(8)
@@ -157,7 +161,7 @@ def load_checkpoint(ck_dir: str):
         raise UserError(f"{ck}/{what}; the checkpoint is damaged: use another checkpoint of the run (step-N/), or "
                         "restore the file from a copy")
     state = json.loads((ck / "state.json").read_text())
-    drafter = DFlashDrafter(DrafterConfig(**state["drafter"]))
+    drafter = DFlashDrafter(DrafterConfig.from_saved(state["drafter"], str(ck / "state.json")))
     got = drafter.load_state_dict(load_file(str(ck / "drafter.safetensors")), strict=False)
     lost = [k for k in got.missing_keys if not k.startswith(FROZEN_PREFIXES)]
     if got.unexpected_keys or lost:
@@ -198,8 +202,14 @@ def check_resume(cfg: TrainConfig, cache_fingerprint: str) -> None:
     for key in RESUME_KEYS:
         theirs = saved.get(key, getattr(defaults, key))  # a key newer than the checkpoint: its default
         if theirs != getattr(cfg, key):
-            raise UserError(f"{ck} was made with {key} = {theirs}, this run has {getattr(cfg, key)}; "
+            raise UserError(f"{ck} was made with {key} = {_shown(theirs)}, this run has {_shown(getattr(cfg, key))}; "
                             "use the same settings to resume, or a new --out")
+
+
+def _shown(v) -> str:
+    """A setting in a message, as JSON (a hand-edited "8" must not read as the 8 it differs from);
+    None is an option left to its default rule (the lr's, the cache's layers)."""
+    return "unset (its default rule)" if v is None else json.dumps(v)
 
 
 def remove_unfinished(out: Path) -> None:

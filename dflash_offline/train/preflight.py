@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from dflash_offline.options import where
+from dflash_offline.options import also, where
 from dflash_offline.cache.view import ManifestView
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
@@ -34,14 +34,13 @@ def step_accumulation(cfg: TrainConfig, world: int) -> int:
 
     accum = accumulation(cfg.global_batch_tokens, cfg.seq_len, world)
     if accum * world * cfg.seq_len != cfg.global_batch_tokens:
-        log.warning("--global-batch-tokens %d is not a multiple of %d rank(s) x --seq-len %d: each step takes %d "
-                    "tokens (%d micro-batches per rank)", cfg.global_batch_tokens, world, cfg.seq_len,
-                    accum * world * cfg.seq_len, accum)
+        log.warning("%s %d is not a multiple of %d rank(s) x %s %d: each step takes %d tokens (%d micro-batches "
+                    "per rank)", where(cfg, "global_batch_tokens"), cfg.global_batch_tokens, world,
+                    also(cfg, "seq_len"), cfg.seq_len, accum * world * cfg.seq_len, accum)
     return accum
 
 
 def preflight(cfg: TrainConfig) -> TrainPlan:
-    from dflash_offline.cache.reader import CacheReader
     from dflash_offline.drafter.export import check_export_dest
     from dflash_offline.train.packing import manifest_fingerprint, pack_rows, epoch_order, steps_per_epoch
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
@@ -57,7 +56,7 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
         check_devices_exist(devices, where(cfg, "devices"))
     if cfg.follow:
         return _preflight_follow(cfg, devices)
-    reader = CacheReader(cfg.cache)
+    reader = _cache_reader(cfg.cache, where(cfg, "cache"))
     m = reader.manifest
     v = ManifestView.of(m)
     if v.status != "complete":
@@ -71,22 +70,7 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     t0 = time.time()
     refs, lengths = [], []
     scored = False
-    for name in reader.shard_names:
-        if not reader.loc.exists(f"shards/{name}.zarr"):
-            raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: shard {name} is listed in manifest.json but missing on storage; "
-                            "re-extract it (delete its entry from a copy of the manifest) or restore it")
-        try:
-            sh = reader.shard(name)
-        except Exception as e:
-            raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: shard {name} does not open ({type(e).__name__}: {e})") from None
-        if cfg.verify == "full":
-            try:
-                ok = sh.compute_checksum() == sh.entry["checksum"]
-            except Exception:  # a chunk's CRC32C failed while reading
-                ok = False
-            if not ok:
-                raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: shard {name} does not match its checksum (corrupted data); "
-                                "re-extract it")
+    for name, sh in _checked_shards(reader, f"{where(cfg, 'cache')} {cfg.cache}", cfg.verify):
         # A cache whose loss masks are all zero trains nothing: read them until one token is scored
         # (the first shard, for any real data: one byte per token).
         scored = scored or bool(sh.group["loss_mask"][:].any())
@@ -156,10 +140,50 @@ def _check_row_memory(cfg: TrainConfig, features: int) -> None:
                         "lower --seq-len")
 
 
+def _cache_reader(cache: str, label: str):
+    """A CacheReader of a cache given as `label` (flag or recipe key): no manifest is one line naming it."""
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.reader import CacheReader
+
+    if not Location(cache, label).exists("manifest.json"):
+        raise UserError(f"{label} {cache}: no manifest.json; not a dflash-offline cache (or nothing committed yet): "
+                        "give the folder extract wrote")
+    return CacheReader(cache)
+
+
+def _checked_shards(reader, label: str, verify: str):
+    """(name, shard) of every committed shard, each there and open (and, with verify "full",
+    matching its checksum) or one line naming `label` (the option and path) and the shard."""
+    for name in reader.shard_names:
+        if not reader.loc.exists(f"shards/{name}.zarr"):
+            raise UserError(f"{label}: shard {name} is listed in manifest.json but missing on storage; "
+                            "re-extract it (delete its entry from a copy of the manifest) or restore it")
+        try:
+            sh = reader.shard(name)
+        except Exception as e:
+            raise UserError(f"{label}: shard {name} does not open ({type(e).__name__}: {e})") from None
+        if verify == "full":
+            try:
+                ok = sh.compute_checksum() == sh.entry["checksum"]
+            except Exception:  # a chunk's CRC32C failed while reading
+                ok = False
+            if not ok:
+                raise UserError(f"{label}: shard {name} does not match its checksum (corrupted data); re-extract it")
+        yield name, sh
+
+
 def _check_cache_target(cfg: TrainConfig, v: ManifestView) -> None:
     from dflash_offline.targets.folder import read_target
 
     info = read_target(cfg.target, where(cfg, "target"))
+    # The shapes too: a hand-edited manifest keeps the fingerprints but not the rows' widths.
+    for key, theirs, mine in (("hidden_size", v.hidden_size, info.hidden_size),
+                              ("vocab_size", v.vocab_size, info.vocab_size),
+                              ("num_layers", v.num_target_layers, info.num_target_layers)):
+        if theirs != mine:
+            raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: its manifest says target.{key} {theirs}, but "
+                            f"{also(cfg, 'target')} {cfg.target} has {mine}; the manifest is damaged or from another "
+                            "target: re-extract the cache")
     for key, theirs, mine in (("weights_fingerprint", v.weights_fingerprint, info.weights_fingerprint),
                               ("config_sha256", v.config_sha256, info.config_sha256)):
         if theirs != mine:
@@ -301,10 +325,19 @@ def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], v: ManifestView) -
     if held_v.status != "complete":
         raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache}: extraction is not complete; finish it first")
     if held_v.weights_fingerprint != v.weights_fingerprint:
-        raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} was extracted from another target than --cache {cfg.cache}")
+        raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} was extracted from another target than "
+                        f"{also(cfg, 'cache')} {cfg.cache}")
+    if (held_v.hidden_size, held_v.vocab_size) != (v.hidden_size, v.vocab_size):
+        raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache}: its manifest says hidden_size {held_v.hidden_size} "
+                        f"and vocab_size {held_v.vocab_size}, the target's are {v.hidden_size} and {v.vocab_size}; the "
+                        "manifest is damaged: re-extract the held-out cache")
     missing = [i for i in layer_ids if i not in held_v.layer_ids]
     if missing:
         raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} holds layers {list(held_v.layer_ids)}, not {missing} "
                         "that the drafter reads; extract it with the training cache's layers")
+    # Its shards now, not at the first held-out evaluation hours into the run.
+    for _ in _checked_shards(_cache_reader(cfg.eval_cache, where(cfg, "eval_cache")),
+                             f"{where(cfg, 'eval_cache')} {cfg.eval_cache}", cfg.verify):
+        pass
 
 

@@ -1,0 +1,115 @@
+"""Training's careless-use refusals, each one line before any step: a checkpoint whose saved
+settings were edited into another type, a tokenizer file of the wrong shape, a held-out cache
+with a missing shard or edited widths, a cache manifest whose widths disagree with the target, a
+recipe's cache without a manifest, a recipe setting a field that is not an option. Built on the
+small artifacts in tests/data/made-by-f7e7743 (a tiny target, its cache and a run)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+EARLIER = Path(__file__).parent / "data" / "made-by-f7e7743"
+TRAIN = ["--seq-len", "128", "--num-anchors", "8", "--block-size", "8", "--global-batch-tokens", "256",
+         "--lr", "3e-3", "--mask-token-id", "1", "--drafter-layers", "1", "--target-layers", "1,3",
+         "--loader-workers", "0", "--no-progress", "--epochs", "2", "--checkpoint-every", "3", "--kd-weight", "0.5"]
+
+
+@pytest.fixture
+def d(tmp_path) -> Path:
+    return Path(shutil.copytree(EARLIER, tmp_path / "d"))
+
+
+def _train(d, *extra, out=None, train=TRAIN):
+    return run_cli(["train", "--target", d / "target", "--cache", d / "cache", "--out", out or d / "run", *train,
+                    *extra], timeout=600)
+
+
+def _without(flag: str) -> list[str]:
+    """TRAIN without one option and its value."""
+    i = TRAIN.index(flag)
+    return TRAIN[:i] + TRAIN[i + 2:]
+
+
+def _one_line(r) -> str:
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, (r.returncode, r.stderr[-3000:])
+    return r.stderr.strip()
+
+
+def _edit_json(path: Path, edit) -> None:
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+
+
+def test_a_saved_drafter_setting_of_another_type_is_named(d):
+    """state.json's drafter.block_size edited to "8": export and eval named a TypeError; resume
+    named "block_size = 8, this run has 8"."""
+    _edit_json(d / "run" / "step-3" / "state.json", lambda s: s["drafter"].update(block_size="8"))
+    msg = _one_line(run_cli(["export", "--run", d / "run"]))
+    assert 'state.json: drafter.block_size is "8", not an integer' in msg, msg
+    _edit_json(d / "run" / "step-3" / "state.json", lambda s: (s["drafter"].update(block_size=8),
+                                                                s["config"].update(block_size="8")))
+    msg = _one_line(_train(d))
+    assert msg.endswith('step-3 was made with block_size = "8", this run has 8; use the same settings to resume, '
+                        "or a new --out"), msg
+
+
+def test_a_resume_names_an_unset_setting_as_its_default(d):
+    msg = _one_line(_train(d, train=_without("--lr")))
+    assert "was made with lr = 0.003, this run has unset (its default rule)" in msg, msg
+
+
+def test_a_tokenizer_config_of_the_wrong_shape_is_named(d, tmp_path):
+    (d / "target" / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": [1, 2]}))
+    msg = _one_line(_train(d, out=tmp_path / "new", train=_without("--mask-token-id")))
+    assert msg == (f"error: {d / 'target' / 'tokenizer_config.json'}: added_tokens_decoder holds a JSON list, not an "
+                   "object; the tokenizer files are damaged: restore them from the model's release"), msg
+
+
+def test_a_held_out_cache_is_checked_shard_by_shard_before_training(d, tmp_path):
+    held = Path(shutil.copytree(d / "cache", tmp_path / "held"))
+    shutil.rmtree(held / "shards" / "shard-000001.zarr")
+    msg = _one_line(_train(d, "--eval-cache", held, out=tmp_path / "new"))
+    assert msg.startswith(f"error: --eval-cache {held}: shard shard-000001 is listed in manifest.json but missing"), msg
+    assert not (tmp_path / "new" / "step-3").exists()
+
+
+def test_a_held_out_cache_with_edited_widths_is_refused(d, tmp_path):
+    held = Path(shutil.copytree(d / "cache", tmp_path / "held"))
+    _edit_json(held / "manifest.json", lambda m: m["target"].update(hidden_size=64))
+    msg = _one_line(_train(d, "--eval-cache", held, out=tmp_path / "new"))
+    assert msg.startswith(f"error: --eval-cache {held}: its manifest says hidden_size 64 and vocab_size 512, the "
+                          "target's are 32 and 512"), msg
+
+
+def test_a_cache_manifest_whose_widths_disagree_with_the_target_is_refused(d, tmp_path):
+    _edit_json(d / "cache" / "manifest.json", lambda m: m["target"].update(hidden_size=64))
+    msg = _one_line(_train(d, out=tmp_path / "new"))
+    assert msg == (f"error: --cache {d / 'cache'}: its manifest says target.hidden_size 64, but --target "
+                   f"{d / 'target'} has 32; the manifest is damaged or from another target: re-extract the cache"), msg
+
+
+def test_a_recipe_cache_without_a_manifest_is_named_by_its_key(d, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'cache = "{empty}"\n')
+    r = run_cli(["train", "--config", recipe, "--target", d / "target", "--out", tmp_path / "new", *TRAIN])
+    assert _one_line(r) == (f"error: --config {recipe}: key 'cache' {empty}: no manifest.json; not a dflash-offline "
+                            "cache (or nothing committed yet): give the folder extract wrote")
+
+
+def test_a_recipe_cannot_set_a_field_that_is_not_an_option(d, tmp_path):
+    """final_checkpoint (benchmarks turn it off) is no option: a recipe setting it ran silently
+    without a checkpoint or an export."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("final_checkpoint = false\n")
+    r = run_cli(["train", "--config", recipe, "--target", d / "target", "--cache", d / "cache", "--out",
+                 tmp_path / "new", *TRAIN])
+    assert _one_line(r).startswith(f"error: --config {recipe}: unknown key 'final_checkpoint'; known keys: ")
