@@ -229,3 +229,7 @@ class PrepareConfig:
         check_positive(self, "max_len", "chunk_records")
         if self.truncate and self.max_len is None:
             raise UserError(f"{where(self, 'truncate')} cuts rows to --max-len: give --max-len too")
+        if self.responses != "keep" and self.train_turns != "all":  # a setting that would be ignored: said
+            raise UserError(f"{where(self, 'train_turns')} {self.train_turns} chooses which of the dataset's replies "
+                            f"are trained, with --responses keep; {also(self, 'responses')} {self.responses} writes "
+                            "prompts whose replies the target writes: leave it out, or keep the replies")

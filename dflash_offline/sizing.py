@@ -69,6 +69,9 @@ def make_plan(p: PlanConfig) -> dict:
     free = None
     if p.cache:
         from dflash_offline.cache.location import Location
+        from dflash_offline.runtime.paths import require_kind
+
+        require_kind(p.cache, where(p, "cache"), True, "the folder the cache would go to")
 
         loc = Location(p.cache, where(p, "cache"))
         probe = loc

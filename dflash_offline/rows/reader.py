@@ -146,6 +146,7 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
     out_files: list[SourceFile] = []
     ids_all, lens_all = [], []
     max_token, trained = -1, 0
+    positional: set[int] = set()  # files without an id column (their rows' ids are global positions)
     offset = 0
     for path in files:
         try:
@@ -175,7 +176,9 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
             if not pa.types.is_integer(schema.field("prompt_len").type):
                 raise UserError(f"{path}: column 'prompt_len' must be an integer, found {schema.field('prompt_len').type}")
         else:
-            raise UserError(f"{path}: needs a 'loss_mask' (list per row) or a 'prompt_len' (integer) column; found {', '.join(schema.names)}")
+            raise UserError(f"{path}: needs a 'loss_mask' (list per row) or a 'prompt_len' (integer) column; found "
+                            f"{', '.join(schema.names)} (prompts alone, e.g. prepare's --responses regenerate output, "
+                            "are completed by `dflash-offline generate` first)")
         has_id = "id" in names
         if has_id and not pa.types.is_integer(schema.field("id").type):
             raise UserError(f"{path}: column 'id' must be an integer, found {schema.field('id').type}")
@@ -251,6 +254,8 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
             lens_all.append(lens)
         if pf.metadata.num_rows == 0:
             raise UserError(f"{path}: file has no rows")
+        if not has_id:
+            positional.add(len(out_files))
         out_files.append(SourceFile(path=path, rows=int(starts[-1]), sha256=file_sha256(path),
                                     row_group_starts=starts, mask_column=mask_col))
         offset += int(starts[-1])
@@ -268,7 +273,10 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
         dup = int(uniq[np.flatnonzero(counts > 1)[0]])
         rows = np.flatnonzero(ids == dup)[:2]
         src = Source(out_files, ids, lengths, max_token)
-        where = [f"{src.files[src.file_of_row(int(r))[0]].path} row {src.file_of_row(int(r))[1]}" for r in rows]
+        # A file without an id column numbers its rows by global position: say so, or the clash is a riddle.
+        where = [f"{src.files[fi].path} row {fr}" + (" (no id column: its ids are row positions over all inputs)"
+                                                      if fi in positional else "")
+                 for fi, fr in (src.file_of_row(int(r)) for r in rows)]
         raise UserError(f"id {dup} occurs twice ({where[0]}; {where[1]}): ids must be unique across all input files")
     if (ids < 0).any():
         r = int(np.flatnonzero(ids < 0)[0])
