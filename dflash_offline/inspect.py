@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash_offline.cache.view import ManifestView
-from dflash_offline.cache.reader import CacheReader, bf16_bits_to_float32
+from dflash_offline.cache.reader import CacheReader, ShardUnreadable, bf16_bits_to_float32, damage_words
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.text import TRAINED_MARKS, decode_spans, load_tokenizer, render, render_ansi, use_color
 
@@ -36,6 +36,11 @@ def open_cache(path: str, tokenizer: str | None = None) -> "CacheView":
     `tokenizer`: the folder (or tokenizer.json) that decodes its tokens, when the target folder the
     manifest names has moved."""
     return CacheView(path, tokenizer)
+
+
+class DamagedShard(UserError):
+    """A committed shard of the cache cannot be read back as written (the message names it and
+    says to run `verify`)."""
 
 
 @dataclass
@@ -123,6 +128,8 @@ class CacheView:
             got = self._reader.sample(int(sample_id))
         except KeyError:
             raise UserError(f"{self.path}: no committed sample with id {sample_id}") from None
+        except ShardUnreadable as e:
+            raise self._damaged(e.shard, e.problem, f"sample {sample_id} cannot be read") from None
         h = got.hidden
         return SampleView(
             sample_id=int(sample_id), shard=got.shard, input_ids=got.input_ids, loss_mask=got.loss_mask,
@@ -150,14 +157,24 @@ class CacheView:
         parts, total = [], 0
         for i in rng.permutation(len(refs)):
             name, k = refs[i]
-            sh = self._reader.shard(name)
-            a, b = int(sh.offsets[k]), int(sh.offsets[k + 1])
-            take = min(b - a, max_tokens - total)
-            parts.append(bf16_bits_to_float32(sh.group["hidden"][a:a + take]))
+            try:
+                sh = self._reader.shard(name)
+                a, b = int(sh.offsets[k]), int(sh.offsets[k + 1])
+                take = min(b - a, max_tokens - total)
+                parts.append(bf16_bits_to_float32(sh.group["hidden"][a:a + take]))
+            except ShardUnreadable as e:
+                raise self._damaged(name, e.problem, "the per-layer statistics cannot be computed") from None
+            except Exception as e:  # a chunk that fails its CRC32C, a shard shorter than its entry
+                raise self._damaged(name, damage_words(e), "the per-layer statistics cannot be computed") from None
             total += take
             if total >= max_tokens:
                 break
         return np.concatenate(parts)
+
+    def _damaged(self, shard: str, problem: str, what: str) -> "DamagedShard":
+        """The one line for a committed shard whose data cannot be read back as written."""
+        return DamagedShard(f"{self.path}: shard {shard} is damaged, {what} ({problem}); run `dflash-offline verify "
+                            f"{self.path}` to find every damaged shard and how to re-make it, or extract into a new cache")
 
     # -- statistics -----------------------------------------------------------------------------
 
@@ -314,6 +331,8 @@ def inspect_command(cache: str, sample_id: int | None, stats: bool, max_tokens: 
 def _sample_or_none(view, sample_id: int):
     try:
         return view.sample(sample_id)
+    except DamagedShard:  # it holds the id, and cannot read it back: said, not skipped
+        raise
     except UserError:  # this cache does not hold it
         return None
 

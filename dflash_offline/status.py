@@ -11,51 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 from dflash_offline.runtime.errors import UserError
-from dflash_offline.runtime.logs import processes
+from dflash_offline.runtime.logs import last_error, processes
 from dflash_offline.runtime.paths import require_kind
 from dflash_offline.train.run_folder import is_run_folder
 
 HUNG = ("a process is alive but has not advanced for minutes (hung?): read its log; `kill -USR1 PID` writes "
         "its stacks there")
-
-
-def last_error(log_dir: Path, stage: str = "") -> dict | None:
-    """The newest error line (and the exception line of its traceback) in the stage's process logs
-    (names starting with `stage`). A launcher's "worker N exited" is only the echo of a worker's
-    own error: the worker's is shown."""
-    found = []
-    for f in sorted(log_dir.glob(f"{stage}*.log")):
-        try:
-            lines = f.read_text(encoding="utf-8", errors="replace").splitlines()
-        except OSError:
-            continue
-        for i in range(len(lines) - 1, -1, -1):
-            if " ERROR " in lines[i] or lines[i].startswith("Fatal Python error"):
-                when = lines[i][:23]
-                detail = lines[i].split("] ", 1)[-1]
-                # A traceback follows the ERROR line; its last line names the exception.
-                tail = [ln for ln in lines[i + 1:i + 200] if ln and not ln.startswith((" ", "Traceback", "20"))]
-                if tail:
-                    detail = tail[-1] if detail.startswith("failed:") else detail
-                found.append({"time": when, "log": str(f), "error": detail})
-                break
-    if not found:
-        return None
-    newest = max(found, key=lambda e: e["time"])
-    if newest["log"].endswith("launcher.log"):
-        # The launcher's failure echoes a worker's: show the worker's own, if it is from this run.
-        def seconds(e):
-            return time.mktime(time.strptime(e["time"][:19], "%Y-%m-%d %H:%M:%S"))
-
-        causes = [e for e in found if not e["log"].endswith("launcher.log")
-                  and 0 <= seconds(newest) - seconds(e) < 60]
-        if causes:
-            return max(causes, key=lambda e: e["time"])
-    return newest
 
 
 def cache_status(path: str) -> dict:
@@ -111,14 +75,40 @@ def _verdict(status: str, procs: list[dict], busy: str, command: str) -> str:
     return f"interrupted: run the same {command} command again to resume"
 
 
-def generate_status(path: str) -> dict:
-    """A `generate` output folder: parts committed of those planned, its processes, the last error."""
+def _part_folder_problem(m: dict, totals: tuple[str, ...]) -> str | None:
+    """What a generate or prepare manifest lacks that `status` reads, or None."""
+    if not isinstance(m.get("status"), str):
+        return "no status"
+    if not isinstance(m.get("plan"), dict) or not isinstance(m["plan"].get("num_parts"), int):
+        return "plan.num_parts is not an integer"
+    parts = m.get("parts")
+    if not isinstance(parts, list):
+        return "parts is not a list"
+    for i, part in enumerate(parts):
+        if not isinstance(part, dict) or not isinstance(part.get("file"), str):
+            return f"parts[{i}] has no file"
+    if not isinstance(m.get("totals"), dict) or not all(isinstance(m["totals"].get(k, 0), int) for k in totals):
+        return f"totals lacks integer {', '.join(totals)}"
+    return None
+
+
+def _read_part_manifest(folder: Path, totals: tuple[str, ...], fix: str) -> dict:
     from dflash_offline.rows.parts import read_manifest
 
+    m = read_manifest(folder)
+    wrong = _part_folder_problem(m, totals) if m is not None else "no manifest"
+    if wrong:
+        raise UserError(f"{folder / 'manifest.json'}: damaged or not a dflash-offline manifest ({wrong}); {fix}")
+    return m
+
+
+def generate_status(path: str) -> dict:
+    """A `generate` output folder: parts committed of those planned, its processes, the last error."""
     folder = Path(path)
     if folder.suffix == ".parquet":  # the merged file: its parts and logs are beside it
         folder = folder.with_name(folder.name + ".parts")
-    m = read_manifest(folder)
+    m = _read_part_manifest(folder, ("rows", "new_tokens", "ended_by_eos"),
+                            "restore it from a copy, or generate into a new --out")
     logs = folder / "logs"
     procs = processes(logs, stage="generate-") if logs.is_dir() else []
     on_disk = {f.name for f in folder.glob("part-*.parquet")}
@@ -131,12 +121,93 @@ def generate_status(path: str) -> dict:
 
 
 def _is_generated(p: Path) -> bool:
+    """A `generate` output folder (a `prepare` output's split folder is a part folder too, but not one)."""
+    return (_part_manifest(p) or {}).get("format") == "dflash-offline/generated"
+
+
+def _part_manifest(p: Path) -> dict | None:
+    """The manifest of a generate or prepare part folder, or None (none, not ours, unreadable)."""
     from dflash_offline.rows.parts import read_manifest
 
     try:
-        return p.is_dir() and read_manifest(p) is not None
+        return read_manifest(p) if p.is_dir() else None
     except UserError:
+        return None
+
+
+PREPARE_SPLITS = ("train", "eval")  # prepare's split folders (prepare/launcher.py SPLITS)
+PREPARE_TOTALS = ("rows", "tokens", "trained_tokens", "conversations", "truncated")
+
+
+def _prepared_splits(p: Path) -> dict[str, Path]:
+    """{split: folder} of a `prepare` output: OUT (its train/ and eval/ that hold a manifest), or
+    one split folder itself. {} for anything else."""
+    from dflash_offline.rows.parts import PREPARED_FORMAT
+
+    m = _part_manifest(p)
+    if m is not None:
+        if m.get("format") != PREPARED_FORMAT:
+            return {}
+        split = (m.get("plan") or {}).get("split") if isinstance(m.get("plan"), dict) else None
+        return {split if isinstance(split, str) else p.name: p}
+    return {s: p / s for s in PREPARE_SPLITS if (_part_manifest(p / s) or {}).get("format") == PREPARED_FORMAT}
+
+
+def _prepare_logs(p: Path) -> Path | None:
+    """Where the prepare run that wrote OUT (or its split folder `p`) logs: OUT/logs."""
+    split = (p / "manifest.json").exists()
+    for folder in (p, p.parent) if split else (p,):
+        if any((folder / "logs").glob("prepare*.heartbeat.json")) or any((folder / "logs").glob("prepare*.log")):
+            return folder / "logs"
+    return None
+
+
+def _is_prepare_output(p: Path) -> bool:
+    """A `prepare` output (or one of its split folders), or a folder a prepare run logs into that
+    has written no manifest yet (refused or failed before its first part)."""
+    if not p.is_dir():
         return False
+    if _prepared_splits(p):
+        return True
+    return not (p / "manifest.json").exists() and any((p / "logs").glob("prepare*.heartbeat.json"))
+
+
+def prepare_status(path: str) -> dict:
+    """A `prepare` output (OUT, or its train/ or eval/ folder): per split the parts committed of
+    those planned and what they hold, the records read and dropped, the prepare process and its
+    last error."""
+    folder = Path(path)
+    fix = "restore it from a copy, or prepare into a new --out"
+    splits = {s: (f, _read_part_manifest(f, PREPARE_TOTALS, fix)) for s, f in _prepared_splits(folder).items()}
+    logs = _prepare_logs(folder)
+    procs = processes(logs, stage="prepare") if logs is not None else []
+    states = {m["status"] for _, m in splits.values()}
+    status = "not created" if not splits else "complete" if states == {"complete"} else "preparing"
+    if status == "not created" and not any(p["state"] == "running" for p in procs):
+        verdict = "no manifest yet: the preparation ended before it wrote one (see the last error)"
+    else:
+        verdict = _verdict(status, procs, "preparing", "prepare")
+    from collections import Counter
+
+    dropped: Counter = Counter()
+    records = None
+    for _, m in splits.values():
+        counts = m.get("counts") if isinstance(m.get("counts"), dict) else {}
+        if records is None and isinstance(counts.get("records_read"), int):
+            records = counts["records_read"]
+            dropped.update({k: v for k, v in (counts.get("dropped") or {}).items() if isinstance(v, int)})
+        for part in m["parts"]:
+            dropped.update({k: v for k, v in (part.get("dropped") or {}).items() if isinstance(v, int)})
+    out = {}
+    for s, (f, m) in splits.items():
+        on_disk = {x.name for x in f.glob("part-*.parquet")}
+        out[s] = {"path": str(f), "kind": m.get("kind"), "status": m["status"], "parts_committed": len(m["parts"]),
+                  "parts_planned": m["plan"]["num_parts"],
+                  "totals": {k: m["totals"].get(k, 0) for k in PREPARE_TOTALS},
+                  "debris": sorted(on_disk - {p["file"] for p in m["parts"]})}
+    return {"kind": "prepare", "path": str(path), "status": status, "verdict": verdict, "splits": out,
+            "records_read": records, "dropped": dict(dropped.most_common()), "processes": procs,
+            "last_error": last_error(logs, "prepare") if logs is not None else None}
 
 
 def run_status(path: str) -> dict:
@@ -210,7 +281,7 @@ def last_metrics(path: Path) -> tuple[dict | None, str | None]:
 
 
 def _is_cache(p: Path) -> bool:
-    from dflash_offline.cache.manifest import FORMAT
+    from dflash_offline.cache.manifest_check import FORMAT
 
     try:
         return json.loads((p / "manifest.json").read_text()).get("format") == FORMAT
@@ -223,10 +294,11 @@ def _named(kind: str, paths: list[str]) -> str:
     return f"the {kind}{'s' if len(paths) > 1 else ''} {shown}"
 
 
-def _contents(path: str) -> tuple[list[str], list[str], list[str]]:
-    """(caches, runs, generate outputs) among the subfolders of a local folder, each in name order."""
+def _contents(path: str) -> tuple[list[str], list[str], list[str], list[str]]:
+    """(caches, runs, generate outputs, prepare outputs) among the subfolders of a local folder,
+    each in name order."""
     p = Path(path)
-    caches, runs, generated = [], [], []
+    caches, runs, generated, prepared = [], [], [], []
     for sub in sorted(p.iterdir()) if p.is_dir() else ():
         if sub.is_dir() and not sub.name.startswith("."):  # .tmp-* folders are half-written exports
             if _is_cache(sub):
@@ -235,16 +307,21 @@ def _contents(path: str) -> tuple[list[str], list[str], list[str]]:
                 runs.append(os.path.join(path, sub.name))
             elif _is_generated(sub):
                 generated.append(os.path.join(path, sub.name))
-    return caches, runs, generated
+            elif _prepared_splits(sub):
+                prepared.append(os.path.join(path, sub.name))
+    return caches, runs, generated, prepared
 
 
-def held(path: str, kinds: tuple[str, ...] = ("cache", "run", "generate")) -> list[str]:
+KINDS = ("cache", "run", "generate", "prepare")
+
+
+def held(path: str, kinds: tuple[str, ...] = KINDS) -> list[str]:
     """For a local folder that is none of what `status` reads but holds some in its subfolders
     (the demo's --out): the paths of those of `kinds`, in that order (caches, then runs, then
-    generate outputs by default). [] otherwise."""
+    generate outputs, then prepare outputs by default). [] otherwise."""
     if "://" in str(path) or _kind(path) is not None:
         return []
-    found = dict(zip(("cache", "run", "generate"), _contents(path)))
+    found = dict(zip(KINDS, _contents(path)))
     return [p for kind in kinds for p in found[kind]]
 
 
@@ -253,19 +330,23 @@ def folder_hint(path: str, command: str) -> str | None:
     inspect: a cache) but holds some in its subfolders (the demo's top folder): a one-line refusal
     that names them and the command to type. None when there is nothing to point at. (The CLI's
     `status` and `inspect` show what such a folder holds instead, see `held`; `verify` refuses.)"""
-    require_kind(path, command, True, "a cache folder (the one with manifest.json)" + (
-        ", a training run folder (OUT of train) or a generate output folder" if command == "status" else ""))
+    what = "a cache folder (the one with manifest.json)" + (
+        ", a training run folder (OUT of train), a generate or a prepare output folder" if command == "status" else "")
+    require_kind(path, command, True, what)
+    if "://" not in str(path) and os.path.lexists(path) and not Path(path).is_dir() and not Path(path).is_file():
+        raise UserError(f"{command} {path}: not a folder (a device, a socket or a broken link); give {what}")
     if "://" in str(path) or (Path(path) / "manifest.json").exists():
         return None
-    caches, runs, generated = _contents(path)
-    if not caches and not runs and not (generated and command == "status"):
+    caches, runs, generated, prepared = _contents(path)
+    if not caches and not runs and not ((generated or prepared) and command == "status"):
         return None
-    shown = (("cache", caches), ("run", runs)) + ((("generate output", generated),) if command == "status" else ())
+    shown = (("cache", caches), ("run", runs)) + ((("generate output", generated), ("prepare output", prepared))
+                                                  if command == "status" else ())
     named = [_named(kind, found) for kind, found in shown if found]
-    holds = " and ".join(named) if len(named) < 3 else f"{named[0]}, {named[1]} and {named[2]}"
+    holds = " and ".join(named) if len(named) < 3 else ", ".join(named[:-1]) + f" and {named[-1]}"
     if command == "status":
-        return (f"{path}: not a cache, a run or a generate output; it holds {holds}: dflash-offline status "
-                f"{(caches or runs or generated)[0]}")
+        return (f"{path}: not a cache, a run, a generate or a prepare output; it holds {holds}: dflash-offline status "
+                f"{(caches or runs or generated or prepared)[0]}")
     if caches:
         return f"{path}: no manifest.json, not a cache; it holds {holds}: dflash-offline {command} {caches[0]}"
     return (f"{path}: no manifest.json, not a cache; it holds no cache but {holds} (training runs): "
@@ -273,19 +354,25 @@ def folder_hint(path: str, command: str) -> str | None:
 
 
 def _kind(path: str) -> str | None:
-    """What `status` reads PATH as: "generate", "cache", "run", or None (none of them)."""
+    """What `status` reads PATH as: "generate", "prepare", "cache", "run", or None (none of them)."""
     p = Path(path)
     if _is_generated(p) or (p.suffix == ".parquet" and _is_generated(p.with_name(p.name + ".parts"))):
         return "generate"
-    if "://" in str(path) or (p / "manifest.json").is_file() or any((p / "logs").glob("extract-*")):
+    if "://" not in str(path) and _prepared_splits(p):
+        return "prepare"
+    # A manifest.json of any kind (a folder, a damaged file): read as a cache's, which says what is wrong.
+    if "://" in str(path) or os.path.lexists(p / "manifest.json") or any((p / "logs").glob("extract-*")):
         return "cache"
-    return "run" if is_run_folder(p) else None
+    if is_run_folder(p):
+        return "run"
+    return "prepare" if _is_prepare_output(p) else None
 
 
 def status(path: str) -> dict:
     kind = _kind(path)
     if kind is not None:
-        return {"generate": generate_status, "cache": cache_status, "run": run_status}[kind](path)
+        return {"generate": generate_status, "prepare": prepare_status, "cache": cache_status,
+                "run": run_status}[kind](path)
     raise UserError(folder_hint(path, "status") or
                     f"{path}: neither a cache (manifest.json) nor a training run folder (metrics.jsonl, step-N/, logs/)")
 
@@ -314,6 +401,21 @@ def format_status(st: dict) -> str:
         if st["debris"]:
             lines.append(f"  {len(st['debris'])} uncommitted part file(s) (removed when generation resumes): "
                          + ", ".join(st["debris"][:4]))
+    elif st["kind"] == "prepare":
+        lines.append(f"prepared {st['path']}: {st['verdict']}")
+        for split, sp in st["splits"].items():
+            t = sp["totals"]
+            what = "training rows" if sp["kind"] == "completions" else "prompts"
+            lines.append(f"  {split}: {sp['parts_committed']}/{sp['parts_planned']} parts committed: "
+                         f"{t['conversations']} conversations -> {t['rows']} {what}, {t['tokens']} tokens"
+                         + (f" ({t['trained_tokens']} trained, {t['truncated']} rows truncated)"
+                            if sp["kind"] == "completions" else "") + f" ({sp['path']})")
+            if sp["debris"]:
+                lines.append(f"  {len(sp['debris'])} uncommitted part file(s) in {split} (removed when preparation "
+                             "resumes): " + ", ".join(sp["debris"][:4]))
+        if st["records_read"] is not None:
+            lines.append(f"  {st['records_read']} records read; dropped: "
+                         + (", ".join(f"{n} {why}" for why, n in st["dropped"].items()) or "none"))
     elif st["kind"] == "cache":
         t = st["totals"]
         lines.append(f"cache {st['path']}: {st['verdict']}")

@@ -13,9 +13,8 @@ import time
 
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.cache.location import Location
+from dflash_offline.cache.manifest_check import DAMAGED_FIX, FORMAT, VERSION, check_manifest, describe
 
-FORMAT = "dflash-offline/cache"
-VERSION = 1
 MANIFEST = "manifest.json"
 
 # Fields whose change makes an existing cache unusable for the run; the first that differs is named.
@@ -46,11 +45,6 @@ def new_manifest(target: dict, capture: dict, source: dict, plan: dict) -> dict:
     }
 
 
-def _describe(v) -> str:
-    s = json.dumps(v)
-    return s if len(s) < 120 else s[:117] + "..."
-
-
 def check_compatible(existing: dict, wanted: dict, where: str, *, fmt: str = FORMAT, version: int = VERSION,
                      fields=IDENTITY_FIELDS, how_to_fix: str = HOW_TO_FIX, what: str = "cache") -> None:
     """Raise UserError naming the first identity field on which the two manifests differ (also
@@ -75,8 +69,8 @@ def check_compatible(existing: dict, wanted: dict, where: str, *, fmt: str = FOR
                                 f"{str(fb[k]['sha256'])[:12]}... now); {how_to_fix}")
         if a != b:
             raise UserError(
-                f"{where}: the {what} was made with {section}.{key} = {_describe(a)} but this run has "
-                f"{_describe(b)}; {how_to_fix}"
+                f"{where}: the {what} was made with {section}.{key} = {describe(a)} but this run has "
+                f"{describe(b)}; {how_to_fix}"
             )
 
 
@@ -123,26 +117,39 @@ class ManifestStore:
         self.loc = loc
 
     def read(self) -> dict | None:
-        text = self.loc.read_text(MANIFEST)
+        """The manifest, or None where there is none. One that is not a cache manifest this version
+        can read (not JSON, another program's, damaged, a newer version's) is refused in one line
+        naming the key (`check_manifest`): every reader and extract itself read it here."""
+        fix = DAMAGED_FIX
+        url = self.loc.url(MANIFEST)
+        try:
+            text = self.loc.read_text(MANIFEST)
+        except IsADirectoryError:
+            raise UserError(f"{url}: a folder, not the manifest file; damaged or not a dflash-offline cache: "
+                            f"{fix}") from None
+        except NotADirectoryError:
+            raise UserError(f"{self.loc.path()}: not a folder; give a cache folder (the one with manifest.json)") from None
+        except UnicodeDecodeError as e:
+            raise UserError(f"{url}: not valid JSON (not UTF-8 text: byte {e.start} is {e.object[e.start]:#04x}); the "
+                            f"cache is damaged: {fix}") from None
+        except PermissionError:
+            raise  # the command line names the path and the fix
+        except OSError as e:
+            raise UserError(f"{url}: cannot be read ({e.strerror or e}); check the storage, or {fix}") from None
         if text is None:
             return None
-        fix = "restore manifest.json from a copy, or extract into a new --cache"
         try:
-            m = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{self.loc.url(MANIFEST)}: not valid JSON ({e}); the cache is damaged: {fix}") from None
+            m = json.loads(text, parse_constant=_not_json)
+        except ValueError as e:  # JSONDecodeError, and NaN / Infinity (JSON has no such numbers)
+            raise UserError(f"{url}: not valid JSON ({e}); the cache is damaged: {fix}") from None
         if isinstance(m, dict) and m.get("format") == "dflash-offline/generated":
             raise UserError(f"{self.loc.path()}: a generate output (the target's completions as Parquet parts), not a "
                             f"cache: extract it with `dflash-offline extract --data {self.loc.path()}`, or see "
                             f"`dflash-offline status {self.loc.path()}`")
-        missing = [k for k in ("format", "status", "target", "capture", "plan", "shards", "totals") if k not in m] \
-            if isinstance(m, dict) else ["(not an object)"]
-        if missing:
-            raise UserError(f"{self.loc.url(MANIFEST)}: damaged or not a dflash-offline manifest (no "
-                            f"{', '.join(missing)}); {fix}")
-        wrong = _malformed(m)
-        if wrong:
-            raise UserError(f"{self.loc.url(MANIFEST)}: damaged or not a dflash-offline manifest ({wrong}); {fix}")
+        if isinstance(m, dict) and m.get("format") == "dflash-offline/prepared":
+            raise UserError(f"{self.loc.path()}: a prepare output (rows for `generate --prompts` or `extract --data`, as "
+                            f"Parquet parts), not a cache; see `dflash-offline status {self.loc.path()}`")
+        check_manifest(m, url)
         return m
 
     def read_committed(self) -> dict | None:
@@ -156,14 +163,31 @@ class ManifestStore:
         return m
 
     def init_or_check(self, wanted: dict) -> dict:
-        """Create the manifest if absent, else refuse an incompatible run. Returns the manifest."""
-        return create_or_check(self.loc, wanted, self.read, self._refuser(wanted))
+        """Create the manifest if absent, else refuse an incompatible run. Returns the manifest.
+        Either way, a shard folder the run would delete as debris but that holds something extract
+        did not write is refused first (`debris.refuse_foreign_shards`)."""
+        def read() -> dict | None:
+            m = self.read()
+            self._refuse_foreign_shards(None if m is None else committed_names(m))
+            return m
+
+        return create_or_check(self.loc, wanted, read, self._refuser(wanted))
 
     def replace_unbound(self, wanted: dict) -> str | None:
         """A manifest that binds nothing and was made with other settings is replaced by `wanted`,
-        its shard debris removed (nothing there is committed). Returns what differed, or None."""
-        return replace_unbound(self.loc, wanted, self.read, binds_nothing, self._refuser(wanted),
-                               lambda: self.loc.rmtree("shards"))
+        its shard debris removed (nothing there is committed; anything else there is refused
+        before anything is removed). Returns what differed, or None."""
+        def remove_debris() -> None:
+            self._refuse_foreign_shards(set(), everything=True)
+            self.loc.rmtree("shards")
+
+        return replace_unbound(self.loc, wanted, self.read, binds_nothing, self._refuser(wanted), remove_debris)
+
+    def _refuse_foreign_shards(self, committed: set[str] | None, everything: bool | None = None) -> None:
+        if not self.loc.remote:
+            from dflash_offline.cache.debris import refuse_foreign_shards
+
+            refuse_foreign_shards(self.loc.path(), committed=committed, everything=everything)
 
     def _refuser(self, wanted: dict):
         """The check that refuses an existing manifest made with settings other than `wanted`'s."""
@@ -291,44 +315,8 @@ def committed_names(m: dict) -> set[str]:
     return {s["name"] for s in m["shards"]} | {s["name"] for s in m.get("released", [])}
 
 
-def _malformed(m: dict) -> str | None:
-    """The first field every reader relies on that has the wrong shape (a hand edit, another
-    program's file), or None: named in one line rather than met as a KeyError deep in a reader."""
-    def is_int(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    def ints(d, keys) -> bool:
-        return isinstance(d, dict) and all(is_int(d.get(k)) for k in keys)
-
-    # An empty target or capture is a synthetic cache's (benchmarks, tests); a filled one is read.
-    if not isinstance(m["target"], dict):
-        return "target is not an object"
-    if m["target"] and (not ints(m["target"], ("num_layers", "hidden_size", "vocab_size"))
-                        or not isinstance(m["target"].get("model_type"), str)):
-        return "target lacks a model_type and integer num_layers, hidden_size and vocab_size"
-    if not isinstance(m["capture"], dict):
-        return "capture is not an object"
-    ids = m["capture"].get("layer_ids")
-    if "layer_ids" in m["capture"] and (not isinstance(ids, list) or not ids or not all(is_int(i) for i in ids)):
-        return f"capture.layer_ids is not a list of integers (it holds {json.dumps(ids)})"
-    if not ints(m["plan"], ("num_shards",)):
-        return "plan.num_shards is not an integer"
-    if not ints(m["totals"], ("samples", "tokens", "bytes")):
-        return "totals lacks integer samples, tokens and bytes"
-    for key in ("shards", "released"):
-        entries = m.get(key, [])
-        if not isinstance(entries, list):
-            return f"{key} is not a list"
-        for i, e in enumerate(entries):
-            if not isinstance(e, dict) or not isinstance(e.get("name"), str):
-                return f"{key}[{i}] has no name"
-    for i, e in enumerate(m["shards"]):
-        if not ints(e, ("samples", "tokens", "bytes")) or not isinstance(e.get("checksum"), str) \
-                or not isinstance(e.get("sample_ids"), list):
-            return f"shards[{i}] ({e['name']}) lacks integer samples, tokens, bytes, a checksum or its sample_ids"
-        if not all(isinstance(r, list) and len(r) == 2 and all(is_int(x) for x in r) for r in e["sample_ids"]):
-            return f"shards[{i}] ({e['name']}): sample_ids is not a list of [first, last] integer id ranges"
-    return None
+def _not_json(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def edited_problem(m: dict) -> str | None:

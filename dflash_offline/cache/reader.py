@@ -47,7 +47,31 @@ class Sample:
 
 
 class ShardUnreadable(RuntimeError):
-    """A committed shard's data cannot be read back as written (the message names the shard)."""
+    """A committed shard's data cannot be read back as written (the message names the shard;
+    `shard` is its name, `problem` what is wrong in words)."""
+
+    def __init__(self, message: str, shard: str = "", cause: BaseException | None = None):
+        super().__init__(message)
+        self.shard = shard
+        self.problem = damage_words(cause) if cause is not None else message
+
+
+def damage_words(e: BaseException) -> str:
+    """What a failed read of a shard's files says about them, in words rather than a library's
+    exception text (a chunk that fails its CRC32C, a missing file, unreadable metadata)."""
+    text = str(e)
+    if "checksum do not match" in text or "fails its CRC32C" in text:
+        return "a chunk of its data fails its CRC32C check: its bytes changed on storage"
+    if "chunk files are missing" in text:
+        return text  # our own words: which array, how many
+    if isinstance(e, FileNotFoundError) or type(e).__name__ in ("GroupNotFoundError", "ArrayNotFoundError",
+                                                                 "NodeNotFoundError"):
+        return "files of the shard are missing"
+    if type(e).__name__ == "JSONDecodeError":
+        return "its Zarr metadata (zarr.json) is not valid JSON"
+    if isinstance(e, (IndexError, KeyError)):
+        return f"its arrays do not hold what the manifest lists ({type(e).__name__}: {text})"
+    return f"{type(e).__name__}: {text}"
 
 
 class Shard:
@@ -64,7 +88,7 @@ class Shard:
             self.offsets = self.group["sample_offsets"][:]
             self.ids = self.group["sample_ids"][:]
         except Exception as e:
-            raise ShardUnreadable(f"shard {self.name} is unreadable ({type(e).__name__}: {e})") from e
+            raise ShardUnreadable(f"shard {self.name} is unreadable ({type(e).__name__}: {e})", self.name, e) from e
         self._index = {int(i): k for k, i in enumerate(self.ids)}
 
     def _check_chunk_files(self, root: str) -> None:
@@ -84,7 +108,8 @@ class Shard:
         try:
             return self._sample(k)
         except Exception as e:  # a chunk that fails its CRC32C, a truncated file: never skipped
-            raise ShardUnreadable(f"shard {self.name}, sample {k} is unreadable ({type(e).__name__}: {e})") from e
+            raise ShardUnreadable(f"shard {self.name}, sample {k} is unreadable ({type(e).__name__}: {e})", self.name,
+                                  e) from e
 
     def _sample(self, k: int) -> Sample:
         a, b = int(self.offsets[k]), int(self.offsets[k + 1])
@@ -252,8 +277,10 @@ class CacheReader:
         """None if the shard matches its checksum, else what is wrong with it."""
         try:
             got = self.shard(name).compute_checksum()
+        except ShardUnreadable as e:  # its metadata or small arrays, when it is opened
+            return f"unreadable ({e.problem})"
         except Exception as e:  # a chunk whose CRC32C fails, a missing or truncated file
-            return f"unreadable ({type(e).__name__}: {e})"
+            return f"unreadable ({damage_words(e)})"
         return None if got == self.entry(name)["checksum"] else "checksum mismatch"
 
     def entry(self, name: str) -> dict:

@@ -9,6 +9,7 @@ recognises by name and deletes (cache-contract.md).
 
 from __future__ import annotations
 
+
 from dflash_offline.cache.manifest import ManifestStore
 from dflash_offline.runtime.faults import fault_point
 

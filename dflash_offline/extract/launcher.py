@@ -24,6 +24,7 @@ import numpy as np
 
 from dflash_offline.options import where
 from dflash_offline.cache.manifest import ManifestStore, binds_nothing, check_compatible, committed_names, new_manifest
+from dflash_offline.cache.debris import refuse_foreign_shards
 from dflash_offline.cache.shards import delete_released, shard_name
 from dflash_offline.config import ExtractConfig
 from dflash_offline.extract.messages import Paused, Progress
@@ -171,6 +172,7 @@ def run(cfg: ExtractConfig) -> dict:
         # shards/ is ours only if it holds shard folders (a killed first run's debris), nothing else.
         refuse_foreign_folder(loc.path("shards"), where(cfg, "cache"), "a cache", "manifest.json", set(),
                               ("shard-", "tmp-shard-"))
+        refuse_foreign_shards(loc.path(), where(cfg, "cache"))  # and those hold only what zarr writes
     try:
         log_path = open_process_log(log_folder(cfg, loc), name)
     except OSError as e:  # before anything else: no log, no cache, one line

@@ -311,3 +311,68 @@ def processes(log_dir: Path, now: float | None = None, stage: str = "") -> list[
             hb["phase"] = "done"
         out.append({**hb, "state": state, "age_s": age})
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a folder's logs back (status)
+
+
+def _log_time(stamp: str) -> float:
+    """Seconds since the epoch of a log line's time (`2025-01-31 12:00:00,123`, local time)."""
+    t = time.mktime(time.strptime(stamp[:19], "%Y-%m-%d %H:%M:%S"))
+    return t + (int(stamp[20:23]) / 1000 if stamp[20:23].isdigit() else 0.0)
+
+
+def _superseded(error: dict, beats: list[dict]) -> bool:
+    """An error that a later run of the same output made moot: a process of the stage that started
+    after it and finished its work (its own process name again, or a launcher: the whole command
+    succeeded). A refused rerun never claims the heartbeat, so a success before a refusal leaves
+    the refusal the last word."""
+    try:
+        when = _log_time(error["time"])
+    except ValueError:
+        return False
+    name = Path(error["log"]).name[:-len(".log")]
+    return any(b.get("state") == "done" and isinstance(b.get("started"), (int, float)) and b["started"] > when
+               and (b.get("name") == name or str(b.get("name", "")).endswith("launcher")) for b in beats)
+
+
+def last_error(log_dir: Path, stage: str = "") -> dict | None:
+    """The newest error line (and the exception line of its traceback) in the stage's process logs
+    (names starting with `stage`). A launcher's "worker N exited" is only the echo of a worker's
+    own error: the worker's is shown. An error that a later, successful run superseded
+    (`_superseded`) is not one any more."""
+    found = []
+    beats = processes(log_dir, stage=stage)
+    for f in sorted(log_dir.glob(f"{stage}*.log")):
+        try:
+            lines = f.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            continue
+        for i in range(len(lines) - 1, -1, -1):
+            if " ERROR " in lines[i] or lines[i].startswith("Fatal Python error"):
+                when = lines[i][:23]
+                detail = lines[i].split("] ", 1)[-1]
+                # A traceback follows the ERROR line; its last line names the exception.
+                tail = [ln for ln in lines[i + 1:i + 200] if ln and not ln.startswith((" ", "Traceback", "20"))]
+                if tail:
+                    detail = tail[-1] if detail.startswith("failed:") else detail
+                if not _superseded({"time": when, "log": str(f)}, beats):
+                    found.append({"time": when, "log": str(f), "error": detail})
+                break
+    if not found:
+        return None
+    newest = max(found, key=lambda e: e["time"])
+    if newest["log"].endswith("launcher.log"):
+        # The launcher's failure echoes a worker's: show the worker's own, if it is from this run.
+        def seconds(e):
+            try:
+                return _log_time(e["time"])
+            except ValueError:  # a line that is not ours (Fatal Python error ...): no time to compare
+                return float("-inf")
+
+        causes = [e for e in found if not e["log"].endswith("launcher.log")
+                  and 0 <= seconds(newest) - seconds(e) < 60]
+        if causes:
+            return max(causes, key=lambda e: e["time"])
+    return newest
