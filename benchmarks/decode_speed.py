@@ -148,7 +148,7 @@ def part1(args, device: str) -> dict:
     if args.reference:
         # Exactness: fp32, greedy, the target's own greedy completions: every output equal.
         model32, _ = load_target_for_decoding(args.target, device, "float32")
-        want = read_reference(args.reference, ids, prompts, new, eos)
+        want = read_reference(args.reference, ids, prompts, new, eos, vocab_size=read_target(args.target).vocab_size)
         for row, path in zip(res["drafters"], args.drafter):
             d = load_drafter(path, args.target).to(device=device, dtype=torch.float32).eval()
             got = StaticDecoder(model32, d, rows, P, new, eos).decode_all(prompts)

@@ -98,7 +98,8 @@ def main() -> None:
         from dflash_offline.targets.folder import eos_ids, read_target
 
         ids, prompts = read_prompts(args.prompts, read_target(args.target).vocab_size, args.max_prompts)
-        want = read_reference(args.completions, ids, prompts, args.max_new_tokens, eos_ids(args.target))
+        want = read_reference(args.completions, ids, prompts, args.max_new_tokens, eos_ids(args.target),
+                              vocab_size=read_target(args.target).vocab_size)
         res["lossless"] = sum(r["tokens"] == w for r, w in zip(rows, want))
     if args.eval_json:
         rep = json.loads(Path(args.eval_json).read_text())

@@ -14,6 +14,9 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
 
     run = Path(run_dir)
     require_kind(run_dir, "--run", True, "a training run folder (OUT of train, with step-N/ checkpoints)")
+    if not run.exists():  # before anything else: the destination's checks would speak of a folder inside it
+        raise UserError(f"--run {run_dir}: no such folder; give a training run folder (the --out of train, with "
+                        "step-N/ checkpoints)")
     require_kind(dest, "--to", True, "a new or empty folder, or an earlier export")
     dest = dest or str(run / "export")
     check_export_dest(Path(dest).absolute())  # before the checkpoint is read

@@ -165,6 +165,7 @@ def test_foreign_folders_are_refused_untouched(tmp_path, tiny_dense, tiny_data, 
     hf = tmp_path / "hf-model"
     shutil.copytree(tiny_dense, hf)
     snap = _snapshot(hf)
+    (tmp_path / "run").mkdir()  # a run folder (without checkpoints): the --to check comes first
     cases = [
         (["export", "--run", tmp_path / "run", "--to", hf],
          f"error: {hf}: exists and is not a drafter export (its config.json names architectures "

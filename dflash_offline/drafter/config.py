@@ -189,7 +189,11 @@ class DrafterConfig:
         """The config of an export's config.json (`source`: its path, for messages). Every value is
         checked for its type and range here, so a hand-edited or foreign file is one line naming the
         file and key, not an exception inside the model's construction."""
+        if not isinstance(d, dict):
+            raise UserError(f"{source}: holds a JSON {type(d).__name__}, not an object; not a DFlash drafter export")
         dc = d.get("dflash_config") or {}
+        if not isinstance(dc, dict) or not isinstance(d.get("dflash_offline") or {}, dict):
+            raise UserError(f"{source}: dflash_config and dflash_offline must be objects; not a DFlash drafter export")
         names = [f for f in cls.__dataclass_fields__
                  if f not in ("target_layer_ids", "mask_token_id", "rope_theta", "mask_token", "target", "chat")]
         missing = [n for n in names if n not in d] + [n for n in ("target_layer_ids", "mask_token_id") if dc.get(n) is None]

@@ -83,6 +83,12 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str) -> Path:
     return out
 
 
+def _json_kind(v) -> str:
+    """The JSON type of a parsed value, as a message names it."""
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(v), "number")
+
+
 def load_exported(out_dir: str, target_dir: str | None = None) -> DFlashDrafter:
     """Rebuild a drafter from an export (float32 trainable weights); frozen parts from target_dir."""
     from safetensors import safe_open
@@ -90,10 +96,21 @@ def load_exported(out_dir: str, target_dir: str | None = None) -> DFlashDrafter:
     root = Path(out_dir)
     try:
         d = json.loads((root / EXPORT_CONFIG).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"{root}: no readable drafter config.json ({e})") from None
-    if "DFlashDraftModel" not in (d.get("architectures") or []):
-        raise UserError(f"{root / EXPORT_CONFIG}: not a DFlashDraftModel config")
+    # The shape before any key is read (from_export_dict reads keys of these objects): hand-edited or
+    # another program's file is one line naming it, not an AttributeError.
+    if not isinstance(d, dict):
+        raise UserError(f"{root / EXPORT_CONFIG}: holds a JSON {_json_kind(d)}, not an object; not a DFlashDraftModel "
+                        "config: export the drafter again (dflash-offline export --run RUN --to DIR)")
+    for key in ("dflash_config", "dflash_offline"):
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise UserError(f"{root / EXPORT_CONFIG}: key {key!r} holds a JSON {_json_kind(d[key])}, not an object; "
+                            "the drafter config is damaged: export the drafter again (dflash-offline export --run "
+                            "RUN --to DIR)")
+    arch = d.get("architectures")
+    if not (isinstance(arch, list) and "DFlashDraftModel" in arch):
+        raise UserError(f"{root / EXPORT_CONFIG}: not a DFlashDraftModel config (architectures: {json.dumps(arch)})")
     drafter = DFlashDrafter(DrafterConfig.from_export_dict(d, str(root / EXPORT_CONFIG)))
     wanted = drafter.trainable_state_dict()
     with safe_open(str(root / EXPORT_WEIGHTS), framework="pt", device="cpu") as sf:

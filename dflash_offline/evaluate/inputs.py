@@ -15,50 +15,124 @@ from dflash_offline.rows.reader import ids_as_int64
 log = logging.getLogger("dflash.eval")
 
 
+def _parts_of(option: str, folder: str):
+    """listed_parts of a folder (None: not a prepare or generate output), its refusals (an
+    unreadable manifest, an unfinished output) naming the option too."""
+    from dflash_offline.rows.parts import listed_parts
+
+    try:
+        return listed_parts(folder)
+    except UserError as e:
+        raise UserError(f"{option} {e}") from None
+
+
+def check_rows_path(path: str | None, option: str, what: str, folder: str) -> None:
+    """A file, or a folder that is a prepare or generate output: anything else in one line (`what`
+    and `folder`: the file and the folder to give instead)."""
+    if path and Path(path).is_dir():
+        if _parts_of(option, path) is None:
+            raise UserError(f"{option} {path}: a folder, not a file; give {what}, or {folder}")
+        return
+    require_kind(path, option, False, what)
+
+
 def check_prompts_path(prompts: str | None, said: Said = AS_FLAGS) -> None:
     """A file, or a folder that is a prepare or generate output: anything else in one line."""
-    if prompts and Path(prompts).is_dir():
-        from dflash_offline.rows.parts import read_manifest
+    check_rows_path(prompts, said("prompts"), "a Parquet file with an input_ids column",
+                    "an output folder of prepare (OUT/eval) or generate")
 
-        if read_manifest(prompts) is None:
-            raise UserError(f"{said('prompts')} {prompts}: a folder, not a file; give a Parquet file with an input_ids "
-                            "column, or an output folder of prepare (OUT/eval) or generate")
-        return
-    require_kind(prompts, said("prompts"), False, "a Parquet file with an input_ids column")
+
+def check_reference_path(reference: str | None, said: Said = AS_FLAGS) -> None:
+    """A file, or a generate output folder: anything else in one line."""
+    check_rows_path(reference, said("reference"), "a Parquet file of the target's greedy completions",
+                    "an output folder of generate")
+
+
+def _int64_ids(where: str, column):
+    """An `id` column as int64 (rows.reader.ids_as_int64), refused first unless it is an integer column."""
+    import pyarrow as pa
+
+    if not pa.types.is_integer(column.type):
+        raise UserError(f"{where}: column 'id' must be an integer, found {column.type}")
+    return pa.array(ids_as_int64(where, column), pa.int64())
+
+
+def _unreadable(e: Exception) -> str:
+    """An exception of pyarrow's in a line: its type and the first line of its text."""
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _read_parts(option: str, path: str, parts: list[Path], columns: tuple[str, ...], fix: str):
+    """The parts of a prepare or generate folder as one table: each part read on its own, so that a
+    damaged or missing part, a missing column or an id the contract does not allow is named by its
+    part file (and row); ids as int64 in every part (a part of uint64 ids beside int64 ones)."""
+    import pyarrow as pa
+
+    from dflash_offline.rows.parts import PREPARED_FORMAT, read_manifest
+
+    cmd = "prepare" if (read_manifest(path) or {}).get("format") == PREPARED_FORMAT else "generate"
+    damaged = (f"the folder is damaged: restore the part from a copy, or run `dflash-offline {cmd}` again into a "
+               "new --out")
+    tables = []
+    for f in parts:
+        where = f"{option} {path}: {f.name}"
+        if not f.is_file():
+            raise UserError(f"{where}: no such file, though {path}/manifest.json lists it; {damaged}")
+        tables.append(_read_file(where, f, columns, damaged, fix))
+    with_id = ["id" in t.column_names for t in tables]
+    if any(with_id) and not all(with_id):
+        k = with_id.index(not with_id[0])
+        has = lambda j: "has an id column" if with_id[j] else "has no id column"  # noqa: E731
+        raise UserError(f"{option} {path}: {parts[k].name} {has(k)}, {parts[0].name} {has(0)}; give every part "
+                        "its ids, or none")
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except pa.ArrowException:
+        k = next((k for k, t in enumerate(tables) if t.schema != tables[0].schema), len(tables) - 1)
+        show = lambda t: ", ".join(f"{c.name} {c.type}" for c in t.schema)  # noqa: E731
+        raise UserError(f"{option} {path}: {parts[k].name}: its columns ({show(tables[k])}) do not match those of "
+                        f"{parts[0].name} ({show(tables[0])}); {fix}") from None
 
 
 def _read_table(option: str, path: str, columns: tuple[str, ...], fix: str):
-    """A Parquet table with `columns`, or one line naming the option, the file and the fix."""
-    import pyarrow.parquet as pq
+    """A Parquet table with `columns` (and `id`, when there, an integer column), or one line naming
+    the option, the file (a folder's part file) and the fix."""
 
     if Path(path).is_dir():  # a part folder (a prepare or generate output): its committed parts
-        from dflash_offline.rows.parts import listed_parts
-
-        parts = listed_parts(path)
-        if not parts:
+        parts = _parts_of(option, path)
+        if parts is None:
             raise UserError(f"{option} {path}: a folder, but not a prepare or generate output; {fix}")
-        import pyarrow as pa
-
-        tables = [pq.read_table(f, columns=[c for c in ("id", *columns) if c in pq.read_schema(f).names])
-                  for f in parts]
-        return pa.concat_tables(tables)
+        if not parts:
+            raise UserError(f"{option} {path}: its manifest.json lists no part file (no rows); {fix}")
+        return _read_parts(option, path, parts, columns, fix)
     if not Path(path).is_file():
         raise UserError(f"{option} {path}: no such file; {fix}")
+    return _read_file(f"{option} {path}", Path(path), columns, fix, fix)
+
+
+def _read_file(where: str, f: Path, columns: tuple[str, ...], unreadable_fix: str, fix: str):
+    """One Parquet file's `columns` (and `id`, when there, as int64), or one line starting `where`."""
+    import pyarrow.parquet as pq
+
     try:
-        table = pq.read_table(path)
+        names = pq.read_schema(f).names
+        t = pq.read_table(f, columns=[c for c in dict.fromkeys(("id", *columns)) if c in names])
     except Exception as e:  # pyarrow raises several types for a file that is not Parquet
-        raise UserError(f"{option} {path}: not a readable Parquet file ({type(e).__name__}: {e}); {fix}") from None
-    need = [c for c in columns if c not in table.column_names]
+        raise UserError(f"{where}: not a readable Parquet file ({_unreadable(e)}); {unreadable_fix}") from None
+    need = [c for c in columns if c not in t.column_names]
     if need:
-        raise UserError(f"{option} {path}: no {', '.join(need)} column (columns: {', '.join(table.column_names)}); {fix}")
-    return table
+        raise UserError(f"{where}: no {', '.join(need)} column (columns: {', '.join(names)}); {fix}")
+    if "id" in t.column_names:
+        t = t.set_column(t.column_names.index("id"), "id", _int64_ids(where, t.column("id")))
+    return t
 
 
-def _row_place(option: str, path: str, row: int) -> str:
-    """Where row `row` of what `_read_table` read lies: the file, or a part folder's part file and
-    the row within it (the table concatenates the parts)."""
+def _part_and_row(path: str, row: int) -> tuple[str | None, int]:
+    """Where row `row` of what `_read_table` read lies: (None, row) in a file; in a part folder
+    (the table concatenates its parts) the part file's name and the row within it."""
     if not Path(path).is_dir():
-        return f"{option} {path}: row {row}"
+        return None, row
     import pyarrow.parquet as pq
 
     from dflash_offline.rows.parts import listed_parts
@@ -66,9 +140,21 @@ def _row_place(option: str, path: str, row: int) -> str:
     for f in listed_parts(path):
         n = pq.read_metadata(f).num_rows
         if row < n:
-            return f"{option} {path}: {Path(f).name}: row {row}"
+            return f.name, row
         row -= n
-    return f"{option} {path}: row {row}"
+    return None, row
+
+
+def _at(option: str, path: str, row: int) -> str:
+    """The start of a line about row `row` of what `_read_table` read: the option and file, and the
+    part file that holds the row in a part folder."""
+    part, _ = _part_and_row(path, row)
+    return f"{option} {path}: " + (f"{part}: " if part else "")
+
+
+def _row_place(option: str, path: str, row: int) -> str:
+    """Row `row` of what `_read_table` read, named: the file and row, or the part file and the row within it."""
+    return f"{_at(option, path, row)}row {_part_and_row(path, row)[1]}"
 
 
 def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None,
@@ -82,11 +168,9 @@ def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None,
     t = table.schema.field("input_ids").type
     if not ((pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)):
         raise UserError(f"{option} {path}: column 'input_ids' must be a list of integers (token ids), found {t}")
-    if "id" in table.column_names and not pa.types.is_integer(table.schema.field("id").type):
-        raise UserError(f"{option} {path}: column 'id' must be an integer, found {table.schema.field('id').type}")
     prompts = table.column("input_ids").to_pylist()
-    ids = (ids_as_int64(f"{option} {path}", table.column("id")).tolist() if "id" in table.column_names
-           else list(range(len(prompts))))
+    # _read_table made an id column int64 (or refused it)
+    ids = table.column("id").to_pylist() if "id" in table.column_names else list(range(len(prompts)))
     if len(set(ids)) < len(ids):
         seen: set[int] = set()
         dup = next(i for i in ids if i in seen or seen.add(i))
@@ -111,42 +195,63 @@ def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None,
 
 
 def read_reference(path: str, ids: list[int], prompts: list[list[int]], max_new: int, eos: set[int],
-                   said: Said = AS_FLAGS) -> list[list[int]]:
+                   said: Said = AS_FLAGS, *, vocab_size: int | None = None) -> list[list[int]]:
     """The output the target's greedy decode would give for each prompt, from a Parquet file of
-    its greedy completions (input contract: `id`, `input_ids` = prompt + completion, `loss_mask`
-    0 on the prompt and 1 on the completion; `dflash-offline generate` writes it): the completion
-    cut where `greedy_decode` stops, after max_new tokens or at its first end-of-sequence token.
-    Refused in one line, before anything decodes: a prompt id without a row, a row whose prompt
-    part is not that prompt, a completion that ends before max_new tokens without an
-    end-of-sequence token (the decode would go on where the reference has nothing to compare)."""
+    its greedy completions, or a generate output folder (input contract: `id`, `input_ids` =
+    prompt + completion, `loss_mask` 0 on the prompt and 1 on the completion; `dflash-offline
+    generate` writes it): the completion cut where `greedy_decode` stops, after max_new tokens or
+    at its first end-of-sequence token. Refused in one line, before anything decodes: a prompt id
+    without a row, a row without a completion, a row whose prompt part is not that prompt, a
+    completion token outside the target's vocabulary (`vocab_size`, when given), a completion that
+    ends before max_new tokens without an end-of-sequence token (the decode would go on where the
+    reference has nothing to compare)."""
+    import pyarrow as pa
+
     option = said("reference")
     fix = f"give the target's greedy completions of these prompts ({said('prompts')}; dflash-offline generate)"
     table = _read_table(option, path, ("id", "input_ids", "loss_mask"), fix)
-    rows: dict[int, tuple[list[int], list[int]]] = {}
-    for rid, toks, mask in zip(ids_as_int64(f"{option} {path}", table.column("id")).tolist(),
-                               table.column("input_ids").to_pylist(),
-                               table.column("loss_mask").to_pylist()):
+    for name in ("input_ids", "loss_mask"):  # the types first: a wrong one would be a TypeError below
+        t = table.schema.field(name).type
+        if not ((pa.types.is_list(t) or pa.types.is_large_list(t))
+                and (pa.types.is_integer(t.value_type) or (name == "loss_mask" and pa.types.is_boolean(t.value_type)))):
+            raise UserError(f"{option} {path}: column {name!r} must be a list of integers, found {t}; {fix}")
+    rows: dict[int, tuple[int, list[int], list[int]]] = {}
+    for row, (rid, toks, mask) in enumerate(zip(table.column("id").to_pylist(),  # int64: _read_table
+                                                table.column("input_ids").to_pylist(),
+                                                table.column("loss_mask").to_pylist())):
         if rid in rows:
-            raise UserError(f"{option} {path}: id {rid} occurs twice; ids must be unique")
-        rows[rid] = (toks or [], mask or [])
+            raise UserError(f"{_at(option, path, row)}id {rid} occurs twice; ids must be unique")
+        rows[rid] = (row, toks or [], mask or [])
     missing = [i for i in ids if i not in rows]
     if missing:
         raise UserError(f"{option} {path}: no row for prompt id(s) {missing[:10]} ({len(missing)} of {len(ids)}); {fix}")
     want = []
     for i, prompt in zip(ids, prompts):
-        toks, mask = rows[i]
+        row, toks, mask = rows[i]
+        at = f"{_at(option, path, row)}id {i}"
+        for name, values in (("input_ids", toks), ("loss_mask", mask)):
+            if None in values:
+                raise UserError(f"{at}: column {name} holds a null element (position {values.index(None)}); {fix}")
         n = next((k for k, v in enumerate(mask) if v), len(mask))
         if len(mask) != len(toks) or any(not v for v in mask[n:]):
-            raise UserError(f"{option} {path}: id {i}: loss_mask is not 0 on a prompt then 1 on the completion "
+            raise UserError(f"{at}: loss_mask is not 0 on a prompt then 1 on the completion "
                             f"({len(toks)} tokens, {len(mask)} mask entries); {fix}")
+        if n == len(mask):
+            raise UserError(f"{at}: the row has no completion (its loss_mask holds no 1: all {len(toks)} tokens "
+                            f"are prompt); {fix}")
         if toks[:n] != prompt:
             k = next((k for k, (a, b) in enumerate(zip(toks[:n], prompt)) if a != b), min(n, len(prompt)))
-            raise UserError(f"{option} {path}: id {i}: its prompt ({n} tokens) differs from the "
+            raise UserError(f"{at}: its prompt ({n} tokens) differs from the "
                             f"{said('prompts')} row ({len(prompt)} tokens) from token {k} on; {fix}")
         completion = toks[n:]
+        if vocab_size is not None:
+            bad = next((k for k, t in enumerate(completion) if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise UserError(f"{at}: its completion holds token id {completion[bad]} (position {bad}), outside "
+                                f"the target's vocabulary (0..{vocab_size - 1}); {fix}")
         stop = next((k + 1 for k, t in enumerate(completion[:max_new]) if t in eos), max_new)
         if len(completion) < stop:
-            raise UserError(f"{option} {path}: id {i}: its completion ends after {len(completion)} tokens without an "
+            raise UserError(f"{at}: its completion ends after {len(completion)} tokens without an "
                             f"end-of-sequence token, before {said('max_new_tokens')} {max_new}; lower it or "
                             "generate the reference with at least as many new tokens")
         want.append([int(t) for t in completion[:stop]])

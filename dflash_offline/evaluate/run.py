@@ -35,7 +35,8 @@ from dflash_offline.options import also, replaced, where
 from dflash_offline.evaluate.config import AS_FLAGS, EvalConfig, Said
 from dflash_offline.evaluate.decoders import Decoders
 from dflash_offline.evaluate.speculative import Decoded, load_target_for_decoding, summarize, tokens_per_s
-from dflash_offline.evaluate.inputs import check_prompts_path, read_prompts, read_reference, warn_chat_mismatch
+from dflash_offline.evaluate.inputs import (check_prompts_path, check_reference_path, read_prompts, read_reference,
+                                            warn_chat_mismatch)
 from dflash_offline.train.walk import cache_acceptance, walk_acceptance
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.sampling import Sampling
@@ -58,14 +59,29 @@ def load_drafter(path: str, target_dir: str, said: Said = AS_FLAGS):
     """A drafter from an export folder (config.json) or a training checkpoint (step-N/), with the
     target's frozen embedding and LM head; refuses a drafter made for another target shape."""
     from dflash_offline.drafter.export import EXPORT_WEIGHTS, load_exported
-    from dflash_offline.train.checkpoint import checkpoint_damage, load_checkpoint
+    from dflash_offline.train.checkpoint import CHECKPOINT_PREFIX, checkpoint_damage, list_checkpoints, load_checkpoint
     from dflash_offline.targets.folder import read_target
 
     root = Path(path)
     if root.is_file():
         raise UserError(f"{said('drafters')} {path}: a file, not a folder; give a drafter export folder (RUN/export, with "
                         "config.json + model.safetensors) or a checkpoint folder (RUN/step-N)")
-    if (root / "state.json").is_file() and (root / "drafter.safetensors").is_file():
+    if not root.exists():
+        raise UserError(f"{said('drafters')} {path}: no such folder; give a drafter export folder (RUN/export, with "
+                        "config.json + model.safetensors) or a checkpoint folder (RUN/step-N)")
+    checkpoint_files = ("state.json", "drafter.safetensors")
+    found = [n for n in checkpoint_files if (root / n).is_file()]
+    if found and (len(found) == len(checkpoint_files) or not (root / "config.json").is_file()):
+        # A checkpoint, or one that lost a file: the damage named here with the checkpoint before it.
+        what = checkpoint_damage(root, checkpoint_files)
+        if what:
+            name = root.absolute().name
+            step = int(name[len(CHECKPOINT_PREFIX):]) if name[len(CHECKPOINT_PREFIX):].isdigit() else None
+            before = [s for s in list_checkpoints(root.absolute().parent) if step is not None and s < step]
+            other = (f"use the checkpoint before it, {root.parent / f'{CHECKPOINT_PREFIX}{before[-1]}'}" if before
+                     else "use another checkpoint or an export")
+            raise UserError(f"{said('drafters')} {path}: {what}; the checkpoint is damaged: {other}, or restore the "
+                            "file from a copy")
         drafter = load_checkpoint(str(root))
     elif (root / "config.json").is_file():
         what = checkpoint_damage(root, (EXPORT_WEIGHTS,))
@@ -73,6 +89,10 @@ def load_drafter(path: str, target_dir: str, said: Said = AS_FLAGS):
             raise UserError(f"{root}/{what}; the drafter export is damaged: export it again (dflash-offline export "
                             "--run RUN --to DIR) or restore the file from a copy")
         drafter = load_exported(str(root))
+    elif (root / EXPORT_WEIGHTS).is_file():
+        raise UserError(f"{said('drafters')} {path}: config.json: No such file or directory; the drafter export is "
+                        "damaged: export it again (dflash-offline export --run RUN --to DIR) or restore the file from "
+                        "a copy")
     else:
         raise UserError(f"{said('drafters')} {path}: neither a drafter export (config.json + model.safetensors) nor a "
                         "training checkpoint (step-N/ with state.json)")
@@ -151,7 +171,7 @@ def run(cfg: EvalConfig) -> dict:
     said = partial(where, cfg)
     require_kind(cfg.cache, said("cache"), True, "a cache folder (the one with manifest.json)")
     check_prompts_path(cfg.prompts, said)
-    require_kind(cfg.reference, said("reference"), False, "a Parquet file of the target's greedy completions")
+    check_reference_path(cfg.reference, said)
     require_kind(cfg.json_path, said("json_path"), False, "a file name for the JSON report")
     check_report_dest(cfg.json_path, said("json_path"))
     if cfg.cache:
@@ -244,7 +264,8 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
                         f"tokens + {also(cfg, 'max_new_tokens')} {cfg.max_new_tokens} exceeds the target's context "
                         f"({tinfo.max_positions} positions); lower the new tokens or leave out the longest prompts")
     eos = set() if cfg.ignore_eos else eos_ids(cfg.target)
-    reference = read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos, said) if cfg.reference else None
+    reference = (read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos, said, vocab_size=tinfo.vocab_size)
+                 if cfg.reference else None)
     tok = show_tokenizer(cfg.target, cfg.show)  # --show: the target's tokenizer.json, or one line now
     if not eos and not cfg.ignore_eos:  # after the refusals: a warning line must not precede an error line
         log.warning("%s %s names no end-of-sequence id (generation_config.json, config.json, tokenizer files): "
