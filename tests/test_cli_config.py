@@ -243,7 +243,9 @@ def test_every_declared_choice_is_checked_for_recipes(name, tmp_path):
     assert fields
     for f in fields:
         for ok in f.metadata["choices"]:
-            merge(cls, {}, {**REQUIRED[name], f.name: ok}).validate()
+            # train_turns chooses among kept replies: it goes with --responses keep (refused otherwise).
+            keep = {"responses": "keep"} if f.name == "train_turns" else {}
+            merge(cls, {}, {**REQUIRED[name], **keep, f.name: ok}).validate()
         recipe = tmp_path / f"{f.name}.toml"
         recipe.write_text(f'{f.name} = "bogus"\n')
         with pytest.raises(UserError) as e:

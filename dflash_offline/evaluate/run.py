@@ -267,10 +267,6 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     reference = (read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos, said, vocab_size=tinfo.vocab_size)
                  if cfg.reference else None)
     tok = show_tokenizer(cfg.target, cfg.show)  # --show: the target's tokenizer.json, or one line now
-    if not eos and not cfg.ignore_eos:  # after the refusals: a warning line must not precede an error line
-        log.warning("%s %s names no end-of-sequence id (generation_config.json, config.json, tokenizer files): "
-                    "every decode runs to %s %d", where(cfg, "target"), cfg.target, where(cfg, "max_new_tokens"),
-                    cfg.max_new_tokens)
     # With a reference the target-alone decode (as long as the speculative one) is needed only for
     # the speed-up figure, so it runs only when asked for.
     baseline = cfg.baseline if cfg.baseline is not None else not cfg.reference
@@ -284,6 +280,10 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.seed, cfg.top_k)
     decoders = Decoders(model, cfg.decoder, cfg.batch_size, max(len(p) for p in prompts), cfg.max_new_tokens, eos,
                         sampling, device, cfg.dtype, said)
+    if not eos and not cfg.ignore_eos:  # after the refusals: a warning line must not precede an error line
+        log.warning("%s %s names no end-of-sequence id (generation_config.json, config.json, tokenizer files): "
+                    "every decode runs to %s %d", where(cfg, "target"), cfg.target, where(cfg, "max_new_tokens"),
+                    cfg.max_new_tokens)
     report.update({"decoder": decoders.name, "decoding": decoders.describe, "batch_size": cfg.batch_size,
                    "sampling": dataclasses.asdict(sampling)})
     log.info("decoder: %s; %s", decoders.describe,
