@@ -46,10 +46,6 @@ def _limits(cfg: PrepareConfig, info):
     from dflash_offline.prepare.rows import Limits
 
     if cfg.max_len is not None:
-        if info.max_positions is not None and cfg.max_len > info.max_positions:  # asked for: said, not refused
-            log.warning("%s %d exceeds the target's context (%d positions, max_position_embeddings): rows past it "
-                        "are kept, and generate and extract refuse or cut them; give at most %d to drop them here",
-                        where(cfg, "max_len"), cfg.max_len, info.max_positions, info.max_positions)
         return Limits(cfg.max_len, cfg.truncate, True, f"{where(cfg, 'max_len')} {cfg.max_len}")
     ctx = info.max_positions or 1 << 62
     return Limits(ctx, False, False, f"the target's context ({ctx} positions, max_position_embeddings)")
@@ -136,6 +132,11 @@ def run(cfg: PrepareConfig) -> dict:
         raise UserError(f"{where(cfg, 'data')}: no row is left after filtering ({sel.read} records read; dropped: "
                         f"{', '.join(f'{n} {why}' for why, n in dropped.most_common()) or 'none'}); check --format, "
                         "--max-len and --responses")
+    if cfg.max_len is not None and info.max_positions is not None and cfg.max_len > info.max_positions:
+        # Asked for, so said rather than refused (after the refusals: a warning never precedes an error line).
+        log.warning("%s %d exceeds the target's context (%d positions, max_position_embeddings): rows past it are "
+                    "kept, and generate and extract refuse or cut them; give at most %d to drop them here",
+                    where(cfg, "max_len"), cfg.max_len, info.max_positions, info.max_positions)
     if stop_requested():
         raise Stopped(stop_requested(), f"stopped on {signal_name(stop_requested())} before writing; nothing changed; "
                       "run the same command again")
