@@ -56,8 +56,7 @@ def test_a_saved_drafter_setting_of_another_type_is_named(d):
     _edit_json(d / "run" / "step-3" / "state.json", lambda s: (s["drafter"].update(block_size=8),
                                                                 s["config"].update(block_size="8")))
     msg = _one_line(_train(d))
-    assert msg.endswith('step-3 was made with block_size = "8", this run has 8; use the same settings to resume, '
-                        "or a new --out"), msg
+    assert 'state.json: config.block_size is "8", not of its type (int)' in msg, msg
 
 
 def test_a_resume_names_an_unset_setting_as_its_default(d):
@@ -113,3 +112,22 @@ def test_a_recipe_cannot_set_a_field_that_is_not_an_option(d, tmp_path):
     r = run_cli(["train", "--config", recipe, "--target", d / "target", "--cache", d / "cache", "--out",
                  tmp_path / "new", *TRAIN])
     assert _one_line(r).startswith(f"error: --config {recipe}: unknown key 'final_checkpoint'; known keys: ")
+
+
+def test_a_users_metrics_file_in_out_is_not_taken_for_a_runs(d, tmp_path):
+    """A one-line file named metrics.jsonl that is no record was read as a run's last line cut by
+    a kill, and the run replaced it."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("mine\n")
+    msg = _one_line(_train(d, out=out))
+    assert msg.startswith(f"error: --out {out}: its metrics.jsonl was not written by `train`"), msg
+    assert (out / "metrics.jsonl").read_text() == "mine\n"
+
+
+def test_eval_checks_its_cache_shards_before_decoding(d):
+    shutil.rmtree(d / "cache" / "shards" / "shard-000001.zarr")
+    r = run_cli(["eval", "--target", d / "target", "--drafter", d / "run" / "step-3", "--cache", d / "cache",
+                 "--no-progress"])
+    assert _one_line(r).startswith(f"error: --cache {d / 'cache'}: shard shard-000001 is listed in manifest.json but "
+                                   "missing on storage"), r.stderr

@@ -139,8 +139,8 @@ def _check_cache_target(cfg: EvalConfig) -> None:
 
 
 def _check_cache_layers(cfg: EvalConfig, drafters) -> None:
-    """Every drafter reads layers --cache holds, checked before any prompt decodes (the cache walk
-    runs after the decoding)."""
+    """Every drafter reads layers --cache holds, and its shards are there, checked before any
+    prompt decodes (the cache walk runs after the decoding)."""
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore
     from dflash_offline.train.walk import cache_layer_columns
@@ -148,6 +148,11 @@ def _check_cache_layers(cfg: EvalConfig, drafters) -> None:
     m = ManifestStore(Location(cfg.cache, where(cfg, "cache"))).read_committed()
     for _, d in drafters:
         cache_layer_columns(m, d.cfg, cfg.cache, where(cfg, "cache"))
+    from dflash_offline.train.preflight import cache_reader, checked_shards
+
+    # Its shards too (there and opening), as training checks its caches: not a crash mid-walk.
+    for _ in checked_shards(cache_reader(cfg.cache, where(cfg, "cache")), f"{where(cfg, 'cache')} {cfg.cache}", "quick"):
+        pass
 
 
 def log_folder(cfg: EvalConfig) -> Path:

@@ -118,7 +118,7 @@ def checkpoint_damage(ck: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> st
                     return f"{name}: damaged or not a checkpoint's state (config or drafter is not an object)"
                 from dflash_offline.drafter.config import DrafterConfig
 
-                if problem := DrafterConfig.saved_problem(state["drafter"]):
+                if problem := DrafterConfig.saved_problem(state["drafter"]) or _config_problem(state["config"]):
                     return f"{name}: {problem}"
             elif name.endswith(".safetensors"):
                 with open(f, "rb") as fh:
@@ -204,6 +204,31 @@ def check_resume(cfg: TrainConfig, cache_fingerprint: str) -> None:
         if theirs != getattr(cfg, key):
             raise UserError(f"{ck} was made with {key} = {_shown(theirs)}, this run has {_shown(getattr(cfg, key))}; "
                             "use the same settings to resume, or a new --out")
+
+
+def _config_problem(config: dict) -> str | None:
+    """A saved setting of the resume identity that is not of its field's type ("config.KEY is ..."),
+    or None: a hand-edited "8" is a damaged file, not a setting that differs from 8."""
+    def fits(v, kind: str) -> bool:
+        if v is None:
+            return "None" in kind
+        if kind.startswith("bool"):
+            return isinstance(v, bool)
+        if kind.startswith("int"):
+            return isinstance(v, int) and not isinstance(v, bool)
+        if kind.startswith("float"):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+        if kind.startswith("str"):
+            return isinstance(v, str)
+        if kind.startswith("list[int]"):
+            return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+        return True
+
+    saved = saved_config(config)
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in RESUME_KEYS and f.name in saved and not fits(saved[f.name], str(f.type)):
+            return f"config.{f.name} is {json.dumps(saved[f.name])}, not of its type ({f.type})"
+    return None
 
 
 def _shown(v) -> str:

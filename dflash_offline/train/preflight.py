@@ -56,7 +56,7 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
         check_devices_exist(devices, where(cfg, "devices"))
     if cfg.follow:
         return _preflight_follow(cfg, devices)
-    reader = _cache_reader(cfg.cache, where(cfg, "cache"))
+    reader = cache_reader(cfg.cache, where(cfg, "cache"))
     m = reader.manifest
     v = ManifestView.of(m)
     if v.status != "complete":
@@ -70,7 +70,7 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     t0 = time.time()
     refs, lengths = [], []
     scored = False
-    for name, sh in _checked_shards(reader, f"{where(cfg, 'cache')} {cfg.cache}", cfg.verify):
+    for name, sh in checked_shards(reader, f"{where(cfg, 'cache')} {cfg.cache}", cfg.verify):
         # A cache whose loss masks are all zero trains nothing: read them until one token is scored
         # (the first shard, for any real data: one byte per token).
         scored = scored or bool(sh.group["loss_mask"][:].any())
@@ -140,7 +140,7 @@ def _check_row_memory(cfg: TrainConfig, features: int) -> None:
                         "lower --seq-len")
 
 
-def _cache_reader(cache: str, label: str):
+def cache_reader(cache: str, label: str):
     """A CacheReader of a cache given as `label` (flag or recipe key): no manifest is one line naming it."""
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.reader import CacheReader
@@ -151,7 +151,7 @@ def _cache_reader(cache: str, label: str):
     return CacheReader(cache)
 
 
-def _checked_shards(reader, label: str, verify: str):
+def checked_shards(reader, label: str, verify: str):
     """(name, shard) of every committed shard, each there and open (and, with verify "full",
     matching its checksum) or one line naming `label` (the option and path) and the shard."""
     for name in reader.shard_names:
@@ -336,7 +336,7 @@ def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], v: ManifestView) -
         raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} holds layers {list(held_v.layer_ids)}, not {missing} "
                         "that the drafter reads; extract it with the training cache's layers")
     # Its shards now, not at the first held-out evaluation hours into the run.
-    for _ in _checked_shards(_cache_reader(cfg.eval_cache, where(cfg, "eval_cache")),
+    for _ in checked_shards(cache_reader(cfg.eval_cache, where(cfg, "eval_cache")),
                              f"{where(cfg, 'eval_cache')} {cfg.eval_cache}", cfg.verify):
         pass
 

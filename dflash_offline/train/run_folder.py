@@ -44,21 +44,24 @@ def refuse_foreign_run(out: Path, option: str = "--out") -> None:
 
 
 def _our_jsonl(path: Path) -> bool:
-    """A file of JSON objects with a `step` each (a last line cut by a kill aside)."""
+    """A file of JSON objects with a `step` each (a last line cut by a kill aside), or empty (a run
+    killed before its first step). A lone line that is no record is not a cut one: it is someone's."""
     try:
         lines = [ln for ln in path.read_bytes().split(b"\n") if ln.strip(b" \t\r\0")]
     except OSError:
         return False
+    records = 0
     for k, ln in enumerate(lines):
         try:
             rec = json.loads(ln)
         except ValueError:
-            if k == len(lines) - 1:
+            if k == len(lines) - 1 and k > 0:
                 continue
             return False
         if not isinstance(rec, dict) or "step" not in rec:
             return False
-    return True
+        records += 1
+    return records > 0 or not lines
 
 
 def truncate_jsonl(path: Path, keep) -> None:
