@@ -228,7 +228,7 @@ class PrepareConfig:
         check_number(self, "eval_fraction", 0, 1, open_high=True, must="in [0, 1)")
         check_positive(self, "max_len", "chunk_records")
         if self.truncate and self.max_len is None:
-            raise UserError(f"{where(self, 'truncate')} cuts rows to --max-len: give --max-len too")
+            raise UserError(f"{where(self, 'truncate')} cuts rows to {also(self, 'max_len')}: give that too")
         if self.responses != "keep" and self.train_turns != "all":  # a setting that would be ignored: said
             raise UserError(f"{where(self, 'train_turns')} {self.train_turns} chooses which of the dataset's replies "
                             f"are trained, with --responses keep; {also(self, 'responses')} {self.responses} writes "

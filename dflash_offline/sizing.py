@@ -65,6 +65,7 @@ def make_plan(p: PlanConfig) -> dict:
     layer_ids = target.resolve_layers(info, p)
     target.check_topk(info, p.topk, where(p, "topk"))
     source = data.scan(p.data, info.vocab_size, where(p, "data"))
+    data.require_trained(source, f"{where(p, 'data')} {' '.join(map(str, p.data))}")
     tokens = int(np.minimum(source.lengths, p.max_len).sum())
     free = None
     if p.cache:

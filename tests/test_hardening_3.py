@@ -444,7 +444,7 @@ def test_cache_folder_with_someone_elses_shards_folder_is_refused(tiny_dense, ti
 
 
 @pytest.mark.parametrize("key, value, expect", [
-    ("vocab_size", "many", "vocab_size is 'many', not a positive integer"),
+    ("vocab_size", "many", 'vocab_size is "many", not a positive integer'),
     ("hidden_size", 0, "hidden_size is 0, not a positive integer"),
     ("num_hidden_layers", 400, "transformers"),  # 400 layers but layer_types lists 4: its own check refuses
 ], ids=["vocab-text", "hidden-zero", "layers-vs-layer-types"])

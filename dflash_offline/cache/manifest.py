@@ -328,11 +328,15 @@ def edited_problem(m: dict) -> str | None:
     have, planned = len(committed_names(m)), m["plan"]["num_shards"]
     rerun = "run the extract command that made it again (it re-makes the missing shards)"
     if have != planned:
+        if have > planned:
+            return (f"it says complete but lists {have} shards where its plan has {planned} (an entry added by hand?); "
+                    "restore manifest.json from a copy, or extract into a new --cache")
         return f"it says complete but lists {have} of the {planned} planned shards (an entry removed by hand?); {rerun}"
     sums = {k: sum(int(s[k]) for s in m["shards"]) for k in ("samples", "tokens", "bytes")}
     stated = {k: m["totals"].get(k) for k in sums}
     if sums != stated:
-        return f"its totals {stated} are not the sums of its shards {sums} (edited by hand?); restore manifest.json"
+        return (f"its totals {json.dumps(stated)} are not the sums of its shards {json.dumps(sums)} (edited by hand?); "
+                "restore manifest.json")
     return None
 
 

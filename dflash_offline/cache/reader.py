@@ -238,6 +238,8 @@ class CacheReader:
         self.loc = Location(root)
         manifest = ManifestStore(self.loc).read_committed()
         if manifest is None:
+            if not self.loc.remote and not os.path.exists(self.loc.path()):
+                raise UserError(f"{root}: no such folder; give a cache folder (the one with manifest.json)")
             raise UserError(f"{root}: no manifest.json; not a dflash-offline cache (or nothing committed yet)")
         self.manifest = manifest
         self._shards: dict[str, Shard] = {}

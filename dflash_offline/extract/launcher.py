@@ -76,10 +76,7 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     source = data.scan(cfg.data, info.vocab_size, where(cfg, "data"))
     log.info("input: %d files, %d rows, %d tokens (scanned in %.1fs)", len(source.files), source.rows,
              int(source.lengths.sum()), time.time() - t0)
-    if source.trained_tokens == 0:  # a cache of it would be complete and train on nothing
-        raise UserError(f"{where(cfg, 'data')} {' '.join(map(str, cfg.data))}: no row has a token to train on (every "
-                        "loss_mask value is 0, or every prompt_len is the row's length); give the completions, "
-                        "with loss_mask 1 on what the model writes")
+    data.require_trained(source, f"{where(cfg, 'data')} {' '.join(map(str, cfg.data))}")
     # After the options, devices and data (building the model on the meta device costs seconds, the
     # import of transformers: those refusals come first and fast), before the existing cache is
     # compared with this run (a broken target is the cause to name, not the mismatch it makes).

@@ -130,8 +130,10 @@ def run(cfg: PrepareConfig) -> dict:
     if made == 0 and not any(committed.values()):
         dropped = sel.dropped + sum((t.dropped for s in SPLITS for t in tables[s] if t is not None), Counter())
         raise UserError(f"{where(cfg, 'data')}: no row is left after filtering ({sel.read} records read; dropped: "
-                        f"{', '.join(f'{n} {why}' for why, n in dropped.most_common()) or 'none'}); check --format, "
-                        "--max-len and --responses")
+                        f"{', '.join(f'{n} {why}' for why, n in dropped.most_common()) or 'none'}); "
+                        + ("the chat template refused them: fix it or give another with --chat-template"
+                           if any(str(why).startswith("template refused") for why in dropped) else
+                           "check --format, --max-len and --responses"))
     if cfg.max_len is not None and info.max_positions is not None and cfg.max_len > info.max_positions:
         # Asked for, so said rather than refused (after the refusals: a warning never precedes an error line).
         log.warning("%s %d exceeds the target's context (%d positions, max_position_embeddings): rows past it are "

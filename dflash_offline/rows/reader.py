@@ -287,6 +287,14 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
                   trained_tokens=trained if need_mask else -1)
 
 
+def require_trained(source: Source, label: str) -> None:
+    """Refuse input with no token to train on (`label`: the option and paths as given): a cache of
+    it would be complete and train nothing (extract), a plan for one sizes nothing (plan)."""
+    if source.trained_tokens == 0:
+        raise UserError(f"{label}: no row has a token to train on (every loss_mask value is 0, or every prompt_len "
+                        "is the row's length); give the completions, with loss_mask 1 on what the model writes")
+
+
 class RowReader:
     """Fetch rows (tokens and loss mask) by global index, reading whole row groups, one cached."""
 

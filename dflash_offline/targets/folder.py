@@ -171,7 +171,7 @@ def read_target(path: str, option: str = "--target") -> TargetInfo:
         v = text.get(key)
         if key in text and (v is not None or key != "max_position_embeddings") and (
                 isinstance(v, bool) or not isinstance(v, int) or (v < 1 and key != "num_hidden_layers")):
-            raise UserError(f"{cfg_path}: {key} is {v!r}, not a positive integer; the config is damaged: fix it or "
+            raise UserError(f"{cfg_path}: {key} is {json.dumps(v)}, not a positive integer; the config is damaged: fix it or "
                             "download the model again")
     if int(text["num_hidden_layers"]) < 1:
         raise UserError(f"{cfg_path}: num_hidden_layers is {text['num_hidden_layers']}: the target has no decoder "

@@ -156,7 +156,7 @@ class TrainConfig:
             raise UserError(f"{where(self, 'eval_every')} sets how often --eval-cache is measured; give --eval-cache "
                             "CACHE (a held-out cache of the target's own completions) or leave it out")
         if self.stream and not self.follow:
-            raise UserError(f"{where(self, 'stream')} needs --follow (it releases shards of a cache that extraction is "
+            raise UserError(f"{where(self, 'stream')} needs {also(self, 'follow')} (it releases shards of a cache that extraction is "
                             "still filling)")
         if self.follow and self.epochs != 1:
             raise UserError(f"{where(self, 'follow')} consumes every committed shard once, so {where(self, 'epochs')} "
