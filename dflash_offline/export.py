@@ -10,7 +10,8 @@ from dflash_offline.runtime.paths import require_kind
 
 def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = None) -> Path:
     from dflash_offline.drafter.export import check_export_dest, export_drafter
-    from dflash_offline.train.checkpoint import CHECKPOINT_PREFIX, checkpoint_damage, list_checkpoints, load_checkpoint
+    from dflash_offline.train.checkpoint import (CHECKPOINT_PREFIX, checkpoint_before, checkpoint_damage, list_checkpoints,
+                                                 load_checkpoint)
 
     run = Path(run_dir)
     require_kind(run_dir, "--run", True, "a training run folder (OUT of train, with step-N/ checkpoints)")
@@ -29,8 +30,9 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
     ck = run / f"{CHECKPOINT_PREFIX}{step}"
     what = checkpoint_damage(ck, ("state.json", "drafter.safetensors"))
     if what:
-        before = [s for s in steps if s < step]
-        other = f"export the one before with --step {before[-1]}" if before else "train again (no checkpoint before it)"
+        before = checkpoint_before(ck)
+        other = (f"export the one before with --step {before}" if before is not None
+                 else "train again (no checkpoint before it)")
         raise UserError(f"{ck}/{what}; the checkpoint is damaged: {other}, or restore the file from a copy")
     drafter = load_checkpoint(str(ck))
     return export_drafter(drafter, dest)

@@ -123,13 +123,15 @@ def also(cfg, name: str) -> str:
     """`where`, for a second option named in a message about a first: a recipe key without its
     file again ("key 'block_size'"), a flag as typed."""
     origin = where(cfg, name)
-    return origin.split(": ", 1)[1] if origin.startswith("--config ") else origin
+    recipe = f"--config {getattr(cfg, '_recipe', None)}: "
+    return origin[len(recipe):] if origin.startswith(recipe) else origin
 
 
 def replaced(cfg, **changes):
     """dataclasses.replace that keeps where the unchanged values came from (`where`)."""
     new = dataclasses.replace(cfg, **changes)
     new._origins = {k: v for k, v in getattr(cfg, "_origins", {}).items() if k not in changes}
+    new._recipe = getattr(cfg, "_recipe", None)
     return new
 
 
@@ -311,5 +313,6 @@ def merge(cls: type, recipe: dict[str, Any], cli_given: dict[str, Any]):
     path = getattr(recipe, "path", None)
     if path is not None:
         keys = getattr(recipe, "written", {})
+        cfg._recipe = path  # `also` names a key without this file again
         cfg._origins = {k: f"--config {path}: key {keys.get(k, k)!r}" for k in recipe if k not in cli_given}
     return cfg

@@ -68,16 +68,6 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    def problem(self) -> str | None:
-        """Why these settings cannot sample (None: they can), in the options' names."""
-        if self.temperature < 0:
-            return f"--temperature {self.temperature} must be >= 0 (0 = greedy)"
-        if not 0.0 < self.top_p <= 1.0:
-            return f"--top-p {self.top_p} must be in (0, 1]"
-        if self.top_k < 0:
-            return f"--top-k {self.top_k} must be >= 0 (0 = the whole vocabulary)"
-        return None
-
 
 # ----------------------------------------------------------------------------------------------
 # Counter-based noise: splitmix64 in int64 arithmetic (multiplication wraps modulo 2^64 on CPU and

@@ -43,6 +43,13 @@ TRAIN = ["--seq-len", "256", "--num-anchors", "16", "--block-size", "8", "--glob
 STRAIGHT = ["--epochs", "2", "--max-steps", "12", "--checkpoint-every", "100"]
 TINY_DATA_ROWS = 48
 TINY_DATA_MAX_LEN = 120
+# Artifacts the code at commit f7e7743 wrote (tests/data/made-by-f7e7743/README.md), and the options
+# of its training run under their current names (the checkpoint saved num_layers and layers).
+EARLIER = Path(__file__).parent / "data" / "made-by-f7e7743"
+EARLIER_TRAIN = ["--seq-len", "128", "--num-anchors", "8", "--block-size", "8", "--global-batch-tokens", "256",
+                 "--lr", "3e-3", "--mask-token-id", "1", "--drafter-layers", "1", "--target-layers", "1,3",
+                 "--loader-workers", "0", "--no-progress", "--epochs", "2", "--checkpoint-every", "3",
+                 "--kd-weight", "0.5"]
 
 # Variables that would make the CLI believe it runs under torchrun; tests set them explicitly.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -12,13 +12,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from conftest import run_cli
-
-EARLIER = Path(__file__).parent / "data" / "made-by-f7e7743"
-# The run's options, under their current names (the checkpoint saved num_layers and layers).
-TRAIN = ["--seq-len", "128", "--num-anchors", "8", "--block-size", "8", "--global-batch-tokens", "256",
-         "--lr", "3e-3", "--mask-token-id", "1", "--drafter-layers", "1", "--target-layers", "1,3",
-         "--loader-workers", "0", "--no-progress", "--epochs", "2", "--checkpoint-every", "3", "--kd-weight", "0.5"]
+from conftest import EARLIER, run_cli
+from conftest import EARLIER_TRAIN as TRAIN
 
 
 @pytest.fixture

@@ -72,6 +72,11 @@ def _rewrite(part: Path, column: str, values, type_=None) -> None:
     pq.write_table(t, part)
 
 
+def _copied(gen: Path, tmp_path: Path) -> Path:
+    """A copy of the generate output to damage (the session's fixture stays whole)."""
+    return Path(shutil.copytree(gen, tmp_path / "gen"))
+
+
 def _damage(folder: Path, how: str) -> tuple[Path, str]:
     """One of the folder's parts damaged `how`: (the part, what the line says after its name)."""
     part = folder / "part-00001.parquet"
@@ -104,8 +109,7 @@ def test_a_reference_folder_is_read(tiny_dense, export, generated):
 @pytest.mark.parametrize("option", ["prompts", "reference"])
 def test_a_damaged_part_is_named_by_its_option_and_file(tiny_dense, export, generated, tmp_path, how, option):
     prompts, gen = generated
-    folder = tmp_path / "gen"
-    shutil.copytree(gen, folder)
+    folder = _copied(gen, tmp_path)
     part, says = _damage(folder, how)
     args = ["--prompts", folder] if option == "prompts" else ["--prompts", prompts, "--reference", folder]
     line = _one_line(run_cli(_eval(tiny_dense, export, *args)))
@@ -120,8 +124,7 @@ def test_a_damaged_part_is_named_by_its_option_and_file(tiny_dense, export, gene
 @pytest.mark.parametrize("option", ["prompts", "reference"])
 def test_a_damaged_part_from_a_recipe_is_named_by_its_key(tiny_dense, export, generated, tmp_path, how, option):
     prompts, gen = generated
-    folder = tmp_path / "gen"
-    shutil.copytree(gen, folder)
+    folder = _copied(gen, tmp_path)
     part, says = _damage(folder, how)
     recipe = tmp_path / "eval.toml"
     recipe.write_text(f'prompts = "{folder}"\n' if option == "prompts"
@@ -196,8 +199,7 @@ def test_a_reference_row_without_a_completion_says_so(tiny_dense, export, genera
     """A loss_mask of only 0s: the row has no completion (was 'its prompt (9 tokens) differs from
     the --prompts row (5 tokens) from token 5 on')."""
     prompts, gen = generated
-    folder = tmp_path / "gen"
-    shutil.copytree(gen, folder)
+    folder = _copied(gen, tmp_path)
     part = folder / "part-00001.parquet"
     masks = pq.read_table(part).column("loss_mask").to_pylist()
     masks[1] = [0] * len(masks[1])  # id 3

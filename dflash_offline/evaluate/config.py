@@ -8,7 +8,7 @@ from functools import partial
 
 from dflash_offline.options import also, check_at_least, check_choices, check_positive, opt, where
 from dflash_offline.runtime.errors import UserError
-from dflash_offline.sampling import Sampling, SamplingOptions
+from dflash_offline.sampling import SamplingOptions
 
 
 @dataclass
@@ -96,8 +96,6 @@ class EvalConfig(SamplingOptions):
         check_positive(self, "max_new_tokens", "seq_len", "num_anchors", "walk_batch_rows", "batch_size",
                        "max_prompts", "max_rows", "max_samples")
         self.check_sampling()
-        if problem := Sampling(self.temperature, self.top_p, self.seed, self.top_k).problem():
-            raise UserError(f"eval: {problem}")
         if self.temperature > 0 and self.reference:
             raise UserError("eval: --reference holds greedy completions, checked token for token; sampled outputs "
                             "(--temperature > 0) cannot be: drop one of them")

@@ -59,7 +59,7 @@ def load_drafter(path: str, target_dir: str, said: Said = AS_FLAGS):
     """A drafter from an export folder (config.json) or a training checkpoint (step-N/), with the
     target's frozen embedding and LM head; refuses a drafter made for another target shape."""
     from dflash_offline.drafter.export import EXPORT_WEIGHTS, load_exported
-    from dflash_offline.train.checkpoint import CHECKPOINT_PREFIX, checkpoint_damage, list_checkpoints, load_checkpoint
+    from dflash_offline.train.checkpoint import CHECKPOINT_PREFIX, checkpoint_before, checkpoint_damage, load_checkpoint
     from dflash_offline.targets.folder import read_target
 
     root = Path(path)
@@ -75,11 +75,9 @@ def load_drafter(path: str, target_dir: str, said: Said = AS_FLAGS):
         # A checkpoint, or one that lost a file: the damage named here with the checkpoint before it.
         what = checkpoint_damage(root, checkpoint_files)
         if what:
-            name = root.absolute().name
-            step = int(name[len(CHECKPOINT_PREFIX):]) if name[len(CHECKPOINT_PREFIX):].isdigit() else None
-            before = [s for s in list_checkpoints(root.absolute().parent) if step is not None and s < step]
-            other = (f"use the checkpoint before it, {root.parent / f'{CHECKPOINT_PREFIX}{before[-1]}'}" if before
-                     else "use another checkpoint or an export")
+            before = checkpoint_before(root.absolute())
+            other = (f"use the checkpoint before it, {root.parent / f'{CHECKPOINT_PREFIX}{before}'}"
+                     if before is not None else "use another checkpoint or an export")
             raise UserError(f"{said('drafters')} {path}: {what}; the checkpoint is damaged: {other}, or restore the "
                             "file from a copy")
         drafter = load_checkpoint(str(root))
@@ -141,17 +139,14 @@ def _check_cache_target(cfg: EvalConfig) -> None:
 def _check_cache_layers(cfg: EvalConfig, drafters) -> None:
     """Every drafter reads layers --cache holds, and its shards are there, checked before any
     prompt decodes (the cache walk runs after the decoding)."""
-    from dflash_offline.cache.location import Location
-    from dflash_offline.cache.manifest import ManifestStore
+    from dflash_offline.train.preflight import cache_reader, checked_shards
     from dflash_offline.train.walk import cache_layer_columns
 
-    m = ManifestStore(Location(cfg.cache, where(cfg, "cache"))).read_committed()
+    reader = cache_reader(cfg.cache, where(cfg, "cache"))
     for _, d in drafters:
-        cache_layer_columns(m, d.cfg, cfg.cache, where(cfg, "cache"))
-    from dflash_offline.train.preflight import cache_reader, checked_shards
-
+        cache_layer_columns(reader.manifest, d.cfg, cfg.cache, where(cfg, "cache"))
     # Its shards too (there and opening), as training checks its caches: not a crash mid-walk.
-    for _ in checked_shards(cache_reader(cfg.cache, where(cfg, "cache")), f"{where(cfg, 'cache')} {cfg.cache}", "quick"):
+    for _ in checked_shards(reader, f"{where(cfg, 'cache')} {cfg.cache}", "quick"):
         pass
 
 

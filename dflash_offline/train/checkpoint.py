@@ -25,10 +25,20 @@ CHECKPOINT_PREFIX = "step-"
 def damaged_checkpoint(out: Path, step: int, what: str) -> str:
     """One line for a damaged file of `out/step-N/` (`what`: "FILE: what is wrong"), with the fix."""
     ck = out / f"{CHECKPOINT_PREFIX}{step}"
-    before = [s for s in list_checkpoints(out) if s < step]
-    fix = (f"delete {ck} to resume from {out / f'{CHECKPOINT_PREFIX}{before[-1]}'}, the checkpoint before it"
-           if before else f"delete {ck} to train from the start (there is no checkpoint before it)")
+    before = checkpoint_before(ck)
+    fix = (f"delete {ck} to resume from {out / f'{CHECKPOINT_PREFIX}{before}'}, the checkpoint before it"
+           if before is not None else f"delete {ck} to train from the start (there is no checkpoint before it)")
     return f"{ck}/{what}; the checkpoint is damaged: {fix}, or restore the file from a copy"
+
+
+def checkpoint_before(ck: Path) -> int | None:
+    """The step of the run's checkpoint before `ck` (RUN/step-N), the one to fall back to when
+    `ck` is damaged; None when there is none (or `ck` is not named as a checkpoint)."""
+    step = ck.name[len(CHECKPOINT_PREFIX):]
+    if not ck.name.startswith(CHECKPOINT_PREFIX) or not step.isdigit():
+        return None
+    before = [s for s in list_checkpoints(ck.parent) if s < int(step)]
+    return before[-1] if before else None
 
 
 def list_checkpoints(out: Path) -> list[int]:
