@@ -162,7 +162,7 @@ def main() -> None:
                 lossless, and speed; or estimated from a held-out cache
       plan      size a run before it starts: cache bytes, whether they fit, hours per stage
       inspect   what a cache holds: manifest, shards, per-layer statistics
-      status    what is done, running or failed: a cache, a run, a generate output (or a folder of them)
+      status    what is done, running or failed: a cache, a run, a generate or prepare output (or a folder of them)
       verify    re-read every committed shard of a cache against its checksum
       demo      the whole job end to end on a tiny built-in target, on the CPU
 
@@ -306,8 +306,9 @@ def inspect(cache: str, sample_id: int | None, stats: bool, max_tokens: int, as_
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status(path: str, as_json: bool) -> None:
-    """What is done, running or failed, for a cache (extraction), a run folder (training) or a
-    generate output; for a folder holding some of them (the demo's --out), for each of them."""
+    """What is done, running or failed, for a cache (extraction), a run folder (training), a
+    generate output or a prepare output; for a folder holding some of them (the demo's --out), for
+    each of them."""
     from dflash_offline.status import show
 
     click.echo(show(path, as_json))

@@ -1,4 +1,4 @@
-"""`dflash-offline status PATH`: for a cache, a training run or a generate output (or each of those a
+"""`dflash-offline status PATH`: for a cache, a training run, a generate or a prepare output (or each of those a
 folder holds, the demo's --out), what is done, what is running, what failed. Reads manifest.json /
 checkpoints / metrics.jsonl, and the heartbeat and log file every process keeps in `logs/`
 (runtime.Heartbeat); no torch, nothing written.
