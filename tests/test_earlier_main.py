@@ -1,5 +1,5 @@
 """Artifacts written by an earlier main (commit f7e7743, before the option renames) still work:
-its cache reads, its checkpoint resumes bit for bit, its recipes load. How they were made:
+its cache reads, its checkpoint resumes to the uninterrupted run, its recipes load. How they were made:
 tests/data/made-by-f7e7743/README.md."""
 
 from __future__ import annotations
@@ -26,20 +26,76 @@ def _losses(path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines() if line.strip()]
 
 
+# The earlier run's figures were recorded on another machine, and CPU kernels differ between
+# machines (vector widths, summation order), so the resumed run is compared with them within a
+# tolerance, not bit for bit. Measured: resuming here and on the recording machine differ by
+# 2.8e-7 in a loss and 7.5e-9 in a weight; a resume that loses the optimizer's moments or restarts
+# the schedule differs by at least 4.6e-3 in a loss and 4.4e-3 in a weight. 1e-4 sits well inside
+# both margins (test_a_wrong_resume_fails_the_comparison shows the wrong resumes are caught).
+LOSS_TOL = 1e-4
+WEIGHT_TOL = 1e-4
+
+
+def _differences_from_uninterrupted(earlier: Path) -> list[str]:
+    """What keeps the resumed run `earlier/run` from being the earlier code's uninterrupted run
+    `earlier/straight`: nothing, or a line per loss or weight tensor past its tolerance."""
+    problems = []
+    got_losses, want_losses = _losses(earlier / "run" / "metrics.jsonl"), _losses(earlier / "straight" / "metrics.jsonl")
+    if len(got_losses) != len(want_losses):
+        return [f"{len(got_losses)} steps logged, the uninterrupted run logged {len(want_losses)}"]
+    for step, (a, b) in enumerate(zip(got_losses, want_losses), start=1):
+        if abs(a - b) > LOSS_TOL:
+            problems.append(f"step {step}: loss {a} against {b}")
+    got, want = load_file(str(earlier / "run" / "step-6" / "drafter.safetensors")), \
+        load_file(str(earlier / "straight" / "step-6" / "drafter.safetensors"))
+    if got.keys() != want.keys():
+        return problems + [f"weights {sorted(got)} against {sorted(want)}"]
+    for k in want:
+        diff = float(np.abs(got[k].astype(np.float64) - want[k].astype(np.float64)).max())
+        if diff > WEIGHT_TOL:
+            problems.append(f"{k}: max difference {diff:.3g}")
+    return problems
+
+
+def _resume(earlier: Path):
+    return run_cli(["train", "--target", earlier / "target", "--cache", earlier / "cache", "--out", earlier / "run",
+                    *TRAIN], timeout=600)
+
+
 def test_earlier_checkpoint_resumes_to_the_uninterrupted_earlier_run(earlier):
     """The killed run's step-3 checkpoint (saved config with num_layers/layers) resumes under the
-    current code and reaches the weights the earlier code reached without a break, bit for bit."""
-    r = run_cli(["train", "--target", earlier / "target", "--cache", earlier / "cache", "--out", earlier / "run",
-                 *TRAIN], timeout=600)
+    current code and reaches the losses and weights the earlier code reached without a break."""
+    r = _resume(earlier)
     assert r.returncode == 0, r.stderr
     assert "resum" in (r.stdout + r.stderr).lower()
     assert "warning:" not in r.stderr  # the checkpoint's earlier keys are mapped, not reported as the user's
-    assert _losses(earlier / "run" / "metrics.jsonl") == _losses(earlier / "straight" / "metrics.jsonl")
-    got, want = load_file(str(earlier / "run" / "step-6" / "drafter.safetensors")), \
-        load_file(str(earlier / "straight" / "step-6" / "drafter.safetensors"))
-    assert got.keys() == want.keys()
-    for k in want:
-        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    # Steps 1-3 are the checkpoint's own lines, kept as they were written.
+    assert _losses(earlier / "run" / "metrics.jsonl")[:3] == _losses(earlier / "straight" / "metrics.jsonl")[:3]
+    assert _differences_from_uninterrupted(earlier) == []
+
+
+def _forget_moments(trainer: dict) -> None:
+    trainer["optimizer"]["state"] = {}
+
+
+def _restart_schedule(trainer: dict) -> None:
+    trainer["scheduler"]["last_epoch"], trainer["scheduler"]["_step_count"] = 0, 1
+
+
+@pytest.mark.parametrize("wrong", [_forget_moments, _restart_schedule], ids=["optimizer-moments", "lr-schedule"])
+def test_a_wrong_resume_fails_the_comparison(earlier, wrong):
+    """The comparison above is not vacuous: a resume that loses part of the checkpoint's state
+    (here, by damaging that part in the checkpoint) runs, and is told apart from the
+    uninterrupted run."""
+    import torch
+
+    path = earlier / "run" / "step-3" / "trainer.pt"
+    trainer = torch.load(path, weights_only=False)
+    wrong(trainer)
+    torch.save(trainer, path)
+    r = _resume(earlier)
+    assert r.returncode == 0, r.stderr
+    assert _differences_from_uninterrupted(earlier), "a wrong resume passed as the uninterrupted run"
 
 
 def test_earlier_checkpoint_still_refuses_another_depth(earlier):
