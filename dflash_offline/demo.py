@@ -59,6 +59,10 @@ def run(out: str, devices: str = "cpu") -> dict:
         print(f"target:   trained a tiny Qwen3 ({target}) for {fit['steps']} steps on progression text in "
               f"{fit['seconds']:.0f} s (loss {fit['loss']:.3f})", flush=True)
     else:
+        if not (target / "tokenizer.json").exists():  # a demo folder from before the tiny target had one
+            from dflash_offline.tiny import save_tiny_tokenizer
+
+            save_tiny_tokenizer(target)
         print(f"target:   {target} (trained earlier)", flush=True)
     prompts_train, prompts_eval = root / "prompts-train.parquet", root / "prompts-eval.parquet"
     if not prompts_eval.exists():
@@ -101,4 +105,11 @@ def run(out: str, devices: str = "cpu") -> dict:
           f"decoding:  tau {e['tau']:.2f} (pooled over {e['rounds']} rounds of {EVAL_PROMPTS} held-out prompts, block "
           f"{e['block_size']}), {e['speedup']:.2f}x the target alone on the CPU, "
           f"{'lossless' if e['lossless'] else 'NOT LOSSLESS'}", flush=True)
+    first = reader.manifest["shards"][0]["sample_ids"][0][0]  # the first committed sample's id
+    print(f"\nlook inside:\n"
+          f"  what each stage did:  dflash-offline status {root}\n"
+          f"  the cache:            dflash-offline inspect {cache}\n"
+          f"  a sample as text:     dflash-offline inspect {cache} --sample {first} --text   (trained spans in [[ ]])\n"
+          f"  a decode as text:     dflash-offline eval --target {target} --drafter {export} --prompts {prompts_eval} "
+          f"--max-new-tokens {NEW_TOKENS} --ignore-eos --show 1   (accepted drafts in {{{{ }}}})", flush=True)
     return report

@@ -122,12 +122,19 @@ def progression_text(rng: np.random.Generator, length: int) -> list[int]:
 def train_tiny_target(folder: str | Path, steps: int = 120, batch: int = 16, seq_len: int = 96, lr: float = 3e-3,
                       seed: int = 0) -> dict:
     """Train the tiny target in `folder` in place (next-token loss on progression text, AdamW),
-    mark token 0 as its end of sequence, and save it. Returns {steps, loss, seconds}."""
+    mark token 0 as its end of sequence, and save it with a tokenizer (save_tiny_tokenizer).
+    Returns {steps, loss, seconds}."""
     import time
 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dflash_offline.runtime.launch import single_thread_compute
+
+    # One thread, as every stage's compute: this model is far too small to gain from a second one,
+    # and an OpenMP pool of two on a two-core machine that is doing anything else spins and waits
+    # (measured 0.37 s a step with one thread, 6.7 s with two, on a busy 2-core machine).
+    single_thread_compute()
     folder = Path(folder)
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -147,7 +154,27 @@ def train_tiny_target(folder: str | Path, steps: int = 120, batch: int = 16, seq
         cfg.eos_token_id = EOS
         cfg.pad_token_id = EOS
     model.save_pretrained(folder)
+    save_tiny_tokenizer(folder)
     return {"steps": steps, "loss": float(loss.detach()), "seconds": time.time() - t0}
+
+
+def save_tiny_tokenizer(folder: str | Path) -> None:
+    """A tokenizer for the tiny vocabulary, so that what reads text works on the demo's target
+    (`inspect --text`, `eval --show`): `<eos>` (0), `<mask>` (1), the progression's tokens 2..33 as
+    the numbers 0..31, and the unused rest as t34..t511. Each token carries its leading space
+    (Metaspace, never prepended), so runs of tokens decoded apart still join with spaces."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": EOS, "<mask>": 1}
+    vocab.update({f"\u2581{k}": k + 2 for k in range(CYCLE)})
+    vocab.update({f"\u2581t{i}": i for i in range(CYCLE + 2, TINY_VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<mask>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="never")
+    tok.add_special_tokens([AddedToken("<eos>", special=True), AddedToken("<mask>", special=True)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>",
+                            mask_token="<mask>").save_pretrained(folder)
 
 
 def make_progression_prompts(path: str | Path, rows: int, seed: int, min_len: int = 4, max_len: int = 20,

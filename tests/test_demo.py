@@ -32,6 +32,21 @@ def test_demo_drafter_speeds_up_real_decoding(tmp_path):
     states = {p["name"]: p["state"] for p in json.loads(st.stdout)["processes"]}
     assert set(states.values()) == {"done"} and "extract-launcher" in states, states
     assert (out / ".dflash-demo").is_file()
+    # Its closing lines name the commands that look inside, and each of them works as printed.
+    looks = [line.split(":", 1)[1].split("(")[0].split() for line in r.stdout.splitlines()
+             if line.strip().startswith(("what each stage did:", "the cache:", "a sample as text:", "a decode as text:"))]
+    assert len(looks) == 4 and all(cmd[0] == "dflash-offline" for cmd in looks), r.stdout[-2000:]
+    for cmd in looks:
+        seen = run_cli(cmd[1:], env={"NO_COLOR": "1"})
+        assert seen.returncode == 0, (cmd, seen.stderr[-2000:])
+    # The sample as text: the tiny target's tokenizer writes token k+2 of the progression as the number k.
+    from dflash_offline import open_cache
+
+    sample = open_cache(str(out / "cache")).sample(int(looks[2][looks[2].index("--sample") + 1]))
+    trained = [int(t) for t, m in zip(sample.input_ids, sample.loss_mask) if m]
+    assert all(2 <= t < 34 for t in trained)
+    text = run_cli(looks[2][1:], env={"NO_COLOR": "1"}).stdout
+    assert "[[ " + " ".join(str(t - 2) for t in trained) + "]]" in text, text
     # Run again into its own folder: every stage says it is complete, the figures are the same run's.
     again = run_cli(["demo", "--out", str(out)], timeout=900)
     assert again.returncode == 0 and "(trained earlier)" in again.stdout, again.stderr[-3000:]
