@@ -256,3 +256,63 @@ def test_follow_splits_long_samples_in_each_window(long_cache, tiny_dense, tmp_p
     recorded = [i for line in (out / "consumed.jsonl").read_text().splitlines() for i in json.loads(line)["sample_ids"]]
     assert len(recorded) == len(set(recorded))
     assert set(recorded) == {i for i, v in masks.items() if v.shape[0] <= S or v.any()}
+
+
+def _earlier_pack_rows(lengths, order, seq_len):
+    """The packing of versions before pieces, literally: the rows a checkpoint of theirs resumes into."""
+    rows, cur, used = [], [], 0
+    for s in order.tolist():
+        t = min(int(lengths[s]), seq_len)
+        if used + t > seq_len:
+            rows.append(cur)
+            cur, used = [], 0
+        cur.append((s, t))
+        used += t
+    if cur:
+        rows.append(cur)
+    return rows
+
+
+def test_rows_of_samples_that_fit_and_of_truncate_are_the_earlier_rows():
+    from dflash_offline.train.packing import epoch_order
+    from dflash_offline.train.pieces import Pieces, pack_pieces
+
+    rng = np.random.default_rng(5)
+    for seq_len, top in ((64, 64), (64, 300), (256, 90)):  # all fit; some longer (truncate); all fit
+        lengths = rng.integers(1, top + 1, size=300)
+        for e in range(3):
+            order = epoch_order(len(lengths), 7, e)
+            got = [[(p.sample, p.length) for p in row] for row in pack_pieces(Pieces.make(lengths, seq_len), order, seq_len)]
+            assert got == _earlier_pack_rows(lengths, order, seq_len)
+            assert all(p.start == 0 for row in pack_pieces(Pieces.make(lengths, seq_len), order, seq_len) for p in row)
+
+
+def _fewest_covering(points: np.ndarray, width: int) -> int:
+    """Brute force: the fewest windows of `width` consecutive positions that hold all `points`
+    (greedy from the first point, the textbook optimum for points on a line)."""
+    n, end = 0, -1
+    for q in points.tolist():
+        if q > end:
+            n, end = n + 1, q + width - 1
+    return n
+
+
+def test_split_trained_holds_each_trained_token_once_in_fewest_pieces():
+    from dflash_offline.train.pieces import split_trained
+
+    rng = np.random.default_rng(9)
+    for _ in range(400):
+        n, S = int(rng.integers(2, 400)), int(rng.integers(2, 80))
+        m = np.zeros(n, np.uint8)
+        for _ in range(int(rng.integers(0, 6))):  # a few trained spans of any length
+            a = int(rng.integers(0, n))
+            m[a:a + int(rng.integers(1, 120))] = 1
+        parts = split_trained(m, S)
+        trained = np.flatnonzero(m)
+        held = [a + int(q) for a, k in parts for q in np.flatnonzero(m[a:a + k])]
+        assert held == trained.tolist()  # each trained token once, in token order
+        assert all(1 <= k <= S and m[a + k - 1] for a, k in parts)  # a row at most; ends on a trained token
+        assert all(a + k <= b for (a, k), (b, _) in zip(parts, parts[1:]))
+        assert len(parts) == _fewest_covering(trained, S)
+        # Each piece reaches back as far as a row allows: to the sample's start or S tokens.
+        assert all(k == S or a == 0 for a, k in parts)
