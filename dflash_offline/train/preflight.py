@@ -103,7 +103,6 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     )
     log.info("plan: %d rows/epoch, %d ranks x %d micro-batches of %d tokens per step, %d steps/epoch, %d steps total",
              rows, world, accum, cfg.seq_len, spe, plan.total_steps)
-
     log.info("recipe: layers %s of the cache's %s, lr %.3g%s, %d anchors per row, %s per sample, kd weight %g",
              layer_ids, list(v.layer_ids), plan.lr, " (auto)" if cfg.lr is None else "", cfg.num_anchors,
              cfg.anchors_per_sample or "one draw", cfg.kd_weight)
