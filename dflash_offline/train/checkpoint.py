@@ -193,9 +193,15 @@ def saved_config(config: dict) -> dict:
     return under_current_names(TrainConfig, config)
 
 
-def check_resume(cfg: TrainConfig, cache_fingerprint: str) -> None:
+# What a checkpoint written before a setting existed did, where that is not the setting's default:
+# earlier versions cut every sample longer than --seq-len to its first seq_len tokens.
+EARLIER_RULES = {"long_samples": "truncate"}
+
+
+def check_resume(cfg: TrainConfig, cache_fingerprint: str, moot: tuple[str, ...] = ()) -> None:
     """Refuse, before any process starts, to resume a checkpoint made on another cache or with
-    other settings (a changed lr would be silently overridden by the saved optimizer state)."""
+    other settings (a changed lr would be silently overridden by the saved optimizer state).
+    `moot`: settings that change no number of this run (long_samples when every sample fits)."""
     out = Path(cfg.out)
     found = list_checkpoints(out)
     if not found:
@@ -210,7 +216,10 @@ def check_resume(cfg: TrainConfig, cache_fingerprint: str) -> None:
     defaults = TrainConfig()
     saved = saved_config(state["config"])
     for key in RESUME_KEYS:
-        theirs = saved.get(key, getattr(defaults, key))  # a key newer than the checkpoint: its default
+        if key in moot:
+            continue
+        # A key newer than the checkpoint: what the version that wrote it did, by default its default.
+        theirs = saved.get(key, EARLIER_RULES.get(key, getattr(defaults, key)))
         if theirs != getattr(cfg, key):
             raise UserError(f"{ck} was made with {key} = {_shown(theirs)}, this run has {_shown(getattr(cfg, key))}; "
                             "use the same settings to resume, or a new --out")

@@ -45,6 +45,11 @@ class TrainConfig:
     dpace_alpha: float = opt(0.5, "With --loss-weights dpace: the smoothing a in (1 - a) x q + a, in [0, 1] (1 = every scored slot to the end counts equally).", resume=True)
     seq_len: int = opt(4096, "Context tokens per packed row; more than --block-size (a row holds whole blocks).", resume=True)
     """Context tokens per row; samples are packed into rows of exactly this length."""
+    long_samples: str = opt("split", "Samples longer than --seq-len: split = into pieces of at most --seq-len tokens, each its own document, every trained token trained once; truncate = keep their first --seq-len tokens (earlier versions' rule).", choices=("split", "truncate"), resume=True)
+    """What a sample longer than `seq_len` becomes. split: pieces of at most `seq_len` tokens that
+    hold each of its trained tokens once (train/pieces.py), each packed as its own document (its
+    hidden states still carry the whole prefix; its blocks see no context before the piece);
+    truncate: its first `seq_len` tokens, the rest untrained (what versions before this option did)."""
     global_batch_tokens: int = opt(131072, "Context tokens per optimizer step, all ranks.", resume=True)
     """Context tokens per optimizer step over all ranks (accumulation fills it)."""
     lr: float | None = opt(None, "Peak learning rate.", default_text="6e-4 x (4096 / hidden size)^0.8", resume=True)

@@ -9,8 +9,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
-from dflash_offline.options import where
+from dflash_offline.options import also, where
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
@@ -40,6 +41,7 @@ class Segment:
     key: int  # epoch, or window index: seeds the order and the anchors
     refs: list  # (shard, sample, first token)
     lengths: object  # np.ndarray of sample lengths
+    pieces: object  # pieces.Pieces the rows pack
     base: int  # global step at the segment's first step
     steps: int
     shards: list = field(default_factory=list)
@@ -107,30 +109,30 @@ def epoch_segments(plan: TrainPlan, step: int, stop: int):
     ep = plan.epochs
     spe = ep.steps_per_epoch
     for e in range(step // spe, -(-stop // spe)):
-        yield Segment(e, ep.refs, ep.lengths, e * spe, spe)
+        yield Segment(e, ep.refs, ep.lengths, ep.pieces, e * spe, spe)
 
 
-def follow_window_rows(cfg: TrainConfig, plan: TrainPlan, window: int, names: list[str]):
-    """A committed window's refs, lengths, the ids of the samples its rows hold, and its number of
-    steps: the rows are packed in the order epoch_order(window), and the last step is filled with
-    empty rows (no sample dropped)."""
-    import numpy as np
+class WindowRows(NamedTuple):
+    """A committed follow window: its samples, the ids of those its rows hold, and its steps."""
 
+    table: object  # pieces.SampleTable
+    sample_ids: list[int]
+    steps: int
+
+
+def follow_window_rows(cfg: TrainConfig, plan: TrainPlan, window: int, names: list[str]) -> WindowRows:
+    """A committed window's samples and steps: its pieces are packed in the order
+    epoch_order(window), and the last step is filled with empty rows (no sample dropped)."""
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.train.packing import epoch_order, pack_rows
+    from dflash_offline.train.packing import epoch_order
+    from dflash_offline.train.pieces import pack_pieces, scan_samples
 
     reader = CacheReader(cfg.cache)
-    refs, lengths, ids = [], [], []
-    for name in names:
-        sh = reader.shard(name)
-        offs = sh.offsets
-        lengths.extend((offs[1:] - offs[:-1]).tolist())
-        refs.extend((name, k, int(offs[k])) for k in range(len(offs) - 1))
-        ids.extend(int(i) for i in sh.ids)
-    lengths = np.asarray(lengths, np.int64)
-    rows = pack_rows(lengths, epoch_order(len(refs), cfg.seed, window), cfg.seq_len)
-    trained = [ids[smp] for row in rows for smp, _ in row]
-    return refs, lengths, trained, -(-len(rows) // (plan.world * plan.accum))
+    table = scan_samples([(name, reader.shard(name)) for name in names], cfg.seq_len, cfg.long_samples)
+    rows = pack_pieces(table.pieces, epoch_order(len(table.refs), cfg.seed, window), cfg.seq_len)
+    # A split sample's pieces follow each other in the order: each id once, where its first piece is.
+    trained = list(dict.fromkeys(table.ids[p.sample] for row in rows for p in row))
+    return WindowRows(table, trained, -(-len(rows) // (plan.world * plan.accum)))
 
 
 def follow_segments(cfg: TrainConfig, plan: TrainPlan, rank: int, world: int, device: str, start: FollowPosition,
@@ -150,7 +152,7 @@ def follow_segments(cfg: TrainConfig, plan: TrainPlan, rank: int, world: int, de
     window, base, tokens_before = start.window, start.window_start, start.tokens_before
     store = ManifestStore(Location(cfg.cache, where(cfg, "cache")))
     flag = torch.zeros(1, dtype=torch.int64, device=device if device.startswith("cuda") else "cpu")
-    prev = None
+    prev, warned = None, False
     while window * G < N:
         names = [shard_name(i) for i in range(window * G, min((window + 1) * G, N))]
         t0, last_log, told = time.time(), 0.0, None
@@ -198,10 +200,17 @@ def follow_segments(cfg: TrainConfig, plan: TrainPlan, rank: int, world: int, de
             time.sleep(0.5)
         if time.time() - t0 > 1 and rank == 0:
             log.info("window %d ready after %.1fs waiting", window, time.time() - t0)
-        refs, lengths, trained, steps = follow_window_rows(cfg, plan, window, names)
-        prev = Segment(window, refs, lengths, base, steps, names, trained, int(lengths.sum()), tokens_before)
+        got = follow_window_rows(cfg, plan, window, names)
+        table = got.table
+        said = table.long.line(where(cfg, "seq_len"), also(cfg, "seq_len"), also(cfg, "long_samples"))
+        if said and rank == 0:  # on the terminal once, in the log for every window
+            (log.info if warned else log.warning)("window %d: %s", window, said)
+            warned = True
+        # The schedule runs over the cache's tokens (the plan's count), whatever the rows keep of them.
+        prev = Segment(window, table.refs, table.lengths, table.pieces, base, got.steps, names, got.sample_ids,
+                       int(table.lengths.sum()), tokens_before)
         yield prev
-        base += steps
+        base += got.steps
         tokens_before += prev.tokens
         window += 1
 

@@ -32,7 +32,7 @@ from dflash_offline.train.follow import (
 )
 from dflash_offline.train.heldout import HeldOut
 from dflash_offline.train.outcomes import agreed_stop, stopped_message
-from dflash_offline.train.plan import TrainPlan
+from dflash_offline.train.plan import EpochPlan, TrainPlan
 from dflash_offline.train.run_folder import BEST, CONSUMED, EXPORT, HELD_OUT_LOG, truncate_jsonl, truncate_metrics
 from dflash_offline.train.step import StepLog, optimizer_step
 from dflash_offline.train.trainer import LoopState, Trainer, build_trainer
@@ -87,7 +87,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tra
     else:
         segments = list(epoch_segments(plan, st.step, stop))
         # One loader for all the epochs: its processes and read-ahead carry over the boundaries.
-        rows = _open_rows(t, plan.epochs.refs, plan.epochs.lengths, [_span(seg, st.step, stop) for seg in segments])
+        rows = _open_rows(t, plan.epochs, [_span(seg, st.step, stop) for seg in segments])
     try:
         last_seg = None
         for seg in segments:
@@ -125,8 +125,9 @@ def _span(seg: Segment, step: int, stop: int | None):
     return Span(seg.key, start, seg.steps if stop is None else max(start, min(seg.steps, stop - seg.base)))
 
 
-def _open_rows(t: Trainer, refs: list, lengths, spans: list):
-    """An iterator over this rank's micro-batches of `spans`, read ahead by the loader processes."""
+def _open_rows(t: Trainer, samples: EpochPlan | Segment, spans: list):
+    """An iterator over this rank's micro-batches of `spans` over `samples` (refs, lengths, pieces:
+    the cache's, the same every epoch, or a follow window's), read ahead by the loader processes."""
     from dflash_offline.train.stream import RowSpec, RowStream, make_loader
 
     cfg = t.cfg
@@ -139,7 +140,8 @@ def _open_rows(t: Trainer, refs: list, lengths, spans: list):
                    cache_layers=t.plan.cache_layers,
                    layer_columns=None if t.plan.layer_columns is None else tuple(t.plan.layer_columns),
                    topk=t.plan.topk, anchors_per_sample=cfg.anchors_per_sample or None)
-    stream = RowStream(cfg.cache, refs, lengths, spec, spans, t.rank, t.world, t.plan.accum, pad_rows=t.follow)
+    stream = RowStream(cfg.cache, samples.refs, samples.lengths, spec, spans, t.rank, t.world, t.plan.accum,
+                       pad_rows=t.follow, pieces=samples.pieces)
     if len(stream) == 0:  # nothing left to train (a resumed finished run): no processes to start
         return iter(())
     with spawning():  # loader processes start with the stop signals blocked, then ignore them
@@ -155,11 +157,15 @@ def _train_segment(t: Trainer, st: LoopState, seg: Segment, stop: int | None, st
     from dflash_offline.train.profiling import phase
 
     cfg, rank = t.cfg, t.rank
+    if t.follow and seg.steps == 0:  # a window whose samples hold no trained token: no row to train
+        if rank == 0:
+            record_window(t.out, seg)
+        return True
     span = _span(seg, st.step, stop)
     if span.end <= span.start:
         return False
     st.epoch = seg.key
-    it = rows if rows is not None else _open_rows(t, seg.refs, seg.lengths, [span])
+    it = rows if rows is not None else _open_rows(t, seg, [span])
     for s in range(span.start, span.end):
         if prof is not None:
             prof.before(st.step + 1)

@@ -21,25 +21,12 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def pack_rows(lengths: np.ndarray, order: np.ndarray, seq_len: int) -> list[list[tuple[int, int]]]:
-    """Greedy packing in `order`: each row is [(sample, kept_length), ...] with sum <= seq_len.
+    """Greedy packing in `order` of every sample's first min(length, seq_len) tokens: each row is
+    [(sample, kept_length), ...] with sum <= seq_len (the held-out estimates' rows; training packs
+    `pieces.pack_pieces`, which splits samples longer than seq_len)."""
+    from dflash_offline.train.pieces import Pieces, pack_pieces
 
-    A sample that does not fit in the rest of the current row starts a new row (no sample is split
-    across rows: a block must never see context from another row); one longer than seq_len keeps
-    its first seq_len tokens.
-    """
-    rows: list[list[tuple[int, int]]] = []
-    cur: list[tuple[int, int]] = []
-    used = 0
-    for s in order.tolist():
-        t = min(int(lengths[s]), seq_len)
-        if used + t > seq_len:
-            rows.append(cur)
-            cur, used = [], 0
-        cur.append((s, t))
-        used += t
-    if cur:
-        rows.append(cur)
-    return rows
+    return [[(p.sample, p.length) for p in row] for row in pack_pieces(Pieces.make(lengths, seq_len), order, seq_len)]
 
 
 def loss_weights(block_size: int, gamma: float) -> np.ndarray:
@@ -96,7 +83,9 @@ def choose_anchors(cand: np.ndarray, cand_doc: np.ndarray, num_anchors: int, anc
 
 def build_row(input_ids: list[np.ndarray], loss_masks: list[np.ndarray], seq_len: int, num_anchors: int,
               block_size: int, mask_token_id: int, slot_weights: np.ndarray, rng: np.random.Generator,
-              anchors_per_sample: int | None = None) -> Row:
+              anchors_per_sample: int | None = None, starts: list[int] | None = None) -> Row:
+    """The row of the documents `input_ids` (with their `loss_masks`), packed from position 0;
+    `starts`: where each begins inside its sample (a piece of a longer one), its first position."""
     S, N, B = seq_len, num_anchors, block_size
     ids = np.zeros(S, np.int64)
     doc = np.full(S, -1, np.int32)
@@ -105,7 +94,8 @@ def build_row(input_ids: list[np.ndarray], loss_masks: list[np.ndarray], seq_len
     a = 0
     for d, (t, m) in enumerate(zip(input_ids, loss_masks)):
         n = t.shape[0]
-        ids[a:a + n], lm[a:a + n], doc[a:a + n], pos[a:a + n] = t, m, d, np.arange(n)
+        p0 = starts[d] if starts is not None else 0
+        ids[a:a + n], lm[a:a + n], doc[a:a + n], pos[a:a + n] = t, m, d, np.arange(p0, p0 + n)
         a += n
     # Anchors: p with loss_mask[p] and loss_mask[p + 1] inside one document (dflash-method.md).
     ok = (lm[:-1] == 1) & (lm[1:] == 1) & (doc[:-1] == doc[1:]) & (doc[:-1] >= 0)

@@ -12,6 +12,7 @@ class EpochPlan:
 
     refs: list  # (shard, sample, first token)
     lengths: object  # np.ndarray of sample lengths
+    pieces: object  # pieces.Pieces: what the rows pack (a sample longer than --seq-len is split or cut)
     rows_per_epoch: int
     steps_per_epoch: int
 

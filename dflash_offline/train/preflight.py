@@ -42,7 +42,8 @@ def step_accumulation(cfg: TrainConfig, world: int) -> int:
 
 def preflight(cfg: TrainConfig) -> TrainPlan:
     from dflash_offline.drafter.export import check_export_dest
-    from dflash_offline.train.packing import manifest_fingerprint, pack_rows, epoch_order, steps_per_epoch
+    from dflash_offline.train.packing import manifest_fingerprint, epoch_order, steps_per_epoch
+    from dflash_offline.train.pieces import pack_pieces, scan_samples
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
     from dflash_offline.runtime.paths import require_kind
 
@@ -68,23 +69,17 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
                         "streaming trainer (train --follow --stream), so it no longer holds all its samples; "
                         "extract a new cache")
     t0 = time.time()
-    refs, lengths = [], []
-    scored = False
-    for name, sh in checked_shards(reader, f"{where(cfg, 'cache')} {cfg.cache}", cfg.verify):
-        # A cache whose loss masks are all zero trains nothing: read them until one token is scored
-        # (the first shard, for any real data: one byte per token).
-        scored = scored or bool(sh.group["loss_mask"][:].any())
-        offs = sh.offsets
-        lengths.extend((offs[1:] - offs[:-1]).tolist())
-        refs.extend((name, k, int(offs[k])) for k in range(len(sh)))  # (shard, sample, first token)
+    shards = list(checked_shards(reader, f"{where(cfg, 'cache')} {cfg.cache}", cfg.verify))
+    table = scan_samples(shards, cfg.seq_len, cfg.long_samples)
+    refs = table.refs
+    # A cache whose loss masks are all zero trains nothing (counted already when a sample is long;
+    # else read until one token is scored: the first shard, for any real data, one byte a token).
+    scored = table.long.trained > 0 or any(sh.group["loss_mask"][:].any() for _, sh in shards)
     log.info("cache: %d shards, %d samples checked (%s) in %.1fs", len(reader.shard_names), len(refs), cfg.verify,
              time.time() - t0)
     if not scored:
         raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: every loss_mask value is 0, so no token would be trained on; extract "
                         "data whose loss_mask marks the tokens to learn (e.g. 1 on the completions)")
-    import numpy as np
-
-    lengths = np.asarray(lengths, np.int64)
     layer_ids, columns = layer_choice(cfg, v)
     _check_row_memory(cfg, len(layer_ids) * v.hidden_size)
     topk = _check_soft_targets(cfg, v)
@@ -93,7 +88,7 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     accum = step_accumulation(cfg, world)
     # Rows per epoch vary a little with the order; every epoch runs as many steps as the
     # shortest one has, so a step never meets a missing row.
-    rows = min(len(pack_rows(lengths, epoch_order(len(refs), cfg.seed, e), cfg.seq_len)) for e in range(cfg.epochs))
+    rows = min(len(pack_pieces(table.pieces, epoch_order(len(refs), cfg.seed, e), cfg.seq_len)) for e in range(cfg.epochs))
     spe = steps_per_epoch(rows, world, accum)
     if spe == 0:
         raise UserError(f"the cache packs into {rows} rows of {cfg.seq_len} tokens, fewer than one step needs "
@@ -103,7 +98,8 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
         cache_fingerprint=manifest_fingerprint(m), hidden_size=v.hidden_size,
         captured_layers=len(layer_ids), cache_layers=len(v.layer_ids), layer_columns=columns,
         topk=topk, hidden_dtype=v.hidden_dtype, lr=cfg.resolved_lr(v.hidden_size),
-        epochs=EpochPlan(refs=refs, lengths=lengths, rows_per_epoch=rows, steps_per_epoch=spe),
+        epochs=EpochPlan(refs=refs, lengths=table.lengths, pieces=table.pieces, rows_per_epoch=rows,
+                         steps_per_epoch=spe),
     )
     log.info("plan: %d rows/epoch, %d ranks x %d micro-batches of %d tokens per step, %d steps/epoch, %d steps total",
              rows, world, accum, cfg.seq_len, spe, plan.total_steps)
@@ -112,7 +108,11 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
              cfg.anchors_per_sample or "one draw", cfg.kd_weight)
     if cfg.eval_cache:
         _check_eval_cache(cfg, layer_ids, v)
-    check_resume(cfg, plan.cache_fingerprint)
+    # Every sample fits: split and truncate make the same rows, so either resumes the other.
+    check_resume(cfg, plan.cache_fingerprint, moot=() if table.long.long else ("long_samples",))
+    said = table.long.line(where(cfg, "seq_len"), also(cfg, "seq_len"), also(cfg, "long_samples"))
+    if said:  # after the refusals: a warning never precedes a run's error line
+        log.warning("%s", said)
     return plan
 
 
@@ -301,7 +301,10 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
              "micro-batches of %d tokens per step; about %d steps", ", stream" if cfg.stream else "",
              v.num_shards, len(committed_names(m)), tokens, cfg.follow_window, world, accum, cfg.seq_len,
              total)
-    check_resume(cfg, plan.cache_fingerprint)
+    # Extract cut every sample to capture.max_len tokens: when that fits a row, split and truncate
+    # make the same rows. Otherwise each window says what it splits (or cuts) as it comes.
+    fits = v.max_len is not None and v.max_len <= cfg.seq_len
+    check_resume(cfg, plan.cache_fingerprint, moot=("long_samples",) if fits else ())
     # Last, under the manifest's lock: two trainers started at once cannot both pass as the only one.
     store.register_consumer(mine, cfg.stream)
     return plan

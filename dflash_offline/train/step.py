@@ -59,6 +59,7 @@ class StepResult(NamedTuple):
     sums: StepSums
     wsum: object  # the step's loss weight over all ranks (a tensor)
     gnorm: object  # the gradient norm before clipping (a tensor)
+    trained_tokens: object  # context tokens with loss mask 1 in the step's rows, all ranks (a tensor)
     lr: float  # the learning rate the step applied
     t0: float  # perf_counter at the step's start
     t_data: float  # seconds it waited for its micro-batches
@@ -82,9 +83,12 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
     t_data = time.perf_counter() - t0
     with phase("to-device"):
         micro = [mb.on(device, non_blocking=True) for mb in micro]
-        wsum = torch.stack([mb.weights.sum() for mb in micro]).sum().double()
+        # The step's loss weight and its trained tokens (the rows' loss-mask tokens), one all-reduce.
+        head = torch.stack([torch.stack([mb.weights.sum() for mb in micro]).sum().double(),
+                            torch.stack([mb.trained.sum() for mb in micro]).sum().double()])
     if world > 1:
-        dist.all_reduce(wsum)
+        dist.all_reduce(head)
+    wsum = head[0]
     # Each rank's loss is scaled so DDP's gradient average equals the global weighted mean.
     scale = world / wsum.clamp_min(1e-12)
     step_m = None
@@ -151,8 +155,8 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
         t.opt.step()
         t.sched.step()
         t.opt.zero_grad(set_to_none=True)
-    return StepResult(sums=sums, wsum=wsum, gnorm=gnorm, lr=lr_now if t.follow else t.sched.get_last_lr()[0], t0=t0,
-                      t_data=t_data)
+    return StepResult(sums=sums, wsum=wsum, gnorm=gnorm, trained_tokens=head[1],
+                      lr=lr_now if t.follow else t.sched.get_last_lr()[0], t0=t0, t_data=t_data)
 
 
 @dataclass
@@ -190,7 +194,7 @@ class StepLog:
                "lr": r.lr, "grad_norm": float(r.gnorm), "step_time": t_step,
                "data_wait": r.t_data / t_step,
                "acc": [round(float(a), 5) for a in acc[1:]], "tokens": step * t.tokens_per_step,
-               "recompiles": recompiles}
+               "trained_tokens": int(r.trained_tokens.item()), "recompiles": recompiles}
         if t.cuda:
             rec["max_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
         self.metrics.write(json.dumps(rec) + "\n")

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from dflash_offline.cache.fp8 import DTYPE_NAME as FP8
-from dflash_offline.train.packing import anchor_rng, build_row, epoch_order, loss_weights, pack_rows
+from dflash_offline.train.packing import anchor_rng, build_row, epoch_order, loss_weights
+from dflash_offline.train.pieces import Piece, Pieces, pack_pieces
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class MicroBatch:
     block_positions: torch.Tensor
     labels: torch.Tensor
     weights: torch.Tensor
+    trained: torch.Tensor | None = None  # [1]: context tokens with loss mask 1 (the step's count)
     target_hidden: torch.Tensor | None = None
     target_hidden_bits: torch.Tensor | None = None
     target_hidden_scale: torch.Tensor | None = None
@@ -135,24 +137,28 @@ class RowStream(torch.utils.data.IterableDataset):
     epoch boundary to start its processes and to fill their read-ahead again."""
 
     def __init__(self, cache: str, refs: list[tuple[str, int]], lengths: np.ndarray, spec: RowSpec | dict,
-                 spans: Span | list[Span], rank: int, world: int, accum: int, pad_rows: bool = False):
+                 spans: Span | list[Span], rank: int, world: int, accum: int, pad_rows: bool = False,
+                 pieces: Pieces | None = None):
         self.cache, self.refs, self.lengths, self.spec = cache, refs, lengths, RowSpec.of(spec)
+        # What the rows pack (training's, from its plan); None: each sample's first seq_len tokens.
+        self.pieces = pieces if pieces is not None else Pieces.make(lengths, self.spec.seq_len)
         self.pad_rows = pad_rows  # rows past the packed ones are empty (weight 0): a follow window's last step
         self.spans = [spans] if isinstance(spans, Span) else list(spans)
         self.rank, self.world, self.accum = rank, world, accum
         self._reader = None
 
-    def rows(self, epoch: int | None = None) -> list[list[tuple[int, int]]]:
+    def rows(self, epoch: int | None = None) -> list[list[Piece]]:
         """The packed rows of `epoch`'s order (default: the first span's)."""
         order = epoch_order(len(self.refs), self.spec.seed, self.spans[0].epoch if epoch is None else epoch)
-        return pack_rows(self.lengths, order, self.spec.seq_len)
+        return pack_pieces(self.pieces, order, self.spec.seq_len)
 
     def __len__(self) -> int:
         return sum(sp.end - sp.start for sp in self.spans) * self.accum
 
-    def _read(self, ref: tuple, keep: int, out: np.ndarray, out_scale: np.ndarray | None, topk: int = 0):
+    def _read(self, ref: tuple, keep: int, out: np.ndarray, out_scale: np.ndarray | None, topk: int = 0,
+              start: int = 0):
         """(input_ids, loss_mask, hidden bits or None, hidden scale or None, top-k or None) of the
-        first `keep` tokens of sample ref = (shard, k, first token); the hidden bits (and fp8
+        `keep` tokens from `start` of sample ref = (shard, k, first token); the hidden bits (and fp8
         scales) go into `out` [keep, n, H] (`out_scale` [keep, n]) when None is returned; with
         `topk`, the last item is (ids [keep, k], logprobs [keep, k]).
         Local caches are read from the chunk files (cache.reader.ChunkFiles): no Zarr group is
@@ -169,7 +175,7 @@ class RowStream(torch.utils.data.IterableDataset):
             self._zarr = CacheReader(self.cache)  # URL caches, and refs without their first token
         try:
             if self._reader and len(ref) > 2:
-                a = int(ref[2])
+                a = int(ref[2]) + start
                 b = a + keep
                 f = self._reader
                 f.read(ref[0], "hidden", a, b, out=out)
@@ -179,7 +185,7 @@ class RowStream(torch.utils.data.IterableDataset):
                 return (f.read(ref[0], "input_ids", a, b).astype(np.int64), f.read(ref[0], "loss_mask", a, b),
                         None, None, top)
             shard = self._zarr.shard(ref[0])
-            a = int(shard.offsets[ref[1]])
+            a = int(shard.offsets[ref[1]]) + start
             g = shard.group
             b = a + keep
             top = (g["topk_ids"][a:b], g["topk_logprobs"][a:b]) if topk else None
@@ -190,7 +196,7 @@ class RowStream(torch.utils.data.IterableDataset):
             raise RuntimeError(f"cache {self.cache}: shard {ref[0]}, sample {ref[1]} is unreadable "
                                f"({type(e).__name__}: {e}); check the cache with `dflash-offline verify`") from None
 
-    def make(self, epoch: int, global_row: int, packed: list[tuple[int, int]]) -> MicroBatch:
+    def make(self, epoch: int, global_row: int, packed: list[Piece]) -> MicroBatch:
         sp = self.spec
         S, n, H = sp.seq_len, sp.captured_layers, sp.hidden_size
         # A subset of the captured layers (train --target-layers): the cache's [tokens, n_cache, H] rows are
@@ -207,14 +213,14 @@ class RowStream(torch.utils.data.IterableDataset):
         top_lp = np.full((S, k), -np.inf, np.float16) if k else None
         ids, masks = [], []
         t = 0
-        for s, keep in packed:
+        for s, start, keep in packed:
             if subset:
                 full = np.empty((keep, n_cache, H), bits.dtype)
                 full_scale = np.empty((keep, n_cache), np.float32) if fp8 else None
             else:
                 full = bits[t:t + keep].reshape(keep, n, H)
                 full_scale = scale[t:t + keep] if fp8 else None
-            i, m, h, sc, top = self._read(self.refs[s], keep, full, full_scale, k)
+            i, m, h, sc, top = self._read(self.refs[s], keep, full, full_scale, k, start)
             if h is not None:
                 full[...] = h.reshape(keep, n_cache, H)
                 if fp8:
@@ -231,7 +237,7 @@ class RowStream(torch.utils.data.IterableDataset):
         B = sp.block_size
         row = build_row(ids, masks, sp.seq_len, sp.num_anchors, B, sp.mask_token_id,
                         loss_weights(B, sp.gamma), anchor_rng(sp.seed, epoch, global_row),
-                        anchors_per_sample=sp.anchors_per_sample)
+                        anchors_per_sample=sp.anchors_per_sample, starts=[p.start for p in packed])
         as_t = lambda x: torch.from_numpy(np.ascontiguousarray(x))[None]  # noqa: E731 - [1, ...]
         soft = {}
         if k:
@@ -245,7 +251,8 @@ class RowStream(torch.utils.data.IterableDataset):
         return MicroBatch(row=torch.tensor([global_row]), doc_ids=as_t(row.doc_ids), ctx_positions=as_t(row.positions),
                           anchors=as_t(row.anchors), anchor_valid=as_t(row.anchor_valid),
                           block_ids=as_t(row.block_ids), block_positions=as_t(row.block_positions),
-                          labels=as_t(row.labels), weights=as_t(row.weights), **hidden, **soft)
+                          labels=as_t(row.labels), weights=as_t(row.weights),
+                          trained=torch.tensor([int(row.loss_mask.sum())]), **hidden, **soft)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()

@@ -70,7 +70,8 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     from dflash_offline.drafter import masks
     from dflash_offline.cache.reader import CacheReader
     from dflash_offline.train.loss import block_loss, block_metrics
-    from dflash_offline.train.packing import epoch_order, pack_rows
+    from dflash_offline.train.packing import epoch_order
+    from dflash_offline.train.pieces import pack_pieces, scan_samples
     from dflash_offline.train.stream import RowSpec, RowStream, Span, make_loader
 
     reader = CacheReader(cache)
@@ -79,13 +80,9 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     columns = cache_layer_columns(m, cfg, cache, option)
     view = ManifestView.of(m)
     n_cached = len(view.layer_ids)
-    refs, lengths = [], []
-    for name in reader.shard_names:
-        sh = reader.shard(name)
-        lengths.extend((sh.offsets[1:] - sh.offsets[:-1]).tolist())
-        refs.extend((name, k, int(sh.offsets[k])) for k in range(len(sh)))
-    lengths = np.asarray(lengths, np.int64)
-    rows = len(pack_rows(lengths, epoch_order(len(refs), seed, 0), seq_len))
+    # Samples longer than a row are split as training's default splits them (train/pieces.py).
+    table = scan_samples([(name, reader.shard(name)) for name in reader.shard_names], seq_len)
+    rows = len(pack_pieces(table.pieces, epoch_order(len(table.refs), seed, 0), seq_len))
     steps = rows if max_rows is None else min(rows, max_rows)
     B = cfg.block_size
     # The stream reads every captured layer (its rows are [S, n*H] of the cache's n); the
@@ -93,7 +90,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     spec = RowSpec(seed=seed, seq_len=seq_len, num_anchors=num_anchors, block_size=B,
                    mask_token_id=cfg.mask_token_id, gamma=1.0, hidden_size=cfg.hidden_size,
                    captured_layers=n_cached, hidden_dtype=view.hidden_dtype)
-    stream = RowStream(cache, refs, lengths, spec, Span(0, 0, steps), 0, 1, 1)
+    stream = RowStream(cache, table.refs, table.lengths, spec, Span(0, 0, steps), 0, 1, 1, pieces=table.pieces)
     drafter = drafter.to(device)
     cuda = str(device).startswith("cuda")
     total: dict | None = None
