@@ -4,8 +4,12 @@ A DFlash drafter is trained on what the target writes *in the context the server
 assistant turn k the server renders the conversation so far with the generation prompt (the
 template's `add_generation_prompt`), and the model writes the reply and its end-of-turn token.
 So a reply's trained span is found by rendering twice: `prefix` = messages[:a] + generation
-prompt, `full` = messages[:a + 1]; the reply is `full[len(prefix):]` up to and including the first
-end-of-turn token (what follows it, such as ChatML's newline, the model never writes). A template
+prompt, `full` = messages[:a + 1]; the reply is `full[len(prefix):]` up to and including the
+template's end of turn (what follows it, such as ChatML's newline, the model never writes). The end
+of turn is the text the template writes after a reply (`turn_end`: a probe reply rendered, the
+whitespace around what follows it dropped), so it is found whether the tokenizer holds it as one
+special token or splits it into several ordinary ones; a special end-of-sequence token found
+earlier ends the reply there. A template
 for which `full` does not start with `prefix` cannot be trained turn by turn: that conversation is
 dropped with the template's reason.
 
@@ -35,6 +39,8 @@ from dflash_offline.runtime.errors import UserError
 log = logging.getLogger("dflash.chat")
 
 THINKING = ("on", "off")
+# The content of the assistant turn rendered to find what a template writes after a reply.
+REPLY_PROBE = "dflashreplyprobe"
 
 
 # A conversation split into several rows (templates that rewrite history) numbers them: row 0 keeps
@@ -135,6 +141,19 @@ class ChatTemplate:
         self.end_ids = sorted(set(end_ids))
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self.end_strings = sorted({added[i].content for i in self.end_ids if i in added}, key=len, reverse=True)
+        self.turn_end = self._turn_end()
+
+    def _turn_end(self) -> str | None:
+        """The text the template writes after a reply to close the turn, without the whitespace
+        around it (ChatML's `<|im_end|>`), from a probe reply rendered; None when it writes nothing
+        there or cannot render the probe."""
+        try:
+            full = self.render(self.prepared([Message("user", "Hello."), Message("assistant", REPLY_PROBE)]),
+                               add_generation_prompt=False)
+        except TemplateRefused:
+            return None
+        k = full.rfind(REPLY_PROBE)
+        return (full[k + len(REPLY_PROBE):].strip() or None) if k >= 0 else None
 
     @classmethod
     def load(cls, target: str, chat_template: str | None = None, thinking: str | None = None,
@@ -194,14 +213,14 @@ class ChatTemplate:
             raise TemplateRefused(str(e)[:160] or type(e).__name__) from None
 
     def reply_end(self, completion: str) -> int:
-        """Characters of `completion` the model writes: up to and including the first end-of-turn
-        token; the whole of it when the template writes none."""
-        best = None
-        for s in self.end_strings:
-            k = completion.find(s)
-            if k >= 0 and (best is None or k + len(s) < best):
-                best = k + len(s)
-        return best if best is not None else len(completion)
+        """Characters of `completion` (a reply and what the template writes after it) the model
+        writes: up to and including the template's end of turn (its last occurrence: a reply may
+        quote it), or the first special end-of-sequence token when that comes earlier; the whole of
+        it when there is neither."""
+        ends = [completion.find(s) + len(s) for s in self.end_strings if s in completion]
+        if self.turn_end and self.turn_end in completion:
+            ends.append(completion.rfind(self.turn_end) + len(self.turn_end))
+        return min(ends, default=len(completion))
 
     def prompt_text(self, messages: list[Message], upto: int) -> str:
         """The server's prompt for the assistant turn at message index `upto`."""
