@@ -31,6 +31,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from dflash_offline.chat.formats import Message
 from dflash_offline.options import as_flag
@@ -300,3 +301,35 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
         return None, text
     head, _, tail = text.partition("</think>")
     return head.split("<think>")[-1].strip("\n"), tail.lstrip("\n")
+
+
+class TurnStop(NamedTuple):
+    """The ids conversation replies stop at, and a warning when they will not stop at the end of turn."""
+
+    eos: list[int]
+    warning: str | None
+
+
+def turn_stop(tmpl: ChatTemplate, eos: list[int], given: str | None, runs_to: str) -> TurnStop:
+    """A server ends a reply at the template's end of turn (`turn_end`). Where that is one token of
+    the tokenizer that the end-of-sequence ids lack (a generation_config.json naming <|endoftext|>
+    alone beside a ChatML template), it joins them, so that replies end as served. Where the ids
+    were named by the user (`given`: the option, kept as named) or the tokenizer splits the end of
+    turn into several tokens (a template of another model family), replies run on to `runs_to`:
+    said in a warning with the fix."""
+    end = tmpl.turn_end
+    ids = tmpl.tokenizer(end, add_special_tokens=False)["input_ids"] if end else []
+    if not ids or (len(ids) == 1 and ids[0] in eos):
+        return TurnStop(sorted(eos), None)
+    if len(ids) == 1 and given is None:
+        return TurnStop(sorted(set(eos) | set(ids)), None)
+    if len(ids) == 1:
+        return TurnStop(sorted(eos), f"{given} {sorted(eos)} leaves out the chat template's end of turn {end!r} (token "
+                                     f"id {ids[0]}): replies do not stop at the end of turn but run on to {runs_to}; "
+                                     f"add {ids[0]} (or leave the option out to stop there)")
+    own = tmpl.settings.template_source == "tokenizer"
+    return TurnStop(sorted(eos), f"the chat template ends a turn with {end!r}, which the target's tokenizer splits into "
+                                 f"{len(ids)} tokens, not one end-of-sequence id ({sorted(eos)}): replies do not stop at "
+                                 f"the end of turn but run on to {runs_to}; "
+                                 + ("" if own else "prepare with the target's own chat template (leave --chat-template "
+                                    "out), or ") + f"use a target whose tokenizer holds {end!r} as one token")
