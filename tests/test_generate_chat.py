@@ -263,8 +263,7 @@ def test_an_end_of_turn_of_several_tokens_is_warned_of(tiny_dense, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     said = ("the chat template ends a turn with '<|im_end|>', which the target's tokenizer splits into {n} tokens, "
             "not one end-of-sequence id ([0]): replies do not stop at the end of turn but run on to {limit}; prepare "
-            "with the target's own chat template (leave --chat-template out), or use a target whose tokenizer holds "
-            "'<|im_end|>' as one token")
+            "again with a --chat-template that ends a turn with the target's end-of-sequence token ('<|endoftext|>')")
     from transformers import AutoTokenizer
 
     n = len(AutoTokenizer.from_pretrained(target)("<|im_end|>", add_special_tokens=False)["input_ids"])

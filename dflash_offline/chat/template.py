@@ -327,9 +327,12 @@ def turn_stop(tmpl: ChatTemplate, eos: list[int], given: str | None, runs_to: st
         return TurnStop(sorted(eos), f"{given} {sorted(eos)} leaves out the chat template's end of turn {end!r} (token "
                                      f"id {ids[0]}): replies do not stop at the end of turn but run on to {runs_to}; "
                                      f"add {ids[0]} (or leave the option out to stop there)")
-    own = tmpl.settings.template_source == "tokenizer"
+    names = ", ".join(repr(t) for t in tmpl.tokenizer.convert_ids_to_tokens(sorted(eos)))
+    what = (f"that ends a turn with the target's end-of-sequence token ({names})" if names
+            else "whose end of turn is one token of the target's tokenizer")
+    fix = f"prepare again with a --chat-template {what}"
+    if tmpl.settings.template_source != "tokenizer" and tmpl.tokenizer.chat_template:
+        fix = f"prepare again without --chat-template (the target's own template), or with one {what}"
     return TurnStop(sorted(eos), f"the chat template ends a turn with {end!r}, which the target's tokenizer splits into "
                                  f"{len(ids)} tokens, not one end-of-sequence id ({sorted(eos)}): replies do not stop at "
-                                 f"the end of turn but run on to {runs_to}; "
-                                 + ("" if own else "prepare with the target's own chat template (leave --chat-template "
-                                    "out), or ") + f"use a target whose tokenizer holds {end!r} as one token")
+                                 f"the end of turn but run on to {runs_to}; {fix}")
