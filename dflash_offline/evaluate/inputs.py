@@ -4,8 +4,8 @@ warning when the prompts were rendered another way than the drafter was trained 
 
 Prompts given as training rows (a `loss_mask` column: `prepare --responses keep`, a `generate`
 output, a completions file of the input contract) are cut to their prompt, the tokens before the
-first trained one, and a warning line says so: the whole row as a prompt would have the target continue
-after a reply it already finished, and measure nothing a server sees."""
+first trained one, and a warning line says so: the whole row as a prompt would have the target
+continue after a reply it already finished, and measure nothing a server sees."""
 
 from __future__ import annotations
 
@@ -180,6 +180,11 @@ def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None,
         raise UserError(f"{option} {path}: column 'input_ids' must be a list of integers (token ids), found {t}")
     prompts = table.column("input_ids").to_pylist()
     if "loss_mask" in table.column_names:
+        t = table.schema.field("loss_mask").type
+        if not ((pa.types.is_list(t) or pa.types.is_large_list(t))
+                and (pa.types.is_integer(t.value_type) or pa.types.is_boolean(t.value_type))):
+            raise UserError(f"{option} {path}: column 'loss_mask' must be a list of integers (0 on the prompt, 1 on "
+                            f"the completion), found {t}")
         prompts = _prompt_parts(option, path, prompts, table.column("loss_mask").to_pylist())
     # _read_table made an id column int64 (or refused it)
     ids = table.column("id").to_pylist() if "id" in table.column_names else list(range(len(prompts)))
