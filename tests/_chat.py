@@ -1,4 +1,5 @@
-"""Chat test material made here: a byte-level BPE tokenizer trained locally with `tokenizers`, the
+"""Chat test material made here: byte-level BPE tokenizers trained locally with `tokenizers` (one
+holding the ChatML markers as special tokens, one that splits them into ordinary tokens), the
 repository's test templates (tests/templates/), and random conversations of every shape the chat
 path must handle (system or not, 1-6 turns, tool calls and results, reasoning, empty content,
 non-ASCII, long)."""
@@ -19,22 +20,38 @@ _CORPUS = [
 ]
 
 
-def make_tokenizer(folder: Path, template: str | None = "qwen3_style", vocab: int = 400) -> Path:
+def make_tokenizer(folder: Path, template: str | None = "qwen3_style", vocab: int = 400,
+                   markers: str = "special") -> Path:
     """A tokenizer folder (tokenizer.json + tokenizer_config.json, with `template`'s chat template
-    unless None) whose ids stay below `vocab`; returns the folder."""
+    unless None) whose ids stay below `vocab`; returns the folder.
+
+    `markers`: "special": <|im_start|>, <|im_end|> and the think and tool tags are tokens of their
+    own. "split" and "merged": like the pycode fixture's tokenizer, only <|endoftext|> (id 0, the
+    eos) and <|MASK|> are special and the ChatML markers are ordinary text, learnt over rendered
+    chats; "split" with GPT-2's pre-tokenizer (the newline after <|im_end|> a token of its own, as
+    in pycode), "merged" with no pre-tokenizer split, so that tokens span the end of turn and the
+    newline after it (`.<|im_end|>\n`), and the generation prompt and the reply."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     folder = Path(folder)
+    plain = markers != "special"
+    special = SPECIAL[:2] if plain else SPECIAL
+    corpus = _CORPUS
+    if plain:
+        corpus = [f"<|im_start|>user\n{a}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n{b}<|im_end|>\n"
+                  for a, b in zip(_CORPUS, _CORPUS[1:] + _CORPUS[:1])]
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=markers != "merged")
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab - len(SPECIAL) - len(ADDED), special_tokens=SPECIAL,
+    added = [] if plain else ADDED
+    trainer = trainers.BpeTrainer(vocab_size=vocab - len(special) - len(added), special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS * 20, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+    tok.train_from_iterator(corpus * 20, trainer)
+    eos = "<|endoftext|>" if plain else "<|im_end|>"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token="<|endoftext|>",
                                    mask_token="<|MASK|>")
-    fast.add_tokens(ADDED)
+    fast.add_tokens(added)
     if template is not None:
         fast.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
     fast.save_pretrained(folder)
@@ -79,17 +96,19 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
-def make_chat_target(base: Path, out: Path, template: str | None = "qwen3_style") -> Path:
+def make_chat_target(base: Path, out: Path, template: str | None = "qwen3_style", markers: str = "special") -> Path:
     """A copy of a tiny target folder with a chat tokenizer (ids below the tiny vocabulary) and
-    <|im_end|> as its end-of-sequence token in generation_config.json."""
+    <|im_end|> as its end-of-sequence token in generation_config.json (`markers` other than
+    "special", `make_tokenizer`: <|im_end|> is ordinary text and <|endoftext|> the eos, as in the
+    pycode fixture)."""
     import shutil
 
     out = Path(out)
     shutil.copytree(base, out)
-    make_tokenizer(out, template)
+    make_tokenizer(out, template, markers=markers)
     from transformers import AutoTokenizer
 
-    eos = AutoTokenizer.from_pretrained(out).convert_tokens_to_ids("<|im_end|>")
+    eos = AutoTokenizer.from_pretrained(out).convert_tokens_to_ids("<|im_end|>" if markers == "special" else "<|endoftext|>")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
     return out
 

@@ -3,7 +3,10 @@
 `{% generation %}` markers, for 1000 random conversations in each input format (1-6 turns, with and
 without a system turn, tool calls and results, reasoning, empty content, non-ASCII, long), on a
 ChatML template and on a Qwen3-style template of our own (earlier turns' <think> content dropped,
-`enable_thinking` read), with a tokenizer built here.
+`enable_thinking` read), with tokenizers built here: one holding the ChatML markers as special
+tokens, and two where <|im_end|> is ordinary text split into several tokens (as in the pycode
+fixture), the newline after it a token of its own or merged with it (`.<|im_end|>\n`): the end of
+turn is the template's text there, not an end-of-sequence token, and the newline stays untrained.
 
 On ChatML a conversation is one row and must equal the oracle's rendering of the whole conversation,
 ids and mask. On the Qwen3-style template the conversation's context changes from turn to turn, so
@@ -28,8 +31,16 @@ N = 1000
 
 
 @pytest.fixture(scope="module")
-def chat_target(tiny_dense, tmp_path_factory):
-    return _chat.make_chat_target(tiny_dense, tmp_path_factory.mktemp("chat") / "target")
+def chat_targets(tiny_dense, tmp_path_factory):
+    """markers ("special", "split", "merged": _chat.make_tokenizer) -> a chat target, made when asked."""
+    made: dict[str, object] = {}
+
+    def get(markers: str):
+        if markers not in made:
+            made[markers] = _chat.make_chat_target(tiny_dense, tmp_path_factory.mktemp("chat") / markers,
+                                                   markers=markers)
+        return made[markers]
+    return get
 
 
 def _records(fmt: str, rng: random.Random) -> tuple[list[dict], list[list[dict]]]:
@@ -72,16 +83,22 @@ def _write(fmt: str, records: list[dict], folder):
     return path
 
 
-CASES = [("messages", "chatml", None), ("sharegpt", "chatml", None), ("pair", "chatml", None),
-         ("messages", "qwen3_style", "on"), ("messages", "qwen3_style", "off"), ("sharegpt", "qwen3_style", "on"),
-         ("pair", "qwen3_style", "off")]
+CASES = [("messages", "chatml", None, "special"), ("sharegpt", "chatml", None, "special"),
+         ("pair", "chatml", None, "special"), ("messages", "qwen3_style", "on", "special"),
+         ("messages", "qwen3_style", "off", "special"), ("sharegpt", "qwen3_style", "on", "special"),
+         ("pair", "qwen3_style", "off", "special"),
+         # <|im_end|> as several ordinary tokens, the target's eos another token (<|endoftext|>)
+         ("messages", "chatml", None, "split"), ("messages", "qwen3_style", "on", "split"),
+         ("pair", "qwen3_style", "off", "split"), ("messages", "chatml", None, "merged"),
+         ("messages", "qwen3_style", "off", "merged")]
 
 
-@pytest.mark.parametrize("fmt,template,thinking", CASES, ids=[f"{f}-{t}-{k}" for f, t, k in CASES])
-def test_masks_equal_the_transformers_oracle(chat_target, tmp_path, fmt, template, thinking):
+@pytest.mark.parametrize("fmt,template,thinking,markers", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_masks_equal_the_transformers_oracle(chat_targets, tmp_path, fmt, template, thinking, markers):
     from transformers import AutoTokenizer
 
-    rng = random.Random(hash((fmt, template, thinking)) & 0xFFFF)
+    chat_target = chat_targets(markers)
+    rng = random.Random(hash((fmt, template, thinking, markers)) & 0xFFFF)
     records, meant = _records(fmt, rng)
     data = _write(fmt, records, tmp_path)
     tpl_file = _chat.TEMPLATES / f"{template}.jinja"

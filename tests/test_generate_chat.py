@@ -59,14 +59,16 @@ def _greedy(model, prompt: list[int], eos: set[int]) -> list[int]:
     return seq[len(prompt):]
 
 
-def brute_force(target, prompts_folder, last_only: bool = False) -> list[dict]:
-    """Rows as the docs define them, computed the slow, obvious way."""
+def brute_force(target, prompts_folder, last_only: bool = False, eos: set[int] | None = None) -> list[dict]:
+    """Rows as the docs define them, computed the slow, obvious way (replies stop at `eos`, by
+    default generation_config.json's end-of-sequence ids)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    eos = set(json.loads((target / "generation_config.json").read_text())["eos_token_id"])
+    if eos is None:
+        eos = set(json.loads((target / "generation_config.json").read_text())["eos_token_id"])
     rows = []
     for p in _chat.read_parts(prompts_folder):
         msgs = json.loads(p["messages"])
@@ -187,3 +189,86 @@ def test_a_later_turn_the_template_refuses_cuts_the_conversation_short(chat_targ
     assert "conversations cut short: 1 (template refused)" in r.stdout, r.stdout
     rows = _chat.read_parts(tmp_path / "g")
     assert sorted((x["conversation_id"], x["turns"]) for x in rows) == [(1, [0]), (2, [0])]
+
+
+def _end_of_turn_warnings(stderr: str) -> list[str]:
+    """The warning lines about the end of turn, without their level prefix (checked)."""
+    lines = [line for line in stderr.splitlines() if "end of turn" in line]
+    assert all(line.lower().startswith("warning: ") for line in lines), lines
+    return [line.split(": ", 1)[1] for line in lines]
+
+
+def _writes_only(target, token: int) -> None:
+    """Make the target write `token` after any context: the layers add nothing to the residual
+    stream (their output projections zeroed), every embedding has a positive first coordinate,
+    and the LM head reads that coordinate into `token`'s logit alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[token, 0] = 1.0
+    model.save_pretrained(target)
+
+
+def test_replies_stop_at_the_templates_end_of_turn(tiny_dense, tmp_path):
+    """generation_config.json names <|endoftext|> alone while the template ends a turn with
+    <|im_end|>, one token (a target that writes it at once): replies stop there as a server's do,
+    <|im_end|> kept with mask 1 (finish `eos`), equal to a greedy decode stopping at either; with
+    --eos-token-ids naming <|endoftext|> alone, a warning says replies run on, and they do."""
+    from transformers import AutoTokenizer
+
+    target = _chat.make_chat_target(tiny_dense, tmp_path / "target")
+    tok = AutoTokenizer.from_pretrained(target)
+    im_end, endoftext = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    _writes_only(target, im_end)
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [endoftext]}))
+    prompts = _prepared(target, tmp_path, n=5, seed=6)
+    r = run_cli(["generate", "--target", target, "--prompts", prompts, "--out", tmp_path / "gen", *GEN])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "end of turn" not in r.stderr, r.stderr[-3000:]  # nothing to warn about
+    got = _output(tmp_path / "gen")
+    assert got == brute_force(target, prompts, eos={endoftext, im_end})
+    turns = sum(len(row["turns"]) for row in got)
+    assert turns >= 5 and all(row["finish_reason"] == "eos" for row in got)
+    for row in got:  # each reply is the end-of-turn token alone, trained
+        assert [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m] == [im_end] * len(row["turns"])
+    assert f"({turns} ended by end-of-sequence)" in r.stdout, r.stdout
+    m = json.loads((tmp_path / "gen" / "manifest.json").read_text())
+    assert m["settings"]["eos_token_ids"] == sorted([endoftext, im_end])
+
+    r = run_cli(["generate", "--target", target, "--prompts", prompts, "--out", tmp_path / "named", *GEN,
+                 "--eos-token-ids", endoftext])
+    assert r.returncode == 0, r.stderr[-3000:]
+    warned = _end_of_turn_warnings(r.stderr)
+    assert warned == [f"--eos-token-ids [{endoftext}] leaves out the chat template's end of turn '<|im_end|>' "
+                      f"(token id {im_end}): replies do not stop at the end of turn but run on to --max-new-tokens "
+                      f"{NEW}; add {im_end} (or leave the option out to stop there)"], r.stderr[-3000:]
+    assert all(row["finish_reason"] == "length" for row in _output(tmp_path / "named"))
+
+
+def test_an_end_of_turn_of_several_tokens_is_warned_of(tiny_dense, tmp_path):
+    """A template whose <|im_end|> the target's tokenizer splits into ordinary tokens (the pycode
+    fixture with a ChatML-style template): no id stops a reply there, so prepare (regenerate) and
+    generate each say so in one warning line, before any work, naming the fix."""
+    target = _chat.make_chat_target(tiny_dense, tmp_path / "target", template=None, markers="split")
+    data = _chat.write_jsonl(tmp_path / "chats.jsonl", _conversations(4, 8))
+    r = run_cli(["prepare", "--target", target, "--data", data, "--out", tmp_path / "p", "--max-len", "600",
+                 "--chat-template", _chat.TEMPLATES / "qwen3_style.jinja", "--no-progress"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = ("the chat template ends a turn with '<|im_end|>', which the target's tokenizer splits into {n} tokens, "
+            "not one end-of-sequence id ([0]): replies do not stop at the end of turn but run on to {limit}; prepare "
+            "again with a --chat-template that ends a turn with the target's end-of-sequence token ('<|endoftext|>')")
+    from transformers import AutoTokenizer
+
+    n = len(AutoTokenizer.from_pretrained(target)("<|im_end|>", add_special_tokens=False)["input_ids"])
+    assert n > 1
+    assert _end_of_turn_warnings(r.stderr) == [said.format(n=n, limit="generate's --max-new-tokens")], r.stderr[-3000:]
+    r = run_cli(["generate", "--target", target, "--prompts", tmp_path / "p" / "train", "--out", tmp_path / "g", *GEN])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _end_of_turn_warnings(r.stderr) == [said.format(n=n, limit=f"--max-new-tokens {NEW}")], r.stderr[-3000:]

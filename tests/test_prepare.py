@@ -107,6 +107,61 @@ def test_split_is_stable_and_regenerate_writes_prompts(chat_target, tmp_path):
     assert m["kind"] == "prompts" and m["status"] == "complete"
 
 
+def test_eval_of_training_rows_decodes_their_prompts(chat_target, tmp_path):
+    """`eval --prompts` of a `prepare --responses keep` folder (rows of prompt + reply + end of
+    turn) decodes each row's prompt, the server's prompt for its first trained reply as transformers
+    renders it, and says so in a warning line: the same prompts and outputs (`--show`) as eval of
+    those prompts written as a file.
+    Rows trained from their first token (plain text) have no prompt: one line, exit 2."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from dflash_offline.drafter.config import DrafterConfig
+    from dflash_offline.drafter.export import export_drafter
+    from dflash_offline.drafter.model import DFlashDrafter
+
+    convs = _conversations(6, seed=5)
+    data = _chat.write_jsonl(tmp_path / "chats.jsonl", convs)
+    r = _prepare(chat_target, data, tmp_path / "keep", "--responses", "keep", "--max-len", "1000", "--no-dedup")
+    assert r.returncode == 0, r.stderr[-3000:]
+    keep = tmp_path / "keep" / "train"
+    rows = _chat.read_parts(keep)
+    tok = AutoTokenizer.from_pretrained(chat_target)
+    want = []
+    for row in rows:
+        msgs = convs[row["conversation_id"]]["messages"]
+        a = [k for k, m in enumerate(msgs) if m["role"] == "assistant"][row["turns"][0]]
+        want.append(list(tok.apply_chat_template(msgs[:a], tokenize=True, add_generation_prompt=True,
+                                                 return_dict=True)["input_ids"]))
+        assert len(want[-1]) < len(row["input_ids"])
+    prompts = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"id": pa.array([row["id"] for row in rows], pa.int64()),
+                             "input_ids": pa.array(want, pa.list_(pa.int32()))}), prompts)
+    cfg = DrafterConfig.from_target(str(chat_target), [1, 3], block_size=4, drafter_layers=1, mask_token_id=1)
+    drafter = export_drafter(DFlashDrafter(cfg), str(tmp_path / "drafter"))
+    reports, shown = {}, {}
+    for name, given in (("rows", keep), ("prompts", prompts)):
+        r = run_cli(["eval", "--target", chat_target, "--drafter", drafter, "--prompts", given, "--max-new-tokens", "3",
+                     "--ignore-eos", "--no-progress", "--show", len(rows), "--json", tmp_path / f"{name}.json"])
+        assert r.returncode == 0, r.stderr[-3000:]
+        said = (f"warning: --prompts {keep}: training rows (a prepare --responses keep output): each prompt is its "
+                "row's tokens before the first trained one")
+        assert (said.lower() in r.stderr.lower()) == (name == "rows"), r.stderr[-3000:]  # the level as the console writes it
+        reports[name] = json.loads((tmp_path / f"{name}.json").read_text())
+        shown[name] = r.stdout.split("speculative decoding:")[0]  # each prompt and output as text
+    assert shown["rows"].count("\nprompt: ") == len(rows) and shown["rows"] == shown["prompts"]
+    assert reports["rows"]["prompt_ids"] == reports["prompts"]["prompt_ids"] == [row["id"] for row in rows]
+
+    text = _chat.write_jsonl(tmp_path / "text.jsonl", [{"id": i, "text": f"plain text {i}"} for i in range(4)])
+    r = _prepare(chat_target, text, tmp_path / "text", "--responses", "keep", "--max-len", "100000")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli(["eval", "--target", chat_target, "--drafter", drafter, "--prompts", tmp_path / "text" / "train",
+                 "--max-new-tokens", "3", "--no-progress"])
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
+    assert ("its loss_mask starts with 1), so it has no prompt to decode from; give prompts: `dflash-offline prepare "
+            "--responses regenerate` writes them") in r.stderr
+
+
 def test_turns_records_get_a_reply_slot_per_question(chat_target, tmp_path):
     mt = _chat.write_jsonl(tmp_path / "q.jsonl", [{"question_id": 81, "category": "writing",
                                                     "turns": ["Write a haiku.", "Now in French."]}])

@@ -4,8 +4,12 @@ A DFlash drafter is trained on what the target writes *in the context the server
 assistant turn k the server renders the conversation so far with the generation prompt (the
 template's `add_generation_prompt`), and the model writes the reply and its end-of-turn token.
 So a reply's trained span is found by rendering twice: `prefix` = messages[:a] + generation
-prompt, `full` = messages[:a + 1]; the reply is `full[len(prefix):]` up to and including the first
-end-of-turn token (what follows it, such as ChatML's newline, the model never writes). A template
+prompt, `full` = messages[:a + 1]; the reply is `full[len(prefix):]` up to and including the
+template's end of turn (what follows it, such as ChatML's newline, the model never writes). The end
+of turn is the text the template writes after a reply (`turn_end`: a probe reply rendered, the
+whitespace around what follows it dropped), so it is found whether the tokenizer holds it as one
+special token or splits it into several ordinary ones; a special end-of-sequence token found
+earlier ends the reply there. A template
 for which `full` does not start with `prefix` cannot be trained turn by turn: that conversation is
 dropped with the template's reason.
 
@@ -27,6 +31,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from dflash_offline.chat.formats import Message
 from dflash_offline.options import as_flag
@@ -35,6 +40,8 @@ from dflash_offline.runtime.errors import UserError
 log = logging.getLogger("dflash.chat")
 
 THINKING = ("on", "off")
+# The content of the assistant turn rendered to find what a template writes after a reply.
+REPLY_PROBE = "dflashreplyprobe"
 
 
 # A conversation split into several rows (templates that rewrite history) numbers them: row 0 keeps
@@ -135,6 +142,19 @@ class ChatTemplate:
         self.end_ids = sorted(set(end_ids))
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         self.end_strings = sorted({added[i].content for i in self.end_ids if i in added}, key=len, reverse=True)
+        self.turn_end = self._turn_end()
+
+    def _turn_end(self) -> str | None:
+        """The text the template writes after a reply to close the turn, without the whitespace
+        around it (ChatML's `<|im_end|>`), from a probe reply rendered; None when it writes nothing
+        there or cannot render the probe."""
+        try:
+            full = self.render(self.prepared([Message("user", "Hello."), Message("assistant", REPLY_PROBE)]),
+                               add_generation_prompt=False)
+        except TemplateRefused:
+            return None
+        k = full.rfind(REPLY_PROBE)
+        return (full[k + len(REPLY_PROBE):].strip() or None) if k >= 0 else None
 
     @classmethod
     def load(cls, target: str, chat_template: str | None = None, thinking: str | None = None,
@@ -194,14 +214,14 @@ class ChatTemplate:
             raise TemplateRefused(str(e)[:160] or type(e).__name__) from None
 
     def reply_end(self, completion: str) -> int:
-        """Characters of `completion` the model writes: up to and including the first end-of-turn
-        token; the whole of it when the template writes none."""
-        best = None
-        for s in self.end_strings:
-            k = completion.find(s)
-            if k >= 0 and (best is None or k + len(s) < best):
-                best = k + len(s)
-        return best if best is not None else len(completion)
+        """Characters of `completion` (a reply and what the template writes after it) the model
+        writes: up to and including the template's end of turn (its last occurrence: a reply may
+        quote it), or the first special end-of-sequence token when that comes earlier; the whole of
+        it when there is neither."""
+        ends = [completion.find(s) + len(s) for s in self.end_strings if s in completion]
+        if self.turn_end and self.turn_end in completion:
+            ends.append(completion.rfind(self.turn_end) + len(self.turn_end))
+        return min(ends, default=len(completion))
 
     def prompt_text(self, messages: list[Message], upto: int) -> str:
         """The server's prompt for the assistant turn at message index `upto`."""
@@ -281,3 +301,38 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
         return None, text
     head, _, tail = text.partition("</think>")
     return head.split("<think>")[-1].strip("\n"), tail.lstrip("\n")
+
+
+class TurnStop(NamedTuple):
+    """The ids conversation replies stop at, and a warning when they will not stop at the end of turn."""
+
+    eos: list[int]
+    warning: str | None
+
+
+def turn_stop(tmpl: ChatTemplate, eos: list[int], given: str | None, runs_to: str) -> TurnStop:
+    """A server ends a reply at the template's end of turn (`turn_end`). Where that is one token of
+    the tokenizer that the end-of-sequence ids lack (a generation_config.json naming <|endoftext|>
+    alone beside a ChatML template), it joins them, so that replies end as served. Where the ids
+    were named by the user (`given`: the option, kept as named) or the tokenizer splits the end of
+    turn into several tokens (a template of another model family), replies run on to `runs_to`:
+    said in a warning with the fix."""
+    end = tmpl.turn_end
+    ids = tmpl.tokenizer(end, add_special_tokens=False)["input_ids"] if end else []
+    if not ids or (len(ids) == 1 and ids[0] in eos):
+        return TurnStop(sorted(eos), None)
+    if len(ids) == 1 and given is None:
+        return TurnStop(sorted(set(eos) | set(ids)), None)
+    if len(ids) == 1:
+        return TurnStop(sorted(eos), f"{given} {sorted(eos)} leaves out the chat template's end of turn {end!r} (token "
+                                     f"id {ids[0]}): replies do not stop at the end of turn but run on to {runs_to}; "
+                                     f"add {ids[0]} (or leave the option out to stop there)")
+    names = ", ".join(repr(t) for t in tmpl.tokenizer.convert_ids_to_tokens(sorted(eos)))
+    what = (f"that ends a turn with the target's end-of-sequence token ({names})" if names
+            else "whose end of turn is one token of the target's tokenizer")
+    fix = f"prepare again with a --chat-template {what}"
+    if tmpl.settings.template_source != "tokenizer" and tmpl.tokenizer.chat_template:
+        fix = f"prepare again without --chat-template (the target's own template), or with one {what}"
+    return TurnStop(sorted(eos), f"the chat template ends a turn with {end!r}, which the target's tokenizer splits into "
+                                 f"{len(ids)} tokens, not one end-of-sequence id ({sorted(eos)}): replies do not stop at "
+                                 f"the end of turn but run on to {runs_to}; {fix}")

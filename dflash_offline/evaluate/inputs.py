@@ -1,6 +1,11 @@
 """eval's inputs: the prompts (a Parquet file, or a prepare/generate output folder) and the
 reference completions, read and checked before any model loads (one line per problem); and the
-warning when the prompts were rendered another way than the drafter was trained on."""
+warning when the prompts were rendered another way than the drafter was trained on.
+
+Prompts given as training rows (a `loss_mask` column: `prepare --responses keep`, a `generate`
+output, a completions file of the input contract) are cut to their prompt, the tokens before the
+first trained one, and a warning line says so: the whole row as a prompt would have the target
+continue after a reply it already finished, and measure nothing a server sees."""
 
 from __future__ import annotations
 
@@ -63,7 +68,8 @@ def _unreadable(e: Exception) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _read_parts(option: str, path: str, parts: list[Path], columns: tuple[str, ...], fix: str):
+def _read_parts(option: str, path: str, parts: list[Path], columns: tuple[str, ...], fix: str,
+                optional: tuple[str, ...] = ()):
     """The parts of a prepare or generate folder as one table: each part read on its own, so that a
     damaged or missing part, a missing column or an id the contract does not allow is named by its
     part file (and row); ids as int64 in every part (a part of uint64 ids beside int64 ones)."""
@@ -79,7 +85,7 @@ def _read_parts(option: str, path: str, parts: list[Path], columns: tuple[str, .
         where = f"{option} {path}: {f.name}"
         if not f.is_file():
             raise UserError(f"{where}: no such file, though {path}/manifest.json lists it; {damaged}")
-        tables.append(_read_file(where, f, columns, damaged, fix))
+        tables.append(_read_file(where, f, columns, damaged, fix, optional))
     with_id = ["id" in t.column_names for t in tables]
     if any(with_id) and not all(with_id):
         k = with_id.index(not with_id[0])
@@ -95,9 +101,9 @@ def _read_parts(option: str, path: str, parts: list[Path], columns: tuple[str, .
                         f"{parts[0].name} ({show(tables[0])}); {fix}") from None
 
 
-def _read_table(option: str, path: str, columns: tuple[str, ...], fix: str):
-    """A Parquet table with `columns` (and `id`, when there, an integer column), or one line naming
-    the option, the file (a folder's part file) and the fix."""
+def _read_table(option: str, path: str, columns: tuple[str, ...], fix: str, optional: tuple[str, ...] = ()):
+    """A Parquet table with `columns` (and `id` and `optional` ones, when there; `id` an integer
+    column), or one line naming the option, the file (a folder's part file) and the fix."""
 
     if Path(path).is_dir():  # a part folder (a prepare or generate output): its committed parts
         parts = _parts_of(option, path)
@@ -105,19 +111,21 @@ def _read_table(option: str, path: str, columns: tuple[str, ...], fix: str):
             raise UserError(f"{option} {path}: a folder, but not a prepare or generate output; {fix}")
         if not parts:
             raise UserError(f"{option} {path}: its manifest.json lists no part file (no rows); {fix}")
-        return _read_parts(option, path, parts, columns, fix)
+        return _read_parts(option, path, parts, columns, fix, optional)
     if not Path(path).is_file():
         raise UserError(f"{option} {path}: no such file; {fix}")
-    return _read_file(f"{option} {path}", Path(path), columns, fix, fix)
+    return _read_file(f"{option} {path}", Path(path), columns, fix, fix, optional)
 
 
-def _read_file(where: str, f: Path, columns: tuple[str, ...], unreadable_fix: str, fix: str):
-    """One Parquet file's `columns` (and `id`, when there, as int64), or one line starting `where`."""
+def _read_file(where: str, f: Path, columns: tuple[str, ...], unreadable_fix: str, fix: str,
+               optional: tuple[str, ...] = ()):
+    """One Parquet file's `columns` (and `id`, as int64, and `optional` ones, when there), or one
+    line starting `where`."""
     import pyarrow.parquet as pq
 
     try:
         names = pq.read_schema(f).names
-        t = pq.read_table(f, columns=[c for c in dict.fromkeys(("id", *columns)) if c in names])
+        t = pq.read_table(f, columns=[c for c in dict.fromkeys(("id", *columns, *optional)) if c in names])
     except Exception as e:  # pyarrow raises several types for a file that is not Parquet
         raise UserError(f"{where}: not a readable Parquet file ({_unreadable(e)}); {unreadable_fix}") from None
     need = [c for c in columns if c not in t.column_names]
@@ -159,16 +167,25 @@ def _row_place(option: str, path: str, row: int) -> str:
 
 def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None,
                  said: Said = AS_FLAGS) -> tuple[list[int], list[list[int]]]:
-    """(ids, prompts) from a Parquet file with `input_ids` (and optional `id`); one line per problem."""
+    """(ids, prompts) from a Parquet file with `input_ids` (and optional `id`); one line per problem.
+    Rows with a `loss_mask` (prompt + completion) give their prompt (see the module doc)."""
     import pyarrow as pa
 
     option = said("prompts")
-    table = _read_table(option, path, ("input_ids",), "expected a Parquet file with an input_ids column")
+    table = _read_table(option, path, ("input_ids",), "expected a Parquet file with an input_ids column",
+                        optional=("loss_mask",))
     # The column types first: a wrong one would otherwise surface as a TypeError mid-loop.
     t = table.schema.field("input_ids").type
     if not ((pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)):
         raise UserError(f"{option} {path}: column 'input_ids' must be a list of integers (token ids), found {t}")
     prompts = table.column("input_ids").to_pylist()
+    if "loss_mask" in table.column_names:
+        t = table.schema.field("loss_mask").type
+        if not ((pa.types.is_list(t) or pa.types.is_large_list(t))
+                and (pa.types.is_integer(t.value_type) or pa.types.is_boolean(t.value_type))):
+            raise UserError(f"{option} {path}: column 'loss_mask' must be a list of integers (0 on the prompt, 1 on "
+                            f"the completion), found {t}")
+        prompts = _prompt_parts(option, path, prompts, table.column("loss_mask").to_pylist())
     # _read_table made an id column int64 (or refused it)
     ids = table.column("id").to_pylist() if "id" in table.column_names else list(range(len(prompts)))
     if len(set(ids)) < len(ids):
@@ -192,6 +209,31 @@ def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None,
             raise UserError(f"{_row_place(option, path, row)} holds token id {bad}, outside the target's vocabulary "
                             f"(0..{vocab_size - 1}); tokenize with the target's tokenizer")
     return [int(i) for i in ids], [[int(t) for t in toks] for toks in prompts]
+
+
+def _prompt_parts(option: str, path: str, rows: list, masks: list) -> list:
+    """Each training row's prompt: its tokens before the first one its loss_mask trains. A row
+    trained from its first token (a plain-text row) has no prompt: refused, naming what writes
+    prompts."""
+    from dflash_offline.rows.parts import PREPARED_FORMAT, read_manifest
+
+    out = []
+    for row, (toks, mask) in enumerate(zip(rows, masks)):
+        if toks is None or mask is None:
+            out.append(toks)  # the null row is named by the checks that follow
+            continue
+        n = next((k for k, v in enumerate(mask) if v), len(toks))
+        if n == 0 and toks:
+            raise UserError(f"{_row_place(option, path, row)}: a training row trained from its first token (its "
+                            "loss_mask starts with 1), so it has no prompt to decode from; give prompts: "
+                            "`dflash-offline prepare --responses regenerate` writes them (OUT/eval)")
+        out.append(toks[:n])
+    prepared = Path(path).is_dir() and (read_manifest(path) or {}).get("format") == PREPARED_FORMAT
+    made_by = "a prepare --responses keep output" if prepared else \
+        "a generate output" if Path(path).is_dir() else "a loss_mask column"
+    log.warning("%s %s: training rows (%s): each prompt is its row's tokens before the first trained one "
+             "(the prompt its completion was written for), not the whole row", option, path, made_by)
+    return out
 
 
 def read_reference(path: str, ids: list[int], prompts: list[list[int]], max_new: int, eos: set[int],

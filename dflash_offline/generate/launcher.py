@@ -117,6 +117,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     from dflash_offline.runtime.launch import resolve_compute_dtype
     from dflash_offline.targets.folder import eos_source, read_target
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
+    from dflash_offline.generate.turns import chat_stop, conversation_settings
 
     devices = parse_devices(cfg.devices, origin(cfg, "devices"))
     info = read_target(cfg.target, origin(cfg, "target"))
@@ -126,8 +127,6 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
                                           (origin(cfg, "devices"), origin(cfg, "compute_dtype")))
     source = data.scan(cfg.prompts, info.vocab_size, option=origin(cfg, "prompts"), need_mask=False)
     lengths = source.lengths
-    from dflash_offline.generate.turns import conversation_settings
-
     chat = conversation_settings(cfg.prompts, source)
     if info.max_positions is not None:
         over = np.flatnonzero(lengths + cfg.max_new_tokens > info.max_positions)
@@ -147,6 +146,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
         fix = ("; give the target's end-of-sequence ids, or leave the option out to read them from the target"
                if given else "; give --eos-token-ids (or --ignore-eos) to decode anyway")
         raise UserError(f"{where}: outside the target's vocabulary [0, {info.vocab_size}){fix}")
+    eos, stop_warning = chat_stop(cfg, chat, eos)  # conversations: at the template's end of turn too
     cuda = any(d != "cpu" for d in devices)
     compile = cfg.compile
     if compile and not cuda:
@@ -208,8 +208,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
         log.warning("%s %s names no end-of-sequence id (not generation_config.json, config.json nor the tokenizer "
                     "files): every completion runs to %s %d; give --eos-token-ids (or --ignore-eos to say so)",
                     origin(cfg, "target"), cfg.target, origin(cfg, "max_new_tokens"), cfg.max_new_tokens)
-    if cuda:
-        warning = target.check_kernels(info, devices)
+    for warning in (stop_warning, target.check_kernels(info, devices) if cuda else None):
         if warning:
             log.warning(warning)
     log.info("plan: %d prompts (%d to do) in %d parts of %d, batches of %d rows x %d positions, %s on %s, %s, "

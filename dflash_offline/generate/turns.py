@@ -9,7 +9,8 @@ budget). The reply's text (its thinking split off, chat/template.py `split_reaso
 assistant message the next round renders.
 
 Rows: the tokens of turn k's prompt followed by its reply, the loss mask 1 on the reply (end-of-turn
-token included). When turn k+1's prompt begins with the whole of the row so far (templates that
+token included). Replies stop at the end-of-sequence ids and at the template's end of turn where
+that is one token (`chat_stop`). When turn k+1's prompt begins with the whole of the row so far (templates that
 render history as it was written), the turn is appended to the same row; otherwise (the Qwen3
 family drops earlier thinking) a new row begins, so each row is exactly what the server saw.
 Sampling noise is keyed by (conversation id, turn): the same reply whatever batch or worker.
@@ -91,6 +92,24 @@ def conversation_settings(prompts: list[str], source) -> dict | None:
                         "chat settings `dflash-offline prepare` records: give prepare's output folders (OUT/train), "
                         "all of them conversations")
     return chat
+
+
+def chat_stop(cfg, chat: dict | None, eos: list[int]):
+    """The ids replies stop at and a warning to print (chat/template.py `turn_stop`): for
+    conversations, the template's end of turn joins the end-of-sequence ids where it is one token
+    they lack (unless the user named the ids); plain prompts and --ignore-eos keep `eos`."""
+    from dflash_offline.chat.template import ChatSettings, TurnStop, load_chat_tokenizer, turn_stop
+    from dflash_offline.options import where
+
+    if chat is None or cfg.ignore_eos:
+        return TurnStop(eos, None)
+    tmpl = ChatTemplate(load_chat_tokenizer(cfg.target), chat["template"], ChatSettings.from_entry(chat), eos)
+    given = where(cfg, "eos_token_ids") if cfg.eos_token_ids is not None else None
+    stop = turn_stop(tmpl, eos, given, f"{where(cfg, 'max_new_tokens')} {cfg.max_new_tokens}")
+    if stop.eos != sorted(eos):
+        log.info("replies stop at the chat template's end of turn %r too (ids %s; the target's end-of-sequence ids "
+                 "are %s)", tmpl.turn_end, stop.eos, sorted(eos))
+    return stop
 
 
 def parse_conversation(conv_id: int, text: str, last_only: bool) -> Conversation:

@@ -54,7 +54,7 @@ def _limits(cfg: PrepareConfig, info):
 def run(cfg: PrepareConfig) -> dict:
     """The `prepare` command. Returns {split: manifest}."""
     from dflash_offline.chat.records import read_records
-    from dflash_offline.chat.template import ChatTemplate, load_chat_tokenizer
+    from dflash_offline.chat.template import ChatTemplate, load_chat_tokenizer, turn_stop
     from dflash_offline.prepare import output, rows, select
     from dflash_offline.targets.folder import eos_ids, read_target
 
@@ -139,6 +139,10 @@ def run(cfg: PrepareConfig) -> dict:
         log.warning("%s %d exceeds the target's context (%d positions, max_position_embeddings): rows past it are "
                     "kept, and generate and extract refuse or cut them; give at most %d to drop them here",
                     where(cfg, "max_len"), cfg.max_len, info.max_positions, info.max_positions)
+    if tmpl is not None and cfg.responses == "regenerate":  # said now, not after generate decodes to the limit
+        warning = turn_stop(tmpl, sorted(eos_ids(cfg.target)), None, "generate's --max-new-tokens").warning
+        if warning:
+            log.warning(warning)
     if stop_requested():
         raise Stopped(stop_requested(), f"stopped on {signal_name(stop_requested())} before writing; nothing changed; "
                       "run the same command again")
