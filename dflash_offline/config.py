@@ -191,6 +191,9 @@ class PrepareConfig:
     """Output folder: OUT/train/ and OUT/eval/, Parquet parts each committed in its manifest.json."""
     format: str = opt("auto", "Record format: messages (OpenAI), sharegpt (conversations of from/value), pair (prompt + response, or Alpaca instruction/input/output), turns (user messages only), text (every token trained); auto: detected per file.", choices=('auto', 'messages', 'sharegpt', 'pair', 'turns', 'text'))
     """auto (detected per file), messages, sharegpt, pair, turns or text."""
+    max_records: int | None = opt(None, "Read only the first N records of the input (all --data in the order given); reading stops there.", default_text="all")
+    """The first N records only (counted over all inputs, in the order given, before any is dropped);
+    reading stops after them: a file cut off later, or files after them, are never read."""
     chat_template: str | None = opt(None, "A Jinja chat template file to render with instead of the tokenizer's own.")
     """A Jinja chat template file to use instead of the tokenizer's own."""
     thinking: str | None = opt(None, "enable_thinking for templates that read it (Qwen3 family).", choices=('on', 'off'), default_text="the template's default")
@@ -226,7 +229,7 @@ class PrepareConfig:
             raise UserError("prepare: give --data PATH (conversation files or folders)")
         check_choices(self)
         check_number(self, "eval_fraction", 0, 1, open_high=True, must="in [0, 1)")
-        check_positive(self, "max_len", "chunk_records")
+        check_positive(self, "max_len", "chunk_records", "max_records")
         if self.truncate and self.max_len is None:
             raise UserError(f"{where(self, 'truncate')} cuts rows to {also(self, 'max_len')}: give that too")
         if self.responses != "keep" and self.train_turns != "all":  # a setting that would be ignored: said
