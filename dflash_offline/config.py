@@ -146,8 +146,11 @@ class GenerateConfig(SamplingOptions):
     """Always generate max_new_tokens (no end-of-sequence stop)."""
     batch_tokens: int = opt(262144, "Budget of one decoding batch: rows x (longest prompt + max new tokens).")
     """Budget of one decoding batch: rows x (longest prompt + max_new_tokens) cache positions."""
-    chunk_prompts: int = opt(2048, "Prompts per part file, the unit of commit and resume.")
-    """Prompts per part file (the unit of commit and of resume)."""
+    chunk_prompts: int | None = opt(None, "Prompts per part file, the unit of commit and resume.", default_text="2048 on GPUs, 64 on the CPU; a resumed output keeps its own")
+    """Prompts per part file (the unit of commit and of resume). None: 2048 on GPUs; 64 on the CPU,
+    where a part of 2048 prompts would decode for hours before it is committed (and a batch, at
+    most a part, of 64 rows loses little speed there); an output being resumed keeps the size it
+    was made with."""
     compute_dtype: str = opt("auto", "Target dtype; auto = bf16 on GPU, fp32 on CPU.", choices=('auto', 'bfloat16', 'float16', 'float32'))
     """auto = bfloat16 on GPU, float32 on CPU; float32 reproduces the target's fp32 greedy decode."""
     compile: bool = opt(False, "CUDA graphs for the one-token step (GPU only; measured slower at large batches).")
