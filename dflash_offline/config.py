@@ -186,8 +186,9 @@ class GenerateConfig(SamplingOptions):
 
 @dataclass
 class PrepareConfig:
-    target: str = opt("", "Hugging Face model folder: its tokenizer, chat template and context length.")
-    """The target's Hugging Face folder: its tokenizer, chat template, context length."""
+    target: str = opt("", "Hugging Face model folder: its tokenizer, chat template and config.json (the weights are not read: a folder without them will do).")
+    """The target's Hugging Face folder: its tokenizer, chat template, context length (config.json);
+    its weights are not read, so a folder of the tokenizer files and config.json will do."""
     data: list[str] = opt(help="Conversation data: .jsonl/.json/.parquet files, folders, globs, or a `datasets` save_to_disk folder; repeat for several.", factory=list)
     """Conversation files (.jsonl, .json, .parquet), folders, globs, `datasets` save_to_disk folders."""
     out: str = opt("", "Output folder: OUT/train/ and OUT/eval/ (Parquet parts, each folder committed in its manifest.json).")
