@@ -146,8 +146,11 @@ class GenerateConfig(SamplingOptions):
     """Always generate max_new_tokens (no end-of-sequence stop)."""
     batch_tokens: int = opt(262144, "Budget of one decoding batch: rows x (longest prompt + max new tokens).")
     """Budget of one decoding batch: rows x (longest prompt + max_new_tokens) cache positions."""
-    chunk_prompts: int = opt(2048, "Prompts per part file, the unit of commit and resume.")
-    """Prompts per part file (the unit of commit and of resume)."""
+    chunk_prompts: int | None = opt(None, "Prompts per part file, the unit of commit and resume.", default_text="2048 on GPUs, 64 on the CPU; a resumed output keeps its own")
+    """Prompts per part file (the unit of commit and of resume). None: 2048 on GPUs; 64 on the CPU,
+    where a part of 2048 prompts would decode for hours before it is committed (and a batch, at
+    most a part, of 64 rows loses little speed there); an output being resumed keeps the size it
+    was made with."""
     compute_dtype: str = opt("auto", "Target dtype; auto = bf16 on GPU, fp32 on CPU.", choices=('auto', 'bfloat16', 'float16', 'float32'))
     """auto = bfloat16 on GPU, float32 on CPU; float32 reproduces the target's fp32 greedy decode."""
     compile: bool = opt(False, "CUDA graphs for the one-token step (GPU only; measured slower at large batches).")
@@ -183,14 +186,18 @@ class GenerateConfig(SamplingOptions):
 
 @dataclass
 class PrepareConfig:
-    target: str = opt("", "Hugging Face model folder: its tokenizer, chat template and context length.")
-    """The target's Hugging Face folder: its tokenizer, chat template, context length."""
+    target: str = opt("", "Hugging Face model folder: its tokenizer, chat template and config.json (the weights are not read: a folder without them will do).")
+    """The target's Hugging Face folder: its tokenizer, chat template, context length (config.json);
+    its weights are not read, so a folder of the tokenizer files and config.json will do."""
     data: list[str] = opt(help="Conversation data: .jsonl/.json/.parquet files, folders, globs, or a `datasets` save_to_disk folder; repeat for several.", factory=list)
     """Conversation files (.jsonl, .json, .parquet), folders, globs, `datasets` save_to_disk folders."""
     out: str = opt("", "Output folder: OUT/train/ and OUT/eval/ (Parquet parts, each folder committed in its manifest.json).")
     """Output folder: OUT/train/ and OUT/eval/, Parquet parts each committed in its manifest.json."""
     format: str = opt("auto", "Record format: messages (OpenAI), sharegpt (conversations of from/value), pair (prompt + response, or Alpaca instruction/input/output), turns (user messages only), text (every token trained); auto: detected per file.", choices=('auto', 'messages', 'sharegpt', 'pair', 'turns', 'text'))
     """auto (detected per file), messages, sharegpt, pair, turns or text."""
+    max_records: int | None = opt(None, "Read only the first N records of the input (all --data in the order given); reading stops there.", default_text="all")
+    """The first N records only (counted over all inputs, in the order given, before any is dropped);
+    reading stops after them: a file cut off later, or files after them, are never read."""
     chat_template: str | None = opt(None, "A Jinja chat template file to render with instead of the tokenizer's own.")
     """A Jinja chat template file to use instead of the tokenizer's own."""
     thinking: str | None = opt(None, "enable_thinking for templates that read it (Qwen3 family).", choices=('on', 'off'), default_text="the template's default")
@@ -226,7 +233,7 @@ class PrepareConfig:
             raise UserError("prepare: give --data PATH (conversation files or folders)")
         check_choices(self)
         check_number(self, "eval_fraction", 0, 1, open_high=True, must="in [0, 1)")
-        check_positive(self, "max_len", "chunk_records")
+        check_positive(self, "max_len", "chunk_records", "max_records")
         if self.truncate and self.max_len is None:
             raise UserError(f"{where(self, 'truncate')} cuts rows to {also(self, 'max_len')}: give that too")
         if self.responses != "keep" and self.train_turns != "all":  # a setting that would be ignored: said

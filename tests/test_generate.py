@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -314,3 +315,48 @@ def test_sigterm_commits_the_part_in_progress_and_status_tells(tiny_dense, strai
     assert read_output(out) == straight
     st = run_cli(["status", out])
     assert st.returncode == 0 and f"generated {out}: complete" in st.stdout and "4/4 parts" in st.stdout, st.stdout
+
+
+_BAR = re.compile(r"(\d+)%\|[^|\r\n]*\| *([\d.]+k?)/([\d.]+k?) \[[\d:]+<([\d:?]+), *[^,\]]*, (\d+)/(\d+) prompts\]")
+
+
+def test_the_bar_counts_new_tokens_within_one_batch(tiny_dense, tmp_path):
+    """One batch of every prompt, decoding for seconds: the bar counts new tokens as they are
+    decoded against rows x --max-new-tokens, with an ETA, before any prompt completes; rows that
+    end early (end-of-sequence) take their unused tokens off the total, which ends at the tokens made."""
+    from tqdm import tqdm
+
+    prompts = make_prompts(tmp_path / "prompts.parquet", rows=4, max_len=10)
+    args = ["generate", "--target", tiny_dense, "--prompts", prompts, "--batch-tokens", 4096]
+    r = run_cli([*args, "--out", tmp_path / "long", "--max-new-tokens", 600, "--ignore-eos"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    states = _BAR.findall(r.stderr)
+    within = [s for s in states if s[4] == "0" and 0 < int(s[0]) < 100 and s[3] != "?"]
+    assert within and all(s[2] == "2.40k" for s in within), r.stderr[-3000:]  # 4 rows x 600, an ETA shown
+    assert states[-1][:3] == ("100", "2.40k", "2.40k") and states[-1][4:] == ("4", "4"), states[-1]
+    assert "batch of 4 prompts" in (tmp_path / "long" / "logs" / "generate-launcher.log").read_text()  # one batch
+    # An end-of-sequence token that row 0 (and maybe others) writes early: the total shrinks to the tokens made
+    first = read_output(tmp_path / "long")[100]
+    eos = first["input_ids"][first["loss_mask"].index(1) + 30]
+    r = run_cli([*args, "--out", tmp_path / "eos", "--max-new-tokens", 200, "--eos-token-ids", eos])
+    assert r.returncode == 0, r.stderr[-3000:]
+    made = json.loads((tmp_path / "eos" / "manifest.json").read_text())["totals"]["new_tokens"]
+    assert made < 4 * 200
+    last = _BAR.findall(r.stderr)[-1]
+    assert last[:3] == ("100", tqdm.format_sizeof(made), tqdm.format_sizeof(made)) and last[4] == "4", (last, made)
+
+
+def test_parts_on_the_cpu_hold_64_prompts_and_a_resumed_output_keeps_its_own(tiny_dense, tmp_path):
+    """On the CPU a part (the unit of commit) holds 64 prompts unless told: committed progressively;
+    an output made with another part size is resumed with it, without naming it again."""
+    prompts = make_prompts(tmp_path / "prompts.parquet", rows=70, max_len=8)
+    args = ["generate", "--target", tiny_dense, "--prompts", prompts, "--max-new-tokens", 2, "--no-progress"]
+    r = run_cli([*args, "--out", tmp_path / "a"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert m["plan"]["chunk_prompts"] == 64 and [p["rows"] for p in m["parts"]] == [64, 6]
+    r = run_cli([*args, "--out", tmp_path / "b", "--chunk-prompts", 30])
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli([*args, "--out", tmp_path / "b"])
+    assert r.returncode == 0 and "already complete" in r.stdout, r.stderr[-3000:]
+    assert read_output(tmp_path / "a") == read_output(tmp_path / "b")

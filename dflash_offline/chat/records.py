@@ -193,9 +193,13 @@ def _turns_record(rec: dict, where: str) -> list[Message]:
     return msgs + [Message("user", _string(t, f"turn {k}", where)) for k, t in enumerate(rec["turns"])]
 
 
-def read_records(paths: list[str], fmt: str = "auto", option: str = "--data") -> Iterator[Record]:
+def read_records(paths: list[str], fmt: str = "auto", option: str = "--data",
+                 limit: int | None = None) -> Iterator[Record]:
     """Every record of every input, in order, normalised. `fmt` = auto detects per file; a file
-    whose records are in different formats (or in none) is refused naming the first that differs."""
+    whose records are in different formats (or in none) is refused naming the first that differs.
+    `limit`: the first `limit` records only; reading stops there (the rest of a JSONL, Parquet or
+    Arrow input and the inputs after it are not read; a JSON array file is loaded whole, but its
+    later records are not parsed)."""
     if fmt != "auto" and fmt not in FORMATS:
         raise UserError(f"--format {fmt!r}: choose auto, {', '.join(FORMATS)}")
     forget_cut_off_files()
@@ -235,6 +239,10 @@ def read_records(paths: list[str], fmt: str = "auto", option: str = "--data") ->
                     left_out.clear()
                 yield Record(index, where, own, source_id, messages=msgs)
             index += 1
+            if limit is not None and index >= limit:
+                break  # before the next record is read
+        if limit is not None and index >= limit:
+            break
     if with_parts:  # told, not silent: the records stay, rendered from their text
         logging.getLogger("dflash.prepare").warning(
             "%d record(s) hold content parts that are not text (%s): those parts are left out, the text of the "

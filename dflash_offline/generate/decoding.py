@@ -92,6 +92,8 @@ class BatchDecoder:
         self.cache = StaticCache(config=model.config, max_cache_len=self.length) if compile else None
         self.compiled = compile
         self._step = self._forward_step
+        # Told of the tokens decoded, from the loop, while a batch runs (generate/progress.py's Tracker).
+        self.progress = None
         if compile:
             # CUDA graphs on GPUs; elsewhere plain compilation (the same static shapes: a check of
             # the path on machines without a GPU).
@@ -142,6 +144,9 @@ class BatchDecoder:
         done = torch.zeros(R, dtype=torch.bool, device=dev)
         pos = positions[:, -1:]
         steps = 0
+        progress = self.progress
+        if progress is not None:
+            progress.batch_start(n * self.max_new)
         for t in range(self.max_new):
             tok = choose_tokens(logits, self.sampling, ids_of, t)
             out[:, t] = tok
@@ -151,6 +156,8 @@ class BatchDecoder:
             # One sync every 16 tokens: enough to stop a batch that has ended early.
             if t % 16 == 15 and bool(done[:n].all()):
                 break
+            if progress is not None and progress.due():  # a host clock read per step; a sync when due
+                self._report(out[:n, :t + 1], progress)
             pos = pos + 1
             if self.compiled and dev.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()
@@ -162,7 +169,19 @@ class BatchDecoder:
             k = next((i for i, x in enumerate(row) if x in self.eos_ids), None)
             tokens.append(row if k is None else row[: k + 1])
             ended.append(k is not None)
+        if progress is not None:
+            made = sum(len(x) for x in tokens)
+            progress.batch_step(made, made)
         return BatchResult(tokens, ended, steps, prefill_s, time.perf_counter() - t0)
+
+    def _report(self, out: torch.Tensor, progress) -> None:
+        """The tokens the real rows have made so far (each up to its end-of-sequence token) and the
+        batch's bound: those, plus --max-new-tokens' rest for each row still running."""
+        hit = torch.isin(out, self.eos)
+        ended = hit.any(-1)
+        made = torch.where(ended, hit.int().argmax(-1) + 1, out.shape[1])
+        total, running = (int(x) for x in torch.stack([made.sum(), (~ended).sum()]).tolist())
+        progress.batch_step(total, total + running * (self.max_new - out.shape[1]))
 
     def _cache_for(self, R: int, L: int):
         """The compiled step keeps one cache (its tensors' addresses are baked into the CUDA graph);

@@ -22,11 +22,11 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
 from dflash_offline.config import GenerateConfig
+from dflash_offline.generate.progress import Bar, Todo, Tracker, todo_of, turns_per_row
 from dflash_offline.options import also, where as origin
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
@@ -36,6 +36,8 @@ from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signa
 from dflash_offline.runtime.supervise import wait_for_other_ranks
 
 log = logging.getLogger("dflash.generate")
+
+GPU_CHUNK_PROMPTS, CPU_CHUNK_PROMPTS = 2048, 64  # --chunk-prompts' defaults (config.py says why)
 
 
 @dataclass
@@ -54,13 +56,7 @@ class Job:
     compile: bool
     chat: dict | None = None  # conversation prompts (a prepare output): its chat settings and template
     max_positions: int | None = None
-
-
-class Progress(NamedTuple):
-    """A worker's message to its launcher after each batch (the failure line is run_workers' own)."""
-
-    prompts: int  # prompts completed
-    tokens: int  # new tokens they got
+    turns: np.ndarray | None = None  # conversation prompts: the replies the target writes for each row
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,20 +147,25 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     compile = cfg.compile
     if compile and not cuda:
         raise UserError("--compile needs GPUs (CUDA graphs); on the CPU decoding runs eagerly")
+    # The part size is the plan's: an output being resumed keeps its own (made on other devices, maybe).
+    prior = (parts.read_manifest(folder) if folder.is_dir() else None) or {}
+    kept = prior.get("plan", {}).get("chunk_prompts") if isinstance(prior.get("plan"), dict) else None
+    chunk_prompts = cfg.chunk_prompts or (kept if isinstance(kept, int) and kept > 0 else None) or (
+        GPU_CHUNK_PROMPTS if cuda else CPU_CHUNK_PROMPTS)
     max_prompt = int(lengths.max())
     per_row = max_prompt + cfg.max_new_tokens
     if cfg.batch_tokens < per_row:
         raise UserError(f"{origin(cfg, 'batch_tokens')} {cfg.batch_tokens} cannot hold one row of {per_row} positions (the "
                         f"longest prompt, {max_prompt} tokens, + {also(cfg, 'max_new_tokens')} {cfg.max_new_tokens}); "
                         "raise the first")
-    rows = min(cfg.batch_tokens // per_row, cfg.chunk_prompts, source.rows)
+    rows = min(cfg.batch_tokens // per_row, chunk_prompts, source.rows)
     if chat is not None:
         if compile:
             raise UserError("--compile needs one static prompt length; conversation prompts grow turn by turn: "
                             "leave --compile out")
         # Later turns' prompts are longer: each round's batches are sized by the budget then.
-        rows = min(cfg.batch_tokens // (int(lengths.min()) + cfg.max_new_tokens), cfg.chunk_prompts, source.rows)
-    chunks = make_chunks(source.rows, cfg.chunk_prompts)
+        rows = min(cfg.batch_tokens // (int(lengths.min()) + cfg.max_new_tokens), chunk_prompts, source.rows)
+    chunks = make_chunks(source.rows, chunk_prompts)
     settings = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
                 "top_p": cfg.top_p if cfg.temperature > 0 else 1.0, "seed": cfg.seed if cfg.temperature > 0 else 0,
                 "eos_token_ids": eos, "compute_dtype": compute_dtype}
@@ -175,7 +176,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     # compared with this run (a broken target is the cause to name, not the mismatch it makes).
     target.check_weights(info, info.num_target_layers, need_head=True)
     wanted = parts.new_manifest(target=info.manifest_entry(), settings=settings, source=source.manifest_entry(),
-                                plan={"chunk_prompts": cfg.chunk_prompts, "num_parts": len(chunks)}, chat=chat)
+                                plan={"chunk_prompts": chunk_prompts, "num_parts": len(chunks)}, chat=chat)
     existing = parts.OutputStore(folder).read() if folder.is_dir() else None
     if existing is not None:
         from dflash_offline.cache.manifest import check_compatible
@@ -193,6 +194,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     committed = {p["name"] for p in existing["parts"]} if existing else set()
     todo = [j for j in range(len(chunks)) if parts.part_name(j) not in committed]
     todo_prompts = sum(len(chunks[j]) for j in todo)
+    turns = turns_per_row(source, cfg.turns == "last") if chat is not None else None
     # Parquet of int32 tokens: about 4 bytes per token before compression; with room to spare.
     need = 5 * (int(lengths[np.concatenate([chunks[j] for j in todo])].sum()) + todo_prompts * cfg.max_new_tokens) \
         if todo else 0
@@ -212,14 +214,14 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
         if warning:
             log.warning(warning)
     log.info("plan: %d prompts (%d to do) in %d parts of %d, batches of %d rows x %d positions, %s on %s, %s, "
-             "eos %s, compile %s", source.rows, todo_prompts, len(chunks), cfg.chunk_prompts, rows, per_row,
+             "eos %s, compile %s", source.rows, todo_prompts, len(chunks), chunk_prompts, rows, per_row,
              compute_dtype, ",".join(devices), "greedy" if cfg.temperature <= 0 else
              f"sampling (temperature {cfg.temperature}, top-p {cfg.top_p}, seed {cfg.seed})", eos, compile)
     job = Job(cfg=asdict(cfg), folder=str(folder), target_path=str(info.path),
               source=source.state(),
               chunks=chunks, compute_dtype=compute_dtype, eos=eos, rows_per_batch=rows, max_prompt_len=max_prompt,
-              compile=compile, chat=chat, max_positions=info.max_positions)
-    return job, wanted, devices, todo_prompts
+              compile=compile, chat=chat, max_positions=info.max_positions, turns=turns)
+    return job, wanted, devices, todo_of([chunks[j] for j in todo], turns)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,7 +247,7 @@ def run(cfg: GenerateConfig) -> dict:
     join_ranks(launch)  # a launch other than torchrun: every rank is there before any work
     t0 = time.time()
     heartbeat(phase="preflight")
-    job, wanted, devices, todo_prompts = preflight(cfg, folder, merged, launch)
+    job, wanted, devices, todo = preflight(cfg, folder, merged, launch)
     if stop_requested():
         raise Stopped(stop_requested(), f"stopped on {signal_name(stop_requested())} before any work; nothing "
                       "changed; run the same command again to start")
@@ -267,16 +269,16 @@ def run(cfg: GenerateConfig) -> dict:
         return manifest
     if launch is not None:
         device = "cpu" if all(d == "cpu" for d in devices) else f"cuda:{launch.local_rank}"
-        worker_run(launch.rank, launch.world_size, device, job, None, cfg.progress and launch.rank == 0, todo_prompts)
+        worker_run(launch.rank, launch.world_size, device, job, None, cfg.progress and launch.rank == 0)
         if launch.rank == 0 and not stop_requested():
             wait_for_other_ranks(store.read, lambda m: f"{len(m['parts'])}/{m['plan']['num_parts']} parts committed")
         stopped = stop_requested()
     elif len(devices) == 1:
         # One device: decode in this process (no second start-up of torch and the model code).
-        worker_run(0, 1, devices[0], job, None, cfg.progress, todo_prompts)
+        worker_run(0, 1, devices[0], job, None, cfg.progress)
         stopped = stop_requested()
     else:
-        stopped = _launch_workers(job, devices, todo_prompts, cfg.progress, log_dir)
+        stopped = _launch_workers(job, devices, todo, cfg.progress, log_dir)
     manifest = store.read()
     if stopped and manifest["status"] != "complete":
         raise Stopped(stopped, f"stopped on {signal_name(stopped)}: {len(manifest['parts'])}/"
@@ -320,31 +322,14 @@ def _finish(store, merged: Path | None, launch: Launch | None) -> None:
     log.info("merged %d parts into %s", len(m["parts"]), merged)
 
 
-def _launch_workers(job: Job, devices: list[str], todo_prompts: int, progress: bool, log_dir: str) -> int | None:
+def _launch_workers(job: Job, devices: list[str], todo: Todo, progress: bool, log_dir: str) -> int | None:
     """One worker process per device, to the end. Returns the signal number if the run was stopped
     on request (the workers committed their parts in progress and exited), else None."""
-    from tqdm import tqdm
-
     from dflash_offline.runtime.supervise import run_workers
 
-    bar = tqdm(total=todo_prompts, unit="prompt", disable=not progress, dynamic_ncols=True, desc="generate",
-               smoothing=0.1)
-    done = {"prompts": 0, "tokens": 0, "t0": None, "first": 0}
-
-    def on_message(msg: Progress) -> None:
-        prompts, tokens = msg.prompts, msg.tokens
-        if done["t0"] is None:  # the rate counts from the first finished batch, not the start-up
-            done["t0"], done["first"] = time.time(), tokens
-        done["prompts"] += prompts
-        done["tokens"] += tokens
-        bar.update(prompts)
-        rate = (done["tokens"] - done["first"]) / max(time.time() - done["t0"], 1e-9)
-        bar.set_postfix_str(f"{rate:,.0f} new tok/s")
-        heartbeat(phase="generate", prompts_done=done["prompts"], prompts_todo=todo_prompts,
-                  tokens_done=done["tokens"], tokens_per_s=round(rate, 1))
-
+    bar = Bar(todo, job.cfg["max_new_tokens"], progress)  # the workers' Progress messages, added up
     try:
-        ended = run_workers(worker_entry, devices, job, "generate", on_message)
+        ended = run_workers(worker_entry, devices, job, "generate", bar)
     finally:
         bar.close()
     if ended.failed is not None:
@@ -370,13 +355,13 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
                      claim=True)
     install_stop_handlers(launched=True)
     with worker_outcome(on_error=lambda line: q.put(WorkerError(rank, line))):
-        left = worker_run(rank, world, device, job, q, False, 0)
+        left = worker_run(rank, world, device, job, q, False)
         if left:
             raise Stopped(stop_requested(), f"worker {rank}: stopped on {signal_name(stop_requested())} after "
                           "committing its part in progress")
 
 
-def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, todo_prompts: int) -> int:
+def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) -> int:
     """Generate and commit this worker's parts. Returns how many it left unstarted (a stop was requested)."""
     heartbeat(phase="import")
     from dflash_offline.rows import parts
@@ -423,15 +408,15 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
         from dflash_offline.generate.turns import ChatJob
 
         chat = ChatJob.start(job, cfg, src)
-    bar = None
-    if show_bar:
-        from tqdm import tqdm
-
-        bar = tqdm(total=todo_prompts, unit="prompt", desc="generate" if world == 1 else f"generate (rank {rank} of {world})",
-                   dynamic_ncols=True)
+    # This worker's work, in new tokens as they are decoded (generate/progress.py): to the launcher's
+    # bar through the queue, or to this process's own.
+    bar = None if q is not None else Bar(todo_of([job.chunks[j] for j in mine], job.turns), cfg.max_new_tokens,
+                                         show_bar, "generate" if world == 1 else f"generate (rank {rank} of {world})")
+    tracker = Tracker(q.put if q is not None else bar)
+    decoder.progress = tracker
     heartbeat(phase="generate")
     t_start = time.time()
-    prompts_done = new_total = 0
+    prompts_done = 0
     try:
         for i, j in enumerate(mine):
             if stop_requested():
@@ -440,18 +425,20 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
                 return len(mine) - i
             rows = job.chunks[j]
             if chat is not None:
-                def on_batch(n_turns, n_new, res):  # progress counts conversations: they count when all is written
-                    nonlocal new_total
-                    new_total += n_new
-                    _batch_done(q, bar, 0, n_new, res, new_total, t_start, parts.part_name(j))
+                written = 0
+
+                def on_batch(n_turns, n_new, res):  # conversations count once all their turns are written
+                    nonlocal written
+                    written += n_turns
+                    tracker.completed(turns=n_turns)
+                    _batch_done(parts.part_name(j), prompts_done)
 
                 entry = chat.part(folder, parts.part_name(j), rows, decoder, on_batch)
                 entry["ids"] = id_ranges(entry.pop("row_ids"))
                 prompts_done += len(rows)
-                if q is not None:
-                    q.put(Progress(len(rows), 0))
-                if bar is not None:
-                    bar.update(len(rows))
+                # Turns not written (a conversation cut short) leave the bound.
+                tracker.completed(prompts=len(rows), bound=-(int(job.turns[rows].sum()) - written) * cfg.max_new_tokens)
+                tracker.flush()
                 fault_point("part-renamed")
                 store.commit_part(entry)
                 log.info("committed %s: %d rows, %d new tokens", entry["name"], entry["rows"], entry["new_tokens"])
@@ -465,12 +452,12 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
                 res = decoder.decode([prompts[k] for k in batch], [ids[k] for k in batch])
                 for k, toks, ended in zip(batch, res.tokens, res.ended_by_eos):
                     new[k], eos_end[k] = toks, ended
-                n_new = sum(len(t) for t in res.tokens)
-                log.info("batch of %d prompts: %d new tokens in %.2fs (prefill %.2fs, %d steps)", len(batch), n_new,
-                         res.seconds, res.prefill_s, res.steps)
+                log.info("batch of %d prompts: %d new tokens in %.2fs (prefill %.2fs, %d steps)", len(batch),
+                         sum(len(t) for t in res.tokens), res.seconds, res.prefill_s, res.steps)
                 prompts_done += len(batch)
-                new_total += n_new
-                _batch_done(q, bar, len(batch), n_new, res, new_total, t_start, parts.part_name(j), prompts_done)
+                tracker.completed(prompts=len(batch))
+                tracker.flush()
+                _batch_done(parts.part_name(j), prompts_done)
             entry = parts.write_completions(folder, parts.part_name(j), ids, prompts, new, eos_end)
             entry["ids"] = id_ranges(ids)
             fault_point("part-renamed")
@@ -478,22 +465,16 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool, 
             log.info("committed %s: %d rows, %d new tokens", entry["name"], entry["rows"], entry["new_tokens"])
             fault_point("part-committed")
     finally:
+        tracker.flush()
         if bar is not None:
             bar.close()
     dt = time.time() - t_start
-    log.info("worker %d done: %d prompts, %d new tokens in %.1fs (%.0f new tokens/s)", rank, prompts_done, new_total,
-             dt, new_total / max(dt, 1e-9))
+    log.info("worker %d done: %d prompts, %d new tokens in %.1fs (%.0f new tokens/s)", rank, prompts_done,
+             tracker.tokens, dt, tracker.tokens / max(dt, 1e-9))
     return 0
 
 
-def _batch_done(q, bar, n: int, n_new: int, res, new_total: int, t_start: float, part: str,
-                prompts_done: int | None = None) -> None:
-    """After each decoded batch: progress to the launcher (or this process's bar), heartbeat."""
-    if q is not None:
-        q.put(Progress(n, n_new))
-    if bar is not None:
-        bar.update(n)
-        bar.set_postfix_str(f"{new_total / max(time.time() - t_start, 1e-9):,.0f} new tok/s")
-    heartbeat(phase="generate", part=part, tokens_done=new_total,
-              **({"prompts_done": prompts_done} if prompts_done is not None else {}))
+def _batch_done(part: str, prompts_done: int) -> None:
+    """After each decoded batch: the heartbeat (the tokens went with the tracker), a crash-test point."""
+    heartbeat(phase="generate", part=part, prompts_done=prompts_done)
     fault_point("generate-batch")

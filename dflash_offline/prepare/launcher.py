@@ -66,15 +66,19 @@ def run(cfg: PrepareConfig) -> dict:
     install_stop_handlers()
     t0 = time.time()
     heartbeat(phase="preflight")
-    info = read_target(cfg.target, where(cfg, "target"))
+    # Only the tokenizer, the chat template and config.json are read: a folder without weights will do.
+    info = read_target(cfg.target, where(cfg, "target"), weights=False)
     tokenizer = load_chat_tokenizer(cfg.target, where(cfg, "target"))
+    # Lengths are prepare's to judge (--max-len, the target's context), after tokenizing: transformers'
+    # "longer than the specified maximum sequence length" warning would name rows dropped anyway.
+    tokenizer.model_max_length = int(1e30)  # transformers' own "no limit" value (VERY_LARGE_INTEGER)
     top = max(tokenizer.get_vocab().values(), default=-1)  # its largest id: added tokens may leave gaps
     if top >= info.vocab_size:  # ids past the embedding: another model's tokenizer
         raise UserError(f"{where(cfg, 'target')} {cfg.target}: its tokenizer has token ids up to {top} "
                         f"({tokenizer.convert_ids_to_tokens(top)!r}) but the model's vocabulary is {info.vocab_size}; "
                         "the folder mixes a tokenizer and a model that do not belong together")
     heartbeat(phase="read")
-    records = list(read_records(cfg.data, cfg.format, where(cfg, "data")))
+    records = list(read_records(cfg.data, cfg.format, where(cfg, "data"), limit=cfg.max_records))
     if not records:
         raise UserError(f"{where(cfg, 'data')} {' '.join(cfg.data)}: no records")
     chat = any(r.messages is not None for r in records)
@@ -93,7 +97,7 @@ def run(cfg: PrepareConfig) -> dict:
               for s in SPLITS}
     settings = {"responses": cfg.responses, "train_turns": cfg.train_turns, "format": cfg.format,
                 "eval_fraction": cfg.eval_fraction, "max_len": cfg.max_len, "truncate": cfg.truncate,
-                "dedup": cfg.dedup, "drop_unanswered": cfg.drop_unanswered}
+                "dedup": cfg.dedup, "drop_unanswered": cfg.drop_unanswered, "max_records": cfg.max_records}
     source = output.source_entry(cfg.data)
     stores = {s: output.PreparedStore(out / s) for s in SPLITS}
     wanted = {s: output.new_manifest(
@@ -110,8 +114,9 @@ def run(cfg: PrepareConfig) -> dict:
     tables: dict[str, list] = {s: [] for s in SPLITS}
     from tqdm import tqdm
 
-    bar = tqdm(total=sum(len(c) for s in SPLITS for c in chunks[s]), unit="conv", desc="prepare",
-               disable=not cfg.progress, dynamic_ncols=True)
+    # Counts the records read: those the selection dropped are done, the others as their chunk is rendered.
+    bar = tqdm(total=sel.read, initial=sel.read - sum(len(sel.splits[s]) for s in SPLITS), unit="record",
+               desc="prepare", disable=not cfg.progress, dynamic_ncols=True)
     try:
         for s in SPLITS:
             for j, chunk in enumerate(chunks[s]):
@@ -130,7 +135,7 @@ def run(cfg: PrepareConfig) -> dict:
     if made == 0 and not any(committed.values()):
         dropped = sel.dropped + sum((t.dropped for s in SPLITS for t in tables[s] if t is not None), Counter())
         raise UserError(f"{where(cfg, 'data')}: no row is left after filtering ({sel.read} records read; dropped: "
-                        f"{', '.join(f'{n} {why}' for why, n in dropped.most_common()) or 'none'}); "
+                        f"{dropped_text(dropped)}); "
                         + ("the chat template refused them: fix it or give another with --chat-template"
                            if any(str(why).startswith("template refused") for why in dropped) else
                            "check --format, --max-len and --responses"))
@@ -174,6 +179,21 @@ def run(cfg: PrepareConfig) -> dict:
     return manifests
 
 
+def dropped_text(dropped: Counter) -> str:
+    """The drop counts as one text, conversations (records) apart from rows: a conversation
+    dropped whole is counted by select.py (and by rows.py where the template refused it, or its
+    one prompt is too long); rows.py counts the rows (turns) it dropped by reasons beginning with
+    "rows "."""
+    rows = [(n, why.removeprefix("rows ")) for why, n in dropped.most_common() if why.startswith("rows ")]
+    convs = [(n, why) for why, n in dropped.most_common() if not why.startswith("rows ")]
+    parts = []
+    for what, group in (("conversation", convs), ("row", rows)):
+        if group:
+            total = sum(n for n, _ in group)
+            parts.append(f"{total} {what}{'s' * (total != 1)} ({', '.join(f'{n} {why}' for n, why in group)})")
+    return "; ".join(parts) or "none"
+
+
 def _report(manifests: dict, sel, out: Path, seconds: float, cfg: PrepareConfig, info, fresh: bool) -> None:
     dropped = Counter(sel.dropped)
     for m in manifests.values():
@@ -181,6 +201,7 @@ def _report(manifests: dict, sel, out: Path, seconds: float, cfg: PrepareConfig,
             dropped.update(p.get("dropped", {}))
     lines = [(f"prepared {out} in {seconds:.1f} s" if fresh else f"already complete: {out}; nothing to do")
              + f": {sel.read} records read"
+             + (f" (the first {cfg.max_records}: {where(cfg, 'max_records')})" if sel.read == cfg.max_records else "")
              + (f" ({', '.join(f'{f} cut off after {n} records' for f, n in sel.cut_off)})" if sel.cut_off else "")]
     for s in SPLITS:
         if s not in manifests:
@@ -194,7 +215,7 @@ def _report(manifests: dict, sel, out: Path, seconds: float, cfg: PrepareConfig,
         lines.append(f"  {s}: {t['conversations']} conversations -> {t['rows']} {what}, {t['tokens']:,} tokens"
                      + (f" ({t['trained_tokens']:,} trained, {t['truncated']} rows truncated)"
                         if m["kind"] == "completions" else "") + f"  ({out / s})")
-    lines.append("  dropped: " + (", ".join(f"{n} {why}" for why, n in dropped.most_common()) or "none"))
+    lines.append(f"  dropped: {dropped_text(dropped)}")
     if "train" not in manifests:
         pass
     elif any(m["kind"] == "prompts" for m in manifests.values()):

@@ -24,6 +24,7 @@ IDENTITY_FIELDS = [
     ("chat", "template_sha256"), ("chat", "thinking"), ("chat", "system"),
     ("settings", "responses"), ("settings", "train_turns"), ("settings", "format"), ("settings", "eval_fraction"),
     ("settings", "max_len"), ("settings", "truncate"), ("settings", "dedup"), ("settings", "drop_unanswered"),
+    ("settings", "max_records"),
     ("source", "rows"), ("source", "files"),
     ("plan", "chunk_records"), ("plan", "num_parts"), ("plan", "conversations"),
 ]

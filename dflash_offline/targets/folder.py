@@ -40,7 +40,7 @@ class TargetInfo:
     hidden_size: int
     vocab_size: int
     config_sha256: str
-    weights_fingerprint: str
+    weights_fingerprint: str | None  # None: read without its weights (read_target(weights=False))
     hybrid: bool
     weight_files: list[Path]
     tie_word_embeddings: bool
@@ -153,9 +153,12 @@ def _data_sample(path: Path, samples: int = 16, block: int = 1 << 16) -> bytes:
     return b"".join(out)
 
 
-def read_target(path: str, option: str = "--target") -> TargetInfo:
+def read_target(path: str, option: str = "--target", weights: bool = True) -> TargetInfo:
     """Read config.json and the safetensors headers; no torch, no weights. `option`: how messages
-    name the folder (the flag, or the recipe key and file it was given in)."""
+    name the folder (the flag, or the recipe key and file it was given in). `weights=False`: the
+    config alone, for a command that only tokenizes (prepare): a folder of tokenizer files and
+    config.json without weights is a target there; `weight_files` is empty and
+    `weights_fingerprint` None."""
     root = Path(path)
     cfg_path = root / "config.json"
     if not root.is_dir():
@@ -176,16 +179,10 @@ def read_target(path: str, option: str = "--target") -> TargetInfo:
     if int(text["num_hidden_layers"]) < 1:
         raise UserError(f"{cfg_path}: num_hidden_layers is {text['num_hidden_layers']}: the target has no decoder "
                         "layers whose hidden states could be captured; give a causal language model as the target")
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
+    files = sorted(root.glob("*.safetensors")) if weights else []
+    if weights and not files:
         raise UserError(f"{option} {path}: no *.safetensors weights in the folder")
-    _check_weight_files(root, files)
-    fp = hashlib.sha256()
-    for f in files:
-        fp.update(f.name.encode())
-        fp.update(str(f.stat().st_size).encode())
-        fp.update(safetensors_header(f))
-        fp.update(_data_sample(f))
+    fingerprint = _fingerprint(root, files) if weights else None
     # Layers that keep a recurrent state (Gated DeltaNet): padding rules and decoders differ (targets/families.py).
     layer_types = tuple(families.layer_types_of(text))
     hybrid = families.recurrent(text)
@@ -195,11 +192,23 @@ def read_target(path: str, option: str = "--target") -> TargetInfo:
         num_target_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
         vocab_size=int(text["vocab_size"]),
         config_sha256=hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest(),
-        weights_fingerprint="sha256:" + fp.hexdigest(), hybrid=hybrid, layer_types=layer_types, weight_files=files,
+        weights_fingerprint=fingerprint, hybrid=hybrid, layer_types=layer_types, weight_files=files,
         tie_word_embeddings=tie,
         max_positions=int(text["max_position_embeddings"]) if text.get("max_position_embeddings") else None,
         option=option,
     )
+
+
+def _fingerprint(root: Path, files: list[Path]) -> str:
+    """The weights' identity: names, sizes, headers and sampled data blocks, after the files are checked whole."""
+    _check_weight_files(root, files)
+    fp = hashlib.sha256()
+    for f in files:
+        fp.update(f.name.encode())
+        fp.update(str(f.stat().st_size).encode())
+        fp.update(safetensors_header(f))
+        fp.update(_data_sample(f))
+    return "sha256:" + fp.hexdigest()
 
 
 def eos_source(target_dir: str) -> tuple[set[int], Path | None]:
