@@ -414,8 +414,11 @@ def format_status(st: dict) -> str:
                 lines.append(f"  {len(sp['debris'])} uncommitted part file(s) in {split} (removed when preparation "
                              "resumes): " + ", ".join(sp["debris"][:4]))
         if st["records_read"] is not None:
-            lines.append(f"  {st['records_read']} records read; dropped: "
-                         + (", ".join(f"{n} {why}" for why, n in st["dropped"].items()) or "none"))
+            from collections import Counter
+
+            from dflash_offline.prepare.output import dropped_text
+
+            lines.append(f"  {st['records_read']} records read; dropped: {dropped_text(Counter(st['dropped']))}")
     elif st["kind"] == "cache":
         t = st["totals"]
         lines.append(f"cache {st['path']}: {st['verdict']}")

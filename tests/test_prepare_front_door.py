@@ -112,3 +112,7 @@ def test_dropped_rows_print_no_transformers_warning_and_drops_are_told_apart(cha
     (line,) = [x for x in r.stdout.splitlines() if x.startswith("  dropped:")]
     assert line == ("  dropped: 2 conversations (1 empty, 1 duplicate); 2 rows (2 longer than --max-len)"), r.stdout
     assert not any(x.lower().startswith("error") for x in r.stderr.splitlines())
+    # status reads the same counts from the output's manifests and tells them apart the same way.
+    st = run_cli(["status", tmp_path / "out"])
+    assert st.returncode == 0 and "dropped: 2 conversations (1 empty, 1 duplicate); 2 rows (2 longer than --max-len)" \
+        in st.stdout, st.stdout

@@ -135,7 +135,7 @@ def run(cfg: PrepareConfig) -> dict:
     if made == 0 and not any(committed.values()):
         dropped = sel.dropped + sum((t.dropped for s in SPLITS for t in tables[s] if t is not None), Counter())
         raise UserError(f"{where(cfg, 'data')}: no row is left after filtering ({sel.read} records read; dropped: "
-                        f"{dropped_text(dropped)}); "
+                        f"{output.dropped_text(dropped)}); "
                         + ("the chat template refused them: fix it or give another with --chat-template"
                            if any(str(why).startswith("template refused") for why in dropped) else
                            "check --format, --max-len and --responses"))
@@ -179,22 +179,9 @@ def run(cfg: PrepareConfig) -> dict:
     return manifests
 
 
-def dropped_text(dropped: Counter) -> str:
-    """The drop counts as one text, conversations (records) apart from rows: a conversation
-    dropped whole is counted by select.py (and by rows.py where the template refused it, or its
-    one prompt is too long); rows.py counts the rows (turns) it dropped by reasons beginning with
-    "rows "."""
-    rows = [(n, why.removeprefix("rows ")) for why, n in dropped.most_common() if why.startswith("rows ")]
-    convs = [(n, why) for why, n in dropped.most_common() if not why.startswith("rows ")]
-    parts = []
-    for what, group in (("conversation", convs), ("row", rows)):
-        if group:
-            total = sum(n for n, _ in group)
-            parts.append(f"{total} {what}{'s' * (total != 1)} ({', '.join(f'{n} {why}' for n, why in group)})")
-    return "; ".join(parts) or "none"
-
-
 def _report(manifests: dict, sel, out: Path, seconds: float, cfg: PrepareConfig, info, fresh: bool) -> None:
+    from dflash_offline.prepare.output import dropped_text
+
     dropped = Counter(sel.dropped)
     for m in manifests.values():
         for p in m["parts"]:

@@ -90,3 +90,17 @@ class PreparedStore(OutputStore):
                  "ids": id_ranges(sorted(t.column("id").to_pylist()))}
         self.commit_part(entry)
 
+
+def dropped_text(dropped) -> str:
+    """The drop counts as one text, conversations (records) apart from rows: a conversation
+    dropped whole is counted by select.py (and by rows.py where the template refused it, or its
+    one prompt is too long); rows.py counts the rows (turns) it dropped by reasons beginning with
+    "rows "."""
+    rows = [(n, why.removeprefix("rows ")) for why, n in dropped.most_common() if why.startswith("rows ")]
+    convs = [(n, why) for why, n in dropped.most_common() if not why.startswith("rows ")]
+    parts = []
+    for what, group in (("conversation", convs), ("row", rows)):
+        if group:
+            total = sum(n for n, _ in group)
+            parts.append(f"{total} {what}{'s' * (total != 1)} ({', '.join(f'{n} {why}' for n, why in group)})")
+    return "; ".join(parts) or "none"
