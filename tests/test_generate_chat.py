@@ -242,6 +242,21 @@ def test_replies_stop_at_the_templates_end_of_turn(tiny_dense, tmp_path):
     m = json.loads((tmp_path / "gen" / "manifest.json").read_text())
     assert m["settings"]["eos_token_ids"] == sorted([endoftext, im_end])
 
+    # eval of the same prepared prompts stops its decodes there too (both sides), so the generated
+    # replies serve as its lossless reference.
+    from dflash_offline.drafter.config import DrafterConfig
+    from dflash_offline.drafter.export import export_drafter
+    from dflash_offline.drafter.model import DFlashDrafter
+
+    cfg = DrafterConfig.from_target(str(target), [1, 3], block_size=4, drafter_layers=1, mask_token_id=1)
+    drafter = export_drafter(DFlashDrafter(cfg), str(tmp_path / "drafter"))
+    r = run_cli(["eval", "--target", target, "--drafter", drafter, "--prompts", prompts, "--max-new-tokens", NEW,
+                 "--no-progress", "--json", tmp_path / "eval.json"])
+    assert r.returncode == 0 and "end of turn" not in r.stderr, r.stderr[-3000:]
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["eos"] == sorted([endoftext, im_end]) and report["drafters"][0]["lossless"]
+    assert report["drafters"][0]["rounds"] <= len(report["prompt_ids"])  # the end of turn at once: no decode runs on
+
     r = run_cli(["generate", "--target", target, "--prompts", prompts, "--out", tmp_path / "named", *GEN,
                  "--eos-token-ids", endoftext])
     assert r.returncode == 0, r.stderr[-3000:]

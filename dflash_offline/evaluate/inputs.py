@@ -314,3 +314,21 @@ def warn_chat_mismatch(prompts: str, drafters) -> None:
             log.warning("--drafter %s was trained on conversations rendered another way than --prompts %s (%s): "
                         "its tau here is not the tau it was trained for; prepare the prompts with the drafter's "
                         "settings (its config.json dflash_config.chat)", path, prompts, "; ".join(diff))
+
+
+def chat_stop_ids(prompts: str, target: str, eos: set[int], runs_to: str):
+    """The ids a decode stops at for `prompts` (chat/template.py `turn_stop`), and a warning or None:
+    prompts rendered by `prepare` end their replies at the chat template's end of turn, as `generate`
+    ends them, so a template whose end of turn is one token the end-of-sequence ids lack (a
+    generation_config.json naming <|endoftext|> alone beside a ChatML template) still stops there.
+    Plain prompts, and --ignore-eos (an empty `eos`), keep `eos`."""
+    from dflash_offline.rows.parts import chat_settings_of
+
+    chat = chat_settings_of([prompts]) if eos and Path(prompts).is_dir() else None
+    if chat is None:
+        return eos, None
+    from dflash_offline.chat.template import ChatSettings, ChatTemplate, load_chat_tokenizer, turn_stop
+
+    tmpl = ChatTemplate(load_chat_tokenizer(target), chat["template"], ChatSettings.from_entry(chat), sorted(eos))
+    stop = turn_stop(tmpl, sorted(eos), None, runs_to)
+    return set(stop.eos), stop.warning

@@ -36,7 +36,7 @@ from dflash_offline.evaluate.config import AS_FLAGS, EvalConfig, Said
 from dflash_offline.evaluate.decoders import Decoders
 from dflash_offline.evaluate.speculative import Decoded, load_target_for_decoding, summarize, tokens_per_s
 from dflash_offline.evaluate.inputs import (check_prompts_path, check_reference_path, read_prompts, read_reference,
-                                            warn_chat_mismatch)
+                                            warn_chat_mismatch, chat_stop_ids)
 from dflash_offline.train.walk import cache_acceptance, walk_acceptance
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.sampling import Sampling
@@ -263,7 +263,8 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
         raise UserError(f"{where(cfg, 'prompts')} {cfg.prompts}: row {longest}: a prompt of {len(prompts[longest])} "
                         f"tokens + {also(cfg, 'max_new_tokens')} {cfg.max_new_tokens} exceeds the target's context "
                         f"({tinfo.max_positions} positions); lower the new tokens or leave out the longest prompts")
-    eos = set() if cfg.ignore_eos else eos_ids(cfg.target)
+    eos, turn_warning = chat_stop_ids(cfg.prompts, cfg.target, set() if cfg.ignore_eos else eos_ids(cfg.target),
+                                      f"{where(cfg, 'max_new_tokens')} {cfg.max_new_tokens}")
     reference = (read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos, said, vocab_size=tinfo.vocab_size)
                  if cfg.reference else None)
     tok = show_tokenizer(cfg.target, cfg.show)  # --show: the target's tokenizer.json, or one line now
@@ -284,6 +285,8 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
         log.warning("%s %s names no end-of-sequence id (generation_config.json, config.json, tokenizer files): "
                     "every decode runs to %s %d", where(cfg, "target"), cfg.target, where(cfg, "max_new_tokens"),
                     cfg.max_new_tokens)
+    if turn_warning:
+        log.warning("%s", turn_warning)
     report.update({"decoder": decoders.name, "decoding": decoders.describe, "batch_size": cfg.batch_size,
                    "sampling": dataclasses.asdict(sampling)})
     log.info("decoder: %s; %s", decoders.describe,
