@@ -344,15 +344,18 @@ def demo(ctx: click.Context, out: str, devices: str) -> None:
 
 
 def entry() -> None:
-    from dflash_offline.runtime.logs import current_log, finish_heartbeat, record_failure
+    from dflash_offline.runtime.logs import claim_heartbeat, current_log, finish_heartbeat, keep_early_log, record_failure
     from dflash_offline.runtime.signals import Stopped
 
     code = None
     try:
         # Outside standalone mode click returns ctx.exit()'s code instead of exiting with it.
         code = main(standalone_mode=False)
+        claim_heartbeat()  # a command that succeeded keeps its log, wherever it returned from
         finish_heartbeat("done")
     except UserError as e:
+        # A refusal before the command held its output leaves nothing there: its early log is
+        # deleted at exit (runtime/early_log.py).
         record_failure(e)
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -389,7 +392,7 @@ def entry() -> None:
         # A file or folder this user may not read or write (a model folder, a manifest): the path
         # and the fix in one line; the traceback is in the process log.
         record_failure(e)
-        log_path = current_log()
+        log_path = keep_early_log() or current_log()
         click.echo(f"error: {e.filename if e.filename else e}: permission denied; give this user access to it, or "
                    "choose another path" + (f" (traceback in {log_path})" if log_path else ""), err=True)
         sys.exit(2)
@@ -397,9 +400,12 @@ def entry() -> None:
         # One line on the terminal; the traceback and the phase are in the process log.
         record_failure(e)
         what = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
-        log_path = current_log()
+        # A crash before the preflight passed: its log is still the early one, which only this
+        # line names (a RuntimeError's own line names the log of a run that started).
+        early = keep_early_log()
+        log_path = early or current_log()
         click.echo(f"failed: {what}" + (f" (traceback in {log_path})" if log_path and
-                                        not isinstance(e, RuntimeError) else ""), err=True)
+                                        (early or not isinstance(e, RuntimeError)) else ""), err=True)
         sys.exit(1)
     except SystemExit:  # a command's own exit status (verify's 1): not a failure to record
         raise

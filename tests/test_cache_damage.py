@@ -380,7 +380,7 @@ def test_inspect_of_a_prepare_output_says_what_it_is(prepared):
 # 7: a later success supersedes an earlier error in `status`
 
 
-def test_a_success_after_a_refused_rerun_clears_the_last_error(tiny_dense, tmp_path):
+def test_a_success_after_a_failed_run_clears_the_last_error(tiny_dense, tmp_path):
     rng = np.random.default_rng(0)
     prompts = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"id": pa.array(np.arange(100, 104), pa.int64()),
@@ -389,13 +389,16 @@ def test_a_success_after_a_refused_rerun_clears_the_last_error(tiny_dense, tmp_p
     out = tmp_path / "gen"
     args = ["generate", "--target", tiny_dense, "--prompts", prompts, "--out", out, "--no-progress",
             "--ignore-eos"]
-    r = run_cli([*args, "--max-new-tokens", "6"])
-    assert r.returncode == 0, r.stderr[-3000:]
+    # A run that fails once its part is committed: the failure is the last thing that happened there.
+    r = run_cli([*args, "--max-new-tokens", "6"], env={"DFLASH_OFFLINE_RAISE_AT": "part-committed:1"})
+    assert r.returncode == 1 and "injected failure at part-committed" in r.stderr, r.stderr
+    st = json.loads(run_cli(["status", out, "--json"]).stdout)
+    assert st["verdict"] == "complete" and "InjectedFault" in st["last_error"]["error"], st
+    # A rerun refused in its preflight writes nothing there (not even a log line): still the failure.
+    before = tree_digest(out, exclude=())
     r = run_cli([*args, "--max-new-tokens", "7"])
     assert r.returncode == 2 and "settings.max_new_tokens" in r.stderr, r.stderr
-    # The refusal is the last thing that happened there: status says so.
-    st = json.loads(run_cli(["status", out, "--json"]).stdout)
-    assert st["verdict"] == "complete" and st["last_error"]["error"].startswith("refused: "), st
+    assert tree_digest(out, exclude=()) == before
     r = run_cli([*args, "--max-new-tokens", "6"])
     assert r.returncode == 0 and "already complete" in r.stdout, r.stderr[-3000:]
     st = json.loads(run_cli(["status", out, "--json"]).stdout)

@@ -1,7 +1,9 @@
 """Logs exist from the first second: a failure at any phase of either stage (a broken torch install
 at import, weight loading, the first micro-batch where the GPU compiles, the first step, mid-run)
 leaves, in the cache's or run's `logs/`, the failing process's log with the traceback and the phase,
-and `dflash-offline status` names the failed process, its phase and the error.
+and `dflash-offline status` names the failed process, its phase and the error. A failure in the
+preflight, before the process holds its run, leaves its early log instead, named by the error line,
+and nothing at the cache or run path (runtime/early_log.py).
 
 Failures are injected with DFLASH_OFFLINE_RAISE_AT (runtime.fault_point) and, for the import, by a
 `torch` package on PYTHONPATH that raises ImportError the way a broken install does.
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -40,9 +44,20 @@ def check_failure(r, logs: Path, path: Path, process: str, phase: str, expect: s
     ctx = f"rc={r.returncode}\nstderr:\n{r.stderr[-3000:]}"
     assert r.returncode == 1, ctx
     assert r.stderr.strip().splitlines()[-1].startswith("failed:"), ctx
-    log = (logs / f"{process}.log").read_text()
+    if phase == "preflight":
+        # Before the process holds its run, its log is the early one (runtime/early_log.py): the
+        # error line names it, and nothing is written at the path the command was given.
+        m = re.search(r"\(traceback in (\S+)\)", r.stderr)
+        assert m and Path(m.group(1)).name == f"{process}.log", ctx
+        log = Path(m.group(1)).read_text()
+        shutil.rmtree(Path(m.group(1)).parent)
+        assert not path.exists(), sorted(os.listdir(path))
+    else:
+        log = (logs / f"{process}.log").read_text()
     assert "Traceback (most recent call last)" in log and expect in log, log[-3000:]
     assert f"(phase: {phase})" in log, log[-3000:]
+    if phase == "preflight":
+        return
     st = run_cli(["status", path, "--json"])
     assert st.returncode == 0, st.stderr
     procs = {p["name"]: p for p in json.loads(st.stdout)["processes"]}

@@ -245,7 +245,7 @@ def test_bad_prompts_are_refused_in_one_line(kind, words, tiny_dense, tmp_path):
     assert "\n" not in line and words in line, line
     assert not (out / "manifest.json").exists()
     if kind == "empty":
-        # The refused run's log folder does not make the folder someone else's: a corrected run goes on.
+        # The refused run left nothing there (not even a log folder): a corrected run goes on.
         good = make_prompts(tmp_path / "good.parquet", rows=2)
         r = run_cli(["generate", "--target", tiny_dense, "--prompts", good, "--out", out, *GEN])
         assert r.returncode == 0, r.stderr[-2000:]

@@ -165,7 +165,8 @@ def log_folder(cfg: EvalConfig) -> Path:
 
 def run(cfg: EvalConfig) -> dict:
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
-    from dflash_offline.runtime.logs import log_dir_refusal, open_process_log
+    from dflash_offline.runtime.early_log import open_launcher_log
+    from dflash_offline.runtime.logs import claim_heartbeat, log_dir_refusal
 
     cfg.validate()
     said = partial(where, cfg)
@@ -180,8 +181,8 @@ def run(cfg: EvalConfig) -> dict:
         from dflash_offline.evaluate.ceiling import find_shape
 
         find_shape(cfg.implied_for, option=said("implied_for"))  # an unknown name: one line now, not after the decoding
-    try:
-        open_process_log(log_folder(cfg), "eval")
+    try:  # in its folder once the inputs are checked (claim_heartbeat): a refusal leaves no log folder behind
+        open_launcher_log(log_folder(cfg), "eval")
     except OSError as e:  # one line naming the folder, before any work
         if refusal := log_dir_refusal(cfg.log_dir, e, where(cfg, "log_dir")):
             raise refusal from None
@@ -212,6 +213,7 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.prompts:
         _decode_all(cfg, drafters, device, report)
     if cfg.cache:
+        claim_heartbeat()
         report["cache"] = str(cfg.cache)
         for i, (path, d) in enumerate(drafters):
             walk = walk_acceptance(cfg.cache, d, device, cfg.max_samples, batch_rows=cfg.walk_batch_rows,
@@ -281,6 +283,9 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.seed, cfg.top_k)
     decoders = Decoders(model, cfg.decoder, cfg.batch_size, max(len(p) for p in prompts), cfg.max_new_tokens, eos,
                         sampling, device, cfg.dtype, said)
+    from dflash_offline.runtime.logs import claim_heartbeat
+
+    claim_heartbeat()  # the inputs are checked, the decoding starts: the log goes to its folder
     if not eos and not cfg.ignore_eos:  # after the refusals: a warning line must not precede an error line
         log.warning("%s %s names no end-of-sequence id (generation_config.json, config.json, tokenizer files): "
                     "every decode runs to %s %d", where(cfg, "target"), cfg.target, where(cfg, "max_new_tokens"),

@@ -32,7 +32,8 @@ from dflash_offline.extract.plan import Job, bytes_per_token, pass_plan, reserve
 from dflash_offline.extract.worker import log_folder, worker_entry, worker_run
 from dflash_offline.runtime.errors import UserError, no_room_reason
 from dflash_offline.runtime.launch import Launch, join_ranks, resolve_compute_dtype, torchrun_launch
-from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, log_dir_refusal, open_process_log
+from dflash_offline.runtime.early_log import open_launcher_log
+from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, log_dir_refusal
 from dflash_offline.runtime.paths import refuse_foreign_folder
 from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
 from dflash_offline.runtime.supervise import wait_for_other_ranks
@@ -170,8 +171,8 @@ def run(cfg: ExtractConfig) -> dict:
         refuse_foreign_folder(loc.path("shards"), where(cfg, "cache"), "a cache", "manifest.json", set(),
                               ("shard-", "tmp-shard-"))
         refuse_foreign_shards(loc.path(), where(cfg, "cache"))  # and those hold only what zarr writes
-    try:
-        log_path = open_process_log(log_folder(cfg, loc), name)
+    try:  # CACHE/logs/ once the cache is held (claim_heartbeat): a refusal leaves no folder behind
+        log_path = open_launcher_log(log_folder(cfg, loc), name)
     except OSError as e:  # before anything else: no log, no cache, one line
         if refusal := log_dir_refusal(cfg.log_dir, e, where(cfg, "log_dir")):
             raise refusal from None

@@ -31,7 +31,8 @@ from dflash_offline.options import also, where as origin
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.launch import Launch, join_ranks, torchrun_launch
-from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_command_log, open_process_log
+from dflash_offline.runtime.early_log import open_command_log
+from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_process_log
 from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
 from dflash_offline.runtime.supervise import wait_for_other_ranks
 
@@ -351,8 +352,7 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     from dflash_offline.runtime.supervise import die_with_parent
 
     die_with_parent()
-    open_process_log(job.cfg["log_dir"] or os.path.join(job.folder, "logs"), f"generate-rank{rank}",
-                     claim=True)
+    open_process_log(job.cfg["log_dir"] or os.path.join(job.folder, "logs"), f"generate-rank{rank}", claim=True)
     install_stop_handlers(launched=True)
     with worker_outcome(on_error=lambda line: q.put(WorkerError(rank, line))):
         left = worker_run(rank, world, device, job, q, False)

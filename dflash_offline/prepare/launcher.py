@@ -23,7 +23,8 @@ from dflash_offline.options import where
 from dflash_offline.config import PrepareConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
-from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_command_log
+from dflash_offline.runtime.early_log import open_command_log
+from dflash_offline.runtime.logs import claim_heartbeat, heartbeat
 from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
 
 log = logging.getLogger("dflash.prepare")

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import faulthandler
 import gc
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -42,22 +44,6 @@ def log_dir_refusal(log_dir_option: str | None, e: OSError, option: str = "--log
                      "writable folder")
 
 
-def open_command_log(log_dir_option: str | None, log_dir: str, name: str, out: str,
-                     options: tuple[str, str] = ("--log-dir", "--out")) -> Path:
-    """The process log of a command that writes into --out (generate, prepare): a folder that
-    cannot be written is one line naming --log-dir when it was given, else --out (`options`: how
-    the two are named, the flags or the recipe keys and file)."""
-    from dflash_offline.runtime.errors import UserError
-
-    try:
-        return open_process_log(log_dir, name)
-    except OSError as e:
-        if refusal := log_dir_refusal(log_dir_option, e, options[0]):
-            raise refusal from None
-        raise UserError(f"{options[1]} {out}: cannot write its log folder {log_dir} ({e.strerror or e}); choose a "
-                        "writable location (or --log-dir)") from None
-
-
 def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = True, claim: bool = False) -> Path:
     """Create `log_dir/name.log`, point the `dflash` logger at it and arm faulthandler on it.
 
@@ -68,24 +54,57 @@ def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = T
     `claim` (a worker, started by a launcher that holds the run). Otherwise it is another run's
     (one running, or the finished run this command would resume): it stays as it is until this
     process calls `claim_heartbeat()`, once it holds the run (its lock taken, its preflight passed).
-    A rerun that is refused, or a side process (eval beside an export), leaves it untouched.
+    Workers open their logs here; a command's own process opens its log with
+    `early_log.open_launcher_log`, which writes nothing at `log_dir` until then.
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     path = log_dir / f"{name}.log"
+    _start_log(path, name, console)
+    hb_path = log_dir / f"{name}{HEARTBEAT_SUFFIX}"
+    _new_heartbeat(hb_path, name, path, claimed=claim or not hb_path.exists())
+    return path
+
+
+@dataclasses.dataclass
+class _EarlyLog:
+    """A launcher's log before its process holds the run (runtime/early_log.py)."""
+
+    folder: Path  # the private temporary folder holding it
+    log_dir: Path  # where it goes once the run is held
+    name: str
+    pid: int  # a forked child inherits this state, but the log is not its own
+    keep: bool = False  # an error line names it: left in place at exit
+
+
+_early: _EarlyLog | None = None
+
+
+def open_early_log(folder: Path, log_dir: Path, name: str) -> None:
+    """This process's log in the private folder `folder` until it holds its run: then
+    claim_heartbeat moves it to `log_dir/name.log` and writes its heartbeat there. Deleted at exit
+    unless an error line names it (keep_early_log). The scheme: runtime/early_log.py."""
+    global _early
+    _early = _EarlyLog(folder, log_dir, name, os.getpid())
+    atexit.unregister(_drop_early_log)
+    atexit.register(_drop_early_log)
+    path = folder / f"{name}.log"
+    _start_log(path, name, True)
+    _new_heartbeat(log_dir / f"{name}{HEARTBEAT_SUFFIX}", name, path, claimed=False)
+
+
+def _start_log(path: Path, name: str, console: bool) -> None:
+    """Open `path` (appending), make it the `dflash` logger's file and faulthandler's, and write the
+    header line."""
     # Line-buffered: a SIGKILL loses at most the line being written.
     stream = open(path, "a", buffering=1, encoding="utf-8")
-    # faulthandler writes tracebacks of all threads on SIGSEGV/SIGFPE/SIGABRT/SIGBUS/SIGILL, and
-    # on SIGUSR1 on demand (`kill -USR1 PID` shows where a hung process is).
-    faulthandler.enable(file=stream, all_threads=True)
+    _arm_faulthandler(stream)
     # The interpreter's last garbage collection walks every object torch and transformers made
     # (over a second per process, each worker, writer and rank); nothing of ours needs it (files,
     # caches and processes are closed explicitly), so the objects are frozen out of it. (Once per
     # process, however many logs it opens.)
     atexit.unregister(gc.freeze)
     atexit.register(gc.freeze)
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True, chain=False)
     root = logging.getLogger("dflash")
     root.setLevel(logging.INFO)
     for h in list(root.handlers):
@@ -105,14 +124,69 @@ def open_process_log(log_dir: str | os.PathLike, name: str, *, console: bool = T
         "---- %s started: pid %d on %s, python %s, argv %s",
         name, os.getpid(), socket.gethostname(), sys.version.split()[0], " ".join(sys.argv),
     )
+
+
+def _arm_faulthandler(stream) -> None:
+    # faulthandler writes tracebacks of all threads on SIGSEGV/SIGFPE/SIGABRT/SIGBUS/SIGILL, and
+    # on SIGUSR1 on demand (`kill -USR1 PID` shows where a hung process is).
+    faulthandler.enable(file=stream, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True, chain=False)
+
+
+def _new_heartbeat(hb_path: Path, name: str, log_path: Path, claimed: bool) -> None:
     global _heartbeat
     if _heartbeat is not None and _heartbeat.data["pid"] == os.getpid() and _heartbeat.data["state"] == "running":
         # An earlier stage of this process (the demo: extract, then train) returned normally: a
         # failure or a stop would have been recorded. Left `running`, `status` would call it died.
         _heartbeat.finish("done")
-    hb_path = log_dir / f"{name}{HEARTBEAT_SUFFIX}"
-    _heartbeat = Heartbeat(hb_path, name, path, claimed=claim or not hb_path.exists())
-    return path
+    _heartbeat = Heartbeat(hb_path, name, log_path, claimed=claimed)
+
+
+def _move_early_log() -> None:
+    """The process holds its run: its early log goes on in its destination, appended to what earlier
+    runs wrote there, faulthandler too. An OSError (the folder became unwritable since it was
+    checked) leaves the early log where it is and goes on to the caller: the CLI's line names it."""
+    global _early
+    early = _early
+    if early is None or early.pid != os.getpid():
+        return
+    early.log_dir.mkdir(parents=True, exist_ok=True)
+    dest = early.log_dir / f"{early.name}.log"
+    stream = open(dest, "a", buffering=1, encoding="utf-8")
+    fh = _file_handler
+    fh.acquire()  # no line lands between the copy and the switch
+    try:
+        fh.flush()
+        with open(early.folder / f"{early.name}.log", encoding="utf-8", errors="replace") as f:
+            shutil.copyfileobj(f, stream)
+        old = fh.setStream(stream)
+        _arm_faulthandler(stream)
+    except BaseException:
+        stream.close()
+        raise
+    finally:
+        fh.release()
+    _early = None
+    old.close()
+    shutil.rmtree(early.folder, ignore_errors=True)
+    _heartbeat.data["log"] = str(dest)
+
+
+def keep_early_log() -> str | None:
+    """The early log's path when this process's log has not reached its destination (a crash
+    before its preflight passed), kept at exit for the error line that names it; else None."""
+    if _early is None or _early.pid != os.getpid():
+        return None
+    _early.keep = True
+    return str(_early.folder / f"{_early.name}.log")
+
+
+def _drop_early_log() -> None:
+    """At exit: an early log that no error line names (a refusal, a stop) is deleted."""
+    early = _early
+    if early is not None and early.pid == os.getpid() and not early.keep:
+        shutil.rmtree(early.folder, ignore_errors=True)  # the open file goes with it
 
 
 class _LogFileHandler(logging.StreamHandler):
@@ -201,8 +275,10 @@ def current_log() -> str | None:
 
 
 def claim_heartbeat() -> None:
-    """This process holds the run now (its lock taken, its preflight passed): its heartbeat
-    replaces the one a previous run left (see open_process_log)."""
+    """This process holds the run now (its lock taken, its preflight passed): its early log moves
+    into its destination (see open_launcher_log) and its heartbeat replaces the one a previous run
+    left (see open_process_log)."""
+    _move_early_log()
     if _heartbeat is not None:
         _heartbeat.claim()
 
@@ -326,8 +402,8 @@ def _log_time(stamp: str) -> float:
 def _superseded(error: dict, beats: list[dict]) -> bool:
     """An error that a later run of the same output made moot: a process of the stage that started
     after it and finished its work (its own process name again, or a launcher: the whole command
-    succeeded). A refused rerun never claims the heartbeat, so a success before a refusal leaves
-    the refusal the last word."""
+    succeeded). A command refused before it held the run wrote nothing there (early_log.py):
+    a success before it stays the last word."""
     try:
         when = _log_time(error["time"])
     except ValueError:

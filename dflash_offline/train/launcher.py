@@ -26,6 +26,7 @@ from dflash_offline.options import where
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.launch import join_ranks, torchrun_launch
+from dflash_offline.runtime.early_log import open_launcher_log
 from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_process_log
 from dflash_offline.runtime.signals import (
     Stopped,
@@ -47,8 +48,8 @@ def run(cfg: TrainConfig) -> None:
     out = Path(cfg.out)
     name = f"train-rank{launch.rank}" if launch else "train-launcher"
     refuse_foreign_run(out, where(cfg, "out"))  # before its log folder is made
-    try:
-        open_process_log(out / "logs", name)
+    try:  # OUT/logs/ once the run is held (claim_heartbeat): a refusal leaves no folder behind
+        open_launcher_log(out / "logs", name)
     except OSError as e:  # before anything else: no log, no run folder, one line
         raise UserError(f"{where(cfg, 'out')} {cfg.out}: cannot write its log folder {out / 'logs'} ({e.strerror or e}); "
                         "choose a writable run folder") from None
