@@ -541,7 +541,7 @@ def test_over_long_rows_are_truncated_with_one_warning(tiny_dense, tiny_data, tm
     n_long = int((lengths > 64).sum())
     assert n_long > 0
     assert r.stderr.strip().splitlines() == [
-        f"WARNING: {n_long} of {len(lengths)} samples are longer than --max-len 64 and are truncated"]
+        f"warning: {n_long} of {len(lengths)} samples are longer than --max-len 64 and are truncated"]
     got = {s.sample_id: len(s.input_ids) for s in CacheReader(str(cache)).samples()}
     assert max(got.values()) == 64 and len(got) == len(lengths)
 

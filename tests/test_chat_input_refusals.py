@@ -254,5 +254,5 @@ def test_prepare_refuses_in_one_line_and_warns_of_left_out_parts(chat_target, tm
                  "--responses", "keep"])
     assert r.returncode == 0, r.stderr[-2000:]
     assert [x for x in r.stderr.splitlines() if "not text" in x] == [
-        f"WARNING: 1 record(s) hold content parts that are not text (1 image_url): those parts are left out, the text "
+        f"warning: 1 record(s) hold content parts that are not text (1 image_url): those parts are left out, the text "
         f"of the record is kept (the drafter trains on text alone); the first: {f}: line 1: message 0 (image_url)"]

@@ -105,7 +105,7 @@ def test_generate_warns_when_a_target_names_no_end_of_sequence_id(chat_target, t
     r = run_cli([*args, "--out", tmp_path / "g"])
     assert r.returncode == 0, r.stderr[-2000:]
     said = [ln for ln in r.stderr.splitlines() if "end-of-sequence" in ln]
-    assert said == [f"WARNING: --target {t} names no end-of-sequence id (not generation_config.json, config.json nor "
+    assert said == [f"warning: --target {t} names no end-of-sequence id (not generation_config.json, config.json nor "
                     "the tokenizer files): every completion runs to --max-new-tokens 4; give --eos-token-ids (or "
                     "--ignore-eos to say so)"], r.stderr
     r = run_cli([*args, "--out", tmp_path / "g2", "--ignore-eos"])
@@ -116,7 +116,7 @@ def test_prepare_warns_of_a_max_len_past_the_targets_context(chat_target, chats,
     r = run_cli(["prepare", "--target", chat_target, "--data", chats, "--out", tmp_path / "o", "--max-len", "100000",
                  "--no-progress"])
     assert r.returncode == 0, r.stderr
-    assert "WARNING: --max-len 100000 exceeds the target's context (1024 positions" in r.stderr, r.stderr
+    assert "warning: --max-len 100000 exceeds the target's context (1024 positions" in r.stderr, r.stderr
 
 
 def test_extract_refuses_samples_too_short_to_draft(tiny_dense, tiny_data, tmp_path):

@@ -117,13 +117,22 @@ def _start_log(path: Path, name: str, console: bool) -> None:
     if console:
         ch = logging.StreamHandler(sys.stderr)
         ch.setLevel(logging.WARNING)
-        ch.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        ch.setFormatter(_ConsoleFormatter("%(levelname)s: %(message)s"))
         root.addHandler(ch)
     root.propagate = False
     root.info(
         "---- %s started: pid %d on %s, python %s, argv %s",
         name, os.getpid(), socket.gethostname(), sys.version.split()[0], " ".join(sys.argv),
     )
+
+
+class _ConsoleFormatter(logging.Formatter):
+    """The terminal's lines: `warning: ...` and `error: ...` in lower case, as the command line's own
+    refusals (`error: ...`) are written, so one run never shows two spellings of one level. The
+    log file keeps logging's upper-case level names."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return self._style._fmt % {**record.__dict__, "levelname": record.levelname.lower()}
 
 
 def _arm_faulthandler(stream) -> None:
