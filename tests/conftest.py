@@ -171,9 +171,13 @@ def communicate_tree(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
     (kill_tree) and TimeoutExpired is raised with what it had printed."""
     try:
         return proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
         kill_tree(proc.pid)
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process that left the tree before the kill holds the pipes
+            proc.wait()
+            out, err = e.output, e.stderr
         raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
 
 
