@@ -232,6 +232,7 @@ def _barrier(t: Trainer, what: str) -> None:
     try:
         wait_for_ranks(dist.barrier(async_op=True), what)
     except RanksNotMet as e:
+        exit_within(TEARDOWN_S)  # the group it gave up on stays blocked: nothing may keep this process
         raise Stopped(e.signum, f"{stopped_message(e.signum, t.out)}; rank {t.rank} stopped without the other ranks: "
                                 f"{e}") from None
 
