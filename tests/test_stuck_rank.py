@@ -88,15 +88,16 @@ def test_rank_waiting_for_a_stuck_rank_stops_on_sigterm(arith_cache, tiny_dense,
 
 
 def test_exit_within_ends_a_process_whose_teardown_hangs(tmp_path):
-    """After the end-of-run barrier a rank arms exit_within: a teardown that never returns (here a
-    sleep; in the field a process group's C++ teardown holding the GIL) ends with the threads'
-    tracebacks in the process log and exit code 1."""
-    script = ("import sys, time\n"
+    """After the end-of-run barrier a rank arms exit_within: a teardown that never returns ends with
+    the threads' tracebacks in the process log and exit code 1. The hang here is a C call that
+    holds the GIL (libc's sleep through ctypes.PyDLL), as a process group's C++ teardown does when
+    the model that holds it is freed: no signal handler or Python thread runs then."""
+    script = ("import ctypes, sys\n"
               "from dflash_offline.runtime.logs import open_process_log\n"
               "from dflash_offline.runtime.launch import exit_within\n"
               "open_process_log(sys.argv[1], 'rank', console=False)\n"
               "exit_within(1)\n"
-              "time.sleep(60)\n")
+              "ctypes.PyDLL(None).sleep(60)\n")
     t0 = time.monotonic()
     r = run_tree([sys.executable, "-c", script, str(tmp_path)], timeout=30)
     assert r.returncode == 1 and time.monotonic() - t0 < 20, (r.returncode, r.stderr)
