@@ -4,6 +4,7 @@ that a refused run left a cache untouched."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -113,6 +114,81 @@ def run_cli(args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProces
             pass
         out, err = proc.communicate()
         raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _children() -> dict[int, list[int]]:
+    """{parent pid: its child pids}, from /proc."""
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])  # the name in parentheses may hold spaces
+        kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every live process descended from it (children, grandchildren...)."""
+    kids, found, todo = _children(), [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(kids.get(p, ()))
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid`, its process group and every process descended from it. The group alone is
+    not enough: torchrun starts each rank in a session of its own, so killing torchrun's group
+    leaves its ranks running. The tree is frozen (SIGSTOP) until no new process appears, so that
+    nothing forks a child past the walk or is re-parented away from it before the kill."""
+    frozen: set[int] = set()
+    while True:
+        tree = [p for p in process_tree(pid) if p not in frozen]
+        if not tree:
+            break
+        for p in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGSTOP)
+            frozen.add(p)
+    for p in frozen:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            group = os.getpgid(p)
+            if group != os.getpgrp():  # a tree not started in a session of its own: never pytest's group
+                os.killpg(group, signal.SIGKILL)  # with the helpers it started in its group
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def communicate_tree(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """`proc.communicate(timeout=timeout)`; on timeout the whole process tree of `proc` is killed
+    (kill_tree) and TimeoutExpired is raised with what it had printed."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        kill_tree(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process that left the tree before the kill holds the pipes
+            proc.wait()
+            out, err = e.output, e.stderr
+        raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from None
+
+
+def run_tree(cmd, *, timeout: float, **popen_kw) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)` in a new session, for
+    a command that starts processes of its own (torchrun and its ranks, a launcher and its workers,
+    a script that runs the CLI): on timeout the whole tree is killed (kill_tree), where
+    subprocess.run kills only `cmd` and leaves its children running."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **popen_kw)
+    out, err = communicate_tree(proc, timeout)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -4,15 +4,16 @@ keeps them from rotting between GPU runs)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from conftest import run_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(args, tmp_path, timeout=600):
-    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    r = run_tree([sys.executable, *args], cwd=ROOT, timeout=timeout)  # its CLI runs and workers die with it
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 

@@ -5,16 +5,15 @@ The full campaign is `python tests/fault/campaign.py --kills 20` (docs/reliabili
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, run_tree
 
 
 def test_reduced_crash_campaign(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "fault" / "campaign.py"), "--kills", "2", "--seed", "1",
-                        "--rows", "96", "--steps", "16",
-                        "--work", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    r = run_tree([sys.executable, str(ROOT / "tests" / "fault" / "campaign.py"), "--kills", "2", "--seed", "1",
+                  "--rows", "96", "--steps", "16",
+                  "--work", str(tmp_path)], timeout=600, cwd=ROOT)
     print(r.stdout[-3000:])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "4/4 identical" in r.stdout and "both resumed runs identical" in r.stdout

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import RESUME_OPTS, run_cli
+from conftest import RESUME_OPTS, run_cli, run_tree
 from dflash_offline.cache.reader import CacheReader
 
 OPTS = RESUME_OPTS
@@ -138,16 +138,15 @@ def test_rerun_of_complete_cache_does_nothing(extract_reference, tiny_dense, tin
 
 def test_torchrun_ranks_equal_launcher(extract_reference, tiny_dense, tiny_data, tmp_path):
     """The same command under torchrun (one rank per process, no launcher) writes the same cache."""
-    import subprocess
     import sys
 
     cache = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    r = subprocess.run(
+    r = run_tree(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "dflash_offline", "extract", "--target", str(tiny_dense), "--data", str(tiny_data),
          "--cache", str(cache), "--devices", "cpu", *OPTS],
-        capture_output=True, text=True, env=env, timeout=300, start_new_session=True,
+        env=env, timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert shard_table(cache) == shard_table(extract_reference)

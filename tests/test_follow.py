@@ -22,7 +22,7 @@ from pathlib import Path
 import jsonschema
 import pyarrow.parquet as pq
 
-from conftest import ROOT, SCHEMA_PATH, run_cli
+from conftest import ROOT, SCHEMA_PATH, kill_tree, run_cli
 
 PASSES = 2
 EXTRACT = ["--devices", "cpu", "--topk", "0", "--max-len", "128", "--batch-tokens", "512", "--shard-tokens", "1024",
@@ -229,4 +229,8 @@ def test_follow_says_on_the_terminal_when_extraction_is_gone(tiny_dense, tiny_da
         assert "died" in text
     finally:
         os.killpg(p.pid, signal.SIGTERM)
-        p.wait(timeout=120)
+        try:
+            p.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            kill_tree(p.pid)
+            raise

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import run_cli
+from conftest import communicate_tree, run_cli, run_tree
 
 MAX_NEW = 24
 
@@ -105,9 +104,8 @@ def test_sampling_is_reproducible_per_prompt(tiny_dense, tmp_path):
         args = ["generate", "--target", tiny_dense, "--prompts", prompts_path, "--out", tmp_path / name, *sample, *extra]
         if name == "b":
             env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-            r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                "-m", "dflash_offline", *map(str, args)], capture_output=True, text=True, env=env,
-                               timeout=300, start_new_session=True)
+            r = run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "dflash_offline", *map(str, args)], env=env, timeout=300)
             assert {"generate-rank0.log", "generate-rank1.log"} <= set(os.listdir(tmp_path / name / "logs"))
         else:
             r = run_cli(args)
@@ -302,7 +300,7 @@ def test_sigterm_commits_the_part_in_progress_and_status_tells(tiny_dense, strai
     proc = start([*args, "--out", out], {"DFLASH_OFFLINE_HOLD_AT": "generate-batch:1"})
     wait_until(lambda: held(out / "logs", ["generate-rank0", "generate-rank1"]), proc)
     os.killpg(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    _, err = communicate_tree(proc, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "2/4 parts committed, none half-written; run the same command again to resume" in err, err
     st = run_cli(["status", out, "--json"])

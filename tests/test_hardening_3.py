@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import SMALL_OPTS, STRAIGHT, TRAIN, extract_args, run_cli, tree_digest
+from conftest import SMALL_OPTS, STRAIGHT, TRAIN, extract_args, run_cli, run_tree, tree_digest
 from test_hardening_2 import _one_line  # the command's stderr is one line, its exit code, no traceback
 
 
@@ -239,8 +239,8 @@ def _run_with_file_limit(args, limit: int) -> subprocess.CompletedProcess:
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
-    return subprocess.run([sys.executable, "-m", "dflash_offline", *map(str, args)], env=env, capture_output=True,
-                          text=True, timeout=300, preexec_fn=limit_files, start_new_session=True)
+    return run_tree([sys.executable, "-m", "dflash_offline", *map(str, args)], env=env, timeout=300,
+                    preexec_fn=limit_files)
 
 
 def test_checkpoint_write_without_room_keeps_the_last_checkpoint(straight_run, arith_cache, tiny_dense, tmp_path):

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, extract_args, run_cli
+from conftest import ROOT, extract_args, run_cli, run_tree
 
 
 def test_open_cache_reads_what_was_written(valid_cache, tiny_data):
@@ -234,8 +234,8 @@ def test_stage_after_stage_in_one_process_is_done_not_died(tiny_dense, tiny_data
         "logs.open_process_log(sys.argv[4], 'next-stage', console=False)\n"
         "logs.finish_heartbeat('done')\n"
     )
-    r = subprocess.run([sys.executable, "-c", script, str(tiny_dense), str(tiny_data), str(cache), str(tmp_path / "logs")],
-                       capture_output=True, text=True, timeout=300, start_new_session=True)
+    r = run_tree([sys.executable, "-c", script, str(tiny_dense), str(tiny_data), str(cache), str(tmp_path / "logs")],
+                 timeout=300)
     assert r.returncode == 0, r.stderr
     st = json.loads(run_cli(["status", cache, "--json"]).stdout)
     launcher = next(p for p in st["processes"] if p["name"] == "extract-launcher")

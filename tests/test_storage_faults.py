@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RESUME_OPTS, ROOT, run_cli
+from conftest import RESUME_OPTS, ROOT, run_cli, run_tree
 from test_extract_resume import shard_table
 
 
@@ -35,9 +35,8 @@ def test_full_device_during_extraction_then_resume(extract_reference, tiny_dense
     prefix = namespace_prefix()
     if prefix is None:
         pytest.skip("cannot mount a tmpfs here (no unshare, or user namespaces are disabled)")
-    r = subprocess.run([*prefix, sys.executable, str(ROOT / "tests" / "fault" / "full_disk.py"), "--target", tiny_dense,
-                        "--data", tiny_data, "--workdir", tmp_path, "--", *RESUME_OPTS],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    r = run_tree([*prefix, sys.executable, str(ROOT / "tests" / "fault" / "full_disk.py"), "--target", tiny_dense,
+                  "--data", tiny_data, "--workdir", tmp_path, "--", *RESUME_OPTS], timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["filler_error"] == 28  # ENOSPC: the device really was full

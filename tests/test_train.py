@@ -10,7 +10,7 @@ import signal
 import numpy as np
 from safetensors.numpy import load_file
 
-from conftest import TRAIN, run_cli
+from conftest import TRAIN, run_cli, run_tree
 
 
 
@@ -123,18 +123,16 @@ def test_torchrun_training_equals_launcher_and_export_command(arith_cache, tiny_
     """The same train command under torchrun (2 ranks, gloo) matches our own 2-process launcher
     bit for bit (same rank layout, same reductions); `dflash-offline export` writes a checkpoint's
     drafter that loads back."""
-    import subprocess
     import sys
 
     launcher, under = tmp_path / "launcher", tmp_path / "torchrun"
     r = train(tiny_dense, arith_cache, launcher, "--epochs", "1", "--max-steps", "4", "--devices", "cpu,cpu")
     assert r.returncode == 0, r.stderr
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    r = subprocess.run(
+    r = run_tree(  # on timeout torchrun's ranks are killed too (each runs in a session of its own)
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "dflash_offline",
          "train", "--target", str(tiny_dense), "--cache", str(arith_cache), "--out", str(under), *TRAIN,
-         "--epochs", "1", "--max-steps", "4", "--devices", "cpu"],
-        capture_output=True, text=True, env=env, timeout=600, start_new_session=True)
+         "--epochs", "1", "--max-steps", "4", "--devices", "cpu"], env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [x["loss"] for x in metrics(launcher)] == [x["loss"] for x in metrics(under)]
     wa, wb = weights(launcher, 4), weights(under, 4)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.logs import heartbeat, log
+from dflash_offline.runtime.signals import stop_requested
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,6 +104,103 @@ def join_ranks(launch: Launch | None) -> None:
 def rendezvous_store():
     """The store join_ranks met the other ranks on (None under torchrun, our launcher, or alone)."""
     return _rendezvous_store
+
+
+# --------------------------------------------------------------------------------------------
+# Waiting for the other ranks in a collective
+
+# A rank blocked in a C++ collective (gloo, NCCL) runs no Python signal handler until it returns,
+# so a stop request cannot reach a rank whose peer is stuck or gone; wait_for_ranks polls instead.
+# After a stop request a rank still waits STOP_WAIT_S for the others (they got the request too and
+# may be a moment behind), and at least DFLASH_OFFLINE_SLOW_RANK_S seconds (default SLOW_RANK_S)
+# in all: rank 0 saving a large checkpoint or writing the export keeps the others waiting that long
+# without being stuck.
+STOP_WAIT_S = 3.0
+SLOW_RANK_S = 120.0
+_POLL_S = 0.05
+
+
+class RanksNotMet(Exception):
+    """A stop was requested and this rank stopped without the other ranks at a collective: they
+    did not come (stuck, or gone), or the collective failed (a rank that stopped first is gone)."""
+
+    def __init__(self, signum: int, what: str, why: str):
+        super().__init__(f"they did not meet it at {what} ({why}); a rank is stuck or gone")
+        self.signum = signum
+
+
+def wait_for_ranks(work, what: str) -> None:
+    """Wait for the collective `work` (started with async_op=True), `what` naming it for messages.
+    Without a stop request this is work.wait(), its errors included (a rank that died: gloo's
+    "Connection closed by peer"). After one, it raises RanksNotMet when the collective fails, or
+    when it is still pending STOP_WAIT_S after the request and SLOW_RANK_S after the wait began; a
+    second stop signal (KeyboardInterrupt) ends the wait at once. A collective given up while
+    pending is left to the process's end (abandon_process_groups)."""
+    t0 = time.monotonic()
+    slow = float(os.environ.get("DFLASH_OFFLINE_SLOW_RANK_S", SLOW_RANK_S))
+    asked = None  # when this wait saw the stop request
+    said = False
+    try:
+        while not work.is_completed():
+            now = time.monotonic()
+            if not said and now - t0 > 1.0:
+                heartbeat(phase=f"waiting for the other ranks at {what}")
+                said = True
+            signum = stop_requested()
+            if signum is not None:
+                asked = asked if asked is not None else now
+                if now - asked >= STOP_WAIT_S and now - t0 >= slow:
+                    raise RanksNotMet(signum, what, f"still pending {now - asked:.0f}s after the stop request, "
+                                                    f"{now - t0:.0f}s in all")
+            time.sleep(_POLL_S)  # the stop handlers run here
+    except BaseException:
+        abandon_process_groups()
+        raise
+    try:
+        work.wait()
+    except Exception as e:
+        signum = stop_requested()
+        if signum is None:
+            raise
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RanksNotMet(signum, what, why) from e
+
+
+def abandon_process_groups() -> None:
+    """This process gave up on a collective that is still pending: the process groups' threads
+    stay blocked in it, and destroying a group (destroy_process_group, or the interpreter freeing
+    it at exit) waits for them forever. The groups are kept alive to the process's end instead
+    (one reference more that is never dropped), so that the process can exit."""
+    import ctypes
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    for pg in {*c10d._world.pg_map, dist.group.WORLD}:
+        if pg is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
+
+
+# A rank past the end-of-run barrier has nothing left to do but exit; the C++ teardown of a process
+# group (destroy_process_group, or the interpreter freeing the model that holds it) can hang for
+# good, holding the GIL (a known torch.distributed failure: pytorch/pytorch#75097), where neither a
+# signal handler nor a Python thread runs. faulthandler's watchdog is a C thread: it still runs.
+TEARDOWN_S = 60.0
+
+
+def exit_within(seconds: float) -> None:
+    """The process's work is done: if it has not exited `seconds` from now, the tracebacks of its
+    threads go to its log and it exits with code 1, instead of never."""
+    import faulthandler
+    import sys
+
+    from dflash_offline.runtime import logs
+
+    stream = getattr(getattr(logs, "_file_handler", None), "stream", None) or sys.stderr
+    faulthandler.dump_traceback_later(seconds, exit=True, file=stream)
 
 
 def parse_devices(spec: str, option: str = "--devices") -> list[str]:

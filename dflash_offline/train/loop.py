@@ -13,6 +13,7 @@ from dataclasses import asdict
 
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.faults import fault_point
+from dflash_offline.runtime.launch import TEARDOWN_S, RanksNotMet, exit_within, wait_for_ranks
 from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.runtime.signals import Stopped, spawning
 from dflash_offline.train.checkpoint import (
@@ -110,8 +111,10 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tra
     finally:  # an error leaves the process group to the process's end: another rank may never reach a barrier
         del rows  # the loader processes stop here
         steplog.close()
+    fault_point("train-end")
     if world > 1:
-        dist.barrier()  # no rank tears the group down while another still talks to it
+        _barrier(t, "the end of the run")  # no rank tears the group down while another still talks to it
+        exit_within(TEARDOWN_S)  # a teardown that hangs in C++ must not keep a finished rank forever
         dist.destroy_process_group()
     if st.stopping:
         raise Stopped(st.stopping, stopped_message(st.stopping, out))
@@ -204,10 +207,8 @@ def _agree_stop(t: Trainer, st: LoopState) -> int | None:
 def checkpoint(t: Trainer, st: LoopState, seg: Segment, in_seg: int) -> None:
     """All ranks call this at the same step (it has barriers); rank 0 writes. `in_seg`: the
     segment's steps done (with --follow, at a window's end the next window starts here)."""
-    import torch.distributed as dist
-
     if t.world > 1:
-        dist.barrier()
+        _barrier(t, f"checkpoint step-{st.step}")
     if t.rank == 0:
         state = {"step": st.step, "cache_fingerprint": t.plan.cache_fingerprint, "config": asdict(t.cfg),
                  "drafter": t.plan.drafter}
@@ -225,7 +226,21 @@ def checkpoint(t: Trainer, st: LoopState, seg: Segment, in_seg: int) -> None:
             release_consumed(t.cfg, t.plan, at.window)
     st.last_ckpt = st.step
     if t.world > 1:
-        dist.barrier()
+        _barrier(t, f"checkpoint step-{st.step}")
+
+
+def _barrier(t: Trainer, what: str) -> None:
+    """dist.barrier() that a stop request can end (wait_for_ranks): a rank whose peers are stuck
+    or gone stops with the line of a stopped run (the checkpoint to resume from), not in a wait
+    that no signal but SIGKILL ends."""
+    import torch.distributed as dist
+
+    try:
+        wait_for_ranks(dist.barrier(async_op=True), what)
+    except RanksNotMet as e:
+        exit_within(TEARDOWN_S)  # the group it gave up on stays blocked: nothing may keep this process
+        raise Stopped(e.signum, f"{stopped_message(e.signum, t.out)}; rank {t.rank} stopped without the other ranks: "
+                                f"{e}") from None
 
 
 def _export(t: Trainer, st: LoopState, held_out: HeldOut | None, stop: int | None, nothing_trained: bool,
