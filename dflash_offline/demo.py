@@ -111,5 +111,5 @@ def run(out: str, devices: str = "cpu") -> dict:
           f"  the cache:            dflash-offline inspect {cache}\n"
           f"  a sample as text:     dflash-offline inspect {cache} --sample {first} --text   (trained spans in [[ ]])\n"
           f"  a decode as text:     dflash-offline eval --target {target} --drafter {export} --prompts {prompts_eval} "
-          f"--max-new-tokens {NEW_TOKENS} --ignore-eos --show 1   (accepted drafts in {{{{ }}}})", flush=True)
+          f"--max-new-tokens {NEW_TOKENS} --ignore-eos --max-prompts 1 --show 1   (accepted drafts in {{{{ }}}})", flush=True)
     return report
