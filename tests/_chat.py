@@ -86,6 +86,17 @@ def random_conversation(rng: random.Random, tools: bool = True, reasoning: bool 
     return msgs
 
 
+def conversations(n: int, seed: int = 0) -> list[dict]:
+    """`n` records `{"id": i, "messages": random_conversation}`, the same for the same seed."""
+    rng = random.Random(seed)
+    return [{"id": i, "messages": random_conversation(rng)} for i in range(n)]
+
+
+def manifest(folder: Path) -> dict:
+    """A part folder's manifest.json."""
+    return json.loads((Path(folder) / "manifest.json").read_text())
+
+
 def to_sharegpt(msgs: list[dict]) -> list[dict]:
     names = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
     return [{"from": names[m["role"]], "value": m["content"]} for m in msgs]

@@ -88,7 +88,7 @@ def run_cli(args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProces
     under DFLASH_TEST_COLD_CLI=1.
 
     `env`: variables layered over this process's environment (a value of None removes one).
-    On timeout the whole process group (the CLI and its workers) is killed and TimeoutExpired is
+    On timeout the whole process tree (the CLI and its workers) is killed and TimeoutExpired is
     raised with what it had printed.
     """
     cmd = [sys.executable, "-m", "dflash_offline", *[str(a) for a in args]]
@@ -103,18 +103,7 @@ def run_cli(args, cwd=None, env=None, timeout=300) -> subprocess.CompletedProces
         done = zygote.run(cmd, [str(a) for a in args], cwd or _cli_cwd(), full_env, timeout)
         if done is not None:
             return done
-    proc = subprocess.Popen(cmd, cwd=cwd or _cli_cwd(), env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the group this call started (start_new_session)
-        except ProcessLookupError:
-            pass
-        out, err = proc.communicate()
-        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run_tree(cmd, timeout=timeout, cwd=cwd or _cli_cwd(), env=full_env)
 
 
 def _children() -> dict[int, list[int]]:

@@ -5,7 +5,6 @@ counted), ids and the stable split, prompts for `generate`, refusals of bad inpu
 from __future__ import annotations
 
 import json
-import random
 
 import pyarrow as pa
 import pytest
@@ -31,18 +30,9 @@ def _prepare(target, data, out, *extra):
                     "--no-progress", *extra])
 
 
-def _conversations(n: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"id": i, "messages": _chat.random_conversation(rng)} for i in range(n)]
-
-
-def _manifest(folder) -> dict:
-    return json.loads((folder / "manifest.json").read_text())
-
-
 def test_formats_counts_ids_and_datasets_folder(chat_target, tmp_path):
     # JSONL messages with own ids (and a duplicate, an empty and a reply-first conversation)
-    convs = _conversations(30)
+    convs = _chat.conversations(30)
     convs.append({"id": 100, "messages": convs[0]["messages"]})  # duplicate content
     convs.append({"id": 101, "messages": []})
     convs.append({"id": 102, "messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"},
@@ -65,7 +55,7 @@ def test_formats_counts_ids_and_datasets_folder(chat_target, tmp_path):
     r = _prepare(chat_target, [jsonl, tmp_path / "sg.json", ds], out, "--responses", "keep", "--max-len", "100000")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "cut off" in r.stderr + r.stdout
-    m = _manifest(out / "train")
+    m = _chat.manifest(out / "train")
     assert m["counts"]["records_read"] == 33 + 4 + 2
     assert m["counts"]["dropped"] == {"duplicate": 1, "empty": 1, "starts with an assistant turn": 1}
     assert m["totals"]["conversations"] == 30 + 4 + 2 and m["kind"] == "completions"
@@ -88,7 +78,7 @@ def test_formats_counts_ids_and_datasets_folder(chat_target, tmp_path):
 def test_split_is_stable_and_regenerate_writes_prompts(chat_target, tmp_path):
     from transformers import AutoTokenizer
 
-    convs = _conversations(60, seed=3)
+    convs = _chat.conversations(60, seed=3)
     small = _chat.write_jsonl(tmp_path / "small.jsonl", convs[:40])
     big = _chat.write_jsonl(tmp_path / "big.jsonl", convs)
     for name, data in (("small", small), ("big", big)):
@@ -103,7 +93,7 @@ def test_split_is_stable_and_regenerate_writes_prompts(chat_target, tmp_path):
         first = next(k for k, m in enumerate(msgs) if m["role"] == "assistant")
         want = tok.apply_chat_template(msgs[:first], tokenize=True, add_generation_prompt=True, return_dict=True)
         assert row["input_ids"] == list(want["input_ids"])
-    m = _manifest(tmp_path / "big" / "train")
+    m = _chat.manifest(tmp_path / "big" / "train")
     assert m["kind"] == "prompts" and m["status"] == "complete"
 
 
@@ -120,7 +110,7 @@ def test_eval_of_training_rows_decodes_their_prompts(chat_target, tmp_path):
     from dflash_offline.drafter.export import export_drafter
     from dflash_offline.drafter.model import DFlashDrafter
 
-    convs = _conversations(6, seed=5)
+    convs = _chat.conversations(6, seed=5)
     data = _chat.write_jsonl(tmp_path / "chats.jsonl", convs)
     r = _prepare(chat_target, data, tmp_path / "keep", "--responses", "keep", "--max-len", "1000", "--no-dedup")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -225,7 +215,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(chat_target, plain_target,
         lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
         assert r.returncode == 2 and len(lines) == 1 and words in lines[0], (name, r.stderr[-2000:])
         assert not (out / "train").exists() and not (out / "eval").exists(), name
-    ok = _chat.write_jsonl(tmp_path / "ok.jsonl", _conversations(3))
+    ok = _chat.write_jsonl(tmp_path / "ok.jsonl", _chat.conversations(3))
     r = _prepare(plain_target, ok, tmp_path / "out-plain")
     assert r.returncode == 2 and "--chat-template" in r.stderr, r.stderr[-2000:]
     # --thinking with a template that ignores it: a warning, not a refusal
@@ -274,7 +264,7 @@ def _digest(out) -> dict:
 
 @pytest.mark.parametrize("point", ["prepare-render:3", "part-written:2", "prepare-part-committed:3"])
 def test_sigkill_then_rerun_equals_an_uninterrupted_run(chat_target, tmp_path, point):
-    data = _chat.write_jsonl(tmp_path / "c.jsonl", _conversations(90, seed=5))
+    data = _chat.write_jsonl(tmp_path / "c.jsonl", _chat.conversations(90, seed=5))
     args = ["--responses", "keep", "--eval-fraction", "0.2", "--chunk-records", "15", "--max-len", "100000"]
     r = _prepare(chat_target, data, tmp_path / "straight", *args)
     assert r.returncode == 0, r.stderr[-2000:]

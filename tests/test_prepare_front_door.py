@@ -6,7 +6,6 @@ the records read, and drops told apart as conversations and rows."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 
 import pytest
@@ -25,17 +24,8 @@ def _prepare(target, data, out, *extra, progress=False):
                     *([] if progress else ["--no-progress"]), *extra])
 
 
-def _conversations(n: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"id": i, "messages": _chat.random_conversation(rng)} for i in range(n)]
-
-
-def _manifest(folder) -> dict:
-    return json.loads((folder / "manifest.json").read_text())
-
-
 def test_max_records_reads_the_first_n_and_stops_there(chat_target, tmp_path):
-    convs = _conversations(12)
+    convs = _chat.conversations(12)
     f = _chat.write_jsonl(tmp_path / "a.jsonl", convs)
     with open(f, "a", encoding="utf-8") as fh:  # past the first 12: never read, so never refused
         fh.write("{not json\n")
@@ -45,7 +35,7 @@ def test_max_records_reads_the_first_n_and_stops_there(chat_target, tmp_path):
     r = _prepare(chat_target, f, out, "--max-len", "100000", "--max-records", "12")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "12 records read (the first 12: --max-records)" in r.stdout, r.stdout
-    m = _manifest(out / "train")
+    m = _chat.manifest(out / "train")
     assert m["counts"]["records_read"] == 12 and m["settings"]["max_records"] == 12
     assert sorted(row["id"] for row in _chat.read_parts(out / "train")) == list(range(12))
     # The same rows as the file holding only those records (same ids, same tokens)
@@ -75,13 +65,13 @@ def test_a_folder_without_weights_is_enough(chat_target, tmp_path):
     tokenizer_only = tmp_path / "tokenizer-only"
     shutil.copytree(chat_target, tokenizer_only, ignore=shutil.ignore_patterns("*.safetensors*"))
     assert not list(tokenizer_only.glob("*.safetensors")) and (tokenizer_only / "config.json").is_file()
-    data = _chat.write_jsonl(tmp_path / "c.jsonl", _conversations(8, seed=1))
+    data = _chat.write_jsonl(tmp_path / "c.jsonl", _chat.conversations(8, seed=1))
     for name, target in (("with", chat_target), ("without", tokenizer_only)):
         r = _prepare(target, data, tmp_path / name, "--responses", "keep", "--max-len", "100000")
         assert r.returncode == 0, (name, r.stderr[-2000:])
     assert _chat.read_parts(tmp_path / "with" / "train") == _chat.read_parts(tmp_path / "without" / "train")
-    m = _manifest(tmp_path / "without" / "train")
-    assert m["target"]["vocab_size"] == _manifest(tmp_path / "with" / "train")["target"]["vocab_size"]
+    m = _chat.manifest(tmp_path / "without" / "train")
+    assert m["target"]["vocab_size"] == _chat.manifest(tmp_path / "with" / "train")["target"]["vocab_size"]
     # No tokenizer either: still one line naming what is missing
     bare = tmp_path / "config-only"
     bare.mkdir()
