@@ -157,6 +157,13 @@ class ChatTemplate:
         return (full[k + len(REPLY_PROBE):].strip() or None) if k >= 0 else None
 
     @classmethod
+    def recorded(cls, target: str, chat: dict, end_ids: list[int]) -> "ChatTemplate":
+        """The template a prepare output recorded (its manifest's `chat` entry: the template's text
+        and settings) with the target folder's tokenizer: how generate and eval render and stop
+        the conversations prepare rendered."""
+        return cls(load_chat_tokenizer(target), chat["template"], ChatSettings.from_entry(chat), end_ids)
+
+    @classmethod
     def load(cls, target: str, chat_template: str | None = None, thinking: str | None = None,
              system: str | None = None, end_ids: list[int] | None = None, tokenizer=None,
              said: Callable[[str], str] = as_flag) -> "ChatTemplate":

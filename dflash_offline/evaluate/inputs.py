@@ -15,7 +15,7 @@ from pathlib import Path
 from dflash_offline.evaluate.config import AS_FLAGS, Said
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.paths import require_kind
-from dflash_offline.rows.reader import ids_as_int64
+from dflash_offline.rows.reader import ids_as_int64, is_int_list
 
 log = logging.getLogger("dflash.eval")
 
@@ -169,20 +169,18 @@ def read_prompts(path: str, vocab_size: int, max_prompts: int | None = None,
                  said: Said = AS_FLAGS) -> tuple[list[int], list[list[int]]]:
     """(ids, prompts) from a Parquet file with `input_ids` (and optional `id`); one line per problem.
     Rows with a `loss_mask` (prompt + completion) give their prompt (see the module doc)."""
-    import pyarrow as pa
 
     option = said("prompts")
     table = _read_table(option, path, ("input_ids",), "expected a Parquet file with an input_ids column",
                         optional=("loss_mask",))
     # The column types first: a wrong one would otherwise surface as a TypeError mid-loop.
     t = table.schema.field("input_ids").type
-    if not ((pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)):
+    if not is_int_list(t):
         raise UserError(f"{option} {path}: column 'input_ids' must be a list of integers (token ids), found {t}")
     prompts = table.column("input_ids").to_pylist()
     if "loss_mask" in table.column_names:
         t = table.schema.field("loss_mask").type
-        if not ((pa.types.is_list(t) or pa.types.is_large_list(t))
-                and (pa.types.is_integer(t.value_type) or pa.types.is_boolean(t.value_type))):
+        if not is_int_list(t, booleans=True):
             raise UserError(f"{option} {path}: column 'loss_mask' must be a list of integers (0 on the prompt, 1 on "
                             f"the completion), found {t}")
         prompts = _prompt_parts(option, path, prompts, table.column("loss_mask").to_pylist())
@@ -247,15 +245,13 @@ def read_reference(path: str, ids: list[int], prompts: list[list[int]], max_new:
     completion token outside the target's vocabulary (`vocab_size`, when given), a completion that
     ends before max_new tokens without an end-of-sequence token (the decode would go on where the
     reference has nothing to compare)."""
-    import pyarrow as pa
 
     option = said("reference")
     fix = f"give the target's greedy completions of these prompts ({said('prompts')}; dflash-offline generate)"
     table = _read_table(option, path, ("id", "input_ids", "loss_mask"), fix)
     for name in ("input_ids", "loss_mask"):  # the types first: a wrong one would be a TypeError below
         t = table.schema.field(name).type
-        if not ((pa.types.is_list(t) or pa.types.is_large_list(t))
-                and (pa.types.is_integer(t.value_type) or (name == "loss_mask" and pa.types.is_boolean(t.value_type)))):
+        if not is_int_list(t, booleans=name == "loss_mask"):
             raise UserError(f"{option} {path}: column {name!r} must be a list of integers, found {t}; {fix}")
     rows: dict[int, tuple[int, list[int], list[int]]] = {}
     for row, (rid, toks, mask) in enumerate(zip(table.column("id").to_pylist(),  # int64: _read_table
@@ -327,8 +323,7 @@ def chat_stop_ids(prompts: str, target: str, eos: set[int], runs_to: str):
     chat = chat_settings_of([prompts]) if eos and Path(prompts).is_dir() else None
     if chat is None:
         return eos, None
-    from dflash_offline.chat.template import ChatSettings, ChatTemplate, load_chat_tokenizer, turn_stop
+    from dflash_offline.chat.template import ChatTemplate, turn_stop
 
-    tmpl = ChatTemplate(load_chat_tokenizer(target), chat["template"], ChatSettings.from_entry(chat), sorted(eos))
-    stop = turn_stop(tmpl, sorted(eos), None, runs_to)
+    stop = turn_stop(ChatTemplate.recorded(target, chat, sorted(eos)), sorted(eos), None, runs_to)
     return set(stop.eos), stop.warning

@@ -39,6 +39,7 @@ from dflash_offline.evaluate.inputs import (check_prompts_path, check_reference_
                                             warn_chat_mismatch, chat_stop_ids)
 from dflash_offline.train.walk import cache_acceptance, walk_acceptance
 from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.logs import claim_heartbeat
 from dflash_offline.sampling import Sampling
 from dflash_offline.runtime.paths import REPORT_FORMAT, check_report_dest, require_kind
 from dflash_offline.targets.folder import eos_ids
@@ -166,7 +167,7 @@ def log_folder(cfg: EvalConfig) -> Path:
 def run(cfg: EvalConfig) -> dict:
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
     from dflash_offline.runtime.early_log import open_launcher_log
-    from dflash_offline.runtime.logs import claim_heartbeat, log_dir_refusal
+    from dflash_offline.runtime.logs import log_dir_refusal
 
     cfg.validate()
     said = partial(where, cfg)
@@ -283,8 +284,6 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.seed, cfg.top_k)
     decoders = Decoders(model, cfg.decoder, cfg.batch_size, max(len(p) for p in prompts), cfg.max_new_tokens, eos,
                         sampling, device, cfg.dtype, said)
-    from dflash_offline.runtime.logs import claim_heartbeat
-
     claim_heartbeat()  # the inputs are checked, the decoding starts: the log goes to its folder
     if not eos and not cfg.ignore_eos:  # after the refusals: a warning line must not precede an error line
         log.warning("%s %s names no end-of-sequence id (generation_config.json, config.json, tokenizer files): "

@@ -98,12 +98,12 @@ def chat_stop(cfg, chat: dict | None, eos: list[int]):
     """The ids replies stop at and a warning to print (chat/template.py `turn_stop`): for
     conversations, the template's end of turn joins the end-of-sequence ids where it is one token
     they lack (unless the user named the ids); plain prompts and --ignore-eos keep `eos`."""
-    from dflash_offline.chat.template import ChatSettings, TurnStop, load_chat_tokenizer, turn_stop
+    from dflash_offline.chat.template import TurnStop, turn_stop
     from dflash_offline.options import where
 
     if chat is None or cfg.ignore_eos:
         return TurnStop(eos, None)
-    tmpl = ChatTemplate(load_chat_tokenizer(cfg.target), chat["template"], ChatSettings.from_entry(chat), eos)
+    tmpl = ChatTemplate.recorded(cfg.target, chat, eos)
     given = where(cfg, "eos_token_ids") if cfg.eos_token_ids is not None else None
     stop = turn_stop(tmpl, eos, given, f"{where(cfg, 'max_new_tokens')} {cfg.max_new_tokens}")
     if stop.eos != sorted(eos):
@@ -182,12 +182,7 @@ class ChatJob:
 
     @classmethod
     def start(cls, job, cfg, src) -> "ChatJob":
-        from dflash_offline.chat.template import ChatSettings, load_chat_tokenizer
-
-        chat = job.chat
-        tok = load_chat_tokenizer(job.target_path)
-        settings = ChatSettings.from_entry(chat)
-        return cls(ChatTemplate(tok, chat["template"], settings, list(job.eos)), src, cfg, job.max_positions)
+        return cls(ChatTemplate.recorded(job.target_path, job.chat, list(job.eos)), src, cfg, job.max_positions)
 
     def _conversation_json(self, row: int) -> str:
         import pyarrow.parquet as pq

@@ -83,8 +83,10 @@ def run(cfg: PrepareConfig) -> dict:
     if not records:
         raise UserError(f"{where(cfg, 'data')} {' '.join(cfg.data)}: no records")
     chat = any(r.messages is not None for r in records)
+    # What generate stops at (the template adds the tokenizer's own eos to it for the masks).
+    eos = sorted(eos_ids(cfg.target)) if chat else []
     tmpl = ChatTemplate.load(cfg.target, cfg.chat_template, cfg.thinking, cfg.system,
-                             end_ids=sorted(eos_ids(cfg.target)), tokenizer=tokenizer,
+                             end_ids=eos, tokenizer=tokenizer,
                              said=partial(where, cfg)) if chat else None
     sel = select.select(records, cfg.responses, cfg.eval_fraction, cfg.dedup, cfg.drop_unanswered)
     from dflash_offline.chat.formats import cut_off_files
@@ -146,7 +148,7 @@ def run(cfg: PrepareConfig) -> dict:
                     "kept, and generate and extract refuse or cut them; give at most %d to drop them here",
                     where(cfg, "max_len"), cfg.max_len, info.max_positions, info.max_positions)
     if tmpl is not None and cfg.responses == "regenerate":  # said now, not after generate decodes to the limit
-        warning = turn_stop(tmpl, sorted(eos_ids(cfg.target)), None, "generate's --max-new-tokens").warning
+        warning = turn_stop(tmpl, eos, None, "generate's --max-new-tokens").warning
         if warning:
             log.warning(warning)
     if stop_requested():

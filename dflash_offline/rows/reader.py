@@ -135,8 +135,10 @@ def ids_as_int64(where: str, column, base: int = 0) -> np.ndarray:
     return values.astype(np.int64)
 
 
-def _is_int_list(t: pa.DataType) -> bool:
-    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
+def is_int_list(t: pa.DataType, booleans: bool = False) -> bool:
+    """A list column of integers (token ids; `booleans`: or of bools, as a loss_mask may be)."""
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and (
+        pa.types.is_integer(t.value_type) or (booleans and pa.types.is_boolean(t.value_type)))
 
 
 def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: bool = True) -> Source:
@@ -161,15 +163,14 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
         names = set(schema.names)
         if "input_ids" not in names:
             raise UserError(f"{path}: missing column 'input_ids' (columns: {', '.join(schema.names)})")
-        if not _is_int_list(schema.field("input_ids").type):
+        if not is_int_list(schema.field("input_ids").type):
             raise UserError(f"{path}: column 'input_ids' must be a list of integers, found {schema.field('input_ids').type}")
         if not need_mask:
             mask_col = None  # prompts: a mask column, if any, is not read
         elif "loss_mask" in names:
             mask_col = "loss_mask"
             t = schema.field("loss_mask").type
-            if not ((pa.types.is_list(t) or pa.types.is_large_list(t))
-                    and (pa.types.is_integer(t.value_type) or pa.types.is_boolean(t.value_type))):
+            if not is_int_list(t, booleans=True):
                 raise UserError(f"{path}: column 'loss_mask' must be a list of int8/bool, found {t}")
         elif "prompt_len" in names:
             mask_col = "prompt_len"

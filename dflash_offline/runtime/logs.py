@@ -132,7 +132,8 @@ class _ConsoleFormatter(logging.Formatter):
     log file keeps logging's upper-case level names."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        return self._style._fmt % {**record.__dict__, "levelname": record.levelname.lower()}
+        lower = logging.makeLogRecord({**record.__dict__, "levelname": record.levelname.lower()})
+        return super().formatMessage(lower)
 
 
 def _arm_faulthandler(stream) -> None:
