@@ -432,9 +432,8 @@ def test_eval_command_with_a_trained_drafter(kind, tiny_dense, tiny_hybrid, tmp_
     assert abs(rep["drafters"][0]["cache_estimate"]["tau"] - rep["drafters"][1]["cache_estimate"]["tau"]) < 0.2
     assert "speculative decoding: 3 prompts" in r.stdout and "lossless" in r.stdout
     assert (run / "logs" / "eval.log").is_file()
-    # One prompt at a time: the dense target through the static decoder (auto), the hybrid one
-    # through transformers' caches (the static decoder serves dense attention targets only).
-    assert rep["decoder"] == ("static" if kind == "qwen3" else "transformers") and rep["batch_size"] == 1
+    # One prompt at a time: both targets through the static decoder (auto).
+    assert rep["decoder"] == "static" and rep["batch_size"] == 1
     assert rep["decoding"] in r.stdout and "one prompt at a time" in rep["decoding"]
     for e in rep["drafters"]:
         assert [sum(c) for c in e["committed_per_prompt"]] == [24 - 1] * 3  # the reference's count
@@ -442,11 +441,9 @@ def test_eval_command_with_a_trained_drafter(kind, tiny_dense, tiny_hybrid, tmp_
         assert [len(c) for c in e["committed_per_prompt"]] == [len(a) for a in e["accepted_per_prompt"]]
     # Batched (2 prompts per forward): the same rounds, so the same tau; the target alone is
     # batched through the same decoder, so there is a speed-up figure, for the hybrid target too.
-    # Auto: static buffers for the dense target, KV caches (recurrent states rolled back per row)
-    # for the hybrid one; --decoder transformers: the KV caches for the dense target as well.
-    runs = [([], "static" if kind == "qwen3" else "transformers", "static buffers" if kind == "qwen3" else "KV caches")]
-    if kind == "qwen3":
-        runs.append((["--decoder", "transformers"], "transformers", "KV caches"))
+    # Auto: static buffers (and recurrent states settled at the accepted length, for the hybrid);
+    # --decoder transformers: KV caches (recurrent states rolled back per row): the same rounds.
+    runs = [([], "static", "static buffers"), (["--decoder", "transformers"], "transformers", "KV caches")]
     for opts, name, how in runs:
         batched = tmp_path / "eval-batched.json"
         r = run_cli(["eval", "--target", folder, "--drafter", run / "export", "--drafter", run / "step-6",

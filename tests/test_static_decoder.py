@@ -1,19 +1,22 @@
 """The static decoder (evaluate.static, evaluate.graphed) against brute force on tiny dense targets
-(Qwen3, Llama, Qwen2 with its attention biases), in fp32 on the CPU (eager; CUDA graphs replay
-the same round on a GPU):
+(Qwen3, Llama, Qwen2 with its attention biases) and a tiny hybrid (Qwen3.5: Gated DeltaNet and
+gated attention), in fp32 on the CPU (eager; CUDA graphs replay the same round on a GPU):
 
-- `DenseTarget.forward` over preallocated per-position key/value buffers gives transformers' own
-  logits and layer outputs: right-padded prompts of different lengths, then blocks written at
-  positions that still hold stale entries (rejected drafts, garbage further ahead);
+- `StaticTarget.forward` over preallocated per-position key/value buffers (and per-row recurrent
+  state) gives transformers' own logits and layer outputs: right-padded prompts of different
+  lengths, then blocks written at positions that still hold stale entries (rejected drafts,
+  garbage further ahead; on the hybrid, blocks whose tokens are dropped from the recurrent state);
 - the target alone (no drafter) gives `greedy_decode`'s tokens, one prompt at a time and in
   batches (a final partial batch with filler rows; end-of-sequence tokens ending rows early, so
   unfinished rows are compacted into smaller buckets);
 - speculative decoding with a drafter fitted to accept some blocks gives `speculative_decode`'s
   tokens, accepted drafts and committed tokens per round, greedy and sampled (keyed noise: the
   same tokens whatever the decoder or batch);
-- a hybrid target is refused with the reason, by `unsupported_reason` and by `eval --decoder
-  static` (exit 2, one line naming --decoder transformers), and `--decoder auto` decodes it
-  through transformers.
+- on the hybrid, a decoder that keeps rejected drafts in the recurrent state (what cropping a
+  transformers cache does) decodes other tokens than the target alone: the case is live;
+- a sliding-window target is refused with the reason, by `unsupported_reason` and by `eval
+  --decoder static` (exit 2, one line naming --decoder transformers); `--decoder auto` takes the
+  static decoder for a hybrid target, lossless.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from dflash_offline.evaluate.graphed import StaticDecoder
 from dflash_offline.evaluate.speculative import (DFlashProposer, TargetSession, greedy_decode,
                                                  load_target_for_decoding, speculative_decode)
-from dflash_offline.evaluate.static import DenseTarget, unsupported_reason
+from dflash_offline.evaluate.static import StaticTarget, unsupported_reason
 from dflash_offline.sampling import Sampling
 
 LAYERS = [1, 2]
@@ -57,10 +60,10 @@ def make_dense_target(folder, kind: str, num_layers: int = 4, seed: int = 0):
 
 
 @pytest.fixture(scope="module")
-def targets(tiny_dense, tmp_path_factory):
-    """{kind: folder}: the conftest's tiny Qwen3 and Llama / Qwen2 targets made here."""
+def targets(tiny_dense, tiny_hybrid, tmp_path_factory):
+    """{kind: folder}: the conftest's tiny Qwen3 and Qwen3.5 targets, Llama / Qwen2 targets made here."""
     root = tmp_path_factory.mktemp("static-targets")
-    return {"qwen3": tiny_dense, "llama": make_dense_target(root / "llama", "llama"),
+    return {"qwen3": tiny_dense, "qwen3_5": tiny_hybrid, "llama": make_dense_target(root / "llama", "llama"),
             "qwen2": make_dense_target(root / "qwen2", "qwen2")}
 
 
@@ -77,24 +80,27 @@ def hf_forward(model, seq: list[int], layer_ids: list[int]):
     return out.logits[0].float(), torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], -1)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen2"])
-def test_dense_target_forward_equals_transformers(targets, kind):
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen2", "qwen3_5"])
+def test_static_target_forward_equals_transformers(targets, kind):
     """Prompts of 3, 11 and 7 tokens right-padded into one forward, then blocks: each row's logits
     and layer outputs equal a fresh transformers forward of its whole sequence. Before each real
     block, a garbage block is written at and beyond the row's next positions; the real block
     overwrites part of it (the rest stays ahead, as rejected drafts do in decoding), and the next
-    block starts after the tokens kept, over the stale entries of the rejected ones."""
+    block starts after the tokens kept, over the stale entries of the rejected ones. The recurrent
+    layers keep none of the garbage block and `keep` tokens of each real block (`settle`)."""
     model, _ = load_target_for_decoding(str(targets[kind]), "cpu", "float32")
     assert unsupported_reason(model) is None
     prompts = prompts_of(1, (3, 11, 7))
     R, P, cap = len(prompts), max(map(len, prompts)), 48
-    target = DenseTarget(model, LAYERS, R, cap)
+    target = StaticTarget(model, LAYERS, R, cap)
+    assert bool(target.recurrent) == (kind == "qwen3_5")
     ids = torch.zeros((R, P), dtype=torch.long)
     for r, p in enumerate(prompts):
         ids[r, :len(p)] = torch.tensor(p)
         ids[r, len(p):] = 77  # padding, attended by no real position
     with torch.inference_mode():
-        hidden, feats = target.forward(ids, torch.arange(P)[None].expand(R, P), features=True)
+        hidden, feats = target.forward(ids, torch.arange(P)[None].expand(R, P), features=True,
+                                       keep=torch.tensor([len(p) for p in prompts]))
         logits = target.logits(hidden)
     for r, p in enumerate(prompts):
         want_logits, want_feats = hf_forward(model, p, LAYERS)
@@ -107,8 +113,10 @@ def test_dense_target_forward_equals_transformers(targets, kind):
         with torch.inference_mode():
             junk = torch.from_numpy(g.integers(2, 500, size=(R, T + 3)))
             target.forward(junk, pos + torch.arange(T + 3), features=True)  # stale entries ahead
+            target.settle(torch.zeros(R, dtype=torch.long))
             block = torch.from_numpy(g.integers(2, 500, size=(R, T)))
             hidden, feats = target.forward(block, pos + torch.arange(T), features=True)
+            target.settle(torch.full((R,), keep))
             logits = target.logits(hidden)
         for r in range(R):
             want_logits, want_feats = hf_forward(model, seqs[r] + block[r].tolist(), LAYERS)
@@ -120,7 +128,7 @@ def test_dense_target_forward_equals_transformers(targets, kind):
 GREEDY_LENGTHS = (4, 19, 9, 30, 2)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_5"])
 def test_target_alone_equals_greedy_decode(targets, kind):
     """drafter=None: one token per round, the target's greedy decode, prompt for prompt; rows 1, 3
     (5 prompts: a batch of 3 and a partial one with a filler row) and 4; an end-of-sequence token
@@ -155,7 +163,7 @@ def fitted(targets):
     from conftest import fitted_drafter
 
     out = {}
-    for kind in ("qwen3", "llama"):
+    for kind in ("qwen3", "llama", "qwen3_5"):
         folder = targets[kind]
         model, _ = load_target_for_decoding(str(folder), "cpu", "float32")
         session = TargetSession(model, LAYERS)
@@ -165,7 +173,7 @@ def fitted(targets):
     return out
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_5"])
 def test_speculative_equals_one_prompt_decoder(fitted, kind):
     """The static decoder with a fitted drafter = speculative_decode, prompt for prompt: the tokens
     (the target's greedy decode), each round's accepted drafts and committed tokens; rows 1, 2
@@ -187,7 +195,47 @@ def test_speculative_equals_one_prompt_decoder(fitted, kind):
                 assert g.accepted == w.accepted and g.committed == w.committed, (rows, stop, k, g.accepted, w.accepted)
                 assert sum(g.committed) == len(g.tokens) - 1 and g.target_forwards == len(g.accepted) + 1
         seen.update(a for w in want for a in w.accepted)
-    assert 0 in seen and B - 1 in seen, f"accepted lengths {seen}: the comparison needs short and whole rounds"
+    assert min(seen) < B - 1 and B - 1 in seen, f"accepted lengths {seen}: the comparison needs rejected drafts and whole rounds"
+
+
+def test_hybrid_rollback_keeps_no_rejected_draft(fitted):
+    """The case a cropped cache gets wrong, live: a decoder whose recurrent layers keep the whole
+    verified block (rejected drafts included, as transformers' `Cache.crop` leaves them) decodes
+    other tokens than the target alone, while the static decoder's `settle` gives the target's own
+    tokens. Rows 1 and 3."""
+    import copy
+
+    model, drafter, prompts = fitted["qwen3_5"]
+    # A random tiny target barely remembers (fast decay, small recurrent outputs): a few stray
+    # tokens in its state move no argmax. Slow decay and a louder recurrent branch make the state
+    # matter, as it does in a trained model.
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.fill_(-6.0)
+                layer.linear_attn.out_proj.weight.mul_(10.0)
+    longest = max(map(len, prompts))
+    want = [d.tokens for d in StaticDecoder(model, None, 1, longest, MAX_NEW, set()).decode_all(prompts)]
+    session = TargetSession(model, [])
+    assert want == [greedy_decode(session, p, MAX_NEW, set()).tokens for p in prompts]
+
+    class Cropped(StaticDecoder):
+        def _round(self, k):
+            settle = self.target.settle
+            # every active row keeps all B block tokens in its recurrent state
+            self.target.settle = lambda keep: settle(torch.where(keep > 0, B, 0))
+            try:
+                super()._round(k)
+            finally:
+                self.target.settle = settle
+
+    for rows in (1, 3):
+        got = StaticDecoder(model, drafter, rows, longest, MAX_NEW, set()).decode_all(prompts)
+        assert [g.tokens for g in got] == want, rows
+        assert any(a < B - 1 for g in got for a in g.accepted)  # drafts were rejected
+        cropped = [d.tokens for d in Cropped(model, drafter, rows, longest, MAX_NEW, set()).decode_all(prompts)]
+        assert cropped != want, rows
 
 
 def test_finer_row_buckets_decode_the_same(fitted):
@@ -229,11 +277,12 @@ def test_trace_records_each_read_back(fitted):
         assert k == min(b for b in dec.buckets if b >= a)
 
 
-def test_sampled_decoding_equals_one_prompt_decoder(fitted):
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_sampled_decoding_equals_one_prompt_decoder(fitted, kind):
     """Sampling (temperature, top-p, top-k; noise keyed by seed, prompt key and output index): the
     static decoder draws what the one-prompt decoders draw, for the target alone and speculative,
     whatever the batch."""
-    model, drafter, prompts = fitted["qwen3"]
+    model, drafter, prompts = fitted[kind]
     session = TargetSession(model, LAYERS)
     proposer = DFlashProposer(drafter, "cpu")
     longest = max(map(len, prompts))
@@ -252,10 +301,10 @@ def test_sampled_decoding_equals_one_prompt_decoder(fitted):
         assert [g.committed for g in got] == [r.committed for r in spec], rows
 
 
-def test_hybrid_and_sliding_window_targets_are_refused(tiny_hybrid, tiny_dense, tmp_path):
-    """unsupported_reason names why (Gated DeltaNet layers, a sliding window, another family);
-    eval --decoder static on a hybrid target exits 2 with one line naming --decoder transformers,
-    and --decoder auto decodes it through transformers (batched: KV caches)."""
+def test_sliding_window_targets_are_refused_and_hybrids_run(targets, tiny_hybrid, tmp_path):
+    """unsupported_reason names why (a sliding window, a layer type it lacks, another family); eval
+    --decoder static on a sliding-window target exits 2 with one line naming --decoder
+    transformers; on a hybrid target --decoder auto takes the static decoder, lossless."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from types import SimpleNamespace
@@ -266,49 +315,51 @@ def test_hybrid_and_sliding_window_targets_are_refused(tiny_hybrid, tiny_dense, 
     from dflash_offline.drafter.model import DFlashDrafter
 
     hybrid, _ = load_target_for_decoding(str(tiny_hybrid), "cpu", "float32")
-    reason = unsupported_reason(hybrid)
-    assert reason is not None and "'qwen3_5_text' is not one of" in reason, reason
-    # A dense family's name over Gated DeltaNet layers is still refused, for its layers.
-    layered = SimpleNamespace(config=SimpleNamespace(model_type="qwen3",
-                                                     layer_types=["linear_attention", "full_attention"]))
-    assert "its layers include linear_attention" in unsupported_reason(layered)
-    with pytest.raises(ValueError, match="the static decoder cannot run this target"):
-        DenseTarget(hybrid, LAYERS, 1, 16)
-    dense, _ = load_target_for_decoding(str(tiny_dense), "cpu", "float32")
-    dense.config.use_sliding_window, dense.config.sliding_window = True, 4
-    assert "sliding-window" in unsupported_reason(dense)
+    assert unsupported_reason(hybrid) is None
+    layered = SimpleNamespace(config=SimpleNamespace(model_type="qwen3", layer_types=["mamba", "full_attention"]))
+    assert "its layers include mamba" in unsupported_reason(layered)
     other = SimpleNamespace(config=SimpleNamespace(model_type="gemma2"))
     assert "'gemma2' is not one of" in unsupported_reason(other)
+    window = tmp_path / "qwen2-window"
+    model, _ = load_target_for_decoding(str(targets["qwen2"]), "cpu", "float32")
+    model.config.use_sliding_window, model.config.sliding_window, model.config.max_window_layers = True, 4, 0
+    assert "sliding-window" in unsupported_reason(model)
+    with pytest.raises(ValueError, match="the static decoder cannot run this target"):
+        StaticTarget(model, LAYERS, 1, 16)
+    model.save_pretrained(window)
 
-    torch.manual_seed(0)
-    d = DFlashDrafter(DrafterConfig.from_target(str(tiny_hybrid), [1, 3], block_size=4, drafter_layers=1, mask_token_id=1))
-    d.load_frozen_from_target(str(tiny_hybrid))
-    export = export_drafter(d.eval(), str(tmp_path / "export"))
     prompts = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"input_ids": [[5, 6, 7, 8], [9, 10, 11]]}), prompts)
-    common = ["eval", "--target", tiny_hybrid, "--drafter", export, "--prompts", prompts, "--max-new-tokens", "6",
-              "--no-progress"]
-    r = run_cli([*common, "--decoder", "static"])
-    assert r.returncode == 2, (r.returncode, r.stderr)
-    assert len(r.stderr.strip().splitlines()) == 1 and "--decoder transformers" in r.stderr, r.stderr
-    assert "speculative" not in r.stdout  # nothing decoded
-    report = tmp_path / "auto.json"
-    r = run_cli([*common, "--decoder", "auto", "--batch-size", "2", "--json", report])
-    assert r.returncode == 0, r.stderr
-    rep = json.loads(report.read_text())
-    assert rep["decoder"] == "transformers" and "KV caches" in rep["decoding"], rep
-    e = rep["drafters"][0]
-    assert e["lossless"] is True and e["tokens"] == 2 * 6 and [sum(c) for c in e["committed_per_prompt"]] == [5, 5]
+    for folder, decoder in ((window, "static"), (tiny_hybrid, "auto")):
+        torch.manual_seed(0)
+        d = DFlashDrafter(DrafterConfig.from_target(str(folder), [1, 3], block_size=4, drafter_layers=1, mask_token_id=1))
+        d.load_frozen_from_target(str(folder))
+        export = export_drafter(d.eval(), str(tmp_path / f"export-{decoder}"))
+        report = tmp_path / f"{decoder}.json"
+        r = run_cli(["eval", "--target", folder, "--drafter", export, "--prompts", prompts, "--max-new-tokens", "6",
+                     "--no-progress", "--decoder", decoder, "--batch-size", "2", "--json", report])
+        if decoder == "static":
+            assert r.returncode == 2, (r.returncode, r.stderr)
+            assert len(r.stderr.strip().splitlines()) == 1 and "--decoder transformers" in r.stderr, r.stderr
+            assert "sliding-window" in r.stderr and not report.exists()
+            continue
+        assert r.returncode == 0, r.stderr
+        rep = json.loads(report.read_text())
+        assert rep["decoder"] == "static", rep
+        e = rep["drafters"][0]
+        assert e["lossless"] is True and e["tokens"] == 2 * 6 and [sum(c) for c in e["committed_per_prompt"]] == [5, 5]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_equal_eager(fitted):
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_cuda_graphs_equal_eager(fitted, kind):
     """On a GPU the rounds (and the prefill) replay as CUDA graphs: the same tokens, accepted drafts
-    and committed tokens as the eager rounds on the same device and the one-prompt decoder."""
+    and committed tokens as the eager rounds on the same device and the one-prompt decoder (on the
+    hybrid: flash-linear-attention's kernels when installed)."""
     import copy
 
-    model, drafter, prompts = fitted["qwen3"]
+    model, drafter, prompts = fitted[kind]
     model, drafter = copy.deepcopy(model).to("cuda"), copy.deepcopy(drafter).to("cuda")  # the fixture's stay on the CPU
     session = TargetSession(model, LAYERS)
     proposer = DFlashProposer(drafter, "cuda")
@@ -324,3 +375,33 @@ def test_cuda_graphs_equal_eager(fitted):
             assert g.accepted == e.accepted == w.accepted and g.committed == e.committed == w.committed
         alone = StaticDecoder(model, None, rows, longest, MAX_NEW, eos, graphs=True).decode_all(prompts)
         assert [a.tokens for a in alone] == [w.tokens for w in want]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 8, 96])  # one-token rounds, a verify block, a prefill (chunked kernel)
+def test_fla_recurrence_equals_the_loop(T):
+    """flash-linear-attention's kernels (fused recurrent; chunked from 64 tokens) give the PyTorch
+    loop's outputs and final state, from a non-zero state, with grouped value heads and decay and
+    beta zeroed past each row's kept tokens (the replay of `settle`)."""
+    pytest.importorskip("fla")
+    from dflash_offline.evaluate.recurrent import kernels_for, recurrence, recurrence_loop
+
+    kernels = kernels_for(torch.device("cuda"))
+    assert kernels is not None
+    g = torch.Generator().manual_seed(0)
+    R, Hk, Hv, dk, dv = 3, 2, 4, 32, 16
+    q, k = (torch.randn(R, T, Hk, dk, generator=g) for _ in range(2))
+    v = torch.randn(R, T, Hv, dv, generator=g)
+    decay = -torch.rand(R, T, Hv, generator=g)
+    beta = torch.rand(R, T, Hv, generator=g)
+    keep = torch.tensor([T, T // 2, 0])
+    kept = (torch.arange(T)[None] < keep[:, None])[..., None]
+    decay, beta = decay * kept, beta * kept
+    state = torch.randn(R, Hv, dk, dv, generator=g) * 0.1
+    want_out, want_state = recurrence_loop(q, k, v, decay, beta, state)
+    cuda = [x.cuda() for x in (q, k, v, decay, beta, state)]
+    out, final = recurrence(*cuda, kernels)
+    torch.testing.assert_close(final.cpu(), want_state, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out.cpu()[:, : max(1, T // 2)], want_out[:, : max(1, T // 2)], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(final.cpu()[2], state[2], atol=1e-6, rtol=0)  # nothing kept: unchanged

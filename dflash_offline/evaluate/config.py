@@ -67,7 +67,7 @@ class EvalConfig(SamplingOptions):
     progress: bool = opt(True, "Progress bars.")
     top_k: int = opt(0, "Sampling: keep the k most likely tokens; 0 = all.")
     """Sampling: keep only the k most likely tokens; 0 = all."""
-    decoder: str = opt("auto", "static: the target's layers over preallocated buffers, CUDA graphs on a GPU (dense attention targets); transformers: transformers' forward and caches (any target); auto: static where possible (the report says which ran).", choices=('auto', 'static', 'transformers'))
+    decoder: str = opt("auto", "static: the target's layers over preallocated buffers, CUDA graphs on a GPU (full-attention and Gated DeltaNet hybrid targets); transformers: transformers' forward and caches (any target); auto: static where possible (the report says which ran).", choices=('auto', 'static', 'transformers'))
     """static: the target's own layers over preallocated key/value buffers, each round one CUDA
     graph on a GPU (dense attention targets: Qwen3, Qwen2, Llama, Mistral); transformers:
     transformers' forward with its caches (any target: hybrid, sliding window); auto: static where

@@ -3,7 +3,7 @@ and for every drafter alike (a speed-up compares like with like).
 
   static        evaluate.graphed: the target's own layers over preallocated key/value buffers,
                 each round one CUDA graph on a GPU; one prompt at a time (--batch-size 1) or
-                batched. Dense attention targets (evaluate.static.FAMILIES).
+                batched. Full-attention and Gated DeltaNet hybrid targets (targets/families.py).
   transformers  transformers' forward with its caches: one prompt at a time (evaluate.speculative),
                 KV-cache batches with per-row recurrent-state rollback (evaluate.kv_batch; hybrid
                 targets), or, for sliding-window targets, whole sequences re-run each round

@@ -28,7 +28,7 @@ import time
 import torch
 
 from dflash_offline.evaluate.speculative import Decoded, in_length_batches
-from dflash_offline.evaluate.static import DenseTarget, DrafterBuffers
+from dflash_offline.evaluate.static import DrafterBuffers, StaticTarget
 from dflash_offline.sampling import Sampling, draft_tokens, prompt_keys, target_tokens, verify_block
 
 log = logging.getLogger("dflash.eval")
@@ -80,7 +80,7 @@ class StaticDecoder:
         self._step = torch.compile(self._round) if compile else self._round
         with torch.inference_mode():
             layer_ids = list(drafter.cfg.target_layer_ids) if drafter is not None else []
-            self.target = DenseTarget(model, layer_ids, rows, self.capacity)
+            self.target = StaticTarget(model, layer_ids, rows, self.capacity)
             self.drafter = DrafterBuffers(drafter, rows, self.capacity) if drafter is not None else None
             z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
             self.anchor, self.pos, self.n_out, self.rounds, self.seeded = z(rows), z(rows), z(rows), z(rows), z(rows)
@@ -95,7 +95,7 @@ class StaticDecoder:
 
     def _per_row(self) -> list[torch.Tensor]:
         """Every tensor whose first dimension is the row (what compaction moves)."""
-        bufs = self.target.keys + self.target.values
+        bufs = self.target.buffers()
         if self.drafter is not None:
             bufs += self.drafter.keys + self.drafter.values
         return [self.anchor, self.pos, self.n_out, self.rounds, self.seeded, self.done, self.row_of, self.out,
@@ -108,7 +108,9 @@ class StaticDecoder:
         the first token, fresh state."""
         R, P = self.rows, self.max_prompt_len
         pos = torch.arange(P, device=self.device)[None, :].expand(R, P)
-        hidden, feats = self.target.forward(self.prompt_ids, pos, features=self.drafter is not None)
+        self.target.reset()
+        hidden, feats = self.target.forward(self.prompt_ids, pos, features=self.drafter is not None,
+                                            keep=self.prompt_lens)
         last = hidden[torch.arange(R, device=self.device), self.prompt_lens - 1]
         self.seeded.copy_(prompt_keys(self.sampling.seed, self.keys))
         self.n_out.zero_()
@@ -131,7 +133,7 @@ class StaticDecoder:
         anchor, pos, n_out, seeded = self.anchor[:k], self.pos[:k], self.n_out[:k], self.seeded[:k]
         active = ~self.done[:k]
         if self.drafter is None:
-            hidden, _ = self.target.forward(anchor[:, None], pos[:, None], features=False)
+            hidden, _ = self.target.forward(anchor[:, None], pos[:, None], features=False, keep=active.long())
             nxt = target_tokens(self.target.logits(hidden)[:, 0], self.sampling, seeded, n_out)
             self._commit(k, anchor.new_empty((k, 0)), torch.zeros_like(anchor), nxt, active)
             return
@@ -144,6 +146,8 @@ class StaticDecoder:
         bpos = pos[:, None] + self.steps
         hidden, feats = self.target.forward(block, bpos, features=True)
         accepted, nxt = verify_block(drafts, q, self.target.logits(hidden), limit, s, seeded, n_out)
+        # Recurrent layers keep the anchor and the accepted drafts, nothing of the rejected ones.
+        self.target.settle((accepted + 1) * active)
         self.drafter.add_context(feats, bpos)
         self._commit(k, drafts, accepted, nxt, active)
 

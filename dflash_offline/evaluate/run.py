@@ -1,7 +1,7 @@
 """`dflash-offline eval`: how many tokens a drafter saves, measured two ways.
 
 1. **Speculative decoding against the target** (`--prompts`; the decoder evaluate.decoders picks:
-   the static decoder, evaluate.graphed, for dense attention targets, else transformers' forward,
+   the static decoder, evaluate.graphed, for attention and hybrid targets, else transformers' forward,
    evaluate.speculative / kv_batch / batched): greedy, every output is checked against the
    target's own greedy decode of the same prompt (lossless); sampled (`--temperature`), drafts are
    verified by speculative sampling's rule (dflash_offline.sampling). Decode speed is measured

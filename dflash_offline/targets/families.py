@@ -56,8 +56,8 @@ class Family:
     name: str
     model_types: tuple[str, ...]  # transformers `model_type`s (of the text model)
     layer_types: tuple[str, ...]  # the layer types its configs may list
-    # The static decoder (evaluate/static.py) runs decoder layers "x + attn(norm(x)); x + mlp(norm(x))"
-    # with full causal attention; None where it can, else why not.
+    # The static decoder (evaluate/static.py) runs decoder layers "x + mixer(norm(x)); x + mlp(norm(x))",
+    # the mixer full causal attention or Gated DeltaNet; None where it can, else why not.
     static_decoder: str | None = None
 
 
@@ -66,8 +66,7 @@ FAMILIES = (
     Family("qwen2", ("qwen2",), (FULL, SLIDING)),
     Family("llama", ("llama",), (FULL,)),
     Family("mistral", ("mistral",), (FULL, SLIDING)),
-    Family("qwen3.5 hybrid", ("qwen3_5", "qwen3_5_text"), (FULL, LINEAR),
-           static_decoder="its Gated DeltaNet layers keep recurrent states (not a key/value buffer)"),
+    Family("qwen3.5 hybrid", ("qwen3_5", "qwen3_5_text"), (FULL, LINEAR)),
 )
 
 

@@ -1,0 +1,163 @@
+"""Gated DeltaNet layers over per-row state buffers: the static decoder's hybrid half (Qwen3.5/3.6).
+
+A Gated DeltaNet layer keeps two things per row instead of keys and values per position: the last
+K-1 inputs of its short causal convolution (the *window*) and a [heads, d_k, d_v] matrix (the
+*state*) that every token updates, S <- exp(g) S + beta k (v - S^T k)^T. Neither can be cut back
+to a shorter length once a token is in, which is why a cropped cache leaves rejected drafts in the
+recurrent state (transformers issue 49036; the public reference's decoder inherits it).
+
+So a verify forward never writes the buffers. It reads them, computes the block's outputs, and
+keeps the layer's inputs of the block (the convolution's input rows and q, k, v, g, beta): what
+the recurrence needs to be replayed. `settle(n)` then puts each row at the end of its first n[r]
+tokens: the recurrence runs again from the unchanged state over the block with g = 0 and beta = 0
+beyond n[r] (an update with beta = 0 and g = 0 leaves the state exactly as it was), and the window
+becomes the K-1 convolution inputs ending at token n[r]. This is the layer inputs replayed over the
+accepted prefix: no second forward of the model, one more pass of the recurrence, and no
+per-position copies of the state (a 27B target's state is 3 MB a row and layer; a copy per draft
+position would be 2.4 GB a row). The prefill uses the same masking directly (right-padded prompts:
+the state passes the padding unchanged), as do one-token rounds, which keep every token.
+
+On a GPU the recurrence is flash-linear-attention's fused recurrent kernel (chunked for long
+prompts) when it is installed; elsewhere, and as the reference the kernels are tested against, a
+loop over the tokens in fp32, the same arithmetic as transformers' `torch_recurrent_gated_delta_rule`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("dflash.eval")
+
+LINEAR_PARTS = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj"}
+_CHUNKED_FROM = 64  # tokens: longer forwards (prefills) take the chunked kernel
+
+
+def _fla():
+    """flash-linear-attention's two gated-delta-rule kernels, or None when it is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception:  # not installed, or broken against this torch/triton
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """transformers' (and fla's) l2norm of q and k along the head dimension."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def recurrence_loop(q, k, v, g, beta, state):
+    """The gated delta rule token by token in fp32. q, k [R, T, Hk, dk]; v [R, T, Hv, dv]; g, beta
+    [R, T, Hv]; state [R, Hv, dk, dv] (not modified) -> (outputs [R, T, Hv, dv], final state)."""
+    Hk, Hv = k.shape[2], v.shape[2]
+    if Hv != Hk:  # grouped value heads: each key head serves Hv / Hk consecutive value heads
+        q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
+    q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))  # [R, Hv, T, ...]
+    q, k = l2norm(q), l2norm(k)
+    q = q / (q.shape[-1] ** 0.5)
+    s = state.float()
+    out = torch.empty_like(v)
+    for t in range(v.shape[2]):
+        s = s * g[:, :, t].exp()[..., None, None]
+        k_t = k[:, :, t]
+        delta = (v[:, :, t] - (s * k_t[..., None]).sum(-2)) * beta[:, :, t][..., None]
+        s = s + k_t[..., None] * delta[..., None, :]
+        out[:, :, t] = (s * q[:, :, t][..., None]).sum(-2)
+    return out.transpose(1, 2), s
+
+
+def recurrence(q, k, v, g, beta, state, kernels):
+    """The gated delta rule over a block from `state`: fla's kernels on CUDA when given, else the loop."""
+    if kernels is None or q.device.type != "cuda":
+        return recurrence_loop(q, k, v, g, beta, state)
+    chunked, fused = kernels
+    run = chunked if q.shape[1] >= _CHUNKED_FROM else fused
+    out, final = run(q, k, v, g=g, beta=beta, initial_state=state.float().contiguous(), output_final_state=True,
+                     use_qk_l2norm_in_kernel=True)
+    return out.float(), final
+
+
+class GatedDeltaLayer:
+    """One Gated DeltaNet layer of a transformers Qwen3.5 decoder over per-row window and state
+    buffers (module docstring): `forward` for a block, `settle` to keep each row's first n tokens."""
+
+    def __init__(self, module, rows: int, kernels):
+        from transformers.activations import ACT2FN
+
+        self.m, self.kernels = module, kernels
+        self.act = ACT2FN[module.activation]
+        self.K = module.conv1d.kernel_size[0]
+        self.split = [module.key_dim, module.key_dim, module.value_dim]
+        w = module.conv1d.weight
+        self.window = torch.zeros((rows, self.K - 1, module.conv_dim), dtype=w.dtype, device=w.device)
+        self.state = torch.zeros((rows, module.num_v_heads, module.head_k_dim, module.head_v_dim), dtype=torch.float32,
+                                 device=w.device)
+        self._pending = None  # the last deferred block's inputs: (conv inputs, q, k, v, g, beta)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.window, self.state]
+
+    def reset(self) -> None:
+        self.window.zero_()
+        self.state.zero_()
+
+    def forward(self, h: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """h [R, T, H]: the layer's normed input for the first R rows -> its output [R, T, H].
+        keep [R]: the state moves past each row's first keep[r] tokens now; None: the buffers stay
+        as they are until `settle`."""
+        m = self.m
+        R, T, _ = h.shape
+        mixed = m.in_proj_qkv(h).to(self.window.dtype)
+        x = torch.cat([self.window[:R], mixed], 1)  # [R, K-1+T, C]: the convolution's inputs
+        conv = F.conv1d(x.transpose(1, 2), m.conv1d.weight, m.conv1d.bias, groups=x.shape[-1])
+        conv = self.act(conv).to(h.dtype).transpose(1, 2)
+        q, k, v = torch.split(conv, self.split, dim=-1)
+        q = q.reshape(R, T, -1, m.head_k_dim)
+        k = k.reshape(R, T, -1, m.head_k_dim)
+        v = v.reshape(R, T, -1, m.head_v_dim)
+        beta = m.in_proj_b(h).sigmoid()
+        g = -m.A_log.float().exp() * F.softplus(m.in_proj_a(h).float() + m.dt_bias)
+        if keep is None:
+            out, _ = recurrence(q, k, v, g, beta, self.state[:R], self.kernels)
+            self._pending = (x, q, k, v, g, beta)
+        else:
+            out = self._advance(x, q, k, v, g, beta, keep)
+        z = m.in_proj_z(h).reshape(-1, m.head_v_dim)
+        out = m.norm(out.to(h.dtype).reshape(-1, m.head_v_dim), z).reshape(R, T, -1)
+        return m.out_proj(out)
+
+    def _advance(self, x, q, k, v, g, beta, keep: torch.Tensor) -> torch.Tensor:
+        """Runs the block with g and beta zeroed past each row's keep[r] tokens, writes the final
+        state and the window of convolution inputs ending at token keep[r]; -> the block's outputs
+        (exact up to token keep[r])."""
+        R, T = g.shape[:2]
+        kept = torch.arange(T, device=g.device)[None, :] < keep[:, None]  # [R, T]
+        out, final = recurrence(q, k, v, g * kept[..., None], beta * kept[..., None].to(beta.dtype), self.state[:R],
+                                self.kernels)
+        self.state[:R].copy_(final)
+        # x holds the old window (K-1 rows) then the block: the inputs ending at token keep[r] are
+        # rows keep[r] .. keep[r] + K-2.
+        at = keep[:, None] + torch.arange(self.K - 1, device=x.device)[None, :]
+        self.window[:R].copy_(x.gather(1, at[..., None].expand(R, self.K - 1, x.shape[-1])))
+        return out
+
+    def settle(self, keep: torch.Tensor) -> None:
+        """After a deferred forward: each row of it keeps its first keep[r] tokens (0: unchanged)."""
+        if self._pending is None:
+            raise RuntimeError("settle() without a deferred forward before it")
+        self._advance(*self._pending, keep)
+        self._pending = None
+
+
+def kernels_for(device: torch.device):
+    """The recurrence kernels this device runs: fla's on CUDA when installed (a warning when not)."""
+    if device.type != "cuda":
+        return None
+    kernels = _fla()
+    if kernels is None:
+        log.warning("flash-linear-attention is not installed: the Gated DeltaNet layers run a token-by-token "
+                    "PyTorch loop (slow); pip install flash-linear-attention")
+    return kernels
