@@ -103,12 +103,13 @@ def seed_key(seed: int, like: torch.Tensor) -> torch.Tensor:
     return mix(torch.full_like(like, int(seed) & ((1 << 63) - 1), dtype=torch.int64) * GOLDEN + 1)
 
 
-def uniform_noise(seed: int, row_ids: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+def uniform_noise(seed: int, row_ids: torch.Tensor, step, vocab: int) -> torch.Tensor:
     """[rows, vocab] float64 in (0, 1): a pure function of (seed, row id, step, vocabulary index)
-    (generate's Gumbel noise)."""
+    (generate's Gumbel noise). step: one for all rows, or a tensor [rows] (each row's own)."""
     import torch
     key = mix(seed_key(seed, row_ids) + row_ids * GOLDEN)
-    key = mix(key + torch.full_like(row_ids, int(step) + 1) * GOLDEN)
+    steps = step + 1 if isinstance(step, torch.Tensor) else torch.full_like(row_ids, int(step) + 1)
+    key = mix(key + steps * GOLDEN)
     v = torch.arange(1, vocab + 1, device=row_ids.device, dtype=torch.int64)
     return _to_unit(mix(key[:, None] + v[None, :] * GOLDEN))
 

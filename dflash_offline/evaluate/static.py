@@ -125,6 +125,17 @@ class StaticTarget:
             out += m.buffers() if isinstance(m, GatedDeltaLayer) else list(m)
         return out
 
+    def copy_rows(self, other: "StaticTarget", m: int, rows: torch.Tensor, length: int) -> None:
+        """The first m rows of `other` (the same model) into `rows` of this one: key/value entries of
+        positions 0..length-1, the recurrent layers' whole state."""
+        for mine, theirs in zip(self.mixers, other.mixers):
+            if isinstance(mine, GatedDeltaLayer):
+                for a, b in zip(mine.buffers(), theirs.buffers()):
+                    a.index_copy_(0, rows, b[:m])
+            else:
+                for a, b in zip(mine, theirs):
+                    a[rows, :, :length] = b[:m, :, :length]
+
     def reset(self) -> None:
         """Fresh recurrent state for every row (before a prefill; key/value entries need none:
         each is written before any query can see it)."""

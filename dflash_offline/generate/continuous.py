@@ -1,0 +1,192 @@
+"""Continuous batching: `generate`'s decoder, where a row that ends takes the next prompt at once.
+
+A padded batch decodes for as long as its longest row: chat replies run from a few tokens to
+thousands, so most rows of a batch idle most of the time. Here the batch is R slots over the
+static decoder's target (evaluate.static.StaticTarget: key/value buffers per slot and position,
+and per-slot recurrent state for Gated DeltaNet layers), and each step decodes one token for
+every slot at its own position. Every few steps (`check_every`) the host reads which slots are
+done, hands their tokens back and fills them with the next prompts.
+
+A new prompt is prefilled apart, in a small staging target (right-padded to the longest prompt
+admitted with it; the recurrent state passes the padding unchanged), and its rows are copied into
+the free slots: the key/value entries of its prompt positions and its recurrent state. What a
+slot's previous prompt left further along stays behind; a query at position p sees only positions
+<= p, each written by this prompt before it is read. The step's shapes never change, so on a GPU it
+is one CUDA graph, replayed.
+
+The token a slot chooses at its t-th new token is a pure function of (seed, prompt key, t)
+(decoding.choose_tokens), so each prompt decodes to the same tokens whatever slot, batch or
+worker it lands in: continuous batching changes the speed, never the output.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Callable, NamedTuple
+
+import torch
+
+from dflash_offline.evaluate.static import StaticTarget, unsupported_reason
+from dflash_offline.generate.decoding import choose_tokens
+from dflash_offline.sampling import Sampling
+
+log = logging.getLogger("dflash.decoding")
+
+
+class Job(NamedTuple):
+    key: int  # the prompt's sampling key (its id; a conversation's turn key)
+    prompt: list[int]
+    tag: object = None  # the caller's handle, given back with the result
+
+
+class Finished(NamedTuple):
+    job: Job
+    tokens: list[int]  # new tokens, the end-of-sequence token included when it ended there
+    ended_by_eos: bool
+
+
+class ContinuousDecoder:
+    """Decodes jobs in `rows` slots; `run` takes a queue of jobs and calls `on_finish` for each as
+    it ends (which may queue more: the next turn of a conversation)."""
+
+    def __init__(self, model, rows: int, max_prompt_len: int, max_new_tokens: int, eos: set[int],
+                 sampling: Sampling, graphs: bool | None = None, check_every: int = 4, stage_rows: int = 32):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"continuous batching cannot run this target: {reason}")
+        dev = next(model.parameters()).device
+        self.device, self.rows, self.max_new, self.sampling = dev, rows, max_new_tokens, sampling
+        self.max_prompt_len = max_prompt_len
+        self.check_every = max(1, check_every)
+        self.graphs = (dev.type == "cuda") if graphs is None else graphs
+        self._graph = None
+        self.progress = None  # generate/progress.py's Tracker, told of tokens as they are decoded
+        self.eos_ids = set(eos)
+        with torch.inference_mode():
+            self.target = StaticTarget(model, [], rows, max_prompt_len + max_new_tokens)
+            self.stage = StaticTarget(model, [], min(stage_rows, rows), max_prompt_len)
+            z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
+            self.tok, self.pos, self.n_out, self.keys = z(rows), z(rows), z(rows), z(rows)
+            self.done = torch.ones(rows, dtype=torch.bool, device=dev)  # a free slot counts as done
+            self.out = z(rows, max_new_tokens + 1)  # the last column takes the writes of done slots
+            self.eos = torch.tensor(sorted(eos) or [-1], device=dev)
+
+    # -- device work ------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        """One new token for every slot not done (what the CUDA graph captures)."""
+        active = ~self.done
+        hidden, _ = self.target.forward(self.tok[:, None], self.pos[:, None], features=False, keep=active.long())
+        nxt = choose_tokens(self.target.logits(hidden)[:, 0], self.sampling, self.keys, self.n_out)
+        at = torch.where(active, self.n_out, self.max_new)
+        self.out.scatter_(1, at[:, None], nxt[:, None])
+        self.n_out += active.long()
+        self.pos += active.long()
+        self.tok.copy_(torch.where(active, nxt, self.tok))
+        self.done |= active & (torch.isin(nxt, self.eos) | (self.n_out >= self.max_new))
+
+    def _run_step(self) -> None:
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._step()
+
+    def _capture(self) -> None:
+        """Records the step as a CUDA graph after warm-up runs on a side stream (all slots free:
+        the buffers' contents do not matter, only their addresses)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        saved = self.done.clone()
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self.done.zero_()
+                self.n_out.zero_()
+                self._step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step()
+        self.done.copy_(saved)
+        self._graph = graph
+
+    def _admit(self, slots: list[int], jobs: list[Job]) -> None:
+        """Prefills `jobs` in the staging target and moves them into `slots` with their first token."""
+        m, P = len(jobs), max(len(j.prompt) for j in jobs)
+        ids = torch.zeros((m, P), dtype=torch.long)
+        for r, j in enumerate(jobs):
+            if not 0 < len(j.prompt) <= self.max_prompt_len:
+                raise ValueError(f"a prompt of {len(j.prompt)} tokens; this decoder holds 1..{self.max_prompt_len}")
+            ids[r, :len(j.prompt)] = torch.tensor(j.prompt)
+        dev = self.device
+        lens = torch.tensor([len(j.prompt) for j in jobs], device=dev)
+        keys = torch.tensor([j.key for j in jobs], device=dev)
+        at = torch.tensor(slots, device=dev)
+        self.stage.reset()
+        hidden, _ = self.stage.forward(ids.to(dev), torch.arange(P, device=dev)[None].expand(m, P), features=False,
+                                       keep=lens)
+        last = hidden[torch.arange(m, device=dev), lens - 1]
+        first = choose_tokens(self.stage.logits(last), self.sampling, keys, 0)
+        self.target.copy_rows(self.stage, m, at, P)
+        self.tok[at] = first
+        self.pos[at] = lens
+        self.keys[at] = keys
+        self.n_out[at] = 1
+        self.out[at] = 0
+        self.out[at, 0] = first
+        self.done[at] = torch.isin(first, self.eos) | (self.max_new <= 1)
+
+    # -- host side --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, jobs: deque, on_finish: Callable[[Finished], list[Job] | None]) -> int:
+        """Decodes every job of the queue (and those on_finish adds); -> steps run."""
+        if self.graphs and self._graph is None:
+            self._capture()
+        R, job_of = self.rows, [None] * self.rows
+        free, steps, finished_tokens = list(range(R)), 0, 0
+        bound = len(jobs) * self.max_new
+        if self.progress is not None:
+            self.progress.batch_start(bound)
+        while jobs or len(free) < R:
+            while free and jobs:
+                take = min(len(free), len(jobs), self.stage.rows)
+                group = [jobs.popleft() for _ in range(take)]
+                slots = [free.pop(0) for _ in range(take)]
+                self._admit(slots, group)
+                for s, j in zip(slots, group):
+                    job_of[s] = j
+            if not bool(self.done.all()):
+                for _ in range(self.check_every):
+                    self._run_step()
+                steps += self.check_every
+            done, n_out = self.done.tolist(), self.n_out.tolist()  # the read-back
+            ended = [s for s in range(R) if job_of[s] is not None and done[s]]
+            rows = self.out[ended].tolist() if ended else []
+            for s, row in zip(ended, rows):
+                toks = row[:n_out[s]]
+                hit = next((i for i, t in enumerate(toks) if t in self.eos_ids), None)
+                toks = toks if hit is None else toks[:hit + 1]
+                finished_tokens += len(toks)
+                bound -= self.max_new - len(toks)
+                more = on_finish(Finished(job_of[s], toks, hit is not None)) or []
+                jobs.extend(more)  # (their tokens are in the caller's bound already: a conversation's turns)
+                job_of[s] = None
+                free.append(s)
+            free.sort()
+            if self.progress is not None:
+                running = sum(n_out[s] for s in range(R) if job_of[s] is not None)
+                self.progress.batch_step(finished_tokens + running, bound)
+        return steps
+
+    def decode_all(self, prompts: list[list[int]], keys: list[int]) -> list[Finished]:
+        """Every prompt, longest first into the slots; results in input order."""
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        results: list[Finished | None] = [None] * len(prompts)
+
+        def keep(f: Finished) -> None:
+            results[f.job.tag] = f
+
+        self.run(deque(Job(keys[i], prompts[i], i) for i in order), keep)
+        return results  # type: ignore[return-value]
+
