@@ -153,7 +153,13 @@ class GenerateConfig(SamplingOptions):
     was made with."""
     compute_dtype: str = opt("auto", "Target dtype; auto = bf16 on GPU, fp32 on CPU.", choices=('auto', 'bfloat16', 'float16', 'float32'))
     """auto = bfloat16 on GPU, float32 on CPU; float32 reproduces the target's fp32 greedy decode."""
-    compile: bool = opt(False, "CUDA graphs for the one-token step (GPU only; measured slower at large batches).")
+    batching: str = opt("continuous", "continuous: a row that ends takes the next prompt at once (the step a CUDA graph on GPUs); padded: batches of prompts decoded until their longest row ends.", choices=('continuous', 'padded'))
+    """`continuous`: slots over the static decoder's buffers, each refilled with the next prompt as
+    soon as its prompt ends (generate/continuous.py; the step is one CUDA graph on a GPU);
+    `padded`: left-padded batches decoded until their last row ends (generate/decoding.py). The
+    same tokens either way; conversation prompts and targets the static decoder cannot run
+    (sliding windows) decode padded, with a warning when continuous was asked for."""
+    compile: bool = opt(False, "CUDA graphs for the one-token step (--batching padded, GPU only; measured slower at large batches).")
     """Compile the one-token decode step with CUDA graphs (static shapes: a fixed cache and filler
     rows). Off by default: on the H200 the eager step with the grouped attention decoded the pycode
     target 4x faster at 2048-row batches (docs/benchmarks.md), and compiling a 64-layer hybrid takes

@@ -1,7 +1,7 @@
 """Continuous batching (generate/continuous.py) against brute force: every prompt decoded alone by
 generate's padded decoder, in fp32, on tiny dense and hybrid targets.
 
-- slots 1, 3 and 4 over 9 prompts of mixed lengths (a slot is refilled as soon as its prompt
+- slots 1 and 4 over 9 prompts of mixed lengths (a slot is refilled as soon as its prompt
   ends: by an end-of-sequence token or at --max-new-tokens), read back every step and every
   third step, the staging prefill two prompts at a time: the same tokens, greedy and sampled
   (the keyed noise makes a prompt's sample independent of its slot);
@@ -50,7 +50,7 @@ def test_continuous_equals_each_prompt_alone(model, sampling):
     want = alone(model, prompts, ids, eos, sampling)
     lengths = [len(w.tokens[0]) for w in want]
     assert min(lengths) < MAX_NEW and lengths.count(MAX_NEW) >= 2, lengths  # rows end at different steps
-    for rows in (1, 3, 4):
+    for rows in (1, 4):
         for check_every in (1, 3):
             dec = ContinuousDecoder(model, rows, max(LENGTHS), MAX_NEW, eos, sampling, check_every=check_every,
                                     stage_rows=2)

@@ -64,8 +64,8 @@ def brute_force_greedy(target: Path, prompts: list[list[int]], max_new: int, eos
 GEN = ["--max-new-tokens", MAX_NEW, "--no-progress"]
 
 
-@pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_greedy_equals_plain_decode_of_each_prompt(kind, tiny_dense, tiny_hybrid, tmp_path):
+@pytest.mark.parametrize("kind,batching", [("dense", "continuous"), ("hybrid", "continuous"), ("dense", "padded")])
+def test_greedy_equals_plain_decode_of_each_prompt(kind, batching, tiny_dense, tiny_hybrid, tmp_path):
     target = tiny_dense if kind == "dense" else tiny_hybrid
     # Fewer prompts for the hybrid: its reference decode runs the PyTorch Gated DeltaNet kernels.
     rows = 14 if kind == "dense" else 9
@@ -77,10 +77,14 @@ def test_greedy_equals_plain_decode_of_each_prompt(kind, tiny_dense, tiny_hybrid
     expected = [f[: f.index(eos) + 1] if eos in f else f for f in free]
     assert any(len(e) < MAX_NEW for e in expected) and any(len(e) == MAX_NEW for e in expected)
     out = tmp_path / "gen"
-    # Batches of 3 rows of mixed lengths (left padding), 3 parts over two worker processes.
+    # 3 slots (continuous: refilled as prompts end) or batches of 3 rows of mixed lengths (padded:
+    # left padding), 3 parts over two worker processes.
     r = run_cli(["generate", "--target", target, "--prompts", prompts_path, "--out", out, "--devices", "cpu,cpu",
-                 "--batch-tokens", 3 * (30 + MAX_NEW), "--chunk-prompts", 6, "--eos-token-ids", eos, *GEN])
+                 "--batch-tokens", 3 * (30 + MAX_NEW), "--chunk-prompts", 6, "--eos-token-ids", eos,
+                 "--batching", batching, *GEN])
     assert r.returncode == 0, r.stderr[-3000:]
+    log_text = (out / "logs" / "generate-rank0.log").read_text()
+    assert ("continuous batching: 3 slots" in log_text) == (batching == "continuous"), log_text[-2000:]
     got = read_output(out)
     assert sorted(got) == list(range(100, 100 + rows))
     for k, (p, e) in enumerate(zip(prompts, expected)):
@@ -332,7 +336,7 @@ def test_the_bar_counts_new_tokens_within_one_batch(tiny_dense, tmp_path):
     within = [s for s in states if s[4] == "0" and 0 < int(s[0]) < 100 and s[3] != "?"]
     assert within and all(s[2] == "2.40k" for s in within), r.stderr[-3000:]  # 4 rows x 600, an ETA shown
     assert states[-1][:3] == ("100", "2.40k", "2.40k") and states[-1][4:] == ("4", "4"), states[-1]
-    assert "batch of 4 prompts" in (tmp_path / "long" / "logs" / "generate-launcher.log").read_text()  # one batch
+    assert "of 4 slots" in (tmp_path / "long" / "logs" / "generate-launcher.log").read_text()  # four slots
     # An end-of-sequence token that row 0 (and maybe others) writes early: the total shrinks to the tokens made
     first = read_output(tmp_path / "long")[100]
     eos = first["input_ids"][first["loss_mask"].index(1) + 30]

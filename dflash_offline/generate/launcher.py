@@ -215,9 +215,10 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
         if warning:
             log.warning(warning)
     log.info("plan: %d prompts (%d to do) in %d parts of %d, batches of %d rows x %d positions, %s on %s, %s, "
-             "eos %s, compile %s", source.rows, todo_prompts, len(chunks), chunk_prompts, rows, per_row,
+             "eos %s, batching %s, compile %s", source.rows, todo_prompts, len(chunks), chunk_prompts, rows, per_row,
              compute_dtype, ",".join(devices), "greedy" if cfg.temperature <= 0 else
-             f"sampling (temperature {cfg.temperature}, top-p {cfg.top_p}, seed {cfg.seed})", eos, compile)
+             f"sampling (temperature {cfg.temperature}, top-p {cfg.top_p}, seed {cfg.seed})", eos,
+             cfg.batching, compile)
     job = Job(cfg=asdict(cfg), folder=str(folder), target_path=str(info.path),
               source=source.state(),
               chunks=chunks, compute_dtype=compute_dtype, eos=eos, rows_per_batch=rows, max_prompt_len=max_prompt,
@@ -401,8 +402,24 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
     # Conversation prompts grow turn by turn: any prompt that fits the context may come.
     longest = job.max_prompt_len if job.chat is None else max(
         job.max_prompt_len, (job.max_positions or 1 << 20) - cfg.max_new_tokens)
-    decoder = BatchDecoder(model, job.rows_per_batch, longest, cfg.max_new_tokens, set(job.eos),
-                           Sampling(cfg.temperature, cfg.top_p, cfg.seed), compile=job.compile)
+    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.seed)
+    decoder = continuous = None
+    if cfg.batching == "continuous" and job.chat is None:
+        from dflash_offline.evaluate.static import unsupported_reason
+        from dflash_offline.generate.continuous import ContinuousDecoder
+
+        why = unsupported_reason(model)
+        if why is None:
+            continuous = ContinuousDecoder(model, job.rows_per_batch, job.max_prompt_len, cfg.max_new_tokens,
+                                           set(job.eos), sampling)
+            log.info("continuous batching: %d slots", job.rows_per_batch)
+        else:
+            log.warning("--batching continuous cannot run this target (%s): decoding in padded batches", why)
+    elif cfg.batching == "continuous":
+        log.info("conversation prompts decode in padded rounds (continuous batching serves plain prompts)")
+    if continuous is None:
+        decoder = BatchDecoder(model, job.rows_per_batch, longest, cfg.max_new_tokens, set(job.eos), sampling,
+                               compile=job.compile)
     chat = None
     if job.chat is not None:
         from dflash_offline.generate.turns import ChatJob
@@ -413,7 +430,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
     bar = None if q is not None else Bar(todo_of([job.chunks[j] for j in mine], job.turns), cfg.max_new_tokens,
                                          show_bar, "generate" if world == 1 else f"generate (rank {rank} of {world})")
     tracker = Tracker(q.put if q is not None else bar)
-    decoder.progress = tracker
+    (continuous or decoder).progress = tracker
     heartbeat(phase="generate")
     t_start = time.time()
     prompts_done = 0
@@ -448,7 +465,12 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
             ids = [int(src.ids[int(r)]) for r in rows]
             new: list[list[int] | None] = [None] * len(rows)
             eos_end = [False] * len(rows)
-            for batch in make_batches(np.asarray([len(p) for p in prompts]), job.rows_per_batch):
+            if continuous is not None:
+                prompts_done = _decode_continuously(continuous, prompts, ids, new, eos_end, tracker,
+                                                    parts.part_name(j), prompts_done)
+            batches = [] if continuous is not None else make_batches(np.asarray([len(p) for p in prompts]),
+                                                                     job.rows_per_batch)
+            for batch in batches:
                 res = decoder.decode([prompts[k] for k in batch], [ids[k] for k in batch])
                 for k, toks, ended in zip(batch, res.tokens, res.ended_by_eos):
                     new[k], eos_end[k] = toks, ended
@@ -472,6 +494,29 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
     log.info("worker %d done: %d prompts, %d new tokens in %.1fs (%.0f new tokens/s)", rank, prompts_done,
              tracker.tokens, dt, tracker.tokens / max(dt, 1e-9))
     return 0
+
+
+def _decode_continuously(decoder, prompts, ids, new, eos_end, tracker, part: str, prompts_done: int) -> int:
+    """A part's prompts through the continuous decoder, longest first; fills new / eos_end."""
+    from collections import deque
+
+    from dflash_offline.generate.continuous import Job
+
+    t0 = time.perf_counter()
+
+    def finished(f) -> None:
+        nonlocal prompts_done
+        new[f.job.tag], eos_end[f.job.tag] = f.tokens, f.ended_by_eos
+        prompts_done += 1
+        tracker.completed(prompts=1)
+        _batch_done(part, prompts_done)
+
+    order = sorted(range(len(prompts)), key=lambda k: -len(prompts[k]))
+    steps = decoder.run(deque(Job(ids[k], prompts[k], k) for k in order), finished)
+    tracker.flush()
+    log.info("%s: %d prompts, %d new tokens in %.2fs (%d steps of %d slots)", part, len(prompts),
+             sum(len(t) for t in new), time.perf_counter() - t0, steps, decoder.rows)
+    return prompts_done
 
 
 def _batch_done(part: str, prompts_done: int) -> None:
