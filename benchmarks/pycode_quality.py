@@ -23,6 +23,9 @@ runs alone on the device (--sequential, the default); variants run after it do n
 Decoding tau is pooled over all rounds of all prompts (total committed tokens / rounds) and also
 given as the mean over prompts of each prompt's own tau (the reference benchmark's average).
 `--smoke` runs the same pipeline on the CPU with a few rows and tiny budgets, to check the script.
+`--target-family hybrid` runs it all on the hybrid target of benchmarks/hybrid_fixture.py (a trained
+Qwen3.5-style Gated DeltaNet model, its own completions from --hybrid-fixture) with the same prompts; its
+layers are not shaped like the drafter's, so its default recipe starts the drafter at random.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ PRESETS = {
 # 8192 blocks a row, top-32 distillation at half weight.
 RECIPE = ("--global-batch-tokens 16384 --seq-len 16384 --num-anchors 8192 --kd-weight 0.5 --drafter-layers 8 "
           "--init-layers 0,1,2,3,4,5,6,7 --loss-weights dpace --lr 2.5e-3")
+# The hybrid target's Gated DeltaNet and gated attention layers cannot start the drafter's layers.
+HYBRID_RECIPE = RECIPE.replace(" --init-layers 0,1,2,3,4,5,6,7", "")
 # The peer's budget is 372 steps of 16,384 tokens in rows of 4096 (see --peer-budget).
 PEER_ROWS = ["--seq-len", "4096", "--num-anchors", "2048"]
 
@@ -127,6 +132,11 @@ def merge_decode(reports: list[dict]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fixture", default="../shared/fixtures/pycode")
+    ap.add_argument("--target-family", choices=("dense", "hybrid"), default="dense",
+                    help="dense: the fixture's Qwen3 target; hybrid: the target and completions of --hybrid-fixture "
+                         "(prompts still from --fixture)")
+    ap.add_argument("--hybrid-fixture", default="~/.cache/dflash-offline/pycode-hybrid",
+                    help="the folder benchmarks/hybrid_fixture.py made (--target-family hybrid)")
     ap.add_argument("--work", default="/dev/shm/pycode")
     ap.add_argument("--results", default="results")
     ap.add_argument("--device", default="0")
@@ -139,7 +149,8 @@ def main() -> int:
                     help="generate --batch-tokens: 2048 rows of 128 + 384 tokens per decoding batch (the default "
                          "512 rows leave the H200 launch-bound on this 17M target)")
     ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--train-args", default=RECIPE, help="options given to every variant's train")
+    ap.add_argument("--train-args", default=None,
+                    help="options given to every variant's train (default: the recipe of --target-family)")
     ap.add_argument("--variants", default="default")
     ap.add_argument("--concurrent", action="store_true",
                     help="train all variants at once (a quality comparison; their wall times are then shared)")
@@ -164,9 +175,12 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     res.mkdir(parents=True, exist_ok=True)
     variants = parse_variants(args.variants)
-    target = fx / "target"
-    train_rows, eval_rows = fx / "completions-train.parquet", fx / "completions-eval.parquet"
+    hybrid = args.target_family == "hybrid"
+    tfx = Path(args.hybrid_fixture).expanduser().absolute() if hybrid else fx  # the target and its completions
+    target = tfx / "target"
+    train_rows, eval_rows = tfx / "completions-train.parquet", tfx / "completions-eval.parquet"
     fresh_prompts, eval_prompts = fx / "prompts-train-40k.parquet", fx / "prompts-eval.parquet"
+    args.train_args = args.train_args or (HYBRID_RECIPE if hybrid else RECIPE)
     train_args = shlex.split(args.train_args)
     peer_epochs = 3  # 3 epochs of the 4000 rows in rows of 4096, 4 per step: 372 steps (the peer: 375)
     if args.smoke:
@@ -179,7 +193,7 @@ def main() -> int:
         args.device, args.fresh, args.max_new_tokens, args.eval_jobs = "cpu", min(args.fresh, 8), 24, 2
         args.eval_prompts, args.eval_every, peer_epochs = min(args.eval_prompts, 4), 2, 1
         train_args += ["--seq-len", "512", "--num-anchors", "64", "--global-batch-tokens", "1024", "--drafter-layers", "1",
-                       "--init-layers", "0",
+                       *([] if hybrid else ["--init-layers", "0"]),
                        "--loader-workers", "0"]
     summary: dict = {"args": vars(args), "phases_s": {}, "variants": {}}
 
