@@ -196,7 +196,9 @@ def shape27b(args) -> dict:
     res = {"params": sum(p.numel() for p in model.parameters()), "weight_bytes": weight_bytes, "runs": []}
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    for compile in [False] + ([True] if args.compile else []):
+    if args.continuous:
+        continuous_steps(model, args, weight_bytes, res, save, device)
+    for compile in ([False] if args.padded else []) + ([True] if args.compile else []):
         for B in [int(b) for b in args.batches.split(",")]:
             prompts = torch.randint(2, vocab, (B, args.prompt), generator=g).tolist()
             try:
@@ -244,6 +246,58 @@ def shape27b(args) -> dict:
     return res
 
 
+def continuous_steps(model, args, weight_bytes: int, res: dict, save, device: str) -> None:
+    """generate's continuous decoder (static buffers, the step one CUDA graph): every slot admitted,
+    then --new steps timed; the bound counts the weights, the attention buffers and the Gated
+    DeltaNet states and windows read and written once per step."""
+    import torch
+
+    from dflash_offline.generate.continuous import ContinuousDecoder, Job
+    from dflash_offline.sampling import Sampling
+
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    for B in [int(b) for b in args.batches.split(",")]:
+        try:
+            torch.cuda.empty_cache() if device == "cuda" else None
+            dec = ContinuousDecoder(model, B, args.prompt, args.new + 1, set(), Sampling(), check_every=args.new,
+                                    stage_rows=min(B, 64))
+            t0 = time.perf_counter()
+            if dec.graphs:
+                dec._capture()
+            capture_s = time.perf_counter() - t0
+            jobs = [Job(i, torch.randint(2, vocab, (args.prompt,), generator=g).tolist()) for i in range(B)]
+            with torch.inference_mode():
+                for a in range(0, B, dec.stage.rows):
+                    dec._admit(list(range(a, min(B, a + dec.stage.rows))), jobs[a:a + dec.stage.rows])
+                for _ in range(3):  # warm-up steps
+                    dec._run_step()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(args.new - 3):
+                    dec._run_step()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            step_s = (time.perf_counter() - t0) / (args.new - 3)
+        except Exception as e:  # noqa: BLE001 - recorded: a variant that fails must not hide the others
+            res["runs"].append({"batch": B, "decoder": "continuous", "error": f"{type(e).__name__}: {e}"[:500]})
+            save(res)
+            print(f"continuous B={B}: FAILED {e}", flush=True)
+            continue
+        state = sum(t.numel() * t.element_size() for m in dec.target.recurrent for t in m.buffers())
+        kv = sum(t.numel() * t.element_size() for t in dec.target.buffers()) - state
+        bound_s = (weight_bytes + 2 * state + kv) / COPY_BW
+        row = {"batch": B, "decoder": "continuous", "graphs": dec.graphs, "capture_s": capture_s, "prompt": args.prompt,
+               "new": args.new, "step_ms": 1e3 * step_s, "new_tokens_per_s": B / step_s, "state_bytes": state,
+               "kv_bytes": kv, "bound_step_ms": 1e3 * bound_s, "share_of_bandwidth_bound": bound_s / step_s,
+               "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None}
+        res["runs"].append(row)
+        print(json.dumps(row), flush=True)
+        save(res)
+        del dec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -262,6 +316,10 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--compile", action="store_true", help="also the CUDA-graph step")
+    p.add_argument("--continuous", action=argparse.BooleanOptionalAction, default=True,
+                   help="also generate's continuous decoder (static buffers, a CUDA-graph step)")
+    p.add_argument("--padded", action=argparse.BooleanOptionalAction, default=True,
+                   help="also generate's padded decoder (transformers' StaticCache)")
     for p in sub.choices.values():
         p.add_argument("--results", required=True)
         p.add_argument("--smoke", action="store_true")

@@ -405,3 +405,10 @@ def test_fla_recurrence_equals_the_loop(T):
     torch.testing.assert_close(final.cpu(), want_state, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(out.cpu()[:, : max(1, T // 2)], want_out[:, : max(1, T // 2)], atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(final.cpu()[2], state[2], atol=1e-6, rtol=0)  # nothing kept: unchanged
+    # The in-place launch (one-token steps, verify replays): the same state, written over the old one.
+    from dflash_offline.evaluate.recurrent import advance_state
+
+    moved = cuda[5].clone()
+    out = advance_state(*cuda[:5], moved, kernels)
+    torch.testing.assert_close(moved.cpu(), want_state, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out.cpu()[:, : max(1, T // 2)], want_out[:, : max(1, T // 2)], atol=2e-3, rtol=2e-3)

@@ -25,6 +25,7 @@ loop over the tokens in fp32, the same arithmetic as transformers' `torch_recurr
 from __future__ import annotations
 
 import logging
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,13 +36,48 @@ LINEAR_PARTS = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", 
 _CHUNKED_FROM = 64  # tokens: longer forwards (prefills) take the chunked kernel
 
 
-def _fla():
-    """flash-linear-attention's two gated-delta-rule kernels, or None when it is not installed."""
+class Kernels(NamedTuple):
+    chunked: Callable  # fla's chunk_gated_delta_rule (long blocks: prefills)
+    fused: Callable  # fla's fused_recurrent_gated_delta_rule (a few tokens)
+    in_place: Callable | None  # fla's fused recurrent kernel launched with the state as its own output
+
+
+def _fla() -> Kernels | None:
+    """flash-linear-attention's gated-delta-rule kernels, or None when it is not installed."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     except Exception:  # not installed, or broken against this torch/triton
         return None
-    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    try:
+        from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel as kernel
+    except Exception:  # another fla layout: the allocating call and a copy
+        kernel = None
+    return Kernels(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
+                   None if kernel is None else _in_place_launcher(kernel))
+
+
+def _in_place_launcher(kernel):
+    """The fused recurrent kernel writing the final state over the initial one. Each program loads
+    its slice of the state once before the tokens and stores it once after them, so the two may be
+    the same memory: a decode step then reads and writes the state once (the library's call writes
+    a new tensor, and copying it back costs another read and write of what, on a 27B hybrid, is
+    150 MB a row)."""
+    import triton
+
+    def run(q, k, v, g, beta, state):
+        R, T, H, K = k.shape
+        HV, V = v.shape[2], v.shape[3]
+        BV = min(8, triton.next_power_of_2(V))
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        o = torch.empty_like(v)
+        kernel[(triton.cdiv(V, BV) * R * HV,)](
+            q=q, k=k, v=v, g=g, gk=None, gv=None, beta=beta, A_log=None, dt_bias=None, o=o, h0=state, ht=state,
+            cu_seqlens=None, scale=K ** -0.5, T=T, H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
+            IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True, APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False,
+            STATE_V_FIRST=False, num_warps=1, num_stages=3)
+        return o
+
+    return run
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -73,11 +109,21 @@ def recurrence(q, k, v, g, beta, state, kernels):
     """The gated delta rule over a block from `state`: fla's kernels on CUDA when given, else the loop."""
     if kernels is None or q.device.type != "cuda":
         return recurrence_loop(q, k, v, g, beta, state)
-    chunked, fused = kernels
-    run = chunked if q.shape[1] >= _CHUNKED_FROM else fused
+    run = kernels.chunked if q.shape[1] >= _CHUNKED_FROM else kernels.fused
     out, final = run(q, k, v, g=g, beta=beta, initial_state=state.float().contiguous(), output_final_state=True,
                      use_qk_l2norm_in_kernel=True)
     return out.float(), final
+
+
+def advance_state(q, k, v, g, beta, state: torch.Tensor, kernels) -> torch.Tensor:
+    """The gated delta rule over a block, `state` [R, Hv, dk, dv] (fp32, contiguous) moved to its
+    end in place; -> the outputs."""
+    if kernels is not None and kernels.in_place is not None and q.device.type == "cuda" \
+            and q.shape[1] < _CHUNKED_FROM and state.is_contiguous():
+        return kernels.in_place(q, k, v, g, beta, state).float()
+    out, final = recurrence(q, k, v, g, beta, state, kernels)
+    state.copy_(final)
+    return out
 
 
 class GatedDeltaLayer:
@@ -135,9 +181,8 @@ class GatedDeltaLayer:
         (exact up to token keep[r])."""
         R, T = g.shape[:2]
         kept = torch.arange(T, device=g.device)[None, :] < keep[:, None]  # [R, T]
-        out, final = recurrence(q, k, v, g * kept[..., None], beta * kept[..., None].to(beta.dtype), self.state[:R],
-                                self.kernels)
-        self.state[:R].copy_(final)
+        out = advance_state(q, k, v, g * kept[..., None], beta * kept[..., None].to(beta.dtype), self.state[:R],
+                            self.kernels)
         # x holds the old window (K-1 rows) then the block: the inputs ending at token keep[r] are
         # rows keep[r] .. keep[r] + K-2.
         at = keep[:, None] + torch.arange(self.K - 1, device=x.device)[None, :]
