@@ -410,8 +410,9 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
 
         why = unsupported_reason(model)
         if why is None:
+            # Prompts are prefilled in groups of up to an eighth of the slots (at least 32).
             continuous = ContinuousDecoder(model, job.rows_per_batch, job.max_prompt_len, cfg.max_new_tokens,
-                                           set(job.eos), sampling)
+                                           set(job.eos), sampling, stage_rows=max(32, job.rows_per_batch // 8))
             log.info("continuous batching: %d slots", job.rows_per_batch)
         else:
             log.warning("--batching continuous cannot run this target (%s): decoding in padded batches", why)
