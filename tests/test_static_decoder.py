@@ -1,4 +1,4 @@
-"""The static decoder (evaluate.static, evaluate.graphed) against brute force on tiny dense targets
+"""The static decoder (targets/static.py, evaluate/static.py, evaluate/graphed.py) against brute force on tiny dense targets
 (Qwen3, Llama, Qwen2 with its attention biases) and a tiny hybrid (Qwen3.5: Gated DeltaNet and
 gated attention), in fp32 on the CPU (eager; CUDA graphs replay the same round on a GPU):
 
@@ -30,7 +30,7 @@ import torch
 from dflash_offline.evaluate.graphed import StaticDecoder
 from dflash_offline.evaluate.speculative import (DFlashProposer, TargetSession, greedy_decode,
                                                  load_target_for_decoding, speculative_decode)
-from dflash_offline.evaluate.static import StaticTarget, unsupported_reason
+from dflash_offline.targets.static import StaticTarget, unsupported_reason
 from dflash_offline.sampling import Sampling
 
 LAYERS = [1, 2]
@@ -385,7 +385,7 @@ def test_fla_recurrence_equals_the_loop(T):
     loop's outputs and final state, from a non-zero state, with grouped value heads and decay and
     beta zeroed past each row's kept tokens (the replay of `settle`)."""
     pytest.importorskip("fla")
-    from dflash_offline.evaluate.recurrent import kernels_for, recurrence, recurrence_loop
+    from dflash_offline.targets.recurrent import kernels_for, recurrence, recurrence_loop
 
     kernels = kernels_for(torch.device("cuda"))
     assert kernels is not None
@@ -406,7 +406,7 @@ def test_fla_recurrence_equals_the_loop(T):
     torch.testing.assert_close(out.cpu()[:, : max(1, T // 2)], want_out[:, : max(1, T // 2)], atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(final.cpu()[2], state[2], atol=1e-6, rtol=0)  # nothing kept: unchanged
     # The in-place launch (one-token steps, verify replays): the same state, written over the old one.
-    from dflash_offline.evaluate.recurrent import advance_state
+    from dflash_offline.targets.recurrent import advance_state
 
     moved = cuda[5].clone()
     out = advance_state(*cuda[:5], moved, kernels)

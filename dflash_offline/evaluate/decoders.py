@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 
-from dflash_offline.evaluate import kv_batch, static
+from dflash_offline.evaluate import kv_batch
+from dflash_offline.targets import static
 from dflash_offline.evaluate.config import AS_FLAGS, Said
 from dflash_offline.evaluate.speculative import (Decoded, DFlashProposer, TargetSession, greedy_decode,
                                                  speculative_decode)

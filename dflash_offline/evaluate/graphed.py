@@ -28,7 +28,8 @@ import time
 import torch
 
 from dflash_offline.evaluate.speculative import Decoded, in_length_batches
-from dflash_offline.evaluate.static import DrafterBuffers, StaticTarget
+from dflash_offline.evaluate.static import DrafterBuffers
+from dflash_offline.targets.static import StaticTarget
 from dflash_offline.sampling import Sampling, draft_tokens, prompt_keys, target_tokens, verify_block
 
 log = logging.getLogger("dflash.eval")

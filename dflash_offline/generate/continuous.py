@@ -2,7 +2,7 @@
 
 A padded batch decodes for as long as its longest row: chat replies run from a few tokens to
 thousands, so most rows of a batch idle most of the time. Here the batch is R slots over the
-static decoder's target (evaluate.static.StaticTarget: key/value buffers per slot and position,
+static decoder's target (targets/static.py, StaticTarget: key/value buffers per slot and position,
 and per-slot recurrent state for Gated DeltaNet layers), and each step decodes one token for
 every slot at its own position. Every few steps (`check_every`) the host reads which slots are
 done, hands their tokens back and fills them with the next prompts.
@@ -22,12 +22,13 @@ worker it lands in: continuous batching changes the speed, never the output.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Callable, NamedTuple
 
 import torch
 
-from dflash_offline.evaluate.static import StaticTarget, unsupported_reason
+from dflash_offline.targets.static import StaticTarget, unsupported_reason
 from dflash_offline.generate.decoding import choose_tokens
 from dflash_offline.sampling import Sampling
 
@@ -179,6 +180,21 @@ class ContinuousDecoder:
                 self.progress.batch_step(finished_tokens + running, bound)
         return steps
 
+    def decode_part(self, prompts, keys, new: list, eos_end: list, on_prompt: Callable[[int], None],
+                    name: str) -> None:
+        """generate's part: every prompt, longest first; fills new[k] / eos_end[k] and calls
+        on_prompt(k) as prompt k ends."""
+        t0 = time.perf_counter()
+
+        def finished(f: Finished) -> None:
+            new[f.job.tag], eos_end[f.job.tag] = f.tokens, f.ended_by_eos
+            on_prompt(f.job.tag)
+
+        order = sorted(range(len(prompts)), key=lambda k: -len(prompts[k]))
+        steps = self.run(deque(Job(keys[k], prompts[k], k) for k in order), finished)
+        log.info("%s: %d prompts, %d new tokens in %.2fs (%d steps of %d slots)", name, len(prompts),
+                 sum(len(t) for t in new), time.perf_counter() - t0, steps, self.rows)
+
     def decode_all(self, prompts: list[list[int]], keys: list[int]) -> list[Finished]:
         """Every prompt, longest first into the slots; results in input order."""
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -190,3 +206,19 @@ class ContinuousDecoder:
         self.run(deque(Job(keys[i], prompts[i], i) for i in order), keep)
         return results  # type: ignore[return-value]
 
+
+
+def continuous_decoder(model, rows: int, max_prompt_len: int, max_new_tokens: int, eos: set[int],
+                       sampling: Sampling, chat: bool) -> ContinuousDecoder | None:
+    """generate's continuous decoder for this target, or None (padded batches) with the reason logged."""
+    if chat:
+        log.info("conversation prompts decode in padded rounds (continuous batching serves plain prompts)")
+        return None
+    why = unsupported_reason(model)
+    if why is not None:
+        log.warning("--batching continuous cannot run this target (%s): decoding in padded batches", why)
+        return None
+    log.info("continuous batching: %d slots", rows)
+    # Prompts are prefilled in groups of up to an eighth of the slots (at least 32).
+    return ContinuousDecoder(model, rows, max_prompt_len, max_new_tokens, eos, sampling,
+                             stage_rows=max(32, rows // 8))

@@ -404,20 +404,11 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
         job.max_prompt_len, (job.max_positions or 1 << 20) - cfg.max_new_tokens)
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.seed)
     decoder = continuous = None
-    if cfg.batching == "continuous" and job.chat is None:
-        from dflash_offline.evaluate.static import unsupported_reason
-        from dflash_offline.generate.continuous import ContinuousDecoder
+    if cfg.batching == "continuous":
+        from dflash_offline.generate.continuous import continuous_decoder
 
-        why = unsupported_reason(model)
-        if why is None:
-            # Prompts are prefilled in groups of up to an eighth of the slots (at least 32).
-            continuous = ContinuousDecoder(model, job.rows_per_batch, job.max_prompt_len, cfg.max_new_tokens,
-                                           set(job.eos), sampling, stage_rows=max(32, job.rows_per_batch // 8))
-            log.info("continuous batching: %d slots", job.rows_per_batch)
-        else:
-            log.warning("--batching continuous cannot run this target (%s): decoding in padded batches", why)
-    elif cfg.batching == "continuous":
-        log.info("conversation prompts decode in padded rounds (continuous batching serves plain prompts)")
+        continuous = continuous_decoder(model, job.rows_per_batch, job.max_prompt_len, cfg.max_new_tokens,
+                                        set(job.eos), sampling, chat=job.chat is not None)
     if continuous is None:
         decoder = BatchDecoder(model, job.rows_per_batch, longest, cfg.max_new_tokens, set(job.eos), sampling,
                                compile=job.compile)
@@ -467,8 +458,14 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
             new: list[list[int] | None] = [None] * len(rows)
             eos_end = [False] * len(rows)
             if continuous is not None:
-                prompts_done = _decode_continuously(continuous, prompts, ids, new, eos_end, tracker,
-                                                    parts.part_name(j), prompts_done)
+                def finished(k: int) -> None:
+                    nonlocal prompts_done
+                    prompts_done += 1
+                    tracker.completed(prompts=1)
+                    _batch_done(parts.part_name(j), prompts_done)
+
+                continuous.decode_part(prompts, ids, new, eos_end, finished, parts.part_name(j))
+                tracker.flush()
             batches = [] if continuous is not None else make_batches(np.asarray([len(p) for p in prompts]),
                                                                      job.rows_per_batch)
             for batch in batches:
@@ -495,29 +492,6 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
     log.info("worker %d done: %d prompts, %d new tokens in %.1fs (%.0f new tokens/s)", rank, prompts_done,
              tracker.tokens, dt, tracker.tokens / max(dt, 1e-9))
     return 0
-
-
-def _decode_continuously(decoder, prompts, ids, new, eos_end, tracker, part: str, prompts_done: int) -> int:
-    """A part's prompts through the continuous decoder, longest first; fills new / eos_end."""
-    from collections import deque
-
-    from dflash_offline.generate.continuous import Job
-
-    t0 = time.perf_counter()
-
-    def finished(f) -> None:
-        nonlocal prompts_done
-        new[f.job.tag], eos_end[f.job.tag] = f.tokens, f.ended_by_eos
-        prompts_done += 1
-        tracker.completed(prompts=1)
-        _batch_done(part, prompts_done)
-
-    order = sorted(range(len(prompts)), key=lambda k: -len(prompts[k]))
-    steps = decoder.run(deque(Job(ids[k], prompts[k], k) for k in order), finished)
-    tracker.flush()
-    log.info("%s: %d prompts, %d new tokens in %.2fs (%d steps of %d slots)", part, len(prompts),
-             sum(len(t) for t in new), time.perf_counter() - t0, steps, decoder.rows)
-    return prompts_done
 
 
 def _batch_done(part: str, prompts_done: int) -> None:

@@ -56,7 +56,7 @@ class Family:
     name: str
     model_types: tuple[str, ...]  # transformers `model_type`s (of the text model)
     layer_types: tuple[str, ...]  # the layer types its configs may list
-    # The static decoder (evaluate/static.py) runs decoder layers "x + mixer(norm(x)); x + mlp(norm(x))",
+    # The static decoder (targets/static.py) runs decoder layers "x + mixer(norm(x)); x + mlp(norm(x))",
     # the mixer full causal attention or Gated DeltaNet; None where it can, else why not.
     static_decoder: str | None = None
 
