@@ -264,7 +264,8 @@ def continuous_steps(model, args, weight_bytes: int, res: dict, save, device: st
                                     stage_rows=min(B, 64))
             t0 = time.perf_counter()
             if dec.graphs:
-                dec._capture()
+                with torch.inference_mode():
+                    dec._capture()
             capture_s = time.perf_counter() - t0
             jobs = [Job(i, torch.randint(2, vocab, (args.prompt,), generator=g).tolist()) for i in range(B)]
             with torch.inference_mode():

@@ -164,6 +164,51 @@ def kernel_path(device) -> str:
     return f"Gated DeltaNet: {fla}, short convolution: {conv}"
 
 
+def fla_backward_refusal(device) -> str | None:
+    """Why fla's gated-delta-rule backward cannot train here (None: it can). fla 0.6 refuses it on
+    Hopper GPUs with Triton >= 3.4 and < 3.7.1, whose results it knows to be wrong (fla issue 640),
+    and raises only once the first backward runs: a tiny forward and backward find out first."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # not installed: transformers' PyTorch functions run anyway
+        return None
+    q, k, v = (torch.randn(1, 64, 2, 64, device=device, requires_grad=True) for _ in range(3))
+    g = torch.randn(1, 64, 2, device=device).sigmoid().log().requires_grad_()
+    beta = torch.rand(1, 64, 2, device=device, requires_grad=True)
+    try:
+        out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+        out.sum().backward()
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
+def use_torch_chunk_rule(model) -> int:
+    """Trains through transformers' PyTorch chunked gated delta rule instead of fla's: rebinds it
+    where transformers keeps it (an attribute of each Gated DeltaNet layer up to 5.17, the modeling
+    module's function after). Returns how many places were rebound."""
+    import sys
+
+    n = 0
+    for m in model.modules():
+        mod = sys.modules[type(m).__module__]
+        ref = getattr(mod, "torch_chunk_gated_delta_rule", None)
+        if ref is None:
+            continue
+        if hasattr(m, "chunk_gated_delta_rule"):
+            m.chunk_gated_delta_rule = ref
+            n += 1
+        fn = getattr(mod, "chunk_gated_delta_rule", None)
+        if fn is not None and getattr(fn, "__wrapped__", None) is not None:
+            mod.chunk_gated_delta_rule = fn.__wrapped__
+            n += 1
+    return n
+
+
 def residual_dropout(model, p: float) -> list:
     """Dropout on each layer's token-mixer and MLP outputs before they join the residual stream,
     in training mode only (forward hooks: the saved model has no dropout). Returns the handles."""
@@ -277,6 +322,10 @@ def train(args) -> dict:
         route_cpu_tensors_to_torch_kernels(model)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__}: {n_params:,} parameters; {kernel_path(device)}", flush=True)
+    refusal = fla_backward_refusal(device)
+    if refusal is not None:
+        print(f"warning: fla cannot train here ({refusal}): the chunked gated delta rule runs transformers' "
+              f"PyTorch function ({use_torch_chunk_rule(model)} places rebound; slower)", flush=True)
     hooks = residual_dropout(model, args.dropout)
     # Weight decay on matrices (the tied embedding, projections, the convolution's kernel), none on
     # norms, biases and the per-head Gated DeltaNet vectors (A_log, dt_bias): all 1-d.

@@ -166,7 +166,10 @@ class StaticTarget:
         first keep[r] tokens; None: they stay until `settle` (a verify)."""
         R, T = ids.shape
         x = self.inner.embed_tokens(ids)
-        cos, sin = self.inner.rotary_emb(x, pos)
+        # Qwen3.5's multimodal rotary embedding takes (3, R, T) positions (text: three equal rows);
+        # transformers >= 5.18 also takes [R, T], 5.17 does not.
+        rope_pos = pos[None].expand(3, R, T) if hasattr(self.inner.rotary_emb, "mrope_section") else pos
+        cos, sin = self.inner.rotary_emb(x, rope_pos)
         mask = causal_by_position(pos, self.capacity, self.heads // self.kv_heads)
         captured = {}
         for i, (layer, mixer) in enumerate(zip(self.inner.layers, self.mixers)):
