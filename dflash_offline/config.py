@@ -157,8 +157,9 @@ class GenerateConfig(SamplingOptions):
     """`continuous`: slots over the static decoder's buffers, each refilled with the next prompt as
     soon as its prompt ends (generate/continuous.py; the step is one CUDA graph on a GPU);
     `padded`: left-padded batches decoded until their last row ends (generate/decoding.py). The
-    same tokens either way; conversation prompts and targets the static decoder cannot run
-    (sliding windows) decode padded, with a warning when continuous was asked for."""
+    same tokens either way. A conversation's next turn is queued as its reply ends (a turn that
+    outgrows the slots goes on in padded rounds); targets the static decoder cannot run (sliding
+    windows) decode padded, with a warning."""
     compile: bool = opt(False, "CUDA graphs for the one-token step (--batching padded, GPU only; measured slower at large batches).")
     """Compile the one-token decode step with CUDA graphs (static shapes: a fixed cache and filler
     rows). Off by default: on the H200 the eager step with the grouped attention decoded the pycode

@@ -120,6 +120,7 @@ def test_multi_turn_generate_equals_brute_force(chat_targets, tmp_path, kind):
     out = tmp_path / "gen"
     r = run_cli(["generate", "--target", target, "--prompts", prompts, "--out", out, "--devices", "cpu,cpu", *GEN])
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "continuous batching:" in (out / "logs" / "generate-rank0.log").read_text()
     got, want = _output(out), brute_force(target, prompts)
     conversations = {p["id"] for p in _chat.read_parts(prompts)}
     assert len(conversations) >= 6 and {r["conversation_id"] for r in want} == conversations
@@ -127,6 +128,41 @@ def test_multi_turn_generate_equals_brute_force(chat_targets, tmp_path, kind):
     assert got == want
     m = json.loads((out / "manifest.json").read_text())
     assert m["chat"]["template_sha256"] and m["settings"]["turns"] == "all" and len(m["parts"]) == 2
+
+
+def test_turns_that_outgrow_the_continuous_slots_go_on_padded(chat_targets, tmp_path):
+    """Continuous batching queues a conversation's next turn as its reply ends; a turn whose prompt
+    outgrows the slots (made small here) goes on in padded rounds from that turn: the rows equal
+    padded rounds throughout, with some conversations taking each path."""
+    from dflash_offline.chat.template import ChatTemplate
+    from dflash_offline.evaluate.speculative import load_target_for_decoding
+    from dflash_offline.generate.continuous import ContinuousDecoder
+    from dflash_offline.generate.decoding import BatchDecoder
+    from dflash_offline.generate.turns import parse_conversation, regenerate, regenerate_continuously
+    from dflash_offline.rows.parts import chat_settings_of
+    from dflash_offline.sampling import Sampling
+
+    target = chat_targets["dense"]
+    prompts = _prepared(target, tmp_path)
+    tmpl = ChatTemplate.recorded(str(target), chat_settings_of([str(prompts)]), [0])
+    model, _ = load_target_for_decoding(str(target), "cpu", "float32")
+    rows = _chat.read_parts(prompts)
+    padded = BatchDecoder(model, 4, 600, NEW, {0}, Sampling())
+
+    def conversations():
+        return [parse_conversation(r["id"], r["messages"], False) for r in rows]
+
+    want = conversations()
+    regenerate(want, tmpl, padded, 1 << 20, None, False)
+    first = sorted(len(c.rows[0].input_ids) - len(c.rows[0].loss_mask) + c.rows[0].loss_mask.index(1)
+                   for c in want if c.rows)
+    got = conversations()
+    slots = ContinuousDecoder(model, 3, first[len(first) // 2] + 2 * NEW, NEW, {0}, Sampling(), stage_rows=2)
+    outgrown = regenerate_continuously(got, tmpl, slots, None, False)
+    assert outgrown and len(outgrown) < len(got), len(outgrown)
+    regenerate([c for c, _ in outgrown], tmpl, padded, 1 << 20, None, False, start={c.id: r for c, r in outgrown})
+    assert [[(r.input_ids, r.loss_mask, r.turns) for r in c.rows] for c in got] == \
+        [[(r.input_ids, r.loss_mask, r.turns) for r in c.rows] for c in want]
 
 
 def test_last_turn_only(chat_targets, tmp_path):

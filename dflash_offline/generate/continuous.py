@@ -209,16 +209,22 @@ class ContinuousDecoder:
 
 
 def continuous_decoder(model, rows: int, max_prompt_len: int, max_new_tokens: int, eos: set[int],
-                       sampling: Sampling, chat: bool) -> ContinuousDecoder | None:
-    """generate's continuous decoder for this target, or None (padded batches) with the reason logged."""
-    if chat:
-        log.info("conversation prompts decode in padded rounds (continuous batching serves plain prompts)")
-        return None
+                       sampling: Sampling, chat: bool, max_positions: int | None = None,
+                       batch_tokens: int | None = None) -> ContinuousDecoder | None:
+    """generate's continuous decoder for this target, or None (padded batches) with the reason logged.
+
+    Conversations: a slot holds prompts of up to the longest recorded conversation plus one reply
+    (within the target's context), and as many slots as --batch-tokens holds at that size; a later
+    turn whose prompt outgrows it goes on in padded rounds (turns.py)."""
     why = unsupported_reason(model)
     if why is not None:
         log.warning("--batching continuous cannot run this target (%s): decoding in padded batches", why)
         return None
-    log.info("continuous batching: %d slots", rows)
+    if chat:
+        limit = (max_positions or 1 << 30) - max_new_tokens
+        max_prompt_len = max(1, min(limit, max_prompt_len + max_new_tokens))
+        rows = max(1, min(rows, (batch_tokens or 0) // (max_prompt_len + max_new_tokens)))
+    log.info("continuous batching: %d slots of %d prompt + %d new tokens", rows, max_prompt_len, max_new_tokens)
     # Prompts are prefilled in groups of up to an eighth of the slots (at least 32).
     return ContinuousDecoder(model, rows, max_prompt_len, max_new_tokens, eos, sampling,
                              stage_rows=max(32, rows // 8))

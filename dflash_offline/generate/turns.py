@@ -124,52 +124,99 @@ def parse_conversation(conv_id: int, text: str, last_only: bool) -> Conversation
     return Conversation(conv_id, msgs, slots)
 
 
+def _turn_prompt(c: Conversation, r: int, tmpl: ChatTemplate, max_new: int, max_positions: int | None):
+    """Turn r's prompt tokens (the conversation so far, rendered), or None where the conversation
+    stops there (its template refuses the turn, or the prompt + a reply no longer fit the context)."""
+    try:
+        text = tmpl.prompt_text(c.messages, c.slots[r])
+    except TemplateRefused as e:  # a later turn the template cannot render (roles out of order...)
+        c.stopped = "template refused"
+        log.warning("conversation %d: %s at turn %d: its later turns are not generated", c.id, e, c.turn_of(c.slots[r]))
+        return None
+    prompt = tmpl.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if max_positions is not None and len(prompt) + max_new > max_positions:
+        c.stopped = "context full"
+        log.warning("conversation %d: turn %d's prompt (%d tokens) + --max-new-tokens no longer fits the "
+                    "target's context (%d): its later turns are not generated", c.id, c.turn_of(c.slots[r]),
+                    len(prompt), max_positions)
+        return None
+    return prompt
+
+
+def _take_reply(c: Conversation, r: int, prompt: list[int], reply: list[int], ended: bool, tok,
+                strip_reasoning: bool) -> None:
+    """Turn r's reply becomes the conversation's assistant message and its row's tokens."""
+    body = reply[:-1] if ended else reply
+    reasoning, content = split_reasoning(tok.decode(body, skip_special_tokens=False))
+    a = c.slots[r]
+    c.messages[a] = Message("assistant", content, reasoning, None, c.messages[a].extra)
+    kept = reply
+    if strip_reasoning and reasoning is not None:  # the reply as history renders it
+        kept = (tok(content, add_special_tokens=False)["input_ids"] + reply[len(body):]) if content else []
+    c.add(c.turn_of(a), prompt, reply, kept, "eos" if ended else "length")
+
+
 def regenerate(convs: list[Conversation], tmpl: ChatTemplate, decoder, batch_tokens: int, max_positions: int | None,
-               strip_reasoning: bool, on_batch=None) -> None:
-    """Fill each conversation's rows, round by round (see the module doc)."""
-    tok = tmpl.tokenizer
+               strip_reasoning: bool, on_batch=None, start: dict[int, int] | None = None) -> None:
+    """Fill each conversation's rows, round by round in padded batches (see the module doc);
+    start: the round each conversation begins at (by id; default 0)."""
+    start = start or {}
     for r in range(max((len(c.slots) for c in convs), default=0)):
         todo: list[tuple[Conversation, list[int]]] = []
         for c in convs:
-            if r >= len(c.slots) or c.stopped:
+            if r >= len(c.slots) or c.stopped or r < start.get(c.id, 0):
                 continue
-            try:
-                text = tmpl.prompt_text(c.messages, c.slots[r])
-            except TemplateRefused as e:  # a later turn the template cannot render (roles out of order...)
-                c.stopped = "template refused"
-                log.warning("conversation %d: %s at turn %d: its later turns are not generated", c.id, e,
-                            c.turn_of(c.slots[r]))
-                continue
-            prompt = tok(text, add_special_tokens=False)["input_ids"]
-            if max_positions is not None and len(prompt) + decoder.max_new > max_positions:
-                c.stopped = "context full"
-                log.warning("conversation %d: turn %d's prompt (%d tokens) + --max-new-tokens no longer fits the "
-                            "target's context (%d): its later turns are not generated", c.id, c.turn_of(c.slots[r]),
-                            len(prompt), max_positions)
-                continue
-            todo.append((c, prompt))
+            prompt = _turn_prompt(c, r, tmpl, decoder.max_new, max_positions)
+            if prompt is not None:
+                todo.append((c, prompt))
         if not todo:
-            break
+            continue
         lengths = np.asarray([len(p) for _, p in todo])
         order = np.lexsort((np.arange(len(todo)), -lengths))
-        start = 0
-        while start < len(order):
-            rows = max(1, min(decoder.rows, batch_tokens // (int(lengths[order[start]]) + decoder.max_new)))
-            batch = order[start:start + rows]
-            start += len(batch)
+        i = 0
+        while i < len(order):
+            rows = max(1, min(decoder.rows, batch_tokens // (int(lengths[order[i]]) + decoder.max_new)))
+            batch = order[i:i + rows]
+            i += len(batch)
             items = [todo[k] for k in batch]
             res = decoder.decode([p for _, p in items], [c.id * TURN_KEY + c.turn_of(c.slots[r]) for c, _ in items])
             for (c, prompt), reply, ended in zip(items, res.tokens, res.ended_by_eos):
-                body = reply[:-1] if ended else reply
-                reasoning, content = split_reasoning(tok.decode(body, skip_special_tokens=False))
-                a = c.slots[r]
-                c.messages[a] = Message("assistant", content, reasoning, None, c.messages[a].extra)
-                kept = reply
-                if strip_reasoning and reasoning is not None:  # the reply as history renders it
-                    kept = (tok(content, add_special_tokens=False)["input_ids"] + reply[len(body):]) if content else []
-                c.add(c.turn_of(a), prompt, reply, kept, "eos" if ended else "length")
+                _take_reply(c, r, prompt, reply, ended, tmpl.tokenizer, strip_reasoning)
             if on_batch is not None:
                 on_batch(len(items), sum(len(t) for t in res.tokens), res)
+
+
+def regenerate_continuously(convs: list[Conversation], tmpl: ChatTemplate, decoder, max_positions: int | None,
+                            strip_reasoning: bool, on_batch=None) -> list[tuple[Conversation, int]]:
+    """Fill each conversation's rows through the continuous decoder: a conversation's next turn is
+    queued as soon as its reply ends. -> the (conversation, round) whose prompt outgrew the slots
+    (they go on in padded rounds: `regenerate(..., start=...)`)."""
+    from collections import deque
+
+    from dflash_offline.generate.continuous import Job
+
+    outgrown: list[tuple[Conversation, int]] = []
+
+    def job(c: Conversation, r: int) -> list[Job]:
+        if r >= len(c.slots) or c.stopped:
+            return []
+        prompt = _turn_prompt(c, r, tmpl, decoder.max_new, max_positions)
+        if prompt is None:
+            return []
+        if len(prompt) > decoder.max_prompt_len:
+            outgrown.append((c, r))
+            return []
+        return [Job(c.id * TURN_KEY + c.turn_of(c.slots[r]), prompt, (c, r))]
+
+    def finished(f) -> list[Job]:
+        c, r = f.job.tag
+        _take_reply(c, r, f.job.prompt, f.tokens, f.ended_by_eos, tmpl.tokenizer, strip_reasoning)
+        if on_batch is not None:
+            on_batch(1, len(f.tokens), None)
+        return job(c, r + 1)
+
+    decoder.run(deque(j for c in convs for j in job(c, 0)), finished)
+    return outgrown
 
 
 class ChatJob:
@@ -192,12 +239,26 @@ class ChatJob:
             self._messages = {fi: pq.read_table(self.src.files[fi].path, columns=["messages"]).column(0).to_pylist()}
         return self._messages[fi][r]
 
-    def part(self, folder, name: str, rows, decoder, on_batch) -> dict:
-        """Regenerate the conversations at these global rows; write and return the part's entry."""
+    def part(self, folder, name: str, rows, decoder, on_batch, continuous=None) -> dict:
+        """Regenerate the conversations at these global rows (through the continuous decoder when
+        given; turns that outgrow its slots, and all without it, in padded rounds of `decoder`);
+        write and return the part's entry."""
         convs = [parse_conversation(int(self.src.ids[int(r)]), self._conversation_json(int(r)),
                                     self.cfg.turns == "last") for r in rows]
-        regenerate(convs, self.tmpl, decoder, self.cfg.batch_tokens, self.max_positions,
-                   self.cfg.reasoning == "strip", on_batch)
+        strip = self.cfg.reasoning == "strip"
+        start = None
+        if continuous is not None:
+            outgrown = regenerate_continuously(convs, self.tmpl, continuous, self.max_positions, strip, on_batch)
+            if outgrown:
+                log.info("%s: %d conversations outgrew the continuous slots (%d-token prompts): their later turns "
+                         "go on in padded rounds", name, len(outgrown), continuous.max_prompt_len)
+            start = {c.id: r for c, r in outgrown}
+            convs_left = [c for c, _ in outgrown]
+        else:
+            convs_left = convs
+        if convs_left:
+            regenerate(convs_left, self.tmpl, decoder, self.cfg.batch_tokens, self.max_positions, strip, on_batch,
+                       start)
         return write_chat_part(folder, name, convs)
 
 
