@@ -1,7 +1,7 @@
-"""GPU: `generate` on CUDA. Dense targets decode with the one-token step compiled into CUDA graphs
-(the default there), hybrid targets with flash-linear-attention's kernels; both in fp32 (TF32 off)
-against the plain greedy decode of each prompt on the same GPU (no cache, a full forward per
-token), and the compiled path against the eager one."""
+"""GPU: `generate` on CUDA, continuous batching (the default: a CUDA-graph step) and padded batches
+(dense targets also with the padded step compiled into CUDA graphs), hybrid targets with
+flash-linear-attention's kernels; all in fp32 (TF32 off) against the plain greedy decode of each
+prompt on the same GPU (no cache, a full forward per token)."""
 
 from __future__ import annotations
 
@@ -41,14 +41,16 @@ def test_generate_on_cuda_equals_plain_greedy(kind, tiny_dense, tiny_hybrid, tmp
     prompts = pq.read_table(prompts_path).column("input_ids").to_pylist()
     expected = cuda_greedy(target, prompts, MAX_NEW)
     outs = {}
-    for mode in (["--compile"] if kind == "dense" else []) + ["--no-compile"]:
+    modes = {"continuous": ["--batching", "continuous"], "padded": ["--batching", "padded"]}
+    if kind == "dense":
+        modes["compiled"] = ["--batching", "padded", "--compile"]
+    for mode, opts in modes.items():
         out = tmp_path / mode
         r = run_cli(["generate", "--target", target, "--prompts", prompts_path, "--out", out, "--devices", "0",
                      "--compute-dtype", "float32", "--batch-tokens", 4 * (30 + MAX_NEW), "--chunk-prompts", 6,
-                     "--max-new-tokens", MAX_NEW, "--ignore-eos", "--no-progress", mode])
+                     "--max-new-tokens", MAX_NEW, "--ignore-eos", "--no-progress", *opts])
         assert r.returncode == 0, r.stderr[-3000:]
         outs[mode] = read_output(out)
         for k, (p, e) in enumerate(zip(prompts, expected)):
             assert outs[mode][100 + k]["input_ids"] == p + e, (mode, k)
-    if kind == "dense":
-        assert outs["--compile"] == outs["--no-compile"]
+    assert all(o == outs["continuous"] for o in outs.values())

@@ -145,9 +145,9 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
         raise UserError(f"{where}: outside the target's vocabulary [0, {info.vocab_size}){fix}")
     eos, stop_warning = chat_stop(cfg, chat, eos)  # conversations: at the template's end of turn too
     cuda = any(d != "cpu" for d in devices)
-    compile = cfg.compile
-    if compile and not cuda:
-        raise UserError("--compile needs GPUs (CUDA graphs); on the CPU decoding runs eagerly")
+    if (compile := cfg.compile) and (not cuda or cfg.batching != "padded"):
+        raise UserError("--compile compiles --batching padded's step on GPUs (continuous batching's step is a CUDA "
+                        "graph already, and the CPU decodes eagerly): leave it out, or add --batching padded")
     # The part size is the plan's: an output being resumed keeps its own (made on other devices, maybe).
     prior = (parts.read_manifest(folder) if folder.is_dir() else None) or {}
     kept = prior.get("plan", {}).get("chunk_prompts") if isinstance(prior.get("plan"), dict) else None
