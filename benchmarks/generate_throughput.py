@@ -1,11 +1,13 @@
 """`generate` on one GPU: the pycode target end to end, and a Qwen3.5-27B-shaped target's decode rate.
 
 pycode (the trained fixture target, runs of the real command, each its own process):
-  1. eager against compiled (CUDA graphs) decoding on the same first N prompts of
-     prompts-train-40k.parquet, fp32, greedy, 384 new tokens;
+  1. continuous batching (the default) against padded batches, eager and compiled (CUDA graphs),
+     on the same first N prompts of prompts-train-40k.parquet, fp32, greedy, 384 new tokens (the
+     rows must be equal);
   2. exactness: fp32 completions of the fixture's 4000 training and 200 held-out prompts against
      the fixture's own completions (made by its authors' fp32 KV-cache greedy loop);
-  3. all 39,051 prompts of prompts-train-40k.parquet x 384 new tokens, fp32 and bf16: wall time of
+  3. all 39,051 prompts of prompts-train-40k.parquet x 384 new tokens, fp32 (continuous and
+     padded) and bf16: wall time of
      the command (start-up, model load and compile included) and the decode rate; then how often
      bf16 rows equal fp32 rows and where they part.
 
@@ -54,7 +56,9 @@ def generate(args: list, log: Path) -> dict:
     loaded = re.findall(r"loaded target in ([\d.]+)s", logs)
     decode_s = max(float(d[2]) for d in done)
     # Steady state: the batches after the first (which also pays for compilation).
+    # (padded: one line per batch; continuous: one line per part)
     batches = [(int(n), float(sec)) for n, sec in re.findall(r"batch of \d+ prompts: (\d+) new tokens in ([\d.]+)s", logs)]
+    batches += [(int(n), float(sec)) for n, sec in re.findall(r"\d+ prompts, (\d+) new tokens in ([\d.]+)s \(\d+ steps", logs)]
     later = batches[1:] or batches
     return {"wall_s": wall, "rows": m["totals"]["rows"], "new_tokens": m["totals"]["new_tokens"],
             "ended_by_eos": m["totals"]["ended_by_eos"], "decode_s": decode_s,
@@ -142,17 +146,19 @@ def pycode(args) -> dict:
         save(res)  # after every run: a run cut short by a time limit keeps what it measured
         return out
 
-    if args.smoke:
-        go("subset-fp32-eager", subset, "--compute-dtype", "float32")
-    else:
-        go("subset-fp32-eager", subset, "--compute-dtype", "float32", "--no-compile")
-        go("subset-fp32-compiled", subset, "--compute-dtype", "float32", "--compile")
+    # Continuous batching (the default) against padded batches, eager and (GPU) compiled, same prompts.
+    c = go("subset-fp32-continuous", subset, "--compute-dtype", "float32", "--batching", "continuous")
+    e = go("subset-fp32-padded", subset, "--compute-dtype", "float32", "--batching", "padded")
+    if not args.smoke:
+        go("subset-fp32-padded-compiled", subset, "--compute-dtype", "float32", "--batching", "padded", "--compile")
+    res["continuous_vs_padded_fp32"] = agreement(rows_of(e), rows_of(c), 128)
     fx_out = go("fixture-fp32", fixture_prompts, "--compute-dtype", "float32")
     res["fixture_vs_ours_fp32"] = agreement(fixture_rows, rows_of(fx_out), 128)
     save(res)
     print(f"fixture completions reproduced: {json.dumps(res['fixture_vs_ours_fp32'])}", flush=True)
     if not args.skip_full:
         a = go("all-fp32", prompts40k, "--compute-dtype", "float32")
+        go("all-fp32-padded", prompts40k, "--compute-dtype", "float32", "--batching", "padded")
         b = go("all-bf16", prompts40k, "--compute-dtype", "bfloat16")
         res["bf16_vs_fp32"] = agreement(rows_of(a), rows_of(b), 128)
         print(f"bf16 against fp32: {json.dumps(res['bf16_vs_fp32'])}", flush=True)
