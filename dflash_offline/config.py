@@ -156,8 +156,8 @@ class GenerateConfig(SamplingOptions):
     batching: str = opt("continuous", "continuous: a row that ends takes the next prompt at once (the step a CUDA graph on GPUs); padded: batches of prompts decoded until their longest row ends.", choices=('continuous', 'padded'))
     """`continuous`: slots over the static decoder's buffers, each refilled with the next prompt as
     soon as its prompt ends (generate/continuous.py; the step is one CUDA graph on a GPU);
-    `padded`: left-padded batches decoded until their last row ends (generate/decoding.py). The
-    same tokens either way. A conversation's next turn is queued as its reply ends (a turn that
+    `padded`: left-padded batches decoded until their last row ends (generate/decoding.py). In
+    fp32 the same tokens either way (bf16: up to near-ties, as between batch sizes). A conversation's next turn is queued as its reply ends (a turn that
     outgrows the slots goes on in padded rounds); targets the static decoder cannot run (sliding
     windows) decode padded, with a warning."""
     compile: bool = opt(False, "CUDA graphs for the one-token step (--batching padded, GPU only; measured slower at large batches).")

@@ -100,7 +100,7 @@ def test_static_target_forward_equals_transformers(targets, kind):
         ids[r, len(p):] = 77  # padding, attended by no real position
     with torch.inference_mode():
         hidden, feats = target.forward(ids, torch.arange(P)[None].expand(R, P), features=True,
-                                       keep=torch.tensor([len(p) for p in prompts]))
+                                       keep=torch.tensor([len(p) for p in prompts]), span=P)
         logits = target.logits(hidden)
     for r, p in enumerate(prompts):
         want_logits, want_feats = hf_forward(model, p, LAYERS)

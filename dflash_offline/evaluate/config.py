@@ -68,10 +68,11 @@ class EvalConfig(SamplingOptions):
     top_k: int = opt(0, "Sampling: keep the k most likely tokens; 0 = all.")
     """Sampling: keep only the k most likely tokens; 0 = all."""
     decoder: str = opt("auto", "static: the target's layers over preallocated buffers, CUDA graphs on a GPU (full-attention and Gated DeltaNet hybrid targets); transformers: transformers' forward and caches (any target); auto: static where possible (the report says which ran).", choices=('auto', 'static', 'transformers'))
-    """static: the target's own layers over preallocated key/value buffers, each round one CUDA
-    graph on a GPU (dense attention targets: Qwen3, Qwen2, Llama, Mistral); transformers:
-    transformers' forward with its caches (any target: hybrid, sliding window); auto: static where
-    the target allows it, else transformers (the report says which ran)."""
+    """static: the target's own layers over preallocated key/value buffers (and per-row Gated
+    DeltaNet states), each round one CUDA graph on a GPU (full attention: Qwen3, Qwen2, Llama,
+    Mistral; Qwen3.5/3.6 hybrids); transformers: transformers' forward with its caches (any target,
+    sliding windows too); auto: static where the target allows it, else transformers (the report
+    says which ran)."""
     implied_for: str | None = opt(None, "Also print the speed-up this tau implies on a named target shape measured by benchmarks/decode_speed.py --ceiling (e.g. qwen3.6-27b).")
     """Also print the speed-up this tau implies on a named target shape measured by
     `benchmarks/decode_speed.py --ceiling` (kernel times; evaluate/ceiling.py)."""

@@ -111,7 +111,7 @@ class StaticDecoder:
         pos = torch.arange(P, device=self.device)[None, :].expand(R, P)
         self.target.reset()
         hidden, feats = self.target.forward(self.prompt_ids, pos, features=self.drafter is not None,
-                                            keep=self.prompt_lens)
+                                            keep=self.prompt_lens, span=P)
         last = hidden[torch.arange(R, device=self.device), self.prompt_lens - 1]
         self.seeded.copy_(prompt_keys(self.sampling.seed, self.keys))
         self.n_out.zero_()
@@ -207,6 +207,12 @@ class StaticDecoder:
         for t in self._per_row():
             t[:k].copy_(t[:k].index_select(0, order))
 
+    def _rewind(self) -> None:
+        """The throwaway batch's rows back at their prompts: warm-up rounds must not walk them past
+        the buffers (27 rounds on 9 buckets would, with a short --max-new-tokens)."""
+        self.pos.copy_(self.prompt_lens)
+        self.n_out.fill_(1)
+
     def _capture(self, prompt: list[int]) -> None:
         """Records the prefill and a round of every bucket as CUDA graphs, after warm-up runs on a
         side stream (which capture requires), on a throwaway batch."""
@@ -217,10 +223,12 @@ class StaticDecoder:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(3):
+                    self._rewind()
                     self._run(what)
                     self.done.zero_()
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            self._rewind()
             with torch.cuda.graph(graph, pool=pool):
                 self._run(what)  # not yet in self._graphs: runs (records) the work itself
             self._graphs[what] = graph

@@ -15,8 +15,10 @@ slot's previous prompt left further along stays behind; a query at position p se
 is one CUDA graph, replayed.
 
 The token a slot chooses at its t-th new token is a pure function of (seed, prompt key, t)
-(decoding.choose_tokens), so each prompt decodes to the same tokens whatever slot, batch or
-worker it lands in: continuous batching changes the speed, never the output.
+(decoding.choose_tokens), so what a prompt decodes does not depend on its slot, batch or worker
+beyond floating-point rounding: in fp32 the tokens equal each prompt decoded alone (tests); in
+bf16 a near-tie of the top two logits can fall the other way under another batch shape, as
+between two padded batch sizes.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ class ContinuousDecoder:
         at = torch.tensor(slots, device=dev)
         self.stage.reset()
         hidden, _ = self.stage.forward(ids.to(dev), torch.arange(P, device=dev)[None].expand(m, P), features=False,
-                                       keep=lens)
+                                       keep=lens, span=P)
         last = hidden[torch.arange(m, device=dev), lens - 1]
         first = choose_tokens(self.stage.logits(last), self.sampling, keys, 0)
         self.target.copy_rows(self.stage, m, at, P)
@@ -221,9 +223,10 @@ def continuous_decoder(model, rows: int, max_prompt_len: int, max_new_tokens: in
         log.warning("--batching continuous cannot run this target (%s): decoding in padded batches", why)
         return None
     if chat:
+        # Half of --batch-tokens: the padded rounds of turns that outgrow the slots get the other half.
         limit = (max_positions or 1 << 30) - max_new_tokens
         max_prompt_len = max(1, min(limit, max_prompt_len + max_new_tokens))
-        rows = max(1, min(rows, (batch_tokens or 0) // (max_prompt_len + max_new_tokens)))
+        rows = max(1, min(rows, (batch_tokens or 0) // 2 // (max_prompt_len + max_new_tokens)))
     log.info("continuous batching: %d slots of %d prompt + %d new tokens", rows, max_prompt_len, max_new_tokens)
     # Prompts are prefilled in groups of up to an eighth of the slots (at least 32).
     return ContinuousDecoder(model, rows, max_prompt_len, max_new_tokens, eos, sampling,

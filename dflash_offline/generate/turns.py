@@ -256,9 +256,9 @@ class ChatJob:
             convs_left = [c for c, _ in outgrown]
         else:
             convs_left = convs
-        if convs_left:
-            regenerate(convs_left, self.tmpl, decoder, self.cfg.batch_tokens, self.max_positions, strip, on_batch,
-                       start)
+        if convs_left:  # beside the continuous slots' buffers: half the budget (generate/continuous.py)
+            budget = self.cfg.batch_tokens // (2 if continuous is not None else 1)
+            regenerate(convs_left, self.tmpl, decoder, budget, self.max_positions, strip, on_batch, start)
         return write_chat_part(folder, name, convs)
 
 

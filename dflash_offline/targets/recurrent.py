@@ -15,7 +15,8 @@ becomes the K-1 convolution inputs ending at token n[r]. This is the layer input
 accepted prefix: no second forward of the model, one more pass of the recurrence, and no
 per-position copies of the state (a 27B target's state is 3 MB a row and layer; a copy per draft
 position would be 2.4 GB a row). The prefill uses the same masking directly (right-padded prompts:
-the state passes the padding unchanged), as do one-token rounds, which keep every token.
+the state passes the padding unchanged), as do one-token rounds (rows still decoding keep their
+token, finished ones none).
 
 On a GPU the recurrence is flash-linear-attention's fused recurrent kernel (chunked for long
 prompts) when it is installed; elsewhere, and as the reference the kernels are tested against, a
@@ -48,9 +49,17 @@ def _fla() -> Kernels | None:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     except Exception:  # not installed, or broken against this torch/triton
         return None
+    kernel = None
     try:
-        from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel as kernel
-    except Exception:  # another fla layout: the allocating call and a copy
+        import importlib.metadata
+
+        # The launch below follows fla 0.6's kernel (a 1-D grid); 0.5's takes the same arguments on
+        # a 2-D grid and would silently update one head: only 0.6 and later get the in-place path.
+        major, minor = (int(x) for x in importlib.metadata.version("fla-core").split(".")[:2])
+        if (major, minor) >= (0, 6):
+            from fla.ops.gated_delta_rule.fused_recurrent import (
+                fused_recurrent_gated_delta_rule_fwd_kernel as kernel)
+    except Exception:  # another layout or no version: the allocating call and a copy
         kernel = None
     return Kernels(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule,
                    None if kernel is None else _in_place_launcher(kernel))
@@ -105,14 +114,15 @@ def recurrence_loop(q, k, v, g, beta, state):
     return out.transpose(1, 2), s
 
 
-def recurrence(q, k, v, g, beta, state, kernels):
-    """The gated delta rule over a block from `state`: fla's kernels on CUDA when given, else the loop."""
+def recurrence(q, k, v, g, beta, state, kernels, final: bool = True):
+    """The gated delta rule over a block from `state`: fla's kernels on CUDA when given, else the
+    loop. -> (outputs, final state, or None where `final` is False and a kernel ran)."""
     if kernels is None or q.device.type != "cuda":
         return recurrence_loop(q, k, v, g, beta, state)
     run = kernels.chunked if q.shape[1] >= _CHUNKED_FROM else kernels.fused
-    out, final = run(q, k, v, g=g, beta=beta, initial_state=state.float().contiguous(), output_final_state=True,
-                     use_qk_l2norm_in_kernel=True)
-    return out.float(), final
+    out, last = run(q, k, v, g=g, beta=beta, initial_state=state.float().contiguous(), output_final_state=final,
+                    use_qk_l2norm_in_kernel=True)
+    return out.float(), last
 
 
 def advance_state(q, k, v, g, beta, state: torch.Tensor, kernels) -> torch.Tensor:
@@ -167,7 +177,7 @@ class GatedDeltaLayer:
         beta = m.in_proj_b(h).sigmoid()
         g = -m.A_log.float().exp() * F.softplus(m.in_proj_a(h).float() + m.dt_bias)
         if keep is None:
-            out, _ = recurrence(q, k, v, g, beta, self.state[:R], self.kernels)
+            out, _ = recurrence(q, k, v, g, beta, self.state[:R], self.kernels, final=False)
             self._pending = (x, q, k, v, g, beta)
         else:
             out = self._advance(x, q, k, v, g, beta, keep)

@@ -160,24 +160,27 @@ class StaticTarget:
             out = out * torch.sigmoid(gate)
         return a.o_proj(out)
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, features: bool, keep: torch.Tensor | None = None):
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, features: bool, keep: torch.Tensor | None = None,
+                span: int | None = None):
         """ids/pos [R, T] (the first R rows of the buffers) -> (final-normed hidden [R, T, H], raw
         layer outputs [R, T, n*H] or None). keep [R]: the recurrent layers move past each row's
-        first keep[r] tokens; None: they stay until `settle` (a verify)."""
+        first keep[r] tokens; None: they stay until `settle` (a verify). span: every position is
+        below it (a prefill): attention reads only the buffers' first `span` positions."""
         R, T = ids.shape
+        S = self.capacity if span is None else span
         x = self.inner.embed_tokens(ids)
         # Qwen3.5's multimodal rotary embedding takes (3, R, T) positions (text: three equal rows);
         # transformers >= 5.18 also takes [R, T], 5.17 does not.
         rope_pos = pos[None].expand(3, R, T) if hasattr(self.inner.rotary_emb, "mrope_section") else pos
         cos, sin = self.inner.rotary_emb(x, rope_pos)
-        mask = causal_by_position(pos, self.capacity, self.heads // self.kv_heads)
+        mask = causal_by_position(pos, S, self.heads // self.kv_heads)
         captured = {}
         for i, (layer, mixer) in enumerate(zip(self.inner.layers, self.mixers)):
             h = layer.input_layernorm(x)
             if isinstance(mixer, GatedDeltaLayer):
                 x = x + mixer.forward(h, keep)
             else:
-                x = x + self._attend(layer.self_attn, h, pos, cos, sin, mask, mixer[0][:R], mixer[1][:R])
+                x = x + self._attend(layer.self_attn, h, pos, cos, sin, mask, mixer[0][:R, :, :S], mixer[1][:R, :, :S])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if features and i in self.layer_ids:
                 captured[i] = x
