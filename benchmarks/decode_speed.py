@@ -87,6 +87,7 @@ def part1(args, device: str) -> dict:
     from dflash_offline.evaluate.kv_batch import NoDrafts, kv_batched_decode
     from dflash_offline.evaluate.run import load_drafter, read_prompts
     from dflash_offline.evaluate.speculative import load_target_for_decoding, summarize
+    from dflash_offline.generate.continuous import ContinuousDecoder
     from dflash_offline.generate.decoding import BatchDecoder, Sampling
     from dflash_offline.targets.folder import eos_ids, read_target
 
@@ -122,6 +123,12 @@ def part1(args, device: str) -> dict:
     gen, s = timed(device, lambda: [t for k in range(0, len(prompts), rows)
                                     for t in dec.decode(prompts[k:k + rows], ids[k:k + rows]).tokens])
     res["batched_alone"]["generate"] = {"tokens": sum(map(len, gen)), "seconds": s, "tokens_per_s": sum(map(len, gen)) / s}
+    # generate's continuous batching (slots refilled as prompts end; the step a CUDA graph on GPUs)
+    cont = ContinuousDecoder(model, rows, P, new, eos, Sampling())
+    cont.decode_all(prompts[:rows], ids[:rows])
+    got, s = timed(device, lambda: cont.decode_all(prompts, ids))
+    made = sum(len(f.tokens) for f in got)
+    res["batched_alone"]["generate_continuous"] = {"tokens": made, "seconds": s, "tokens_per_s": made / s}
     kv_batched_decode(model, NoDrafts(), [], prompts[:2], 16, eos, 2)
     kv, s = timed(device, lambda: kv_batched_decode(model, NoDrafts(), [], prompts, new, eos, rows))
     res["batched_alone"]["transformers_kv"] = figures(kv, s)
@@ -382,6 +389,8 @@ def main() -> int:
     ap.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     help="--ceiling: block sizes to time (default: the recipe's)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny random targets and drafters")
+    ap.add_argument("--tiny-kind", default="qwen3", choices=("qwen3", "qwen3_5"),
+                    help="--tiny's target: dense Qwen3 or a Qwen3.5 hybrid (Gated DeltaNet)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = "cpu" if args.tiny or args.device == "cpu" else f"cuda:{args.device}"
@@ -400,7 +409,7 @@ def main() -> int:
         from dflash_offline.tiny import make_tiny_data, make_tiny_target
 
         tmp = Path(tempfile.mkdtemp(prefix="decode-speed-"))
-        args.target = str(make_tiny_target(tmp / "target"))
+        args.target = str(make_tiny_target(tmp / "target", kind=args.tiny_kind))
         args.prompts = str(make_tiny_data(tmp / "prompts.parquet", rows=6, min_len=4, max_len=20))
         d = DFlashDrafter(DrafterConfig.from_target(args.target, [1, 3], block_size=4, drafter_layers=1, mask_token_id=1))
         args.drafter = [str(export_drafter(d, str(tmp / "drafter")))]

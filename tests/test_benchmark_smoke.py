@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import run_tree
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,12 +48,13 @@ def test_train_throughput_smoke(tmp_path):
     assert res["steps"] == 5 and res["attention_pairs_per_row"] > 0
 
 
-def test_decode_speed_smoke(tmp_path):
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_decode_speed_smoke(tmp_path, kind):
     out = tmp_path / "d.json"
-    _run(["benchmarks/decode_speed.py", "--tiny", "--out", str(out)], tmp_path)
+    _run(["benchmarks/decode_speed.py", "--tiny", "--tiny-kind", kind, "--out", str(out)], tmp_path)
     res = json.loads(out.read_text())["pycode"]
     (d,) = res["drafters"]
     # fp32: speculative decoding gives the target alone's tokens, one at a time and batched
     assert d["batch1"]["equal_to_alone"] == res["batch1_prompts"] and d["batched"]["equal_to_alone"] == res["prompts"]
-    assert set(res["batched_alone"]) == {"static", "generate", "transformers_kv"}
+    assert set(res["batched_alone"]) == {"static", "generate", "generate_continuous", "transformers_kv"}
     assert d["batch1"]["tau"] >= 1 and d["batched"]["speedup_vs_fastest_alone"] > 0
