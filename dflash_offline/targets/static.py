@@ -29,7 +29,7 @@ from dflash_offline.targets import families
 from dflash_offline.targets.attention import grouped_query_attention
 from dflash_offline.targets.recurrent import LINEAR_PARTS, GatedDeltaLayer, kernels_for
 
-_NORMS = {"mlp", "input_layernorm", "post_attention_layernorm"}
+_BESIDE_MIXER = {"mlp", "input_layernorm", "post_attention_layernorm"}  # a layer's other children
 _ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 _MIXERS = {families.FULL: "self_attn", families.LINEAR: "linear_attn"}
 
@@ -69,7 +69,7 @@ def unsupported_reason(model) -> str | None:
             fits = {"q_proj", "k_proj", "v_proj", "o_proj"} <= inside <= _ATTN_PARTS
         else:
             fits = inside == LINEAR_PARTS
-        if parts != _NORMS | {mixer} or not fits:
+        if parts != _BESIDE_MIXER | {mixer} or not fits:
             return f"its decoder layer holds {sorted(parts)} / {mixer} {sorted(inside)}"
     return None
 
