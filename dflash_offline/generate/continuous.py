@@ -55,10 +55,7 @@ class ContinuousDecoder:
 
     def __init__(self, model, rows: int, max_prompt_len: int, max_new_tokens: int, eos: set[int],
                  sampling: Sampling, graphs: bool | None = None, check_every: int = 4, stage_rows: int = 32):
-        reason = unsupported_reason(model)
-        if reason is not None:
-            raise ValueError(f"continuous batching cannot run this target: {reason}")
-        dev = next(model.parameters()).device
+        dev = next(model.parameters()).device  # (StaticTarget refuses a target it cannot run)
         self.device, self.rows, self.max_new, self.sampling = dev, rows, max_new_tokens, sampling
         self.max_prompt_len = max_prompt_len
         self.check_every = max(1, check_every)
@@ -192,22 +189,24 @@ class ContinuousDecoder:
             new[f.job.tag], eos_end[f.job.tag] = f.tokens, f.ended_by_eos
             on_prompt(f.job.tag)
 
-        order = sorted(range(len(prompts)), key=lambda k: -len(prompts[k]))
-        steps = self.run(deque(Job(keys[k], prompts[k], k) for k in order), finished)
+        steps = self._longest_first(prompts, keys, finished)
         log.info("%s: %d prompts, %d new tokens in %.2fs (%d steps of %d slots)", name, len(prompts),
                  sum(len(t) for t in new), time.perf_counter() - t0, steps, self.rows)
 
     def decode_all(self, prompts: list[list[int]], keys: list[int]) -> list[Finished]:
         """Every prompt, longest first into the slots; results in input order."""
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         results: list[Finished | None] = [None] * len(prompts)
 
         def keep(f: Finished) -> None:
             results[f.job.tag] = f
 
-        self.run(deque(Job(keys[i], prompts[i], i) for i in order), keep)
+        self._longest_first(prompts, keys, keep)
         return results  # type: ignore[return-value]
 
+    def _longest_first(self, prompts: list[list[int]], keys: list[int], on_finish: Callable[[Finished], None]) -> int:
+        """run() over the prompts, longest first (tag: the prompt's index); -> steps run."""
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        return self.run(deque(Job(keys[i], prompts[i], i) for i in order), on_finish)
 
 
 def continuous_decoder(model, rows: int, max_prompt_len: int, max_new_tokens: int, eos: set[int],

@@ -213,6 +213,9 @@ def kernels_for(device: torch.device):
         return None
     kernels = _fla()
     if kernels is None:
-        log.warning("flash-linear-attention is not installed: the Gated DeltaNet layers run a token-by-token "
-                    "PyTorch loop (slow); pip install flash-linear-attention")
+        from dflash_offline.targets.families import LAYER_KINDS, LINEAR
+
+        fla = next(k for k in LAYER_KINDS[LINEAR].kernels if k.module == "fla")
+        log.warning("%s is not installed: the Gated DeltaNet layers run a token-by-token PyTorch loop (slow); %s",
+                    fla.package, fla.install)
     return kernels
