@@ -164,47 +164,47 @@ def kernel_path(device) -> str:
     return f"Gated DeltaNet: {fla}, short convolution: {conv}"
 
 
-def fla_backward_refusal(device) -> str | None:
-    """Why fla's gated-delta-rule backward cannot train here (None: it can). fla 0.6 refuses it on
-    Hopper GPUs with Triton >= 3.4 and < 3.7.1, whose results it knows to be wrong (fla issue 640),
-    and raises only once the first backward runs: a tiny forward and backward find out first."""
+def fla_backward_refusal(model, autocast) -> str | None:
+    """Why fla's gated-delta-rule backward cannot train `model` here (None: it can). fla 0.6 refuses
+    it on Hopper GPUs with Triton >= 3.4 and < 3.7.1, whose results it knows to be wrong (fla issue
+    640), and raises only once the first backward runs. A stand-alone call of fla's function did not
+    find it out (the refusal depends on the path the model's call takes), so the probe is one forward
+    and backward of the model itself on a short row, as training runs it; its gradients are dropped."""
     import torch
 
+    device = next(model.parameters()).device
     if device.type != "cuda":
         return None
+    x = torch.zeros(1, 128, dtype=torch.long, device=device)
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except Exception:  # not installed: transformers' PyTorch functions run anyway
-        return None
-    q, k, v = (torch.randn(1, 64, 2, 64, device=device, requires_grad=True) for _ in range(3))
-    g = torch.randn(1, 64, 2, device=device).sigmoid().log().requires_grad_()
-    beta = torch.rand(1, 64, 2, device=device, requires_grad=True)
-    try:
-        out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
-        out.sum().backward()
+        with autocast():
+            loss = model(input_ids=x).logits.float().mean()
+        loss.backward()
     except RuntimeError as e:
         return str(e).splitlines()[0]
+    finally:
+        model.zero_grad(set_to_none=True)
     return None
 
 
 def use_torch_chunk_rule(model) -> int:
-    """Trains through transformers' PyTorch chunked gated delta rule instead of fla's: rebinds it
-    where transformers keeps it (an attribute of each Gated DeltaNet layer up to 5.17, the modeling
-    module's function after). Returns how many places were rebound."""
+    """Trains through transformers' PyTorch chunked gated delta rule instead of fla's. transformers
+    binds fla in two ways across versions: a Gated DeltaNet layer's attribute, or a module-level
+    function wrapped by a kernel dispatcher (its `__wrapped__` is the PyTorch function). Both are
+    rebound to the PyTorch function; returns how many places were."""
     import sys
 
     n = 0
+    for mod in {sys.modules[type(m).__module__] for m in model.modules()}:
+        for name in ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule"):
+            ref = getattr(getattr(mod, name, None), "__wrapped__", None)
+            if ref is not None:
+                setattr(mod, name, ref)
+                n += 1
     for m in model.modules():
-        mod = sys.modules[type(m).__module__]
-        ref = getattr(mod, "torch_chunk_gated_delta_rule", None)
-        if ref is None:
-            continue
-        if hasattr(m, "chunk_gated_delta_rule"):
+        ref = getattr(sys.modules[type(m).__module__], "torch_chunk_gated_delta_rule", None)
+        if ref is not None and hasattr(m, "chunk_gated_delta_rule"):
             m.chunk_gated_delta_rule = ref
-            n += 1
-        fn = getattr(mod, "chunk_gated_delta_rule", None)
-        if fn is not None and getattr(fn, "__wrapped__", None) is not None:
-            mod.chunk_gated_delta_rule = fn.__wrapped__
             n += 1
     return n
 
@@ -322,10 +322,6 @@ def train(args) -> dict:
         route_cpu_tensors_to_torch_kernels(model)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__}: {n_params:,} parameters; {kernel_path(device)}", flush=True)
-    refusal = fla_backward_refusal(device)
-    if refusal is not None:
-        print(f"warning: fla cannot train here ({refusal}): the chunked gated delta rule runs transformers' "
-              f"PyTorch function ({use_torch_chunk_rule(model)} places rebound; slower)", flush=True)
     hooks = residual_dropout(model, args.dropout)
     # Weight decay on matrices (the tied embedding, projections, the convolution's kernel), none on
     # norms, biases and the per-head Gated DeltaNet vectors (A_log, dt_bias): all 1-d.
@@ -336,6 +332,14 @@ def train(args) -> dict:
 
     def autocast():  # bf16 autocast over fp32 master weights on the GPU; the CPU smoke runs fp32
         return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+    refusal = fla_backward_refusal(model, autocast)
+    if refusal is not None:
+        print(f"warning: fla cannot train here ({refusal}): the chunked gated delta rule runs transformers' "
+              f"PyTorch function ({use_torch_chunk_rule(model)} places rebound; slower)", flush=True)
+        refusal = fla_backward_refusal(model, autocast)
+        if refusal is not None:
+            raise SystemExit(f"train: the PyTorch gated delta rule fails as well: {refusal}")
 
     sched = Schedule(args.lr, args.warmup, args.patience, 2 * args.eval_every, args.decay_steps)
     half_a = windows(streams["heldout_a"], args.seq, args.eval_windows)
@@ -419,7 +423,8 @@ def train(args) -> dict:
     final["train_windows"] = mean_loss(saved, train_rows, fp32)
     final_steps = step
     report = {
-        "made_by": "benchmarks/hybrid_fixture.py train", "seed": args.seed, "device": str(device),
+        "made_by": "benchmarks/hybrid_fixture.py train", "options": {k: v for k, v in vars(args).items() if k != "phase"},
+        "seed": args.seed, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
         "kernels": kernel_path(device), "parameters": n_params, "batch": args.batch, "seq": args.seq,
