@@ -6,6 +6,8 @@ generate's padded decoder, in fp32, on tiny dense and hybrid targets.
   third step, the staging prefill two prompts at a time: the same tokens, greedy and sampled
   (the keyed noise makes a prompt's sample independent of its slot);
 - `run` with `on_finish` queueing follow-up jobs (a conversation's next turn) decodes them too;
+- generate's parts stream through the slots: the next part's prompts start before a part's last
+  ends (fewer steps than draining the slots at each part's end), the same tokens;
 - on a GPU the step replays as a CUDA graph: the same tokens as the eager step.
 """
 
@@ -79,6 +81,30 @@ def test_follow_up_jobs_are_decoded(model):
         first = one.decode([p], [i]).tokens[0]
         assert seen[i] == first
         assert seen[i + 1000] == one.decode([p + first], [i + 1000]).tokens[0]
+
+
+def test_parts_stream_through_the_slots_without_draining(model):
+    """generate's parts as one stream: the second part's prompts take slots while the first part's
+    last prompts decode, so 3 + 3 prompts of 20 new tokens (the first from the prefill, 19 steps) in
+    2 slots take 3 x 19 steps (drained at the part's end: 4 x 19); each part is handed over once, when its last prompt ends, with every
+    prompt's tokens equal to it decoded alone; an empty part is handed over at once."""
+    from dflash_offline.generate.continuous import Part
+
+    prompts, ids = prompts_and_ids()
+    want = [r.tokens[0] for r in alone(model, prompts, ids, set(), Sampling())]
+    split = [Part(0, "a", prompts[:3], ids[:3]), Part(1, "empty", [], []), Part(2, "b", prompts[3:6], ids[3:6])]
+
+    def decode(parts):
+        dec = ContinuousDecoder(model, 2, max(LENGTHS), MAX_NEW, set(), Sampling(), check_every=1, stage_rows=2)
+        handed, ended = [], []
+        steps = dec.decode_parts(iter(parts), ended.append, lambda part, new, eos: handed.append((part.handle, new)))
+        return steps, handed, ended
+
+    steps, handed, ended = decode(split)
+    assert steps == 3 * (MAX_NEW - 1) and sorted(h for h, _ in handed) == [0, 1, 2]
+    assert dict(handed) == {0: want[:3], 1: [], 2: want[3:6]}
+    assert ended.count(0) == 3 and ended.count(2) == 3
+    assert decode(split[:1])[0] + decode(split[2:])[0] == 4 * (MAX_NEW - 1)
 
 
 @pytest.mark.gpu

@@ -336,7 +336,7 @@ def test_the_bar_counts_new_tokens_within_one_batch(tiny_dense, tmp_path):
     within = [s for s in states if s[4] == "0" and 0 < int(s[0]) < 100 and s[3] != "?"]
     assert within and all(s[2] == "2.40k" for s in within), r.stderr[-3000:]  # 4 rows x 600, an ETA shown
     assert states[-1][:3] == ("100", "2.40k", "2.40k") and states[-1][4:] == ("4", "4"), states[-1]
-    assert "of 4 slots" in (tmp_path / "long" / "logs" / "generate-launcher.log").read_text()  # four slots
+    assert "continuous batching: 4 slots" in (tmp_path / "long" / "logs" / "generate-launcher.log").read_text()
     # An end-of-sequence token that row 0 (and maybe others) writes early: the total shrinks to the tokens made
     first = read_output(tmp_path / "long")[100]
     eos = first["input_ids"][first["loss_mask"].index(1) + 30]

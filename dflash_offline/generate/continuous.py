@@ -26,7 +26,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Callable, NamedTuple
+from dataclasses import dataclass
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -47,6 +48,26 @@ class Finished(NamedTuple):
     job: Job
     tokens: list[int]  # new tokens, the end-of-sequence token included when it ended there
     ended_by_eos: bool
+
+
+class Part(NamedTuple):
+    """One of generate's parts, as decode_parts takes it."""
+
+    handle: object  # the caller's (a part's index)
+    name: str  # for the log
+    prompts: list[list[int]]
+    keys: list[int]  # each prompt's sampling key
+
+
+@dataclass
+class _Decoding:
+    """A part whose prompts are in the slots: what has come back so far."""
+
+    part: Part
+    new: list  # each prompt's new tokens, None until it ends
+    eos_end: list[bool]
+    left: int  # prompts not yet ended
+    t0: float
 
 
 class ContinuousDecoder:
@@ -139,8 +160,11 @@ class ContinuousDecoder:
     # -- host side --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, jobs: deque, on_finish: Callable[[Finished], list[Job] | None]) -> int:
-        """Decodes every job of the queue (and those on_finish adds); -> steps run."""
+    def run(self, jobs: deque, on_finish: Callable[[Finished], list[Job] | None],
+            refill: Callable[[], list[Job]] | None = None) -> int:
+        """Decodes every job of the queue, those on_finish adds, and those refill() gives whenever the
+        queue is empty and a slot is free (until it gives none); -> steps run. Jobs added later are
+        in the caller's progress bound already (the bar counts all the work from its start)."""
         if self.graphs and self._graph is None:
             self._capture()
         R, job_of = self.rows, [None] * self.rows
@@ -148,14 +172,20 @@ class ContinuousDecoder:
         bound = len(jobs) * self.max_new
         if self.progress is not None:
             self.progress.batch_start(bound)
-        while jobs or len(free) < R:
-            while free and jobs:
+        while True:
+            while free:
+                if not jobs and refill is not None:
+                    jobs.extend(refill())
+                if not jobs:
+                    break
                 take = min(len(free), len(jobs), self.stage.rows)
                 group = [jobs.popleft() for _ in range(take)]
                 slots = [free.pop(0) for _ in range(take)]
                 self._admit(slots, group)
                 for s, j in zip(slots, group):
                     job_of[s] = j
+            if len(free) == R:  # no slot holds a job, and none is left to admit
+                break
             if not bool(self.done.all()):
                 for _ in range(self.check_every):
                     self._run_step()
@@ -179,19 +209,42 @@ class ContinuousDecoder:
                 self.progress.batch_step(finished_tokens + running, bound)
         return steps
 
-    def decode_part(self, prompts, keys, new: list, eos_end: list, on_prompt: Callable[[int], None],
-                    name: str) -> None:
-        """generate's part: every prompt, longest first; fills new[k] / eos_end[k] and calls
-        on_prompt(k) as prompt k ends."""
-        t0 = time.perf_counter()
+    def decode_parts(self, parts: Iterator[Part], on_prompt: Callable[[object], None],
+                     on_part: Callable[[Part, list[list[int]], list[bool]], None]) -> int:
+        """generate's parts as one stream, each part's prompts longest first: once every prompt of a
+        part holds a slot, the next part's prompts take slots as they free up, so the slots do not
+        drain at each part's end. Calls on_prompt(part.handle) as a prompt ends and on_part(part,
+        new tokens, ended by eos) as a part's last prompt ends (parts may end out of order). Parts
+        are drawn from the iterator only when their prompts are wanted: stopping the iterator stops
+        the work after the parts begun. -> steps run."""
+        running: dict[int, _Decoding] = {}
+
+        def refill() -> list[Job]:
+            for part in parts:
+                if not part.prompts:
+                    on_part(part, [], [])
+                    continue
+                running[id(part)] = _Decoding(part, [None] * len(part.prompts), [False] * len(part.prompts),
+                                              len(part.prompts), time.perf_counter())
+                order = sorted(range(len(part.prompts)), key=lambda i: -len(part.prompts[i]))
+                return [Job(part.keys[i], part.prompts[i], (id(part), i)) for i in order]
+            return []
 
         def finished(f: Finished) -> None:
-            new[f.job.tag], eos_end[f.job.tag] = f.tokens, f.ended_by_eos
-            on_prompt(f.job.tag)
+            d = running[f.job.tag[0]]
+            d.new[f.job.tag[1]], d.eos_end[f.job.tag[1]] = f.tokens, f.ended_by_eos
+            d.left -= 1
+            on_prompt(d.part.handle)
+            if d.left == 0:
+                del running[id(d.part)]
+                log.info("%s: %d prompts, %d new tokens in %.2fs from its first prompt's start", d.part.name,
+                         len(d.new), sum(map(len, d.new)), time.perf_counter() - d.t0)
+                on_part(d.part, d.new, d.eos_end)
 
-        steps = self._longest_first(prompts, keys, finished)
-        log.info("%s: %d prompts, %d new tokens in %.2fs (%d steps of %d slots)", name, len(prompts),
-                 sum(len(t) for t in new), time.perf_counter() - t0, steps, self.rows)
+        t0 = time.perf_counter()
+        steps = self.run(deque(), finished, refill)
+        log.info("%d steps of %d slots in %.2fs", steps, self.rows, time.perf_counter() - t0)
+        return steps
 
     def decode_all(self, prompts: list[list[int]], keys: list[int]) -> list[Finished]:
         """Every prompt, longest first into the slots; results in input order."""

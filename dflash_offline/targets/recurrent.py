@@ -25,6 +25,7 @@ loop over the tokens in fp32, the same arithmetic as transformers' `torch_recurr
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, NamedTuple
 
@@ -213,9 +214,15 @@ def kernels_for(device: torch.device):
         return None
     kernels = _fla()
     if kernels is None:
-        from dflash_offline.targets.families import LAYER_KINDS, LINEAR
-
-        fla = next(k for k in LAYER_KINDS[LINEAR].kernels if k.module == "fla")
-        log.warning("%s is not installed: the Gated DeltaNet layers run a token-by-token PyTorch loop (slow); %s",
-                    fla.package, fla.install)
+        _warn_no_fla()
     return kernels
+
+
+@functools.cache
+def _warn_no_fla() -> None:
+    """Once a process (a decoder builds two static targets: its slots and its staging rows)."""
+    from dflash_offline.targets.families import LAYER_KINDS, LINEAR
+
+    fla = next(k for k in LAYER_KINDS[LINEAR].kernels if k.module == "fla")
+    log.warning("%s is not installed: the Gated DeltaNet layers run a token-by-token PyTorch loop (slow); %s",
+                fla.package, fla.install)
