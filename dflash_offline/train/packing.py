@@ -29,11 +29,12 @@ def pack_rows(lengths: np.ndarray, order: np.ndarray, seq_len: int) -> list[list
     return [[(p.sample, p.length) for p in row] for row in pack_pieces(Pieces.make(lengths, seq_len), order, seq_len)]
 
 
-def loss_weights(block_size: int, gamma: float) -> np.ndarray:
-    """w[j] = exp(-(j - 1) / gamma) for slots j = 1..B-1; slot 0 (the anchor) is not scored."""
+def loss_weights(block_size: int, gamma: float, label_offset: int = 0) -> np.ndarray:
+    """DFlash (label_offset 0): w[j] = exp(-(j - 1) / gamma) for slots j = 1..B-1; slot 0 (the
+    anchor) is not scored. DSpark (1): every slot predicts, w[j] = exp(-j / gamma), j = 0..B-1."""
     w = np.zeros(block_size, np.float32)
-    j = np.arange(1, block_size)
-    w[1:] = np.exp(-(j - 1) / gamma)
+    j = np.arange(1 - label_offset, block_size)
+    w[j] = np.exp(-(j - 1 + label_offset) / gamma)
     return w
 
 
@@ -83,9 +84,11 @@ def choose_anchors(cand: np.ndarray, cand_doc: np.ndarray, num_anchors: int, anc
 
 def build_row(input_ids: list[np.ndarray], loss_masks: list[np.ndarray], seq_len: int, num_anchors: int,
               block_size: int, mask_token_id: int, slot_weights: np.ndarray, rng: np.random.Generator,
-              anchors_per_sample: int | None = None, starts: list[int] | None = None) -> Row:
+              anchors_per_sample: int | None = None, starts: list[int] | None = None, label_offset: int = 0) -> Row:
     """The row of the documents `input_ids` (with their `loss_masks`), packed from position 0;
-    `starts`: where each begins inside its sample (a piece of a longer one), its first position."""
+    `starts`: where each begins inside its sample (a piece of a longer one), its first position.
+    `label_offset`: slot j of a block at anchor p predicts the token at p + j + label_offset (0:
+    DFlash, slot 0 unscored; 1: DSpark, every slot scored; drafter/dspark.py)."""
     S, N, B = seq_len, num_anchors, block_size
     ids = np.zeros(S, np.int64)
     doc = np.full(S, -1, np.int32)
@@ -107,7 +110,7 @@ def build_row(input_ids: list[np.ndarray], loss_masks: list[np.ndarray], seq_len
     anchors[:take] = chosen
     valid[:take] = True
     j = np.arange(B)
-    at = anchors[:, None] + j[None, :]  # [N, B] row positions the block slots predict
+    at = anchors[:, None] + j[None, :] + label_offset  # [N, B] row positions the block slots predict
     inside = (at < S)
     atc = np.minimum(at, S - 1)
     same_doc = inside & (doc[atc] == doc[anchors][:, None])
@@ -116,7 +119,8 @@ def build_row(input_ids: list[np.ndarray], loss_masks: list[np.ndarray], seq_len
     block_pos = pos[anchors][:, None] + j[None, :]
     labels = np.where(same_doc, ids[atc], 0)
     w = slot_weights[None, :] * same_doc * lm[atc] * valid[:, None]
-    labels[:, 0] = 0
+    if label_offset == 0:
+        labels[:, 0] = 0
     return Row(ids, doc, pos, lm, anchors, valid, block_ids.reshape(-1), block_pos.reshape(-1),
                labels.reshape(-1).astype(np.int64), w.reshape(-1).astype(np.float32))
 
