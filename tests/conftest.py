@@ -221,25 +221,37 @@ def fit_drafter_to_samples(d, feats, input_ids, loss_masks, steps: int, anchors:
     from dflash_offline.train.loss import block_loss
     from dflash_offline.train.packing import build_row, loss_weights
 
-    S, B = feats.shape[1], d.cfg.block_size
+    S, B, off = feats.shape[1], d.cfg.block_size, d.cfg.label_offset
     rng = np.random.default_rng(seed)
     opt = torch.optim.AdamW(d.trainable_parameters(), lr=3e-3)
     d.train()
     for _ in range(steps):
-        rows = [build_row([ids], [lm], S, anchors, B, 1, loss_weights(B, 4.0), rng) for ids, lm in zip(input_ids, loss_masks)]
+        rows = [build_row([ids], [lm], S, anchors, B, 1, loss_weights(B, 4.0, off), rng, label_offset=off)
+                for ids, lm in zip(input_ids, loss_masks)]
         st = lambda k: torch.from_numpy(np.stack([getattr(r, k) for r in rows]))  # noqa: E731
         mask = masks.dense_mask(st("doc_ids"), st("anchors"), st("anchor_valid"), B)
         h = d(feats, st("block_ids"), st("positions"), st("block_positions"), mask)
-        loss, _ = block_loss(h, d.lm_head.weight, st("labels"), st("weights"))
+        if d.cfg.method == "dspark":  # the CE term alone: the data are the target's greedy completions
+            from dflash_offline.drafter.dspark import previous_tokens
+            from dflash_offline.train.dspark_loss import LossWeights, dspark_loss
+
+            loss = dspark_loss(h, d.lm_head.weight, d.markov_head, d.confidence_head,
+                               previous_tokens(st("block_ids"), st("labels"), B), st("labels"), st("weights"),
+                               loss_weights=LossWeights(1.0, 0.0, 1.0)).total
+        else:
+            loss, _ = block_loss(h, d.lm_head.weight, st("labels"), st("weights"))
         opt.zero_grad()
         (loss / st("weights").sum()).backward()
         opt.step()
     return d.eval()
 
 
-def fitted_drafter(target, session, prompts, completions, layers, block_size: int = 8):
+def fitted_drafter(target, session, prompts, completions, layers, block_size: int = 8, method: str = "dflash"):
     """A 2-layer drafter of `target` fitted for 40 steps to its own completions of `prompts`
-    (session: a TargetSession over `layers` giving the features)."""
+    (session: a TargetSession over `layers` giving the features); method dspark: with a Markov
+    head of rank 8 and a confidence head."""
+    import dataclasses
+
     import numpy as np
     import torch
 
@@ -252,7 +264,10 @@ def fitted_drafter(target, session, prompts, completions, layers, block_size: in
     for i, x in enumerate(seqs):
         feats[i, :len(x)] = session.start(x.tolist())[1]
     torch.manual_seed(0)
-    d = DFlashDrafter(DrafterConfig.from_target(str(target), layers, block_size=block_size, drafter_layers=2, mask_token_id=1))
+    cfg = DrafterConfig.from_target(str(target), layers, block_size=block_size, drafter_layers=2, mask_token_id=1)
+    if method == "dspark":
+        cfg = dataclasses.replace(cfg, method="dspark", markov_rank=8, confidence_head=True)
+    d = DFlashDrafter(cfg)
     d.load_frozen_from_target(str(target))
     masks = [np.r_[np.zeros(len(p)), np.ones(len(x) - len(p))].astype(np.int8) for x, p in zip(seqs, prompts)]
     return fit_drafter_to_samples(d, feats, seqs, masks, steps=40, anchors=24)

@@ -23,6 +23,7 @@ from dflash_offline.train.dspark_loss import LossWeights, dspark_loss
 from dflash_offline.train.packing import build_row, loss_weights
 
 V, H, RANK, B = 41, 12, 5, 4
+SPREAD = 0.5  # the decoding tests' Markov bias scale: it decides some drafts, and whole blocks still pass
 
 
 def make(kind: str, with_conf: bool, seed: int = 0):
@@ -155,3 +156,96 @@ def test_dspark_rows_predict_the_next_token_from_every_slot():
         # DFlash: slot j predicts anchor + j, slot 0 unscored
         assert dflash.labels[blk][0] == 0 and dflash.weights[blk][0] == 0
         assert np.array_equal(dflash.labels[blk][1:][inside[:-1]], ids[a + 1:a + B][: inside[:-1].sum()])
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding (the static decoder): lossless, and the same rounds as a one-prompt DSpark loop
+
+
+def dspark_one_prompt(model, drafter, prompt, max_new, eos):
+    """A brute-force greedy DSpark decoder of one prompt: every round, the target's whole sequence
+    through transformers (features of every position), the drafter's block [anchor, MASK x (n-1)]
+    over the committed context, the drafts chosen left to right through the Markov head, the
+    accepted prefix and the target's next token. -> (tokens, accepted per round)."""
+    layers = drafter.cfg.target_layer_ids
+
+    def forward(seq):
+        with torch.inference_mode():
+            o = model(input_ids=torch.tensor([seq]), output_hidden_states=True)
+        return o.logits[0], torch.cat([o.hidden_states[i + 1][0] for i in layers], -1)
+
+    logits, _ = forward(prompt)
+    out, accepted = [int(logits[-1].argmax())], []
+    while len(out) < max_new and out[-1] not in eos:
+        seq = prompt + out
+        _, feats = forward(seq)
+        n = min(drafter.cfg.block_size, max_new - len(out))
+        anchor = len(seq) - 1
+        with torch.inference_mode():
+            kv = drafter.context_kv(feats[None, :anchor], torch.arange(anchor)[None])
+            block = torch.tensor([[seq[-1]] + [drafter.cfg.mask_token_id] * (n - 1)])
+            h = drafter.draft_hidden(kv, block, torch.arange(anchor, anchor + n)[None])[0]
+            m, drafts = drafter.markov_head, []
+            for k in range(n):  # slot k: the backbone's logits plus W2 W1[the token before it]
+                z = drafter.lm_head.weight @ h[k] + m.markov_w2.weight @ m.markov_w1.weight[(drafts or [seq[-1]])[-1]]
+                drafts.append(int(z.argmax()))
+        logits, _ = forward(seq + drafts)
+        want = logits[anchor:].argmax(-1).tolist()  # the target's choice after the anchor and each draft
+        a = 0
+        while a < n and drafts[a] == want[a]:
+            a += 1
+        accepted.append(a)
+        for tok in drafts[:a] + [want[a]]:
+            out.append(tok)
+            if len(out) >= max_new or tok in eos:
+                break
+    return out, accepted
+
+
+@pytest.fixture(scope="module")
+def dspark_fitted(tiny_dense, tiny_hybrid):
+    from conftest import fitted_drafter
+    from dflash_offline.evaluate.speculative import TargetSession, greedy_decode, load_target_for_decoding
+
+    out = {}
+    for kind, folder in (("qwen3", tiny_dense), ("qwen3_5", tiny_hybrid)):
+        model, _ = load_target_for_decoding(str(folder), "cpu", "float32")
+        session = TargetSession(model, [1, 2])
+        rng = np.random.default_rng(5)
+        prompts = [rng.integers(2, 500, size=n).tolist() for n in (6, 21, 13, 34, 3)]
+        completions = [greedy_decode(session, p, 40, set()).tokens for p in prompts]
+        d = fitted_drafter(folder, session, prompts, completions, [1, 2], 6, method="dspark")
+        # 40 steps leave the Markov bias near its tiny start: a random one of about the logits'
+        # spread makes the chain decide some drafts (the test must see the previous draft's effect)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            d.markov_head.markov_w1.weight.copy_(torch.randn(d.markov_head.markov_w1.weight.shape, generator=g))
+            d.markov_head.markov_w2.weight.copy_(torch.randn(d.markov_head.markov_w2.weight.shape, generator=g) * SPREAD)
+        out[kind] = (model, d, prompts)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_dspark_static_decoding_is_lossless_and_equals_brute_force(dspark_fitted, kind):
+    """fp32 greedy: the static decoder with a DSpark drafter gives the target alone's tokens and
+    the brute-force DSpark loop's accepted drafts per round, rows 1 and 3, with and without
+    end-of-sequence tokens; rounds accept from none to every slot of the block (6 drafts)."""
+    from dflash_offline.evaluate.graphed import StaticDecoder
+    from dflash_offline.evaluate.speculative import TargetSession, greedy_decode
+
+    model, drafter, prompts = dspark_fitted[kind]
+    session = TargetSession(model, [1, 2])
+    max_new = 23
+    plain = [greedy_decode(session, p, max_new, set()).tokens for p in prompts]
+    seen = set()
+    for stop in (set(), {plain[0][9], plain[3][17]}):
+        alone = [greedy_decode(session, p, max_new, stop).tokens for p in prompts]
+        brute = [dspark_one_prompt(model, drafter, p, max_new, stop) for p in prompts]
+        assert [b[0] for b in brute] == alone
+        for rows in (1, 3):
+            got = StaticDecoder(model, drafter, rows, max(map(len, prompts)), max_new, stop).decode_all(prompts)
+            for k, (g, (toks, acc)) in enumerate(zip(got, brute)):
+                assert g.tokens == toks, (rows, stop, k)
+                assert g.accepted == acc, (rows, stop, k, g.accepted, acc)
+        seen.update(a for _, acc in brute for a in acc)
+    assert min(seen) < 6 and 6 in seen, f"accepted lengths {seen}: the comparison needs rejections and whole blocks"

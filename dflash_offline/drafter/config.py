@@ -22,6 +22,10 @@ from dflash_offline.targets.tokenizer import TokenizerFiles, read_tokenizer_file
 
 log = logging.getLogger("dflash.drafter")
 
+METHODS = ("dflash", "dspark")  # drafter/dspark.py says how DSpark differs
+DSPARK_ARCHITECTURE = "Qwen3DSparkModel"  # DeepSpec's, which vLLM and SGLang route to their DSpark models
+MARKOV_HEADS = ("vanilla", "gated")  # DSpark's Markov head variants
+
 
 def config_rope_theta(text: dict) -> float:
     """rope_theta of a (text) config: top level (transformers 4), or inside `rope_parameters` /
@@ -76,8 +80,29 @@ class DrafterConfig:
     """How its training conversations were rendered (chat template sha256, thinking mode, system
     prompt; `prepare` records them, the cache carries them); `eval` warns when its prompts were
     rendered another way: a drafter trained in one thinking mode loses much of its tau in the other."""
+    method: str = "dflash"
+    """dflash: slot j of a block predicts the token at anchor + j (slot 0 unscored); dspark
+    (drafter/dspark.py): slot j predicts anchor + 1 + j, with a Markov head and a confidence head."""
+    markov_rank: int = 0
+    """DSpark's Markov head rank (0: none)."""
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = False
+
+    @property
+    def label_offset(self) -> int:
+        """Slot j of a block at anchor p predicts the token at p + j + label_offset."""
+        return 1 if self.method == "dspark" else 0
 
     def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method {self.method!r}: one of {', '.join(METHODS)}")
+        if self.method == "dflash" and (self.markov_rank or self.confidence_head):
+            raise ValueError("a DFlash drafter has no Markov or confidence head (those are DSpark's)")
+        if self.markov_rank < 0 or self.markov_head_type not in MARKOV_HEADS:
+            raise ValueError(f"markov head {self.markov_head_type!r} of rank {self.markov_rank}: a rank >= 0 and one "
+                             f"of {', '.join(MARKOV_HEADS)}")
+        if self.confidence_head and not self.markov_rank:
+            raise ValueError("the confidence head reads the Markov head's embedding: it needs markov_rank > 0")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"{self.num_attention_heads} heads is not a multiple of {self.num_key_value_heads} KV heads")
         if self.head_dim % 2:
@@ -130,7 +155,25 @@ class DrafterConfig:
         )
 
     def to_export_dict(self) -> dict:
-        """config.json of the export: a Qwen3 config plus the DFlash fields the loaders read."""
+        """config.json of the export: a Qwen3 config plus the DFlash fields the loaders read (DSpark:
+        the fields DeepSpec's checkpoints carry, which vLLM's and SGLang's DSpark loaders read)."""
+        d = self._dflash_export_dict()
+        if self.method != "dspark":
+            return d
+        d.pop("dflash_config")
+        d["architectures"] = [DSPARK_ARCHITECTURE]
+        d.update(mask_token_id=self.mask_token_id, target_layer_ids=list(self.target_layer_ids),
+                 markov_rank=self.markov_rank, enable_confidence_head=self.confidence_head)
+        if self.markov_rank:
+            d["markov_head_type"] = self.markov_head_type
+        if self.confidence_head:
+            d["confidence_head_with_markov"] = True
+        if self.mask_token is not None or self.chat:
+            d.setdefault("dflash_offline", {}).update({**({"mask_token": self.mask_token} if self.mask_token else {}),
+                                                       **({"chat": self.chat} if self.chat else {})})
+        return d
+
+    def _dflash_export_dict(self) -> dict:
         return {
             "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "dtype": "bfloat16",
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
@@ -191,11 +234,21 @@ class DrafterConfig:
         file and key, not an exception inside the model's construction."""
         if not isinstance(d, dict):
             raise UserError(f"{source}: holds a JSON {type(d).__name__}, not an object; not a DFlash drafter export")
-        dc = d.get("dflash_config") or {}
+        dspark = d.get("architectures") == [DSPARK_ARCHITECTURE]
+        if dspark:  # DeepSpec's layout: the DFlash fields at the top level, the heads' beside them
+            if d.get("enable_confidence_head") and d.get("confidence_head_with_markov") is False:
+                raise UserError(f"{source}: a confidence head without the Markov embedding in its input "
+                                "(confidence_head_with_markov false) is not supported")
+            own = d.get("dflash_offline") or {}
+            dc = {"target_layer_ids": d.get("target_layer_ids"), "mask_token_id": d.get("mask_token_id"),
+                  **({k: own[k] for k in ("mask_token", "chat") if k in own} if isinstance(own, dict) else {})}
+        else:
+            dc = d.get("dflash_config") or {}
         if not isinstance(dc, dict) or not isinstance(d.get("dflash_offline") or {}, dict):
             raise UserError(f"{source}: dflash_config and dflash_offline must be objects; not a DFlash drafter export")
         names = [f for f in cls.__dataclass_fields__
-                 if f not in ("target_layer_ids", "mask_token_id", "rope_theta", "mask_token", "target", "chat")]
+                 if f not in ("target_layer_ids", "mask_token_id", "rope_theta", "mask_token", "target", "chat", "method",
+                              "markov_rank", "markov_head_type", "confidence_head")]
         missing = [n for n in names if n not in d] + [n for n in ("target_layer_ids", "mask_token_id") if dc.get(n) is None]
         if missing:
             raise UserError(f"{source}: missing {missing}; not a complete DFlash drafter export")
@@ -219,10 +272,17 @@ class DrafterConfig:
         if dc.get("block_size") is not None and dc["block_size"] != d["block_size"]:
             raise UserError(f"{source}: block_size {d['block_size']!r} and dflash_config.block_size "
                             f"{dc['block_size']!r} disagree; the two must be equal")
+        heads = {}
+        if dspark:
+            rank, kind, conf = d.get("markov_rank", 0), d.get("markov_head_type", "vanilla"), d.get("enable_confidence_head", False)
+            if not whole(rank) or rank < 0 or kind not in MARKOV_HEADS or not isinstance(conf, bool):
+                raise UserError(f"{source}: markov_rank {rank!r}, markov_head_type {kind!r}, enable_confidence_head "
+                                f"{conf!r}: a rank >= 0, one of {', '.join(MARKOV_HEADS)}, a boolean")
+            heads = {"method": "dspark", "markov_rank": rank, "markov_head_type": kind, "confidence_head": conf}
         try:
             return cls(**{n: d[n] for n in names}, rope_theta=config_rope_theta(d), target_layer_ids=list(ids),
                        mask_token_id=mask, mask_token=dc.get("mask_token"),
-                       target=(d.get("dflash_offline") or {}).get("target"), chat=dc.get("chat"))
+                       target=(d.get("dflash_offline") or {}).get("target"), chat=dc.get("chat"), **heads)
         except ValueError as e:  # the config's own consistency checks (__post_init__)
             raise UserError(f"{source}: {e}") from None
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-MARKOV_HEADS = ("vanilla", "gated")
+from dflash_offline.drafter.config import MARKOV_HEADS
 
 
 class MarkovHead(nn.Module):
@@ -75,6 +75,31 @@ class ConfidenceHead(nn.Module):
 
     def forward(self, h: Tensor, e: Tensor) -> Tensor:
         return self.proj(torch.cat([h.to(e.dtype), e], dim=-1)).float().squeeze(-1)
+
+
+def draft_chain(h: Tensor, head_weight: Tensor, markov: MarkovHead, s, seeded: Tensor, at: Tensor, anchor: Tensor):
+    """A DSpark block's drafts, left to right: slot k's logits are the backbone's plus the Markov
+    bias of the token drafted before it (the anchor for slot 0), and its token is chosen from them
+    as DFlash's drafts are (argmax; or a keyed draw at output index at + k, sampling.draft_tokens'
+    rule), so the draw of slot k is conditioned on the drafts before it. h [R, K, H] (slot k
+    predicts the token at output index at + k), anchor [R]. -> (drafts [R, K], q [R, K, V] the
+    distributions they were drawn from, None when greedy: the q of the rejection rule)."""
+    import torch.nn.functional as F
+
+    from dflash_offline.sampling import DRAFT, draw, keyed_uniform, sampling_probs
+
+    base = F.linear(h, head_weight.to(h.dtype)).float()
+    prev, drafts, qs = anchor, [], []
+    for k in range(h.shape[1]):
+        z = base[:, k] + markov.bias(markov.code(h[:, k], prev)[1])
+        if s.greedy:
+            prev = z.argmax(-1)
+        else:
+            q = sampling_probs(z[:, None], s)
+            prev = draw(q, keyed_uniform(seeded, (at + k)[:, None], DRAFT))[:, 0]
+            qs.append(q[:, 0])
+        drafts.append(prev)
+    return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
 
 
 def previous_tokens(block_ids: Tensor, labels: Tensor, block_size: int) -> Tensor:

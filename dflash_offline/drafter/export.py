@@ -4,6 +4,13 @@ The folder loads unchanged in the reference inference code (z-lab/dflash; tests/
 and its config holds the keys vLLM's and SGLang's DFlash loaders read (no engine is run here: docs/serving.md);
 the frozen embedding and LM head are the target's and are not written. An export replaces only an
 earlier export or an empty folder, whole or not at all.
+
+A DSpark drafter is written as DeepSpec's checkpoints are (`Qwen3DSparkModel`: the DFlash fields at
+the top level of config.json beside markov_rank, markov_head_type, enable_confidence_head and
+confidence_head_with_markov; `markov_head.*` and `confidence_head.proj.*` beside the DFlash tensors),
+with the target's embedding and LM head copied in: SGLang's loader refuses a checkpoint that leaves
+a parameter unloaded. vLLM's and SGLang's DSpark models hold the vanilla Markov head only: a gated
+head is exported with a warning (DeepSpec's own code loads it).
 """
 
 from __future__ import annotations
@@ -16,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_offline.drafter.config import DrafterConfig
-from dflash_offline.drafter.model import DFlashDrafter
+from dflash_offline.drafter.config import DSPARK_ARCHITECTURE, DrafterConfig
+from dflash_offline.drafter.model import FROZEN_PREFIXES, DFlashDrafter
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.paths import ordinary_mode
 
@@ -25,6 +32,7 @@ log = logging.getLogger("dflash.drafter")
 
 EXPORT_CONFIG = "config.json"
 EXPORT_WEIGHTS = "model.safetensors"
+EXPORT_ARCHITECTURES = (["DFlashDraftModel"], [DSPARK_ARCHITECTURE])
 
 
 def check_export_dest(out: Path) -> None:
@@ -45,8 +53,8 @@ def check_export_dest(out: Path) -> None:
     except (OSError, ValueError, AttributeError):
         arch = None
     others = sorted(p.name for p in out.iterdir() if p.name not in (EXPORT_CONFIG, EXPORT_WEIGHTS))
-    if arch != ["DFlashDraftModel"] or others:
-        why = (f"it also holds {', '.join(others[:3])}" if arch == ["DFlashDraftModel"]
+    if arch not in EXPORT_ARCHITECTURES or others:
+        why = (f"it also holds {', '.join(others[:3])}" if arch in EXPORT_ARCHITECTURES
                else f"its config.json names architectures {arch}" if arch is not None else "it has no drafter config.json")
         raise UserError(f"{out}: exists and is not a drafter export ({why}); refusing to replace it: choose a new or "
                         "empty export folder (nothing was changed)")
@@ -67,7 +75,12 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in drafter.trainable_state_dict().items()}
+        dspark = drafter.cfg.method == "dspark"
+        if dspark and drafter.cfg.markov_head_type != "vanilla":
+            log.warning("a %s Markov head: vLLM's and SGLang's DSpark models load the vanilla head only (DeepSpec's "
+                        "code loads this export)", drafter.cfg.markov_head_type)
+        state = drafter.state_dict() if dspark else drafter.trainable_state_dict()
+        tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in state.items()}
         save_file(tensors, str(tmp / EXPORT_WEIGHTS), metadata={"format": "pt"})
         ordinary_mode(tmp / EXPORT_WEIGHTS)  # safetensors leaves 0600: a serving process of another user reads it
         (tmp / EXPORT_CONFIG).write_text(json.dumps(drafter.cfg.to_export_dict(), indent=2) + "\n", encoding="utf-8")
@@ -109,12 +122,15 @@ def load_exported(out_dir: str, target_dir: str | None = None) -> DFlashDrafter:
                             "the drafter config is damaged: export the drafter again (dflash-offline export --run "
                             "RUN --to DIR)")
     arch = d.get("architectures")
-    if not (isinstance(arch, list) and "DFlashDraftModel" in arch):
-        raise UserError(f"{root / EXPORT_CONFIG}: not a DFlashDraftModel config (architectures: {json.dumps(arch)})")
+    if not (isinstance(arch, list) and ("DFlashDraftModel" in arch or arch == [DSPARK_ARCHITECTURE])):
+        raise UserError(f"{root / EXPORT_CONFIG}: not a DFlashDraftModel or {DSPARK_ARCHITECTURE} config (architectures: "
+                        f"{json.dumps(arch)})")
     drafter = DFlashDrafter(DrafterConfig.from_export_dict(d, str(root / EXPORT_CONFIG)))
     wanted = drafter.trainable_state_dict()
     with safe_open(str(root / EXPORT_WEIGHTS), framework="pt", device="cpu") as sf:
         keys = set(sf.keys())
+        if drafter.cfg.method == "dspark":  # the frozen tables are in the file (SGLang wants them); the target's are used
+            keys -= {k for k in keys if k.startswith(FROZEN_PREFIXES)}
         if keys != set(wanted):
             raise UserError(f"{root / EXPORT_WEIGHTS}: missing {sorted(set(wanted) - keys)[:3]}, "
                             f"unexpected {sorted(keys - set(wanted))[:3]}")

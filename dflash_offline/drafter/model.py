@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_offline.drafter.config import DrafterConfig
+from dflash_offline.drafter.dspark import ConfidenceHead, MarkovHead
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.targets.folder import checkpoint_name, read_target
 
@@ -177,11 +178,19 @@ class DFlashDrafter(nn.Module):
         # Placeholders until load_frozen_from_target; bf16 halves a 250K x 5K table's memory.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h, dtype=torch.bfloat16)
         self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False, dtype=torch.bfloat16)
+        # DSpark's heads (drafter/dspark.py), where the config asks for them.
+        self.markov_head = self.confidence_head = None
+        if cfg.markov_rank:
+            self.markov_head = MarkovHead(cfg.vocab_size, h, cfg.markov_rank, cfg.markov_head_type)
+        if cfg.confidence_head:
+            self.confidence_head = ConfidenceHead(h, cfg.markov_rank)
         for name, p in self.named_parameters():
             if name.startswith(FROZEN_PREFIXES):
                 p.requires_grad_(False)
             elif p.dim() == 2:
                 nn.init.normal_(p, std=0.02)  # transformers' Qwen3 init (initializer_range)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)  # the heads' biases, as transformers' init
 
     # -- parameters ------------------------------------------------------------------------------
 

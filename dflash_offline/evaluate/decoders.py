@@ -89,6 +89,10 @@ class Decoders:
         import torch
 
         layers = drafter.cfg.target_layer_ids
+        if drafter.cfg.method == "dspark" and not self.static:
+            raise UserError(f"a DSpark drafter decodes through the static decoder only (its Markov head drafts left to "
+                            f"right inside the round); this run decodes through transformers' forward "
+                            f"({self.describe}): use --decoder auto or static with a full-attention or hybrid target")
         if self.static:
             from dflash_offline.evaluate.graphed import StaticDecoder
 

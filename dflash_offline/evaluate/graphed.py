@@ -68,7 +68,10 @@ class StaticDecoder:
         self.max_prompt_len = max_prompt_len
         self.block_size = drafter.cfg.block_size if drafter is not None else 1
         B = self.block_size
-        self.capacity = max_prompt_len + max_new + B
+        # Drafts a round: a DFlash block's slots 1..B-1; a DSpark block's every slot (drafter/dspark.py).
+        self.dspark = drafter is not None and drafter.cfg.method == "dspark"
+        self.drafts = B if self.dspark else B - 1
+        self.capacity = max_prompt_len + max_new + self.drafts + 1
         self.graphs = (dev.type == "cuda") if graphs is None else graphs
         self.buckets = row_buckets(rows, bucket_step)
         self._graphs: dict = {}  # bucket -> CUDA graph of a round; "prefill" -> the prefill's
@@ -92,7 +95,7 @@ class StaticDecoder:
             self.out = z(rows, max_new + B + 1)
             self.committed, self.accepted = z(rows, max_new + 1), z(rows, max_new + 1)
             self.eos = torch.tensor(sorted(eos) or [-1], device=dev)
-            self.steps = torch.arange(B, device=dev)
+            self.steps = torch.arange(self.drafts + 1, device=dev)  # a verify block: the anchor and the drafts
 
     def _per_row(self) -> list[torch.Tensor]:
         """Every tensor whose first dimension is the row (what compaction moves)."""
@@ -138,11 +141,18 @@ class StaticDecoder:
             nxt = target_tokens(self.target.logits(hidden)[:, 0], self.sampling, seeded, n_out)
             self._commit(k, anchor.new_empty((k, 0)), torch.zeros_like(anchor), nxt, active)
             return
-        B, s = self.block_size, self.sampling
+        s = self.sampling
         # Drafts that can still be committed: the last round of an output drafts fewer (the
         # reference's rule; its block is that much shorter, which the drafter sees).
-        limit = (self.max_new - n_out).clamp(0, B - 1)
-        drafts, q = draft_tokens(self.drafter.draft_logits(anchor, pos, limit + 1), s, seeded, n_out)
+        limit = (self.max_new - n_out).clamp(0, self.drafts)
+        if self.dspark:
+            from dflash_offline.drafter.dspark import draft_chain
+
+            d = self.drafter.drafter
+            h = self.drafter.draft_hidden(anchor, pos, limit.clamp_min(1))
+            drafts, q = draft_chain(h, d.lm_head.weight, d.markov_head, s, seeded, n_out, anchor)
+        else:
+            drafts, q = draft_tokens(self.drafter.draft_logits(anchor, pos, limit + 1), s, seeded, n_out)
         block = torch.cat([anchor[:, None], drafts], 1)
         bpos = pos[:, None] + self.steps
         hidden, feats = self.target.forward(block, bpos, features=True)

@@ -48,6 +48,12 @@ class DrafterBuffers:
     def draft_logits(self, anchor: torch.Tensor, pos: torch.Tensor, block_len: torch.Tensor) -> torch.Tensor:
         """The block [anchor, MASK x (B-1)] at positions pos.. [R] over the context before pos;
         block_len [R]: how many block tokens exist (>= 2). -> logits [R, B-1, V] (float32)."""
+        h = self.draft_hidden(anchor, pos, block_len)
+        return F.linear(h[:, 1:], self.drafter.lm_head.weight.to(h.dtype)).float()
+
+    def draft_hidden(self, anchor: torch.Tensor, pos: torch.Tensor, block_len: torch.Tensor) -> torch.Tensor:
+        """The final-normed hidden states [R, B, H] of the block (draft_logits says which); a
+        DSpark drafter's slot j predicts the token after the anchor's j-th successor."""
         d, B = self.drafter, self.block_size
         R = anchor.shape[0]
         block = torch.full((R, B), self.mask_id, dtype=torch.long, device=anchor.device)
@@ -66,5 +72,4 @@ class DrafterBuffers:
             self._write(i, k, v, bpos)
             x = x + a.attend(h, self.keys[i][:R], self.values[i][:R], cos, sin, mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        h = d.norm(x)
-        return F.linear(h[:, 1:], d.lm_head.weight.to(h.dtype)).float()
+        return d.norm(x)

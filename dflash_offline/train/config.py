@@ -42,6 +42,16 @@ class TrainConfig:
     """decay: slot k weighs exp(-(k-1)/gamma) (the method); dpace: D-PACE (arXiv 2605.18810), slot k
     weighs sum_{m>=k} prod_{i<=m} ((1 - a) q_i + a), q_i the drafter's detached probability of slot
     i's token: the gradient of the expected accepted length, per block and step."""
+    method: str = opt("dflash", "dflash, or dspark: every block slot predicts the next token, with a Markov head and a confidence head, and the loss ce x CE + tv x L1(p_draft, p_target) + bce x BCE(confidence, 1 - TV) (p_target from the cache's top-k).", choices=("dflash", "dspark"), resume=True)
+    """dflash: the method of dflash-method.md. dspark (DSpark, arXiv 2607.05147; drafter/dspark.py,
+    train/dspark_loss.py): slot j predicts the token at anchor + 1 + j, a low-rank Markov bias from
+    the previous token, a confidence head, and the three-term loss."""
+    markov_rank: int = opt(256, "With --method dspark: the Markov head's rank.", resume=True)
+    markov_head: str = opt("vanilla", "With --method dspark: vanilla (the kind vLLM and SGLang load) or gated (a sigmoid gate from the slot's hidden state).", choices=("vanilla", "gated"), resume=True)
+    confidence_head: bool = opt(True, "With --method dspark: train the confidence head (the probability each slot survives; engines use it to cut a block short).", resume=True)
+    ce_weight: float = opt(0.1, "With --method dspark: the weight of the cross-entropy term.", resume=True)
+    tv_weight: float = opt(0.9, "With --method dspark: the weight of the L1 distance to the target's distribution (twice the total variation).", resume=True)
+    bce_weight: float = opt(1.0, "With --method dspark: the weight of the confidence head's binary cross-entropy.", resume=True)
     dpace_alpha: float = opt(0.5, "With --loss-weights dpace: the smoothing a in (1 - a) x q + a, in [0, 1] (1 = every scored slot to the end counts equally).", resume=True)
     seq_len: int = opt(4096, "Context tokens per packed row; more than --block-size (a row holds whole blocks).", resume=True)
     """Context tokens per row; samples are packed into rows of exactly this length."""
@@ -157,6 +167,21 @@ class TrainConfig:
         check_number(self, "kd_weight", 0, 1, must="in [0, 1]", why="the top-k distribution's share of the target")
         check_number(self, "dpace_alpha", 0, 1, must="in [0, 1]", why="the smoothing a in (1 - a) x q + a")
         check_choices(self)
+        if self.method == "dspark":
+            check_positive(self, "markov_rank")
+            for name in ("ce_weight", "tv_weight", "bce_weight"):
+                check_number(self, name, 0, open_high=True, must=">= 0 and finite", why="a weight of the DSpark loss")
+            if self.loss_weights != "decay":
+                raise UserError(f"{where(self, 'loss_weights')} {self.loss_weights}: DSpark's loss weighs its slots "
+                                f"by exp(-k/gamma) (decay); leave it out with {also(self, 'method')} dspark")
+            if self.eval_cache:
+                raise UserError(f"{where(self, 'eval_cache')}: its held-out estimate scores DFlash blocks; DSpark's "
+                                f"slots predict one token further through a Markov head: leave it out with "
+                                f"{also(self, 'method')} dspark, and decode the export with `eval --prompts`")
+            if self.kd_weight:
+                raise UserError(f"{where(self, 'kd_weight')} mixes the top-k into DFlash's cross-entropy target; DSpark "
+                                f"matches the top-k through its L1 term (--tv-weight): leave it out with "
+                                f"{also(self, 'method')} dspark")
         if self.eval_every is not None and not self.eval_cache:
             raise UserError(f"{where(self, 'eval_every')} sets how often --eval-cache is measured; give --eval-cache "
                             "CACHE (a held-out cache of the target's own completions) or leave it out")

@@ -142,7 +142,8 @@ def _open_rows(t: Trainer, samples: EpochPlan | Segment, spans: list):
                    captured_layers=t.plan.captured_layers, hidden_dtype=t.plan.hidden_dtype,
                    cache_layers=t.plan.cache_layers,
                    layer_columns=None if t.plan.layer_columns is None else tuple(t.plan.layer_columns),
-                   topk=t.plan.topk, anchors_per_sample=cfg.anchors_per_sample or None)
+                   topk=t.plan.topk, anchors_per_sample=cfg.anchors_per_sample or None,
+                   label_offset=1 if t.plan.drafter.get("method") == "dspark" else 0)
     stream = RowStream(cfg.cache, samples.refs, samples.lengths, spec, spans, t.rank, t.world, t.plan.accum,
                        pad_rows=t.follow, pieces=samples.pieces)
     if len(stream) == 0:  # nothing left to train (a resumed finished run): no processes to start

@@ -305,7 +305,7 @@ def _dpace_reference_weights(h, head_weight, y, w, chunk_tokens, alpha, block_si
 
 
 def block_metrics(correct: torch.Tensor, weights: torch.Tensor, anchor_valid: torch.Tensor,
-                  block_size: int) -> dict[str, torch.Tensor]:
+                  block_size: int, first_slot: int = 1) -> dict[str, torch.Tensor]:
     """Sums (not means), so micro-batches and ranks can be added before dividing.
 
     - `slot_correct[j]`, `slot_count[j]`: top-1 hits and scored positions per block slot.
@@ -315,7 +315,7 @@ def block_metrics(correct: torch.Tensor, weights: torch.Tensor, anchor_valid: to
     B = block_size
     c = correct.reshape(-1, B)
     scored = weights.reshape(-1, B) > 0
-    hit = (c & scored)[:, 1:]
+    hit = (c & scored)[:, first_slot:]  # DFlash's first drafted slot is 1, DSpark's 0
     run = torch.cumprod(hit.to(torch.int32), dim=1).sum(dim=1)
     valid = anchor_valid.reshape(-1)
     return {

@@ -7,6 +7,8 @@ cannot work is refused in one line before any process starts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import math
 import time
@@ -205,6 +207,9 @@ def _drafter_config(cfg: TrainConfig, layer_ids: list[int], v: ManifestView):
                                      drafter_layers=cfg.drafter_layers, mask_token_id=cfg.mask_token_id,
                                      mask_flag=where(cfg, "mask_token_id"))
     dcfg.chat = v.chat  # how the training text was rendered: carried into the export
+    if cfg.method == "dspark":
+        dcfg = dataclasses.replace(dcfg, method="dspark", markov_rank=cfg.markov_rank,
+                                   markov_head_type=cfg.markov_head, confidence_head=cfg.confidence_head)
     if cfg.init_layers:
         read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg,  # shapes only: one line if they do not fit
                            flags=(where(cfg, "init_layers"), where(cfg, "drafter_layers")))
@@ -228,7 +233,14 @@ def layer_choice(cfg: TrainConfig, v: ManifestView) -> tuple[list[int], list[int
 
 
 def _check_soft_targets(cfg: TrainConfig, v: ManifestView) -> int:
-    """Top-k entries the loss reads: 0 without --kd-weight; the cache must hold them with it."""
+    """Top-k entries the loss reads: 0 without --kd-weight; the cache must hold them with it.
+    DSpark reads them for p_target where the cache has them (without: one-hot, with a warning)."""
+    if cfg.method == "dspark":
+        if v.topk == 0 and cfg.tv_weight:
+            log.warning("the cache %s holds no top-k (extracted with --topk 0): DSpark's L1 term compares the drafter "
+                        "with the data token alone (p_target one-hot); extract with --topk 32 for the target's "
+                        "distribution", cfg.cache)
+        return v.topk
     if cfg.kd_weight == 0:
         return 0
     k = v.topk

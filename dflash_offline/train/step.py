@@ -77,6 +77,7 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
 
     cfg, world, rank, device, cuda = t.cfg, t.world, t.rank, t.device, t.cuda
     accum, B = t.plan.accum, t.plan.drafter["block_size"]  # the drafter config owns the block size
+    dspark = t.drafter.cfg.method == "dspark"
     t0 = time.perf_counter()
     with phase("data"):
         micro = [next(it) for _ in range(accum)]  # all micro-batches first: the step's weight sum
@@ -116,11 +117,14 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
                                 mask)
                 _mark(phases, "forward")
                 with phase("loss"):
-                    ls, correct = block_loss(h, t.drafter.lm_head.weight, mb.labels, mb.weights,
-                                             t.loss_chunk, cfg.loss_impl, soft_ids=mb.soft_ids,
-                                             soft_logprobs=mb.soft_logprobs, soft_weight=cfg.kd_weight,
-                                             dpace_alpha=cfg.dpace_alpha if cfg.loss_weights == "dpace" else None,
-                                             block_size=B, compiled=t.compile_loss and cfg.loss_impl == "fused")
+                    if dspark:
+                        ls, correct = _dspark_loss(t, h, mb, B)
+                    else:
+                        ls, correct = block_loss(h, t.drafter.lm_head.weight, mb.labels, mb.weights,
+                                                 t.loss_chunk, cfg.loss_impl, soft_ids=mb.soft_ids,
+                                                 soft_logprobs=mb.soft_logprobs, soft_weight=cfg.kd_weight,
+                                                 dpace_alpha=cfg.dpace_alpha if cfg.loss_weights == "dpace" else None,
+                                                 block_size=B, compiled=t.compile_loss and cfg.loss_impl == "fused")
                 _mark(phases, "loss")
             with phase("backward"):
                 (ls.double() * scale).float().backward()
@@ -129,7 +133,7 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
             phases.report()
         with phase("metrics"):
             loss_sum += ls.detach().double()
-            mm = block_metrics(correct, mb.weights, mb.anchor_valid, B)
+            mm = block_metrics(correct, mb.weights, mb.anchor_valid, B, first_slot=0 if dspark else 1)
             step_m = mm if step_m is None else {k: step_m[k] + mm[k] for k in mm}
     with phase("optimizer"):
         gnorm = torch.nn.utils.clip_grad_norm_(t.params, cfg.clip)
@@ -188,12 +192,14 @@ class StepLog:
         m = r.sums
         loss = m.loss_sum / max(r.wsum.item(), 1e-12)  # a step without scored tokens logs 0, not nan
         acc = np.where(m.slot_count > 0, m.slot_correct / np.maximum(m.slot_count, 1), 0.0)
+        # From the first drafted token (DFlash's slot 1, DSpark's slot 0): acc_slot1 is its accuracy.
+        acc = acc[0 if t.drafter.cfg.method == "dspark" else 1:]
         tau = m.tau_sum / max(m.blocks, 1)
         t_step = time.perf_counter() - r.t0
-        rec = {"step": step, "epoch": st.epoch, "loss": loss, "acc_slot1": float(acc[1]), "tau": tau,
+        rec = {"step": step, "epoch": st.epoch, "loss": loss, "acc_slot1": float(acc[0]), "tau": tau,
                "lr": r.lr, "grad_norm": float(r.gnorm), "step_time": t_step,
                "data_wait": r.t_data / t_step,
-               "acc": [round(float(a), 5) for a in acc[1:]], "tokens": step * t.tokens_per_step,
+               "acc": [round(float(a), 5) for a in acc], "tokens": step * t.tokens_per_step,
                "trained_tokens": int(r.trained_tokens.item()), "recompiles": recompiles}
         if t.cuda:
             rec["max_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
@@ -205,7 +211,7 @@ class StepLog:
         bar = self.bar
         if bar is not None:
             bar.update(1)
-            bar.set_postfix_str(f"loss {loss:.3f} acc1 {acc[1]:.3f} tau {tau:.2f} "
+            bar.set_postfix_str(f"loss {loss:.3f} acc1 {acc[0]:.3f} tau {tau:.2f} "
                                 f"{t.tokens_per_step * bar.format_dict['rate'] if bar.format_dict.get('rate') else 0:.0f} tok/s")
         heartbeat(phase="train", step=step, total_steps=total, stop_step=stop, loss=loss, tau=tau)
         if step == 1 or step % t.cfg.log_every == 0 or step == stop:
@@ -225,6 +231,17 @@ class StepLog:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+
+def _dspark_loss(t: Trainer, h, mb, B: int):
+    """DSpark's three-term loss (train/dspark_loss.py) of a micro-batch -> (sum, correct)."""
+    from dflash_offline.drafter.dspark import previous_tokens
+    from dflash_offline.train.dspark_loss import LossWeights, dspark_loss
+
+    cfg = t.cfg
+    r = dspark_loss(h, t.drafter.lm_head.weight, t.drafter.markov_head, t.drafter.confidence_head,
+                    previous_tokens(mb.block_ids, mb.labels, B), mb.labels, mb.weights, mb.soft_ids, mb.soft_logprobs,
+                    LossWeights(cfg.ce_weight, cfg.tv_weight, cfg.bce_weight), t.loss_chunk)
+    return r.total, r.correct
 
 
 class _PhaseTimer:

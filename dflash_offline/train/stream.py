@@ -40,6 +40,7 @@ class RowSpec:
     layer_columns: tuple[int, ...] | None = None  # which of them, when a subset (train --target-layers)
     topk: int = 0
     anchors_per_sample: int | None = None
+    label_offset: int = 0  # slot j predicts anchor + j + label_offset (1: DSpark)
 
     @classmethod
     def of(cls, spec: "RowSpec | dict") -> "RowSpec":
@@ -236,14 +237,16 @@ class RowStream(torch.utils.data.IterableDataset):
             t += keep
         B = sp.block_size
         row = build_row(ids, masks, sp.seq_len, sp.num_anchors, B, sp.mask_token_id,
-                        loss_weights(B, sp.gamma), anchor_rng(sp.seed, epoch, global_row),
-                        anchors_per_sample=sp.anchors_per_sample, starts=[p.start for p in packed])
+                        loss_weights(B, sp.gamma, sp.label_offset), anchor_rng(sp.seed, epoch, global_row),
+                        anchors_per_sample=sp.anchors_per_sample, starts=[p.start for p in packed],
+                        label_offset=sp.label_offset)
         as_t = lambda x: torch.from_numpy(np.ascontiguousarray(x))[None]  # noqa: E731 - [1, ...]
         soft = {}
         if k:
-            # Slot j of the block at anchor p predicts token p + j: the target's distribution for it
-            # is the top-k stored at position p + j - 1. Unscored slots keep whatever they gather.
-            at = np.minimum(row.anchors[:, None] + np.arange(B)[None, :] - 1, S - 1).clip(0).reshape(-1)
+            # Slot j of the block at anchor p predicts token p + j (+ 1 for DSpark): the target's
+            # distribution for it is the top-k stored at the position before. Unscored slots keep
+            # whatever they gather.
+            at = np.minimum(row.anchors[:, None] + np.arange(B)[None, :] - 1 + sp.label_offset, S - 1).clip(0).reshape(-1)
             soft = {"soft_ids": as_t(top_ids[at]), "soft_logprobs": as_t(top_lp[at])}
         # bf16 rows carry the hidden states; fp8 rows their bits and scales (MicroBatch.on).
         hidden = ({"target_hidden_bits": as_t(bits), "target_hidden_scale": as_t(scale)} if fp8 else

@@ -1,0 +1,147 @@
+"""`train --method dspark` on the CPU: it learns, two gloo ranks equal one process, a SIGKILLed run
+resumes to the uninterrupted one, and the export has DeepSpec's layout and loads back to the same
+weights and logits. Refusals of options DSpark does not combine with."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from conftest import STRAIGHT, TRAIN, run_cli
+
+DSPARK = ["--method", "dspark", "--markov-rank", "16"]
+
+
+@pytest.fixture(scope="module")
+def topk_cache(tiny_dense, tmp_path_factory):
+    """Arithmetic rows with the target's top-8 (p_target of the L1 term)."""
+    from dflash_offline.tiny import make_tiny_data
+
+    root = tmp_path_factory.mktemp("dspark")
+    data = make_tiny_data(root / "arith.parquet", rows=96, min_len=40, max_len=120, pattern="arith", seed=3)
+    cache = root / "cache"
+    r = run_cli(["extract", "--target", str(tiny_dense), "--data", str(data), "--cache", str(cache),
+                 "--topk", "8", "--max-len", "128", "--batch-tokens", "1024", "--shard-tokens", "2048", "--no-progress"])
+    assert r.returncode == 0, r.stderr
+    return cache
+
+
+def train(tiny_dense, cache, out, *extra, **kw):
+    return run_cli(["train", "--target", str(tiny_dense), "--cache", str(cache), "--out", str(out), *TRAIN, *DSPARK,
+                    *extra], timeout=600, **kw)
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def straight(topk_cache, tiny_dense, tmp_path_factory):
+    runs = {}
+
+    def get(devices: str):
+        if devices not in runs:
+            out = tmp_path_factory.mktemp("dspark-straight") / devices.replace(",", "-")
+            r = train(tiny_dense, topk_cache, out, *STRAIGHT, "--devices", devices)
+            assert r.returncode == 0, r.stderr[-3000:]
+            runs[devices] = out
+        return runs[devices]
+
+    return get
+
+
+def test_dspark_learns_and_exports_deepspec_layout(topk_cache, tiny_dense, tmp_path):
+    out = tmp_path / "run"
+    r = train(tiny_dense, topk_cache, out, "--epochs", "4", "--checkpoint-every", "1000")
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = metrics(out)
+    first, last = np.mean([x["loss"] for x in m[:3]]), np.mean([x["loss"] for x in m[-3:]])
+    assert last < 0.75 * first, (first, last)
+    assert len(m[-1]["acc"]) == 8  # every slot drafts, slot 0 (the anchor's next token) first
+    # the tiny target's weights are random: its top-8 (the L1 term's p_target) is noise beside the
+    # arithmetic data, so the test asks the data of the cross-entropy alone
+    r = train(tiny_dense, topk_cache, tmp_path / "ce", "--epochs", "4", "--ce-weight", "1", "--tv-weight", "0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ce = metrics(tmp_path / "ce")
+    assert np.mean([x["acc_slot1"] for x in ce[-3:]]) > np.mean([x["acc_slot1"] for x in ce[:3]]) + 0.3
+    assert ce[-1]["tau"] > 1.5
+    cfg = json.loads((out / "export" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and "dflash_config" not in cfg
+    assert cfg["block_size"] == 8 and cfg["mask_token_id"] == 1 and cfg["target_layer_ids"] == [1, 2, 3, 4, 5]
+    assert (cfg["markov_rank"], cfg["markov_head_type"], cfg["enable_confidence_head"],
+            cfg["confidence_head_with_markov"]) == (16, "vanilla", True, True)
+    from safetensors.torch import load_file as load_torch
+
+    from dflash_offline.drafter.export import load_exported
+    from dflash_offline.train.checkpoint import load_checkpoint
+
+    tensors = load_torch(str(out / "export" / "model.safetensors"))
+    assert tensors["markov_head.markov_w1.weight"].shape == (cfg["vocab_size"], 16)
+    assert tensors["markov_head.markov_w2.weight"].shape == (cfg["vocab_size"], 16)
+    assert tensors["confidence_head.proj.weight"].shape == (1, cfg["hidden_size"] + 16)
+    assert {"embed_tokens.weight", "lm_head.weight", "fc.weight", "hidden_norm.weight", "norm.weight"} <= set(tensors)
+    # export -> load -> the checkpoint's weights rounded to bf16, and the same logits
+    loaded = load_exported(str(out / "export"), str(tiny_dense))
+    ckpt = load_checkpoint(str(out / f"step-{m[-1]['step']}"))
+    ckpt.load_frozen_from_target(str(tiny_dense))
+    with torch.no_grad():
+        for k, v in ckpt.state_dict().items():
+            want = v if k.startswith(("embed_tokens.", "lm_head.")) else v.to(torch.bfloat16)  # the target's, as they are
+            assert torch.equal(loaded.state_dict()[k].float(), want.float()), k
+        g = torch.Generator().manual_seed(0)
+        feats = torch.randn(1, 10, loaded.fc.in_features, generator=g)
+        kv = loaded.context_kv(feats, torch.arange(10)[None])
+        h = loaded.draft_hidden(kv, torch.tensor([[5] + [1] * 7]), torch.arange(10, 18)[None])
+        prev = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+        e, code = loaded.markov_head.code(h, prev)
+        logits = loaded.lm_head(h.to(loaded.lm_head.weight.dtype)).float() + loaded.markov_head.bias(code)
+        ckpt = ckpt.to(torch.float32)
+        for p, q in zip(ckpt.parameters(), loaded.parameters()):
+            p.copy_(q)
+        kv2 = ckpt.context_kv(feats, torch.arange(10)[None])
+        h2 = ckpt.draft_hidden(kv2, torch.tensor([[5] + [1] * 7]), torch.arange(10, 18)[None])
+        e2, code2 = ckpt.markov_head.code(h2, prev)
+        assert torch.equal(logits, ckpt.lm_head(h2.to(ckpt.lm_head.weight.dtype)).float() + ckpt.markov_head.bias(code2))
+        assert torch.equal(loaded.confidence_head(h, e), ckpt.confidence_head(h2, e2))
+
+
+def test_two_gloo_ranks_equal_one_process(straight):
+    one, two = straight("cpu"), straight("cpu,cpu")
+    la, lb = [x["loss"] for x in metrics(one)], [x["loss"] for x in metrics(two)]
+    assert len(la) == len(lb) == 12
+    np.testing.assert_allclose(la, lb, rtol=1e-5)
+    wa, wb = (load_file(str(o / "step-12" / "drafter.safetensors")) for o in (one, two))
+    assert any(k.startswith("markov_head.") for k in wa) and any(k.startswith("confidence_head.") for k in wa)
+    for k in wa:
+        np.testing.assert_allclose(wa[k], wb[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_resume_after_sigkill_equals_straight_run(topk_cache, tiny_dense, straight, tmp_path):
+    resumed = tmp_path / "resumed"
+    env = {**os.environ, "DFLASH_OFFLINE_KILL_AT": "checkpoint-saved:1"}
+    r = train(tiny_dense, topk_cache, resumed, "--epochs", "2", "--max-steps", "12", "--checkpoint-every", "6", env=env)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    r = train(tiny_dense, topk_cache, resumed, "--epochs", "2", "--max-steps", "12", "--checkpoint-every", "6")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["loss"] for x in metrics(straight("cpu"))] == [x["loss"] for x in metrics(resumed)]
+    want, got = (load_file(str(o / "step-12" / "drafter.safetensors")) for o in (straight("cpu"), resumed))
+    assert want.keys() == got.keys()
+    for k in want:
+        np.testing.assert_array_equal(want[k], got[k], err_msg=k)
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--kd-weight", "0.5"], "--kd-weight"),
+    (["--loss-weights", "dpace"], "--loss-weights"),
+    (["--markov-rank", "0"], "--markov-rank"),
+])
+def test_refusals(topk_cache, tiny_dense, tmp_path, extra, says):
+    r = train(tiny_dense, topk_cache, tmp_path / "run", *extra)
+    assert r.returncode != 0 and says in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
