@@ -7,6 +7,8 @@ tokens.
   new tokens (8^4 outcomes) are compared by a chi-square goodness-of-fit test with their exact
   distribution, the product of the target's own sampling distributions over every prefix
   (brute force). The same test must reject a decoder with a wrong rejection rule (power).
+- DSpark: the same test with a DSpark drafter (drafts drawn left to right through its Markov
+  head), and its power against a decoder that hands the rejection rule the unbiased q.
 - Keys: the static decoder (batched), the one-prompt decoder and the KV-batched decoder give the
   same tokens for the same keys, and so do the target alone's two decoders.
 - `verify_sampled` alone (no model) commits tokens distributed as p; `draw` is the inverse CDF.
@@ -246,6 +248,74 @@ def test_a_wrong_rejection_rule_is_detected(small, s, monkeypatch, capsys):
     with capsys.disabled():
         print(f"\n[{s}] wrong rule: chi2 {stat:.1f}, dof {dof}, p {p:.3g} (0: below 1e-308)")
     assert p < ALPHA, f"a wrong rejection rule passed the distribution test (chi2 {stat:.1f}, dof {dof}, p {p:.3f})"
+
+
+# ----------------------------------------------------------------------------------------------
+# DSpark: drafts chosen left to right through the Markov head
+
+
+def small_dspark_drafter(folder, block_size: int, seed: int = 1) -> DFlashDrafter:
+    """A random 1-layer DSpark drafter (rank 4) whose Markov bias is about as large as the logits:
+    each draft's distribution depends on the draft before it."""
+    import dataclasses
+
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.from_target(str(folder), LAYERS, block_size=block_size, drafter_layers=1, mask_token_id=1)
+    d = DFlashDrafter(dataclasses.replace(cfg, method="dspark", markov_rank=4, confidence_head=True))
+    d.load_frozen_from_target(str(folder))
+    with torch.no_grad():
+        d.markov_head.markov_w1.weight.normal_(0.0, 1.0)
+        d.markov_head.markov_w2.weight.normal_(0.0, 1.5)
+    return d.eval()
+
+
+def dspark_draws(small, s: Sampling):
+    model, _, folder = small
+    drafter = small_dspark_drafter(folder, BLOCK)
+    return StaticDecoder(model, drafter, DRAWS, len(PROMPT), NEW, set(), s).decode([PROMPT] * DRAWS, list(range(DRAWS)))
+
+
+@pytest.mark.parametrize("s", SETTINGS, ids=["T1", "T0.8-p0.9-k5"])
+def test_dspark_sampling_is_distributed_as_the_target(small, s, capsys):
+    """As for DFlash: 20,000 decodes of one prompt with a DSpark drafter (block 3: three drafts a
+    round, each drawn from the Markov-biased distribution given the draft before it, q of the
+    rejection rule) give the first 4 tokens with the target's own joint distribution."""
+    model = small[0]
+    out = dspark_draws(small, s)
+    first_round = np.array([o.accepted[0] for o in out])
+    # rejections at once, accepted drafts, and whole blocks (the bonus) all taken
+    assert (first_round == 0).mean() > 0.05 and (first_round >= 1).mean() > 0.05, np.bincount(first_round)
+    assert (first_round == BLOCK).sum() >= 50, np.bincount(first_round)
+    expected = exact_distribution(model, PROMPT, s) * DRAWS
+    stat, dof, p = goodness_of_fit(outcome_counts(out, VOCAB), expected)
+    with capsys.disabled():
+        print(f"\n[{s}] DSpark: chi2 {stat:.1f}, dof {dof}, p {p:.4f}, first round accepted "
+              f"{np.bincount(first_round, minlength=BLOCK + 1).tolist()}")
+    assert p > ALPHA, f"chi2 {stat:.1f} on {dof} degrees of freedom: p {p:.2e}"
+
+
+def test_dspark_with_the_unbiased_q_is_detected(small, monkeypatch, capsys):
+    """Power: a decoder that draws each draft from the Markov-biased distribution but hands the
+    rejection rule the backbone's own distribution (without the bias) as q fails the test."""
+    from dflash_offline.drafter import dspark
+
+    right = dspark.draft_chain
+    calls = []
+
+    def wrong(h, head_weight, markov, s, seeded, at, anchor):
+        calls.append(1)
+        drafts, _ = right(h, head_weight, markov, s, seeded, at, anchor)
+        base = torch.nn.functional.linear(h, head_weight.to(h.dtype)).float()
+        return drafts, sampling_probs(base, s)
+
+    monkeypatch.setattr(dspark, "draft_chain", wrong)
+    s = SETTINGS[0]
+    out = dspark_draws(small, s)
+    assert calls
+    stat, dof, p = goodness_of_fit(outcome_counts(out, VOCAB), exact_distribution(small[0], PROMPT, s) * DRAWS)
+    with capsys.disabled():
+        print(f"\n[{s}] DSpark, q without the bias: chi2 {stat:.1f}, dof {dof}, p {p:.3g}")
+    assert p < ALPHA, f"the wrong q passed the distribution test (chi2 {stat:.1f}, dof {dof}, p {p:.3f})"
 
 
 def test_verify_sampled_one_slot_distribution():
