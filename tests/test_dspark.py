@@ -247,5 +247,10 @@ def test_dspark_static_decoding_is_lossless_and_equals_brute_force(dspark_fitted
             for k, (g, (toks, acc)) in enumerate(zip(got, brute)):
                 assert g.tokens == toks, (rows, stop, k)
                 assert g.accepted == acc, (rows, stop, k, g.accepted, acc)
+                # the confidence head's record: every round verifies slot 0, slot j is accepted in
+                # the rounds that accept more than j drafts, predictions are probabilities
+                pred, verified, survived = np.asarray(g.confidence)
+                assert verified[0] == len(acc) and survived.tolist() == [sum(a > j for a in acc) for j in range(6)]
+                assert (verified >= survived).all() and (pred <= verified).all() and (pred >= 0).all()
         seen.update(a for _, acc in brute for a in acc)
     assert min(seen) < 6 and 6 in seen, f"accepted lengths {seen}: the comparison needs rejections and whole blocks"

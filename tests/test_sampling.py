@@ -302,11 +302,11 @@ def test_dspark_with_the_unbiased_q_is_detected(small, monkeypatch, capsys):
     right = dspark.draft_chain
     calls = []
 
-    def wrong(h, head_weight, markov, s, seeded, at, anchor):
+    def wrong(h, head_weight, markov, s, seeded, at, anchor, confidence=None):
         calls.append(1)
-        drafts, _ = right(h, head_weight, markov, s, seeded, at, anchor)
+        drafts, _, *conf = right(h, head_weight, markov, s, seeded, at, anchor, confidence)
         base = torch.nn.functional.linear(h, head_weight.to(h.dtype)).float()
-        return drafts, sampling_probs(base, s)
+        return drafts, sampling_probs(base, s), *conf
 
     monkeypatch.setattr(dspark, "draft_chain", wrong)
     s = SETTINGS[0]

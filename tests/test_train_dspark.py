@@ -109,6 +109,25 @@ def test_dspark_learns_and_exports_deepspec_layout(topk_cache, tiny_dense, tmp_p
         e2, code2 = ckpt.markov_head.code(h2, prev)
         assert torch.equal(logits, ckpt.lm_head(h2.to(ckpt.lm_head.weight.dtype)).float() + ckpt.markov_head.bias(code2))
         assert torch.equal(loaded.confidence_head(h, e), ckpt.confidence_head(h2, e2))
+    # eval decodes the export (the static decoder, 2 prompts a forward), lossless against the target
+    # alone; the report has 8 draft slots and the confidence head's calibration; transformers' decoders refuse it
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prompts = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"id": [1, 2, 3], "input_ids": [[5, 9, 13, 7], [3, 3, 8], [11, 2, 6, 4, 9]]}), prompts)
+    rep = tmp_path / "eval.json"
+    args = ["eval", "--target", str(tiny_dense), "--drafter", str(out / "export"), "--prompts", str(prompts),
+            "--max-new-tokens", "20", "--batch-size", "2", "--no-progress"]
+    r = run_cli([*args, "--json", str(rep)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    e = json.loads(rep.read_text())["drafters"][0]
+    assert e["lossless"] is True and len(e["accept_rate"]) == 8 and e["tau"] >= 1
+    c = e["confidence"]
+    assert c["verified"][0] == e["rounds"] and all(0 <= p <= 1 for p in c["predicted"])
+    assert "confidence head, predicted / observed" in r.stdout
+    r = run_cli([*args, "--decoder", "transformers"])
+    assert r.returncode != 0 and "static decoder only" in r.stderr, r.stderr[-2000:]
 
 
 def test_two_gloo_ranks_equal_one_process(straight):

@@ -77,21 +77,26 @@ class ConfidenceHead(nn.Module):
         return self.proj(torch.cat([h.to(e.dtype), e], dim=-1)).float().squeeze(-1)
 
 
-def draft_chain(h: Tensor, head_weight: Tensor, markov: MarkovHead, s, seeded: Tensor, at: Tensor, anchor: Tensor):
+def draft_chain(h: Tensor, head_weight: Tensor, markov: MarkovHead, s, seeded: Tensor, at: Tensor, anchor: Tensor,
+                confidence: "ConfidenceHead | None" = None):
     """A DSpark block's drafts, left to right: slot k's logits are the backbone's plus the Markov
     bias of the token drafted before it (the anchor for slot 0), and its token is chosen from them
     as DFlash's drafts are (argmax; or a keyed draw at output index at + k, sampling.draft_tokens'
     rule), so the draw of slot k is conditioned on the drafts before it. h [R, K, H] (slot k
     predicts the token at output index at + k), anchor [R]. -> (drafts [R, K], q [R, K, V] the
-    distributions they were drawn from, None when greedy: the q of the rejection rule)."""
+    distributions they were drawn from, None when greedy: the q of the rejection rule[, the
+    confidence head's survival probabilities [R, K] when `confidence` is given])."""
     import torch.nn.functional as F
 
     from dflash_offline.sampling import DRAFT, draw, keyed_uniform, sampling_probs
 
     base = F.linear(h, head_weight.to(h.dtype)).float()
-    prev, drafts, qs = anchor, [], []
+    prev, drafts, qs, conf = anchor, [], [], []
     for k in range(h.shape[1]):
-        z = base[:, k] + markov.bias(markov.code(h[:, k], prev)[1])
+        e, code = markov.code(h[:, k], prev)
+        z = base[:, k] + markov.bias(code)
+        if confidence is not None:
+            conf.append(torch.sigmoid(confidence(h[:, k], e)))
         if s.greedy:
             prev = z.argmax(-1)
         else:
@@ -99,7 +104,8 @@ def draft_chain(h: Tensor, head_weight: Tensor, markov: MarkovHead, s, seeded: T
             prev = draw(q, keyed_uniform(seeded, (at + k)[:, None], DRAFT))[:, 0]
             qs.append(q[:, 0])
         drafts.append(prev)
-    return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
+    out = torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
+    return out if confidence is None else (*out, torch.stack(conf, 1))
 
 
 def previous_tokens(block_ids: Tensor, labels: Tensor, block_size: int) -> Tensor:

@@ -96,6 +96,8 @@ class StaticDecoder:
             self.committed, self.accepted = z(rows, max_new + 1), z(rows, max_new + 1)
             self.eos = torch.tensor(sorted(eos) or [-1], device=dev)
             self.steps = torch.arange(self.drafts + 1, device=dev)  # a verify block: the anchor and the drafts
+            # per row and draft slot: [confidence sum, rounds verifying the slot, rounds accepting it]
+            self.calibration = z(rows, 3, self.drafts, dtype=torch.float32)
 
     def _per_row(self) -> list[torch.Tensor]:
         """Every tensor whose first dimension is the row (what compaction moves)."""
@@ -103,7 +105,7 @@ class StaticDecoder:
         if self.drafter is not None:
             bufs += self.drafter.keys + self.drafter.values
         return [self.anchor, self.pos, self.n_out, self.rounds, self.seeded, self.done, self.row_of, self.out,
-                self.committed, self.accepted, *bufs]
+                self.committed, self.accepted, self.calibration, *bufs]
 
     # -- device work only (what the CUDA graphs capture) ---------------------------------------------
 
@@ -127,6 +129,7 @@ class StaticDecoder:
         self.rounds.zero_()
         self.committed.zero_()
         self.accepted.zero_()
+        self.calibration.zero_()
         self.row_of.copy_(torch.arange(R, device=self.device))
         self.done.copy_(~self.real | torch.isin(first, self.eos) | (self.max_new <= 1))
         if self.drafter is not None:
@@ -150,7 +153,8 @@ class StaticDecoder:
 
             d = self.drafter.drafter
             h = self.drafter.draft_hidden(anchor, pos, limit.clamp_min(1))
-            drafts, q = draft_chain(h, d.lm_head.weight, d.markov_head, s, seeded, n_out, anchor)
+            drafts, q, *conf = draft_chain(h, d.lm_head.weight, d.markov_head, s, seeded, n_out, anchor,
+                                           d.confidence_head)
         else:
             drafts, q = draft_tokens(self.drafter.draft_logits(anchor, pos, limit + 1), s, seeded, n_out)
         block = torch.cat([anchor[:, None], drafts], 1)
@@ -160,6 +164,10 @@ class StaticDecoder:
         # Recurrent layers keep the anchor and the accepted drafts, nothing of the rejected ones.
         self.target.settle((accepted + 1) * active)
         self.drafter.add_context(feats, bpos)
+        if self.dspark and conf:  # the confidence head's calibration: slot j verified, and accepted
+            j = self.steps[None, :-1]
+            verified = ((j < limit[:, None]) & (j <= accepted[:, None]) & active[:, None]).float()
+            self.calibration[:k] += torch.stack([conf[0] * verified, verified, verified * (j < accepted[:, None])], 1)
         self._commit(k, drafts, accepted, nxt, active)
 
     def _commit(self, k: int, drafts: torch.Tensor, accepted: torch.Tensor, nxt: torch.Tensor,
@@ -271,12 +279,13 @@ class StaticDecoder:
         where = self.row_of.tolist()
         out, n_out, rounds = self.out.tolist(), self.n_out.tolist(), self.rounds.tolist()
         committed, accepted = self.committed.tolist(), self.accepted.tolist()
+        calibration = self.calibration.tolist() if self.dspark and self.drafter.drafter.confidence_head is not None else None
         seconds = (time.perf_counter() - t0) / n  # the batch's wall time, shared by its prompts
         results: list[Decoded | None] = [None] * n
         for i, r in enumerate(where):
             if r < n:
                 results[r] = Decoded(out[i][:n_out[i]], accepted[i][:rounds[i]], seconds, rounds[i] + 1,
-                                     committed[i][:rounds[i]])
+                                     committed[i][:rounds[i]], None if calibration is None else calibration[i])
         return results  # type: ignore[return-value]
 
     def decode_all(self, prompts: list[list[int]], keys: list[int] | None = None, on_batch=None) -> list[Decoded]:

@@ -342,7 +342,7 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
             runs = decoders.speculative(drafter, prompts, ids, progress)
         bar.close()
         e = report["drafters"][i]
-        e.update(summarize(runs, drafter.cfg.block_size))
+        e.update(summarize(runs, drafter.cfg.block_size + drafter.cfg.label_offset))  # DSpark drafts B a round
         e["accepted_per_prompt"] = [r.accepted for r in runs]  # each round's accepted drafts, in prompt_ids' order
         e["committed_per_prompt"] = [r.committed for r in runs]  # each round's committed new tokens
         show_decoded(tok, path, ids, prompts, runs, cfg.show)  # --show N: where the drafter was right, as text
@@ -397,6 +397,10 @@ def format_report(report: dict) -> str:
                          f"{e.get('tau_per_prompt_mean', float('nan')):>7.3f} {e['rounds']:>7} "
                          f"{e['tokens_per_s']:>8.1f} {speed:>7} {lossless:>8}")
             lines.append("  accepted per slot: " + " ".join(f"{a:.2f}" for a in e["accept_rate"]))
+            if "confidence" in e:  # a DSpark drafter's confidence head
+                c = e["confidence"]
+                lines.append("  confidence head, predicted / observed survival per slot: " + " ".join(
+                    f"{p:.2f}/{o:.2f}" for p, o in zip(c["predicted"], c["observed"])))
             if "implied" in e:
                 lines.append("  " + e["implied"]["line"])
     if any("cache_walk" in e or "cache_estimate" in e for e in report["drafters"]):

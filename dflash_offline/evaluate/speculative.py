@@ -261,6 +261,9 @@ class Decoded:
     # New tokens each verify round committed: accepted + 1, the last round's cut at
     # --max-new-tokens and after an end-of-sequence token (the reference's acceptance lengths).
     committed: list[int] = field(default_factory=list)
+    # A DSpark drafter's confidence head, per draft slot over the prompt's rounds: [sum of its
+    # predicted survival, rounds that verified the slot, rounds that accepted it] (None otherwise).
+    confidence: list[list[float]] | None = None
 
 
 def output_done(out: list[int], max_new: int, eos: set[int]) -> bool:
@@ -391,7 +394,20 @@ def summarize(runs: list[Decoded], block_size: int) -> dict:
         "tau": committed / rounds if rounds else float("nan"),
         "tau_per_prompt_mean": float(np.mean(per_prompt)) if per_prompt else float("nan"),
         "tau_per_prompt": per_prompt,
-        # Share of rounds in which draft slot j (1..B-1) was accepted.
+        # Share of rounds in which draft slot j (1..B-1) was accepted (block_size: drafts a round + 1).
         "accept_rate": [float((acc >= j).mean()) if rounds else 0.0 for j in range(1, block_size)],
         "target_forwards": sum(r.target_forwards for r in runs),
+        **_confidence(runs),
     }
+
+
+def _confidence(runs: list[Decoded]) -> dict:
+    """A DSpark confidence head's calibration per draft slot: its mean predicted survival against
+    the observed share of verified slots accepted (both given that the slots before it were)."""
+    sums = [np.asarray(r.confidence, np.float64) for r in runs if r.confidence is not None]
+    if not sums:
+        return {}
+    pred, reached, survived = np.sum(sums, axis=0)
+    at = np.maximum(reached, 1)
+    return {"confidence": {"predicted": (pred / at).tolist(), "observed": (survived / at).tolist(),
+                           "verified": reached.astype(int).tolist()}}
