@@ -254,3 +254,55 @@ def test_dspark_static_decoding_is_lossless_and_equals_brute_force(dspark_fitted
                 assert (verified >= survived).all() and (pred <= verified).all() and (pred >= 0).all()
         seen.update(a for _, acc in brute for a in acc)
     assert min(seen) < 6 and 6 in seen, f"accepted lengths {seen}: the comparison needs rejections and whole blocks"
+
+
+def test_dspark_walk_equals_a_brute_force_walk_over_the_cache(dspark_fitted, tiny_dense, tmp_path):
+    """The held-out walk (train --eval-cache, eval --cache) for a DSpark drafter on a cache of the
+    target's own greedy completions: for every sample, each round's accepted drafts equal a
+    brute-force walk that drafts the whole block from the cache's stored features, chooses the
+    drafts left to right through the Markov head, and checks them against the data (the target's
+    greedy tokens): what greedy decoding with those features would accept."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from conftest import run_cli
+    from dflash_offline.cache.reader import CacheReader
+    from dflash_offline.evaluate.speculative import TargetSession, greedy_decode
+    from dflash_offline.train.walk import walk_acceptance, walk_rounds
+
+    model, drafter, prompts = dspark_fitted["qwen3"]
+    session, new = TargetSession(model, [1, 2]), 30
+    rows = [p + greedy_decode(session, p, new, set()).tokens for p in prompts]
+    data = tmp_path / "own.parquet"
+    pq.write_table(pa.table({"id": list(range(len(rows))), "input_ids": rows,
+                             "loss_mask": [[0] * len(p) + [1] * new for p in prompts]}), data)
+    cache = tmp_path / "cache"
+    r = run_cli(["extract", "--target", str(tiny_dense), "--data", str(data), "--cache", str(cache), "--topk", "0",
+                 "--capture-layers", "1,2", "--max-len", "128", "--no-progress"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    max_new, B = 24, drafter.cfg.block_size
+    walk = walk_acceptance(str(cache), drafter, "cpu", max_new=max_new, per_sample=True)
+    reader = CacheReader(str(cache))
+    m = drafter.markov_head
+    seen = set()
+    for x in walk["per_sample"]:
+        s = reader.sample(x["id"])
+        ids, feats = s.input_ids.tolist(), torch.from_numpy(np.ascontiguousarray(s.hidden).reshape(len(s.input_ids), -1))
+        p0 = int(np.flatnonzero(s.loss_mask)[0])
+        accepted = []
+        for p in range(p0, len(ids) - 1):  # the whole block anchored at every completion token
+            with torch.no_grad():
+                kv = drafter.context_kv(feats[None, :p].float(), torch.arange(p)[None])
+                block = torch.tensor([[ids[p]] + [drafter.cfg.mask_token_id] * (B - 1)])
+                h = drafter.draft_hidden(kv, block, torch.arange(p, p + B)[None])[0]
+            a, prev = 0, ids[p]
+            while a < B and p + 1 + a < len(ids):
+                z = drafter.lm_head.weight.float() @ h[a].float() + m.markov_w2.weight @ m.markov_w1.weight[prev]
+                if int(z.argmax()) != ids[p + 1 + a]:
+                    break
+                prev, a = ids[p + 1 + a], a + 1
+            accepted.append(a)
+        want = walk_rounds(accepted, max_new)
+        assert x["accepted"] == want, (x["id"], x["accepted"], want)
+        seen.update(want)
+    assert len(walk["accept_rate"]) == B and 0 in seen and max(seen) >= 2, seen

@@ -66,9 +66,14 @@ def test_dspark_learns_and_exports_deepspec_layout(topk_cache, tiny_dense, tmp_p
     assert len(m[-1]["acc"]) == 8  # every slot drafts, slot 0 (the anchor's next token) first
     # the tiny target's weights are random: its top-8 (the L1 term's p_target) is noise beside the
     # arithmetic data, so the test asks the data of the cross-entropy alone
-    r = train(tiny_dense, topk_cache, tmp_path / "ce", "--epochs", "4", "--ce-weight", "1", "--tv-weight", "0")
+    r = train(tiny_dense, topk_cache, tmp_path / "ce", "--epochs", "4", "--ce-weight", "1", "--tv-weight", "0",
+              "--eval-cache", str(topk_cache), "--eval-every", "30")
     assert r.returncode == 0, r.stderr[-3000:]
     ce = metrics(tmp_path / "ce")
+    # the held-out walk scores DSpark blocks (8 drafts a round) and picks the best checkpoint
+    held = [json.loads(x) for x in (tmp_path / "ce" / "heldout.jsonl").read_text().splitlines()]
+    assert held and all(1.0 <= h["tau_pooled"] <= 9 for h in held) and held[-1]["tau_pooled"] > held[0]["tau_pooled"]
+    assert json.loads((tmp_path / "ce" / "best.json").read_text())
     assert np.mean([x["acc_slot1"] for x in ce[-3:]]) > np.mean([x["acc_slot1"] for x in ce[:3]]) + 0.3
     assert ce[-1]["tau"] > 1.5
     cfg = json.loads((out / "export" / "config.json").read_text())

@@ -203,11 +203,6 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.prompts:
         warn_chat_mismatch(cfg.prompts, drafters)
     if cfg.cache:
-        dspark = [str(p) for p, d in drafters if d.cfg.method == "dspark"]
-        if dspark:
-            raise UserError(f"{said('cache')}: the cache estimates score DFlash blocks; {dspark[0]} is a DSpark drafter "
-                            f"(its slots predict one token further, through a Markov head): decode it with "
-                            f"{said('prompts')} instead")
         _check_cache_layers(cfg, drafters)
         widest = max(d.cfg.block_size for _, d in drafters)
         if cfg.seq_len <= widest:

@@ -174,10 +174,6 @@ class TrainConfig:
             if self.loss_weights != "decay":
                 raise UserError(f"{where(self, 'loss_weights')} {self.loss_weights}: DSpark's loss weighs its slots "
                                 f"by exp(-k/gamma) (decay); leave it out with {also(self, 'method')} dspark")
-            if self.eval_cache:
-                raise UserError(f"{where(self, 'eval_cache')}: its held-out estimate scores DFlash blocks; DSpark's "
-                                f"slots predict one token further through a Markov head: leave it out with "
-                                f"{also(self, 'method')} dspark, and decode the export with `eval --prompts`")
             if self.kd_weight:
                 raise UserError(f"{where(self, 'kd_weight')} mixes the top-k into DFlash's cross-entropy target; DSpark "
                                 f"matches the top-k through its L1 term (--tv-weight): leave it out with "

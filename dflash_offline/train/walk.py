@@ -69,7 +69,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
 
     from dflash_offline.drafter import masks
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.train.loss import block_loss, block_metrics
+    from dflash_offline.train.loss import block_metrics
     from dflash_offline.train.packing import epoch_order
     from dflash_offline.train.pieces import pack_pieces, scan_samples
     from dflash_offline.train.stream import RowSpec, RowStream, Span, make_loader
@@ -89,7 +89,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     # drafter's columns are picked on the device.
     spec = RowSpec(seed=seed, seq_len=seq_len, num_anchors=num_anchors, block_size=B,
                    mask_token_id=cfg.mask_token_id, gamma=1.0, hidden_size=cfg.hidden_size,
-                   captured_layers=n_cached, hidden_dtype=view.hidden_dtype)
+                   captured_layers=n_cached, hidden_dtype=view.hidden_dtype, label_offset=cfg.label_offset)
     stream = RowStream(cache, table.refs, table.lengths, spec, Span(0, 0, steps), 0, 1, 1, pieces=table.pieces)
     drafter = drafter.to(device)
     cuda = str(device).startswith("cuda")
@@ -105,8 +105,8 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
                 mask = build(mb.doc_ids, mb.anchors, mb.anchor_valid, B)
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
                     h = drafter(hidden, mb.block_ids, mb.ctx_positions, mb.block_positions, mask)
-                    _, correct = block_loss(h, drafter.lm_head.weight, mb.labels, mb.weights, loss_chunk_tokens)
-                got = block_metrics(correct, mb.weights, mb.anchor_valid, B)
+                    correct = slot_hits(drafter, h, mb, loss_chunk_tokens)
+                got = block_metrics(correct, mb.weights, mb.anchor_valid, B, first_slot=1 - cfg.label_offset)
                 total = got if total is None else {k: total[k] + got[k] for k in got}
     finally:
         drafter.train(was_training)
@@ -115,11 +115,27 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     cnt = total["slot_count"].cpu().numpy()
     acc = np.where(cnt > 0, total["slot_correct"].cpu().numpy() / np.maximum(cnt, 1), 0.0)
     return {"rows": steps, "blocks": int(total["blocks"]), "tau": float(total["tau_sum"] / total["blocks"]),
-            "slot_accuracy": [float(a) for a in acc[1:]]}
+            "slot_accuracy": [float(a) for a in acc[1 - cfg.label_offset:]]}
 
 
 # ----------------------------------------------------------------------------------------------
 # The walk: decoding's blocks, picked out of every anchor's score
+
+
+def slot_hits(drafter, h, mb, chunk_tokens: int):
+    """[R, Q] whether each slot's argmax is its label: the LM head's (DFlash), or the Markov-biased
+    logits given the data token before the slot (DSpark: teacher forcing, which is the draft chain
+    itself up to its first miss, all that a leading run of hits counts)."""
+    from dflash_offline.train.loss import block_loss
+
+    if drafter.cfg.method == "dspark":
+        from dflash_offline.drafter.dspark import previous_tokens
+        from dflash_offline.train.dspark_loss import dspark_loss
+
+        prev = previous_tokens(mb.block_ids, mb.labels, drafter.cfg.block_size)
+        return dspark_loss(h, drafter.lm_head.weight, drafter.markov_head, None, prev, mb.labels, mb.weights,
+                           chunk_tokens=chunk_tokens).correct
+    return block_loss(h, drafter.lm_head.weight, mb.labels, mb.weights, chunk_tokens)[1]
 
 
 def walk_rounds(accepted, length: int, max_new: int | None = None) -> list[int]:
@@ -171,7 +187,8 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
     For each sample (the first `max_samples` in manifest order): every candidate anchor p
     (loss_mask[p] and loss_mask[p + 1] set) is scored, accepted(p) = the leading run of slots
     j = 1..B-1 whose argmax equals the data token at p + j (a slot past the sample's end or on an
-    unscored token is a miss). Then the walk (`walk_rounds`) from the first completion token p0:
+    unscored token is a miss; a DSpark drafter: slots j = 0..B-1 against the token at p + 1 + j,
+    through its Markov head given the data token before, `slot_hits`). Then the walk (`walk_rounds`) from the first completion token p0:
     a = accepted(p), one round, p += a + 1, until the output reaches the completion length (the
     loss_mask-1 tokens from p0 on; capped at `max_new`).
 
@@ -201,7 +218,6 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
     from dflash_offline.drafter import masks
     from dflash_offline.cache.fp8 import DTYPE_NAME as FP8
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.train.loss import block_loss
     from dflash_offline.train.packing import build_row, loss_weights, pack_rows
     from dflash_offline.train.stream import MicroBatch
 
@@ -230,7 +246,8 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
     A = max(1, min(anchors_per_row, S - 1))  # a row has at most S - 1 candidates
     # Every candidate of a row: build_row takes all of them, sorted, when asked for at least as
     # many blocks as the row has positions.
-    weights = loss_weights(B, 1.0)
+    off = cfg.label_offset  # DSpark: every slot drafts, slot j the token at p + 1 + j
+    weights = loss_weights(B, 1.0, off)
     rng = np.random.default_rng(0)
 
     def read(ref: _Sample, keep: int):
@@ -249,8 +266,8 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
 
     ctx_rows: list[_ContextRow] = []
     pending: list[tuple[int, dict]] = []  # (context row, arrays of one block of anchors)
-    slot_hit = np.zeros(B - 1, np.float64)
-    slot_count = np.zeros(B - 1, np.float64)
+    slot_hit = np.zeros(B - 1 + off, np.float64)
+    slot_count = np.zeros(B - 1 + off, np.float64)
     anchor_acc: list[np.ndarray] = []
     was_training = drafter.training
     drafter = drafter.to(device)
@@ -273,11 +290,11 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
         mask = build(mb.doc_ids, mb.anchors, mb.anchor_valid, B)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             h = drafter(mb.target_hidden, mb.block_ids, mb.ctx_positions, mb.block_positions, mask)
-            _, correct = block_loss(h, drafter.lm_head.weight, mb.labels, mb.weights, loss_chunk_tokens)
+            correct = slot_hits(drafter, h, mb, loss_chunk_tokens)
         # block_metrics' rule: a slot counts when its argmax is the label and it is scored
         # (inside the sample, on a loss-mask token); an unscored slot ends the run.
-        scored = (mb.weights > 0).view(R, A, B)[:, :, 1:]
-        hit = correct.view(R, A, B)[:, :, 1:] & scored
+        scored = (mb.weights > 0).view(R, A, B)[:, :, 1 - off:]
+        hit = correct.view(R, A, B)[:, :, 1 - off:] & scored
         acc = torch.cumprod(hit.to(torch.int32), dim=2).sum(dim=2).cpu().numpy()
         valid = mb.anchor_valid
         slot_hit[:] += hit[valid].sum(0).double().cpu().numpy()
@@ -303,7 +320,7 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
                     lms.append(lm)
                     spans.append((s, at, keep))
                     at += keep
-                row = build_row(ids, lms, S, S, B, cfg.mask_token_id, weights, rng)
+                row = build_row(ids, lms, S, S, B, cfg.mask_token_id, weights, rng, label_offset=off)
                 r = len(ctx_rows)
                 ctx_rows.append(_ContextRow(spans, row.loss_mask, np.zeros(S, np.int64)))
                 n_cand = int(row.anchor_valid.sum())
@@ -352,7 +369,7 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
         "samples": len(rounds_of), "samples_skipped": skipped, "rounds": int(flat.size),
         "tau_pooled": sum(c for _, _, c in rounds_of) / flat.size,
         "tau_per_prompt_mean": float(np.mean([c / len(r) for _, r, c in rounds_of])),
-        "accept_rate": [float((flat >= j).mean()) for j in range(1, B)],
+        "accept_rate": [float((flat >= j).mean()) for j in range(1, B + off)],
         "anchors": int(every.size),
         "tau_all_anchors": float((every + 1).mean()) if every.size else float("nan"),
         "slot_accuracy": [float(h / c) if c else 0.0 for h, c in zip(slot_hit, slot_count)],
