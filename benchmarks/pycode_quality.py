@@ -47,6 +47,12 @@ PRESETS = {
     "layers1-5": ["--target-layers", "1,2,3,4,5"],
     "kd": ["--kd-weight", "0.5"],
     "lr2.5e-3": ["--lr", "2.5e-3"],
+    # DSpark (drafter/dspark.py) on the same cache: its loss replaces the recipe's distillation
+    # (--kd-weight) and D-PACE weights (exp(-k/gamma) slot weights); p_target is the cache's top-32.
+    "dspark": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay"],
+    "dspark-gated": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay", "--markov-head", "gated"],
+    "dspark-ce": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay", "--ce-weight", "1",
+                  "--tv-weight", "0"],
 }
 
 
