@@ -160,10 +160,26 @@ def test_resume_after_sigkill_equals_straight_run(topk_cache, tiny_dense, straig
         np.testing.assert_array_equal(want[k], got[k], err_msg=k)
 
 
+def test_dflash_with_the_l1_term_learns_and_stays_dflash(topk_cache, tiny_dense, tmp_path):
+    """--method dflash --tv-weight: DFlash's slots and export, its loss with DSpark's L1 term."""
+    out = tmp_path / "run"
+    r = run_cli(["train", "--target", str(tiny_dense), "--cache", str(topk_cache), "--out", str(out), *TRAIN,
+                 "--tv-weight", "0.5", "--epochs", "3"], timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = metrics(out)
+    assert len(m[-1]["acc"]) == 7 and m[-1]["loss"] < m[0]["loss"]
+    cfg = json.loads((out / "export" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and "markov_rank" not in cfg
+    r = run_cli(["train", "--target", str(tiny_dense), "--cache", str(topk_cache), "--out", str(tmp_path / "kd"), *TRAIN,
+                 "--tv-weight", "0.5", "--kd-weight", "0.5"])
+    assert r.returncode != 0 and "--kd-weight" in r.stderr and "--tv-weight" in r.stderr, r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("extra,says", [
     (["--kd-weight", "0.5"], "--kd-weight"),
     (["--loss-weights", "dpace"], "--loss-weights"),
     (["--markov-rank", "0"], "--markov-rank"),
+    (["--tv-weight", "-1"], "--tv-weight"),
 ])
 def test_refusals(topk_cache, tiny_dense, tmp_path, extra, says):
     r = train(tiny_dense, topk_cache, tmp_path / "run", *extra)

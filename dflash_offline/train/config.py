@@ -49,8 +49,8 @@ class TrainConfig:
     markov_rank: int = opt(256, "With --method dspark: the Markov head's rank.", resume=True)
     markov_head: str = opt("vanilla", "With --method dspark: vanilla (the kind vLLM and SGLang load) or gated (a sigmoid gate from the slot's hidden state).", choices=("vanilla", "gated"), resume=True)
     confidence_head: bool = opt(True, "With --method dspark: train the confidence head (the probability each slot survives; engines use it to cut a block short).", resume=True)
-    ce_weight: float = opt(0.1, "With --method dspark: the weight of the cross-entropy term.", resume=True)
-    tv_weight: float = opt(0.9, "With --method dspark: the weight of the L1 distance to the target's distribution (twice the total variation).", resume=True)
+    ce_weight: float | None = opt(None, "The weight of the cross-entropy term beside --tv-weight.", default_text="0.1 with --method dspark, 1 with dflash", resume=True)
+    tv_weight: float | None = opt(None, "The weight of the L1 distance between the drafter's and the target's distributions (twice the total variation; p_target from the cache's top-k); with --method dflash above 0 it adds DSpark's distribution term to DFlash's loss.", default_text="0.9 with --method dspark, 0 with dflash", resume=True)
     bce_weight: float = opt(1.0, "With --method dspark: the weight of the confidence head's binary cross-entropy.", resume=True)
     dpace_alpha: float = opt(0.5, "With --loss-weights dpace: the smoothing a in (1 - a) x q + a, in [0, 1] (1 = every scored slot to the end counts equally).", resume=True)
     seq_len: int = opt(4096, "Context tokens per packed row; more than --block-size (a row holds whole blocks).", resume=True)
@@ -167,17 +167,18 @@ class TrainConfig:
         check_number(self, "kd_weight", 0, 1, must="in [0, 1]", why="the top-k distribution's share of the target")
         check_number(self, "dpace_alpha", 0, 1, must="in [0, 1]", why="the smoothing a in (1 - a) x q + a")
         check_choices(self)
+        for name in ("ce_weight", "tv_weight", "bce_weight"):
+            check_number(self, name, 0, open_high=True, must=">= 0 and finite", why="a weight of the loss's terms")
         if self.method == "dspark":
             check_positive(self, "markov_rank")
-            for name in ("ce_weight", "tv_weight", "bce_weight"):
-                check_number(self, name, 0, open_high=True, must=">= 0 and finite", why="a weight of the DSpark loss")
+        if self.distribution_loss:  # train/dspark_loss.py: no D-PACE weights, no soft labels
+            why = f"{also(self, 'method')} dspark" if self.method == "dspark" else f"{also(self, 'tv_weight')} above 0"
             if self.loss_weights != "decay":
-                raise UserError(f"{where(self, 'loss_weights')} {self.loss_weights}: DSpark's loss weighs its slots "
-                                f"by exp(-k/gamma) (decay); leave it out with {also(self, 'method')} dspark")
+                raise UserError(f"{where(self, 'loss_weights')} {self.loss_weights}: the loss with the L1 term weighs "
+                                f"its slots by exp(-k/gamma) (decay); leave it out with {why}")
             if self.kd_weight:
-                raise UserError(f"{where(self, 'kd_weight')} mixes the top-k into DFlash's cross-entropy target; DSpark "
-                                f"matches the top-k through its L1 term (--tv-weight): leave it out with "
-                                f"{also(self, 'method')} dspark")
+                raise UserError(f"{where(self, 'kd_weight')} mixes the top-k into the cross-entropy's target; the L1 "
+                                f"term (--tv-weight) matches the top-k itself: leave it out with {why}")
         if self.eval_every is not None and not self.eval_cache:
             raise UserError(f"{where(self, 'eval_every')} sets how often --eval-cache is measured; give --eval-cache "
                             "CACHE (a held-out cache of the target's own completions) or leave it out")
@@ -193,6 +194,19 @@ class TrainConfig:
 
     def resolved_lr(self, hidden_size: int) -> float:
         return self.lr if self.lr is not None else auto_lr(hidden_size)
+
+    @property
+    def resolved_ce_weight(self) -> float:
+        return self.ce_weight if self.ce_weight is not None else (0.1 if self.method == "dspark" else 1.0)
+
+    @property
+    def resolved_tv_weight(self) -> float:
+        return self.tv_weight if self.tv_weight is not None else (0.9 if self.method == "dspark" else 0.0)
+
+    @property
+    def distribution_loss(self) -> bool:
+        """The three-term loss (train/dspark_loss.py): DSpark's, or DFlash's with --tv-weight."""
+        return self.method == "dspark" or self.resolved_tv_weight > 0
 
     @property
     def resolved_gamma(self) -> float:

@@ -58,8 +58,11 @@ def _chunk(h, head_weight, markov: MarkovHead, conf: ConfidenceHead | None, prev
            lw: LossWeights):
     if h.dtype != head_weight.dtype and not torch.is_autocast_enabled(h.device.type):
         head_weight = head_weight.to(h.dtype)
-    e, code = markov.code(h, prev)
-    z = F.linear(h, head_weight).float() + markov.bias(code)
+    z = F.linear(h, head_weight).float()
+    e = None
+    if markov is not None:  # DFlash with the L1 term has no Markov head (nor a confidence head)
+        e, code = markov.code(h, prev)
+        z = z + markov.bias(code)
     logp = torch.log_softmax(z, -1)
     p = logp.exp()
     ce = -logp.gather(-1, y[:, None]).squeeze(-1)
@@ -80,12 +83,16 @@ def _chunk(h, head_weight, markov: MarkovHead, conf: ConfidenceHead | None, prev
     return total, z.argmax(-1) == y, stats
 
 
-def dspark_loss(hidden: torch.Tensor, head_weight: torch.Tensor, markov: MarkovHead, confidence: ConfidenceHead | None,
+def dspark_loss(hidden: torch.Tensor, head_weight: torch.Tensor, markov: MarkovHead | None,
+                confidence: ConfidenceHead | None,
                 prev: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, soft_ids: torch.Tensor | None = None,
                 soft_logprobs: torch.Tensor | None = None, loss_weights: LossWeights = LossWeights(),
                 chunk_tokens: int = 4096) -> DSparkLoss:
     """hidden [R, Q, H]; prev (x_{k-1}), labels, weights [R, Q]; soft_ids / soft_logprobs [R, Q, k]
-    the target's top-k for each slot (None: one-hot p_target)."""
+    the target's top-k for each slot (None: one-hot p_target). markov None: no Markov bias (DFlash's
+    slots with the L1 term; `prev` is then not read, and there is no confidence head)."""
+    if markov is None and confidence is not None:
+        raise ValueError("dspark_loss: the confidence head reads the Markov head's embedding")
     if not (hidden.shape[:2] == labels.shape == weights.shape == prev.shape):
         raise ValueError(f"dspark_loss: hidden {tuple(hidden.shape)}, prev {tuple(prev.shape)}, labels "
                          f"{tuple(labels.shape)}, weights {tuple(weights.shape)} do not line up")

@@ -235,9 +235,9 @@ def layer_choice(cfg: TrainConfig, v: ManifestView) -> tuple[list[int], list[int
 def _check_soft_targets(cfg: TrainConfig, v: ManifestView) -> int:
     """Top-k entries the loss reads: 0 without --kd-weight; the cache must hold them with it.
     DSpark reads them for p_target where the cache has them (without: one-hot, with a warning)."""
-    if cfg.method == "dspark":
-        if v.topk == 0 and cfg.tv_weight:
-            log.warning("the cache %s holds no top-k (extracted with --topk 0): DSpark's L1 term compares the drafter "
+    if cfg.distribution_loss:
+        if v.topk == 0 and cfg.resolved_tv_weight:
+            log.warning("the cache %s holds no top-k (extracted with --topk 0): the L1 term compares the drafter "
                         "with the data token alone (p_target one-hot); extract with --topk 32 for the target's "
                         "distribution", cfg.cache)
         return v.topk

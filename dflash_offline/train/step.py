@@ -78,6 +78,7 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
     cfg, world, rank, device, cuda = t.cfg, t.world, t.rank, t.device, t.cuda
     accum, B = t.plan.accum, t.plan.drafter["block_size"]  # the drafter config owns the block size
     dspark = t.drafter.cfg.method == "dspark"
+    three_terms = t.cfg.distribution_loss  # DSpark's loss (for DFlash: --tv-weight above 0)
     t0 = time.perf_counter()
     with phase("data"):
         micro = [next(it) for _ in range(accum)]  # all micro-batches first: the step's weight sum
@@ -117,7 +118,7 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
                                 mask)
                 _mark(phases, "forward")
                 with phase("loss"):
-                    if dspark:
+                    if three_terms:
                         ls, correct = _dspark_loss(t, h, mb, B)
                     else:
                         ls, correct = block_loss(h, t.drafter.lm_head.weight, mb.labels, mb.weights,
@@ -233,14 +234,16 @@ class StepLog:
             self.tb = None
 
 def _dspark_loss(t: Trainer, h, mb, B: int):
-    """DSpark's three-term loss (train/dspark_loss.py) of a micro-batch -> (sum, correct)."""
+    """The three-term loss (train/dspark_loss.py) of a micro-batch -> (sum, correct): DSpark's, or
+    DFlash's with the L1 term (no heads: its CE and L1 terms)."""
     from dflash_offline.drafter.dspark import previous_tokens
     from dflash_offline.train.dspark_loss import LossWeights, dspark_loss
 
-    cfg = t.cfg
-    r = dspark_loss(h, t.drafter.lm_head.weight, t.drafter.markov_head, t.drafter.confidence_head,
-                    previous_tokens(mb.block_ids, mb.labels, B), mb.labels, mb.weights, mb.soft_ids, mb.soft_logprobs,
-                    LossWeights(cfg.ce_weight, cfg.tv_weight, cfg.bce_weight), t.loss_chunk)
+    cfg, d = t.cfg, t.drafter
+    prev = previous_tokens(mb.block_ids, mb.labels, B) if d.markov_head is not None else mb.labels
+    r = dspark_loss(h, d.lm_head.weight, d.markov_head, d.confidence_head, prev, mb.labels, mb.weights, mb.soft_ids,
+                    mb.soft_logprobs, LossWeights(cfg.resolved_ce_weight, cfg.resolved_tv_weight, cfg.bce_weight),
+                    t.loss_chunk)
     return r.total, r.correct
 
 
