@@ -173,6 +173,9 @@ def test_dflash_with_the_l1_term_learns_and_stays_dflash(topk_cache, tiny_dense,
     r = run_cli(["train", "--target", str(tiny_dense), "--cache", str(topk_cache), "--out", str(tmp_path / "kd"), *TRAIN,
                  "--tv-weight", "0.5", "--kd-weight", "0.5"])
     assert r.returncode != 0 and "--kd-weight" in r.stderr and "--tv-weight" in r.stderr, r.stderr[-2000:]
+    r = run_cli(["train", "--target", str(tiny_dense), "--cache", str(topk_cache), "--out", str(tmp_path / "mr"), *TRAIN,
+                 "--markov-rank", "64"])
+    assert r.returncode != 0 and "--markov-rank" in r.stderr and "--method dspark" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("extra,says", [
@@ -180,6 +183,7 @@ def test_dflash_with_the_l1_term_learns_and_stays_dflash(topk_cache, tiny_dense,
     (["--loss-weights", "dpace"], "--loss-weights"),
     (["--markov-rank", "0"], "--markov-rank"),
     (["--tv-weight", "-1"], "--tv-weight"),
+    (["--compile-loss"], "--compile-loss"),
 ])
 def test_refusals(topk_cache, tiny_dense, tmp_path, extra, says):
     r = train(tiny_dense, topk_cache, tmp_path / "run", *extra)

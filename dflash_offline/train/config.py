@@ -171,6 +171,12 @@ class TrainConfig:
             check_number(self, name, 0, open_high=True, must=">= 0 and finite", why="a weight of the loss's terms")
         if self.method == "dspark":
             check_positive(self, "markov_rank")
+        else:  # a DSpark-only option set away from its default would be ignored: say so instead
+            heads = [n for n in ("markov_rank", "markov_head", "confidence_head", "bce_weight")
+                     if getattr(self, n) != getattr(TrainConfig, n)]
+            if heads:
+                raise UserError(f"{where(self, heads[0])} is an option of DSpark's heads; add {also(self, 'method')} "
+                                "dspark, or leave it out")
         if self.distribution_loss:  # train/dspark_loss.py: no D-PACE weights, no soft labels
             why = f"{also(self, 'method')} dspark" if self.method == "dspark" else f"{also(self, 'tv_weight')} above 0"
             if self.loss_weights != "decay":
@@ -179,6 +185,9 @@ class TrainConfig:
             if self.kd_weight:
                 raise UserError(f"{where(self, 'kd_weight')} mixes the top-k into the cross-entropy's target; the L1 "
                                 f"term (--tv-weight) matches the top-k itself: leave it out with {why}")
+            if self.compile_loss:
+                raise UserError(f"{where(self, 'compile_loss')} compiles DFlash's fused cross-entropy; the loss with "
+                                f"the L1 term runs eager: leave it out with {why}")
         if self.eval_every is not None and not self.eval_cache:
             raise UserError(f"{where(self, 'eval_every')} sets how often --eval-cache is measured; give --eval-cache "
                             "CACHE (a held-out cache of the target's own completions) or leave it out")
