@@ -315,3 +315,27 @@ def test_dspark_walk_equals_a_brute_force_walk_over_the_cache(dspark_fitted, tin
         assert x["accepted"] == want, (x["id"], x["accepted"], want)
         seen.update(want)
     assert len(walk["accept_rate"]) == B and 0 in seen and max(seen) >= 2, seen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_dspark_cuda_graphs_equal_eager(dspark_fitted, kind):
+    """On a GPU the static decoder captures a DSpark round (the draft chain, the calibration
+    record) as a CUDA graph: the same tokens, rounds and confidence record as the eager round, and
+    the target alone's tokens."""
+    import copy
+
+    from dflash_offline.evaluate.graphed import StaticDecoder
+    from dflash_offline.evaluate.speculative import TargetSession, greedy_decode
+
+    model, drafter, prompts = dspark_fitted[kind]
+    model, drafter = copy.deepcopy(model).to("cuda"), copy.deepcopy(drafter).to("cuda")
+    longest, max_new = max(map(len, prompts)), 23
+    alone = [greedy_decode(TargetSession(model, [1, 2]), p, max_new, set()).tokens for p in prompts]
+    runs = {g: StaticDecoder(model, drafter, 3, longest, max_new, set(), graphs=g).decode_all(prompts)
+            for g in (True, False)}
+    assert [r.tokens for r in runs[True]] == [r.tokens for r in runs[False]] == alone
+    assert [r.accepted for r in runs[True]] == [r.accepted for r in runs[False]]
+    for a, b in zip(runs[True], runs[False]):
+        np.testing.assert_allclose(a.confidence, b.confidence, rtol=1e-5, atol=1e-5)
