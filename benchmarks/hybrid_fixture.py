@@ -520,7 +520,9 @@ def main() -> int:
             p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
             p.add_argument("--warmup", type=int, default=200)
             p.add_argument("--dropout", type=float, default=0.1, help="residual dropout (token mixer and MLP outputs)")
-            p.add_argument("--eval-every", type=int, default=50, help="steps between half-A evaluations; the restore "
+            p.add_argument("--eval-every", type=int, default=25, help="steps between half-A evaluations (the hybrid "
+                                                                      "fixture was made with 25; the dense target's "
+                                                                      "README: 50); the restore "
                                                                       "goes back two of them before the best")
             p.add_argument("--patience", type=int, default=6, help="evaluations without a better half-A loss")
             p.add_argument("--decay-steps", type=int, default=250)
