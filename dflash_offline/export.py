@@ -35,4 +35,14 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
                  else "train again (no checkpoint before it)")
         raise UserError(f"{ck}/{what}; the checkpoint is damaged: {other}, or restore the file from a copy")
     drafter = load_checkpoint(str(ck))
+    if drafter.cfg.method == "dspark":
+        # DSpark's export carries the target's embedding and LM head (SGLang loads every
+        # parameter from it): read them from the target the run trained against.
+        import json
+
+        target = (json.loads((ck / "state.json").read_text()).get("config") or {}).get("target")
+        if not target or not Path(target).is_dir():
+            raise UserError(f"{ck}: a DSpark export carries the target's embedding and LM head, but the run's target "
+                            f"{target!r} is not a folder here; export where the target is")
+        drafter.load_frozen_from_target(target)
     return export_drafter(drafter, dest)

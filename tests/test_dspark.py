@@ -138,6 +138,17 @@ def test_topk_l1_is_the_l1_with_the_other_tokens_merged():
                 torch.testing.assert_close(per, exact.flatten(), rtol=1e-4, atol=1e-5)
 
 
+def test_draft_chain_without_a_markov_head_is_the_backbone_argmax():
+    """markov_rank 0 (a DSpark export may say so): the drafts are the LM head's argmax per slot."""
+    from dflash_offline.drafter.dspark import draft_chain
+    from dflash_offline.sampling import Sampling
+
+    _, _, head = make("none", False)
+    h = torch.randn(2, 4, H, dtype=torch.float64)
+    drafts, q = draft_chain(h, head, None, Sampling(), None, None, torch.tensor([3, 4]))
+    assert q is None and torch.equal(drafts, (h @ head.T).argmax(-1))
+
+
 def test_previous_tokens_are_the_anchor_then_the_data():
     block_ids = torch.tensor([[7, 1, 1, 1, 9, 1, 1, 1]])
     labels = torch.tensor([[10, 11, 12, 13, 20, 21, 22, 23]])

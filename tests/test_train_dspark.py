@@ -133,6 +133,18 @@ def test_dspark_learns_and_exports_deepspec_layout(topk_cache, tiny_dense, tmp_p
     assert "confidence head, predicted / observed" in r.stdout
     r = run_cli([*args, "--decoder", "transformers"])
     assert r.returncode != 0 and "static decoder only" in r.stderr, r.stderr[-2000:]
+    assert "target alone" not in r.stderr  # refused before the baseline's decoding
+    r = run_cli(["eval", "--target", str(tiny_dense), "--drafter", str(out / "export"), "--cache", str(topk_cache),
+                 "--parity", "2", "--no-progress"])
+    assert r.returncode != 0 and "--parity" in r.stderr, r.stderr[-2000:]
+    # `export` of a checkpoint carries the target's tables (what SGLang loads), not placeholders
+    from safetensors.torch import load_file as load_st
+
+    r = run_cli(["export", "--run", str(out), "--to", str(tmp_path / "again")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    again = load_st(str(tmp_path / "again" / "model.safetensors"))
+    target = load_st(str(next(tiny_dense.glob("*.safetensors"))))
+    assert torch.equal(again["embed_tokens.weight"], target["model.embed_tokens.weight"].to(torch.bfloat16))
 
 
 def test_two_gloo_ranks_equal_one_process(straight):
@@ -173,6 +185,9 @@ def test_dflash_with_the_l1_term_learns_and_stays_dflash(topk_cache, tiny_dense,
     r = run_cli(["train", "--target", str(tiny_dense), "--cache", str(topk_cache), "--out", str(tmp_path / "kd"), *TRAIN,
                  "--tv-weight", "0.5", "--kd-weight", "0.5"])
     assert r.returncode != 0 and "--kd-weight" in r.stderr and "--tv-weight" in r.stderr, r.stderr[-2000:]
+    r = run_cli(["train", "--target", str(tiny_dense), "--cache", str(topk_cache), "--out", str(tmp_path / "ce"), *TRAIN,
+                 "--ce-weight", "0.5"])
+    assert r.returncode != 0 and "--ce-weight" in r.stderr and "--tv-weight" in r.stderr, r.stderr[-2000:]
     r = run_cli(["train", "--target", str(tiny_dense), "--cache", str(topk_cache), "--out", str(tmp_path / "mr"), *TRAIN,
                  "--markov-rank", "64"])
     assert r.returncode != 0 and "--markov-rank" in r.stderr and "--method dspark" in r.stderr, r.stderr[-2000:]

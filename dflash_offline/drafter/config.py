@@ -251,7 +251,8 @@ class DrafterConfig:
                               "markov_rank", "markov_head_type", "confidence_head")]
         missing = [n for n in names if n not in d] + [n for n in ("target_layer_ids", "mask_token_id") if dc.get(n) is None]
         if missing:
-            raise UserError(f"{source}: missing {missing}; not a complete DFlash drafter export")
+            raise UserError(f"{source}: missing {missing}; not a complete {'DSpark' if dspark else 'DFlash'} drafter "
+                            "export")
 
         def whole(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
@@ -264,11 +265,12 @@ class DrafterConfig:
                 raise UserError(f"{source}: key {n!r} must be a positive {'integer' if kind == 'int' else 'number'}, "
                                 f"got {d[n]!r}")
         ids, mask = dc["target_layer_ids"], dc["mask_token_id"]
+        where_in = "" if dspark else "dflash_config."  # DeepSpec's layout keeps them at the top level
         if not isinstance(ids, list) or not ids or not all(whole(i) and 0 <= i < d["num_target_layers"] for i in ids):
-            raise UserError(f"{source}: key 'dflash_config.target_layer_ids' must list layer ids of the target "
+            raise UserError(f"{source}: key '{where_in}target_layer_ids' must list layer ids of the target "
                             f"(0..{d['num_target_layers'] - 1}), got {ids!r}")
         if not whole(mask):
-            raise UserError(f"{source}: key 'dflash_config.mask_token_id' must be an integer token id, got {mask!r}")
+            raise UserError(f"{source}: key '{where_in}mask_token_id' must be an integer token id, got {mask!r}")
         if dc.get("block_size") is not None and dc["block_size"] != d["block_size"]:
             raise UserError(f"{source}: block_size {d['block_size']!r} and dflash_config.block_size "
                             f"{dc['block_size']!r} disagree; the two must be equal")

@@ -77,7 +77,7 @@ class ConfidenceHead(nn.Module):
         return self.proj(torch.cat([h.to(e.dtype), e], dim=-1)).float().squeeze(-1)
 
 
-def draft_chain(h: Tensor, head_weight: Tensor, markov: MarkovHead, s, seeded: Tensor, at: Tensor, anchor: Tensor,
+def draft_chain(h: Tensor, head_weight: Tensor, markov: MarkovHead | None, s, seeded: Tensor, at: Tensor, anchor: Tensor,
                 confidence: "ConfidenceHead | None" = None):
     """A DSpark block's drafts, left to right: slot k's logits are the backbone's plus the Markov
     bias of the token drafted before it (the anchor for slot 0), and its token is chosen from them
@@ -93,8 +93,10 @@ def draft_chain(h: Tensor, head_weight: Tensor, markov: MarkovHead, s, seeded: T
     base = F.linear(h, head_weight.to(h.dtype)).float()
     prev, drafts, qs, conf = anchor, [], [], []
     for k in range(h.shape[1]):
-        e, code = markov.code(h[:, k], prev)
-        z = base[:, k] + markov.bias(code)
+        z = base[:, k]
+        if markov is not None:  # markov_rank 0: DSpark's slots without the bias
+            e, code = markov.code(h[:, k], prev)
+            z = z + markov.bias(code)
         if confidence is not None:
             conf.append(torch.sigmoid(confidence(h[:, k], e)))
         if s.greedy:

@@ -40,6 +40,7 @@ class Decoders:
             raise UserError(f"{said('decoder')} static cannot run this target: {why_not}; use --decoder transformers "
                             "(or auto)")
         self.static = choice != "transformers" and why_not is None
+        self.choice, self.why_not = choice, why_not
         self.kv_reason = kv_batch.unsupported_reason(model) if batch_size > 1 and not self.static else None
         if self.kv_reason is not None and not sampling.greedy:
             raise UserError(f"{said('temperature')} {sampling.temperature}: this target is decoded in batches by "
@@ -59,6 +60,15 @@ class Decoders:
             reason = "--decoder transformers" if choice == "transformers" else why_not
             log.warning("decoding through transformers' forward, not the static decoder: %s", reason)
         self._sessions: dict[tuple, TargetSession] = {}
+
+    def check_drafters(self, drafters) -> None:
+        """A DSpark drafter decodes through the static decoder only (its Markov head drafts left to
+        right inside the round): one line before any decoding."""
+        dspark = [p for p, d in drafters if d.cfg.method == "dspark"]
+        if dspark and not self.static:
+            why = ("--decoder transformers was chosen: use --decoder auto or static" if self.choice == "transformers"
+                   else f"this target cannot run the static decoder ({self.why_not})")
+            raise UserError(f"{dspark[0]} is a DSpark drafter, which decodes through the static decoder only; {why}")
 
     def _rows(self, n: int) -> int:
         return max(1, min(self.batch_size, n))
@@ -89,10 +99,7 @@ class Decoders:
         import torch
 
         layers = drafter.cfg.target_layer_ids
-        if drafter.cfg.method == "dspark" and not self.static:
-            raise UserError(f"a DSpark drafter decodes through the static decoder only (its Markov head drafts left to "
-                            f"right inside the round); this run decodes through transformers' forward "
-                            f"({self.describe}): use --decoder auto or static with a full-attention or hybrid target")
+        self.check_drafters([("the drafter", drafter)])
         if self.static:
             from dflash_offline.evaluate.graphed import StaticDecoder
 

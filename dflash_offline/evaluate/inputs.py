@@ -309,7 +309,8 @@ def warn_chat_mismatch(prompts: str, drafters) -> None:
         if diff:
             log.warning("--drafter %s was trained on conversations rendered another way than --prompts %s (%s): "
                         "its tau here is not the tau it was trained for; prepare the prompts with the drafter's "
-                        "settings (its config.json dflash_config.chat)", path, prompts, "; ".join(diff))
+                        "settings (its config.json %s)", path, prompts, "; ".join(diff),
+                        "dflash_offline.chat" if d.cfg.method == "dspark" else "dflash_config.chat")
 
 
 def chat_stop_ids(prompts: str, target: str, eos: set[int], runs_to: str):

@@ -202,6 +202,10 @@ def run(cfg: EvalConfig) -> dict:
     drafters = [(p, load_drafter(p, cfg.target, said)) for p in cfg.drafters]  # all refused before any decoding
     if cfg.prompts:
         warn_chat_mismatch(cfg.prompts, drafters)
+    dspark = [str(p) for p, d in drafters if d.cfg.method == "dspark"]
+    if dspark and cfg.parity:
+        raise UserError(f"{said('parity')}: the parity check decodes DFlash blocks; {dspark[0]} is a DSpark drafter "
+                        f"(its slots draft one token further, through a Markov head): leave {said('parity')} out")
     if cfg.cache:
         _check_cache_layers(cfg, drafters)
         widest = max(d.cfg.block_size for _, d in drafters)
@@ -238,6 +242,9 @@ def run(cfg: EvalConfig) -> dict:
 
         shape = find_shape(cfg.implied_for)
         for (_, d), e in zip(drafters, report["drafters"]):
+            if d.cfg.method == "dspark":  # the ceilings are timed for DFlash's B-token verify blocks
+                log.info("--implied-for: not for a DSpark drafter (its rounds verify B + 1 tokens)")
+                continue
             if e.get("tau", float("nan")) >= 1:
                 e["implied"] = {"shape": shape.name, "speedup": implied_speedup(min(e["tau"], shape.block_size), shape),
                                 "line": format_implied(e["tau"], shape, d.cfg.block_size)}
@@ -284,6 +291,7 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.seed, cfg.top_k)
     decoders = Decoders(model, cfg.decoder, cfg.batch_size, max(len(p) for p in prompts), cfg.max_new_tokens, eos,
                         sampling, device, cfg.dtype, said)
+    decoders.check_drafters([(str(p), d) for p, d in drafters])  # before the baseline's decoding
     claim_heartbeat()  # the inputs are checked, the decoding starts: the log goes to its folder
     if not eos and not cfg.ignore_eos:  # after the refusals: a warning line must not precede an error line
         log.warning("%s %s names no end-of-sequence id (generation_config.json, config.json, tokenizer files): "

@@ -361,7 +361,7 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
         left = worker_run(rank, world, device, job, q, False)
         if left:
             raise Stopped(stop_requested(), f"worker {rank}: stopped on {signal_name(stop_requested())} after "
-                          "committing its part in progress")
+                          "committing its parts in progress")
 
 
 def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) -> int:

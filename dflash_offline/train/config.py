@@ -177,6 +177,13 @@ class TrainConfig:
             if heads:
                 raise UserError(f"{where(self, heads[0])} is an option of DSpark's heads; add {also(self, 'method')} "
                                 "dspark, or leave it out")
+        if self.ce_weight is not None and not self.distribution_loss:
+            raise UserError(f"{where(self, 'ce_weight')} weighs the cross-entropy beside the L1 term; without "
+                            f"{also(self, 'tv_weight')} (or --method dspark) the loss is DFlash's cross-entropy alone: "
+                            "leave it out, or add --tv-weight")
+        if self.method == "dspark" and not self.confidence_head and self.bce_weight != TrainConfig.bce_weight:
+            raise UserError(f"{where(self, 'bce_weight')} weighs the confidence head's loss, and "
+                            f"{also(self, 'confidence_head')} leaves the head out: leave one of them out")
         if self.distribution_loss:  # train/dspark_loss.py: no D-PACE weights, no soft labels
             why = f"{also(self, 'method')} dspark" if self.method == "dspark" else f"{also(self, 'tv_weight')} above 0"
             if self.loss_weights != "decay":
