@@ -245,6 +245,8 @@ def test_every_declared_choice_is_checked_for_recipes(name, tmp_path):
         for ok in f.metadata["choices"]:
             # train_turns chooses among kept replies: it goes with --responses keep (refused otherwise).
             keep = {"responses": "keep"} if f.name == "train_turns" else {}
+            # markov_head shapes DSpark's Markov head: it goes with --method dspark (refused otherwise).
+            keep = {"method": "dspark"} if f.name == "markov_head" else keep
             merge(cls, {}, {**REQUIRED[name], **keep, f.name: ok}).validate()
         recipe = tmp_path / f"{f.name}.toml"
         recipe.write_text(f'{f.name} = "bogus"\n')
