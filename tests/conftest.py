@@ -343,18 +343,23 @@ def valid_cache_as_made(valid_cache) -> Path:
     return _AS_MADE["valid_cache"]
 
 
+def extract_arith_cache(target, root: Path, rows: int, topk: int) -> Path:
+    """A complete cache of `rows` arithmetic rows (40-120 tokens, seed 3) of `target`, with its top-k."""
+    from dflash_offline.tiny import make_tiny_data
+
+    data = make_tiny_data(root / "arith.parquet", rows=rows, min_len=40, max_len=120, pattern="arith", seed=3)
+    cache = root / "cache"
+    r = run_cli(["extract", "--target", str(target), "--data", str(data), "--cache", str(cache),
+                 "--topk", str(topk), "--max-len", "128", "--batch-tokens", "1024", "--shard-tokens", "2048",
+                 "--no-progress"])
+    assert r.returncode == 0, r.stderr
+    return cache
+
+
 @pytest.fixture(scope="session")
 def arith_cache(tiny_dense, tmp_path_factory):
     """A complete cache of 160 arithmetic rows (topk 0) that the training tests learn from."""
-    from dflash_offline.tiny import make_tiny_data
-
-    root = tmp_path_factory.mktemp("train")
-    data = make_tiny_data(root / "arith.parquet", rows=160, min_len=40, max_len=120, pattern="arith", seed=3)
-    cache = root / "cache"
-    r = run_cli(["extract", "--target", str(tiny_dense), "--data", str(data), "--cache", str(cache),
-                 "--topk", "0", "--max-len", "128", "--batch-tokens", "1024", "--shard-tokens", "2048", "--no-progress"])
-    assert r.returncode == 0, r.stderr
-    return cache
+    return extract_arith_cache(tiny_dense, tmp_path_factory.mktemp("train"), rows=160, topk=0)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from conftest import STRAIGHT, TRAIN, run_cli
+from conftest import STRAIGHT, TRAIN, extract_arith_cache, run_cli
 
 DSPARK = ["--method", "dspark", "--markov-rank", "16"]
 
@@ -21,15 +21,7 @@ DSPARK = ["--method", "dspark", "--markov-rank", "16"]
 @pytest.fixture(scope="module")
 def topk_cache(tiny_dense, tmp_path_factory):
     """Arithmetic rows with the target's top-8 (p_target of the L1 term)."""
-    from dflash_offline.tiny import make_tiny_data
-
-    root = tmp_path_factory.mktemp("dspark")
-    data = make_tiny_data(root / "arith.parquet", rows=96, min_len=40, max_len=120, pattern="arith", seed=3)
-    cache = root / "cache"
-    r = run_cli(["extract", "--target", str(tiny_dense), "--data", str(data), "--cache", str(cache),
-                 "--topk", "8", "--max-len", "128", "--batch-tokens", "1024", "--shard-tokens", "2048", "--no-progress"])
-    assert r.returncode == 0, r.stderr
-    return cache
+    return extract_arith_cache(tiny_dense, tmp_path_factory.mktemp("dspark"), rows=96, topk=8)
 
 
 def train(tiny_dense, cache, out, *extra, **kw):

@@ -70,7 +70,7 @@ class StaticDecoder:
         B = self.block_size
         # Drafts a round: a DFlash block's slots 1..B-1; a DSpark block's every slot (drafter/dspark.py).
         self.dspark = drafter is not None and drafter.cfg.method == "dspark"
-        self.drafts = B if self.dspark else B - 1
+        self.drafts = B - 1 + drafter.cfg.label_offset if drafter is not None else 0
         self.capacity = max_prompt_len + max_new + self.drafts + 1
         self.graphs = (dev.type == "cuda") if graphs is None else graphs
         self.buckets = row_buckets(rows, bucket_step)

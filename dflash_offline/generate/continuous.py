@@ -226,8 +226,7 @@ class ContinuousDecoder:
                     continue
                 running[id(part)] = _Decoding(part, [None] * len(part.prompts), [False] * len(part.prompts),
                                               len(part.prompts), time.perf_counter())
-                order = sorted(range(len(part.prompts)), key=lambda i: -len(part.prompts[i]))
-                return [Job(part.keys[i], part.prompts[i], (id(part), i)) for i in order]
+                return longest_first(part.prompts, part.keys, lambda i: (id(part), i))
             return []
 
         def finished(f: Finished) -> None:
@@ -253,13 +252,15 @@ class ContinuousDecoder:
         def keep(f: Finished) -> None:
             results[f.job.tag] = f
 
-        self._longest_first(prompts, keys, keep)
+        self.run(deque(longest_first(prompts, keys, lambda i: i)), keep)
         return results  # type: ignore[return-value]
 
-    def _longest_first(self, prompts: list[list[int]], keys: list[int], on_finish: Callable[[Finished], None]) -> int:
-        """run() over the prompts, longest first (tag: the prompt's index); -> steps run."""
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        return self.run(deque(Job(keys[i], prompts[i], i) for i in order), on_finish)
+
+def longest_first(prompts: list[list[int]], keys: list[int], tag: Callable[[int], object]) -> list[Job]:
+    """The prompts as jobs, longest first (the slots' staging prefill pads to the longest of a group,
+    so prompts of like length are prefilled together); tag(i): prompt i's handle."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    return [Job(keys[i], prompts[i], tag(i)) for i in order]
 
 
 def continuous_decoder(model, rows: int, max_prompt_len: int, max_new_tokens: int, eos: set[int],

@@ -77,7 +77,7 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
 
     cfg, world, rank, device, cuda = t.cfg, t.world, t.rank, t.device, t.cuda
     accum, B = t.plan.accum, t.plan.drafter["block_size"]  # the drafter config owns the block size
-    dspark = t.drafter.cfg.method == "dspark"
+    first_slot = 1 - t.drafter.cfg.label_offset  # the first drafted slot: DFlash's 1, DSpark's 0
     three_terms = t.cfg.distribution_loss  # DSpark's loss (for DFlash: --tv-weight above 0)
     t0 = time.perf_counter()
     with phase("data"):
@@ -134,7 +134,7 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
             phases.report()
         with phase("metrics"):
             loss_sum += ls.detach().double()
-            mm = block_metrics(correct, mb.weights, mb.anchor_valid, B, first_slot=0 if dspark else 1)
+            mm = block_metrics(correct, mb.weights, mb.anchor_valid, B, first_slot=first_slot)
             step_m = mm if step_m is None else {k: step_m[k] + mm[k] for k in mm}
     with phase("optimizer"):
         gnorm = torch.nn.utils.clip_grad_norm_(t.params, cfg.clip)
@@ -194,7 +194,7 @@ class StepLog:
         loss = m.loss_sum / max(r.wsum.item(), 1e-12)  # a step without scored tokens logs 0, not nan
         acc = np.where(m.slot_count > 0, m.slot_correct / np.maximum(m.slot_count, 1), 0.0)
         # From the first drafted token (DFlash's slot 1, DSpark's slot 0): acc_slot1 is its accuracy.
-        acc = acc[0 if t.drafter.cfg.method == "dspark" else 1:]
+        acc = acc[1 - t.drafter.cfg.label_offset:]
         tau = m.tau_sum / max(m.blocks, 1)
         t_step = time.perf_counter() - r.t0
         rec = {"step": step, "epoch": st.epoch, "loss": loss, "acc_slot1": float(acc[0]), "tau": tau,
