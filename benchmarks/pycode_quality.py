@@ -150,8 +150,8 @@ def main() -> int:
     ap.add_argument("--fresh-temperature", type=float, default=0.0,
                     help="sample the fresh completions at this temperature (0: greedy, the default)")
     ap.add_argument("--fresh-samples", type=int, default=1,
-                    help="completions per fresh prompt (sampled: each copy of a prompt gets its own id, so its own "
-                         "keyed sample)")
+                    help="completions per fresh prompt (generate --samples-per-prompt: sampled, each its own row id "
+                         "and noise)")
     ap.add_argument("--gen-dtype", default="bfloat16", help="generate's compute dtype (bf16: twice the speed; the fixture's completions are fp32)")
     ap.add_argument("--capture", default="1,2,3,4,5,6", help="layers extracted (train --target-layers picks among them)")
     ap.add_argument("--hidden-dtype", default="fp8", help="training cache: fp8 (half the bytes) or bfloat16")
@@ -216,22 +216,14 @@ def main() -> int:
     if args.fresh > 0:
         import pyarrow.parquet as pq
 
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        if args.fresh_samples > 1 and args.fresh_temperature <= 0:
-            raise SystemExit("--fresh-samples above 1 needs --fresh-temperature above 0 (greedy copies are equal)")
         sel = work / "fresh-prompts.parquet"
-        base = pq.read_table(fresh_prompts).slice(0, args.fresh)
-        # Copy k of a prompt takes id + k x 10^9: sampling is keyed by the id, so each copy draws its own.
-        copies = [base.set_column(base.column_names.index("id"), "id",
-                                  pc.add(base["id"].cast(pa.int64()), k * 10 ** 9)) for k in range(args.fresh_samples)]
-        pq.write_table(pa.concat_tables(copies), sel)
+        pq.write_table(pq.read_table(fresh_prompts).slice(0, args.fresh), sel)
         t0 = time.time()
         gen = cli("generate", "--target", target, "--prompts", sel, "--out", work / "fresh.parquet", "--devices",
                   args.device, "--max-new-tokens", 384 if not args.smoke else 32, "--compute-dtype", args.gen_dtype,
                   "--batch-tokens", args.gen_batch_tokens,
                   *(["--temperature", args.fresh_temperature, "--seed", "0"] if args.fresh_temperature > 0 else []),
+                  *(["--samples-per-prompt", args.fresh_samples] if args.fresh_samples > 1 else []),
                   "--no-progress", log=res / "generate.log")
         wait({"generate": gen}, {"generate": res / "generate.log"})
         summary["phases_s"]["generate"] = time.time() - t0

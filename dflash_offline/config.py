@@ -144,6 +144,11 @@ class GenerateConfig(SamplingOptions):
     """End-of-sequence ids; None = the target folder's generation_config.json / config.json."""
     ignore_eos: bool = opt(False, "Always generate --max-new-tokens.", is_flag=True)
     """Always generate max_new_tokens (no end-of-sequence stop)."""
+    samples_per_prompt: int = opt(1, "Completions of each prompt (sampling only): row k of prompt id i has id i x N + k, and noise of its own.")
+    """Completions sampled per prompt (N; needs temperature > 0: greedy copies would be equal). The
+    k-th completion of the prompt with id i is the row with id i * N + k (0 <= k < N): ids stay
+    unique, as the cache contract asks, and the sampling noise, keyed by the id, differs per copy.
+    N = 1 keeps the prompt's own id."""
     batch_tokens: int = opt(262144, "Budget of one decoding batch: rows x (longest prompt + max new tokens).")
     """Budget of one decoding batch: rows x (longest prompt + max_new_tokens) cache positions."""
     chunk_prompts: int | None = opt(None, "Prompts per part file, the unit of commit and resume.", default_text="2048 on GPUs, 64 on the CPU; a resumed output keeps its own")
@@ -181,8 +186,11 @@ class GenerateConfig(SamplingOptions):
                 raise UserError(f"generate: --{name} is required (or set `{name}` in --config)")
         if not self.prompts:
             raise UserError("generate: give --prompts PARQUET (files or folders with an input_ids column)")
-        check_positive(self, "max_new_tokens", "batch_tokens", "chunk_prompts")
+        check_positive(self, "max_new_tokens", "batch_tokens", "chunk_prompts", "samples_per_prompt")
         self.check_sampling()
+        if self.samples_per_prompt > 1 and self.temperature == 0:
+            raise UserError(f"{where(self, 'samples_per_prompt')} {self.samples_per_prompt} needs sampling: greedy "
+                            "completions of one prompt are all equal; give --temperature > 0, or leave the option out")
         if self.top_p < 1 and self.temperature == 0:
             raise UserError(f"{where(self, 'top_p')} {self.top_p} applies to sampling, but --temperature is 0 "
                             "(greedy); give --temperature > 0 to sample, or leave --top-p out")

@@ -202,6 +202,36 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(tiny_dense, straight_gen
         assert on_disk == listed, (point, on_disk - listed)  # no debris left
 
 
+def test_samples_per_prompt_equal_the_copies_written_out(tiny_dense, tmp_path):
+    """N samples of each prompt are the rows a prompts file with the N copies written out (ids
+    i x N + k) gives: the same noise per row id, parts cut across one prompt's copies."""
+    prompts_path = make_prompts(tmp_path / "prompts.parquet", rows=5)
+    table = pq.read_table(prompts_path)
+    n = 3
+    copies = tmp_path / "copies.parquet"
+    pq.write_table(pa.table({"id": pa.array([i * n + k for i in table["id"].to_pylist() for k in range(n)], pa.int64()),
+                             "input_ids": pa.array([p for p in table["input_ids"].to_pylist() for _ in range(n)],
+                                                   pa.list_(pa.int32()))}), copies)
+    sample = ["--target", tiny_dense, "--temperature", "1.0", "--seed", 2, "--ignore-eos", *GEN]
+    r = run_cli(["generate", "--prompts", prompts_path, "--out", tmp_path / "a", "--samples-per-prompt", n,
+                 "--chunk-prompts", 4, "--batch-tokens", 3 * 54, *sample])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "15 prompts = 3 samples of each of 5" in (tmp_path / "a" / "logs" / "generate-launcher.log").read_text()
+    r = run_cli(["generate", "--prompts", copies, "--out", tmp_path / "b", *sample])
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = read_output(tmp_path / "a")
+    assert sorted(got) == [i * n + k for i in range(100, 105) for k in range(n)]
+    assert got == read_output(tmp_path / "b")
+    distinct = [len({tuple(got[i * n + k]["input_ids"]) for k in range(n)}) for i in range(100, 105)]
+    assert sum(d == n for d in distinct) >= 4, distinct
+    # Another N on the same output is another plan; greedy copies would be equal: both refused.
+    for extra, words in ((["--samples-per-prompt", 2], "settings.samples_per_prompt"),
+                         (["--samples-per-prompt", 2, "--temperature", 0], "needs sampling")):
+        r = run_cli(["generate", "--prompts", prompts_path, "--out", tmp_path / "a", *sample, *extra])
+        assert r.returncode == 2, r.stderr
+        assert "\n" not in r.stderr.strip() and words in r.stderr, r.stderr
+
+
 def test_rerun_refuses_other_settings_and_says_complete(tiny_dense, tiny_hybrid, tmp_path):
     prompts_path = make_prompts(tmp_path / "prompts.parquet", rows=6)
     out = tmp_path / "gen.parquet"

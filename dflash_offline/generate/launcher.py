@@ -60,6 +60,7 @@ class Job:
     chat: dict | None = None  # conversation prompts (a prepare output): its chat settings and template
     max_positions: int | None = None
     turns: np.ndarray | None = None  # conversation prompts: the replies the target writes for each row
+    copies: int = 1  # --samples-per-prompt: plan row r is copy r % copies of global row r // copies
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,6 +136,15 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
                 f"{source.files[fi].path}: row {fr}: a prompt of {int(lengths[over[0]])} tokens + {origin(cfg, 'max_new_tokens')} "
                 f"{cfg.max_new_tokens} exceeds the target's context ({info.max_positions} positions; {over.size} "
                 "prompt(s) do); lower the new tokens or leave out the longest prompts")
+    copies = cfg.samples_per_prompt  # the k-th copy of global row r is plan row r * copies + k
+    if copies > 1:
+        if chat is not None:
+            raise UserError(f"{origin(cfg, 'samples_per_prompt')} {copies}: conversation prompts regenerate turn by "
+                            "turn, one reply per turn; sample several outputs of plain prompts, or leave it out")
+        if (int(np.abs(source.ids).max()) + 1) * copies >= 1 << 63:
+            raise UserError(f"{origin(cfg, 'samples_per_prompt')} {copies}: the prompt ids times {copies} overflow int64 "
+                            "(copy k of prompt id i gets id i x N + k); renumber the prompts' ids from 0")
+        lengths = np.repeat(lengths, copies)
     given = cfg.eos_token_ids is not None
     read, read_from = (set(), None) if cfg.ignore_eos or given else eos_source(cfg.target)
     eos = [] if cfg.ignore_eos else sorted(cfg.eos_token_ids if given else read)
@@ -161,19 +171,21 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
         raise UserError(f"{origin(cfg, 'batch_tokens')} {cfg.batch_tokens} cannot hold one row of {per_row} positions (the "
                         f"longest prompt, {max_prompt} tokens, + {also(cfg, 'max_new_tokens')} {cfg.max_new_tokens}); "
                         "raise the first")
-    rows = min(cfg.batch_tokens // per_row, chunk_prompts, source.rows)
+    rows = min(cfg.batch_tokens // per_row, chunk_prompts, len(lengths))
     if chat is not None:
         if compile:
             raise UserError("--compile needs one static prompt length; conversation prompts grow turn by turn: "
                             "leave --compile out")
         # Later turns' prompts are longer: each round's batches are sized by the budget then.
         rows = min(cfg.batch_tokens // (int(lengths.min()) + cfg.max_new_tokens), chunk_prompts, source.rows)
-    chunks = make_chunks(source.rows, chunk_prompts)
+    chunks = make_chunks(len(lengths), chunk_prompts)
     settings = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
                 "top_p": cfg.top_p if cfg.temperature > 0 else 1.0, "seed": cfg.seed if cfg.temperature > 0 else 0,
                 "eos_token_ids": eos, "compute_dtype": compute_dtype}
     if chat is not None:
         settings.update(turns=cfg.turns, reasoning=cfg.reasoning)
+    if copies > 1:  # only then: outputs made before the option existed resume as they were
+        settings.update(samples_per_prompt=copies)
     # After the options, devices and prompts (building the model on the meta device costs seconds,
     # the import of transformers: those refusals come first and fast), before an existing output is
     # compared with this run (a broken target is the cause to name, not the mismatch it makes).
@@ -216,15 +228,16 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     for warning in (stop_warning, target.check_kernels(info, devices) if cuda else None):
         if warning:
             log.warning(warning)
-    log.info("plan: %d prompts (%d to do) in %d parts of %d, batches of %d rows x %d positions, %s on %s, %s, "
-             "eos %s, batching %s, compile %s", source.rows, todo_prompts, len(chunks), chunk_prompts, rows, per_row,
+    log.info("plan: %d prompts%s (%d to do) in %d parts of %d, batches of %d rows x %d positions, %s on %s, %s, "
+             "eos %s, batching %s, compile %s", len(lengths), f" = {copies} samples of each of {source.rows}" if copies > 1
+             else "", todo_prompts, len(chunks), chunk_prompts, rows, per_row,
              compute_dtype, ",".join(devices), "greedy" if cfg.temperature <= 0 else
              f"sampling (temperature {cfg.temperature}, top-p {cfg.top_p}, seed {cfg.seed})", eos,
              cfg.batching, compile)
     job = Job(cfg=asdict(cfg), folder=str(folder), target_path=str(info.path),
               source=source.state(),
               chunks=chunks, compute_dtype=compute_dtype, eos=eos, rows_per_batch=rows, max_prompt_len=max_prompt,
-              compile=compile, chat=chat, max_positions=info.max_positions, turns=turns)
+              compile=compile, chat=chat, max_positions=info.max_positions, turns=turns, copies=copies)
     return job, wanted, devices, todo_of([chunks[j] for j in todo], turns)
 
 
@@ -478,6 +491,6 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
 
 
 def _part_prompts(job: Job, reader, src, j: int) -> tuple[list[list[int]], list[int]]:
-    """Part j's prompt tokens and ids."""
-    rows = job.chunks[j]
-    return [reader.row(int(r))[0].tolist() for r in rows], [int(src.ids[int(r)]) for r in rows]
+    """Part j's prompt tokens and row ids (copy k of the prompt with id i: i x copies + k)."""
+    n, rows = job.copies, [int(r) for r in job.chunks[j]]
+    return [reader.row(r // n)[0].tolist() for r in rows], [int(src.ids[r // n]) * n + r % n for r in rows]

@@ -41,6 +41,7 @@ IDENTITY_FIELDS = [
     ("target", "weights_fingerprint"),
     ("settings", "max_new_tokens"), ("settings", "temperature"), ("settings", "top_p"), ("settings", "seed"),
     ("settings", "eos_token_ids"), ("settings", "compute_dtype"), ("settings", "turns"), ("settings", "reasoning"),
+    ("settings", "samples_per_prompt"),
     ("chat", "template_sha256"), ("chat", "thinking"), ("chat", "system"),
     ("source", "rows"), ("source", "files"),
     ("plan", "chunk_prompts"), ("plan", "num_parts"),
