@@ -1,5 +1,6 @@
-"""`dflash-offline`: the command line. Imports stay light here; each command imports its stage
-only after its process log is open."""
+"""`dflash-offline`: the command line. Imports stay light here, and so do the stages' modules a
+command imports (no torch, no transformers: tests/test_layout.py checks): each stage opens its
+process log, faulthandler armed, before its heavy imports."""
 
 from __future__ import annotations
 

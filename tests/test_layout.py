@@ -177,3 +177,15 @@ def test_no_private_name_crosses_a_module():
                 crossing += [f"{module_name(path)} imports {node.module}.{a.name}" for a in node.names
                              if a.name.startswith("_") and not a.name.startswith("__")]
     assert not crossing, "private names used across modules:\n" + "\n".join(crossing)
+
+
+def test_each_command_logs_before_torch_is_imported():
+    """cli.py imports a command's stage, which opens the process log (faulthandler armed) before
+    its heavy imports: so importing the stage's module must not import torch or transformers (a
+    process that dies while importing them has its traceback in the log)."""
+    stages = ["prepare.launcher", "extract.launcher", "generate.launcher", "train.launcher", "evaluate.run"]
+    code = ("import sys\n" + "".join(f"import dflash_offline.{m}\n" for m in stages)
+            + "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

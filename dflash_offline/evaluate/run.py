@@ -33,8 +33,6 @@ from pathlib import Path
 
 from dflash_offline.options import also, replaced, where
 from dflash_offline.evaluate.config import AS_FLAGS, EvalConfig, Said
-from dflash_offline.evaluate.decoders import Decoders
-from dflash_offline.evaluate.speculative import Decoded, load_target_for_decoding, summarize, tokens_per_s
 from dflash_offline.evaluate.inputs import (check_prompts_path, check_reference_path, read_prompts, read_reference,
                                             warn_chat_mismatch, chat_stop_ids)
 from dflash_offline.train.walk import cache_acceptance, walk_acceptance
@@ -258,6 +256,10 @@ def run(cfg: EvalConfig) -> dict:
 
 
 def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
+    # Here, not at the top: the command's log opens before torch is imported (cli.py; tests/test_layout.py).
+    from dflash_offline.evaluate.decoders import Decoders
+    from dflash_offline.evaluate.speculative import Decoded, load_target_for_decoding, summarize, tokens_per_s
+
     if cfg.batch_size is None:
         cfg = replaced(cfg, batch_size=GPU_BATCH_SIZE if device.startswith("cuda") else 1)
     from tqdm import tqdm
