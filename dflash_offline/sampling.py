@@ -138,7 +138,6 @@ def sampling_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """[..., V] logits -> float32 probabilities of the temperature-scaled distribution, restricted
     to the top_k most likely tokens, then to the smallest prefix (by probability) whose mass reaches
     top_p (its first token always), renormalised: the reference implementation's order."""
-    import torch
     scores = logits.float() / s.temperature
     V = scores.shape[-1]
     if 0 < s.top_k < V:
@@ -146,12 +145,19 @@ def sampling_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = scores.softmax(-1)
     if s.top_p < 1.0:
-        sorted_p, order = probs.sort(-1, descending=True)
-        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < s.top_p
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        probs = probs * keep
+        probs = probs * top_p_keep(probs, s.top_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def top_p_keep(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[..., V] probabilities -> bool mask of the nucleus: the smallest prefix, by probability,
+    whose mass reaches top_p (its first token always). eval's distributions and generate's Gumbel
+    draw both filter through it."""
+    import torch
+    sorted_p, order = probs.sort(-1, descending=True)
+    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

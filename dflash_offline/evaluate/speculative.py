@@ -345,7 +345,7 @@ def greedy_decode(target: TargetSession, prompt: list[int], max_new: int, eos: s
     return Decoded(out, [0] * n, time.perf_counter() - t0, target.forwards, [1] * n)
 
 
-def speculative_decode(target: TargetSession, proposer, prompt: list[int], max_new: int, eos: set[int],
+def speculative_decode(target: TargetSession, proposer: Proposer, prompt: list[int], max_new: int, eos: set[int],
                        sampling: Sampling = Sampling(), key: int = 0) -> Decoded:
     """Speculative decoding of one prompt (module docstring): greedy, equal to greedy_decode's
     output; sampled, distributed as the target's own sampling."""

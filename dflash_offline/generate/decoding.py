@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_offline.sampling import Sampling, uniform_noise  # noqa: F401  (Sampling: generate's settings)
+from dflash_offline.sampling import Sampling, top_p_keep, uniform_noise  # noqa: F401  (Sampling: generate's settings)
 from dflash_offline.targets.attention import cache_argument, use_grouped_attention
 
 log = logging.getLogger("dflash.decoding")
@@ -43,12 +43,7 @@ def choose_tokens(logits: torch.Tensor, sampling: Sampling, row_ids: torch.Tenso
         return logits.argmax(-1)
     scores = logits.float() / sampling.temperature
     if sampling.top_p < 1.0:
-        probs = scores.softmax(-1)
-        sorted_p, order = probs.sort(-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (its first token always).
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= sampling.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
+        scores = scores.masked_fill(~top_p_keep(scores.softmax(-1), sampling.top_p), float("-inf"))
     u = uniform_noise(sampling.seed, row_ids, step, logits.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     return (scores.double() + gumbel).argmax(-1)

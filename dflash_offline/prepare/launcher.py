@@ -206,15 +206,14 @@ def _report(manifests: dict, sel, out: Path, seconds: float, cfg: PrepareConfig,
                      + (f" ({t['trained_tokens']:,} trained, {t['truncated']} rows truncated)"
                         if m["kind"] == "completions" else "") + f"  ({out / s})")
     lines.append(f"  dropped: {dropped_text(dropped)}")
-    if "train" not in manifests:
-        pass
-    elif any(m["kind"] == "prompts" for m in manifests.values()):
+    # The next command, for the train split (an eval-only output has none to suggest).
+    if "train" in manifests and any(m["kind"] == "prompts" for m in manifests.values()):
         longest = max((p.get("longest", 0) for m in manifests.values() for p in m["parts"]), default=0)
         room = (info.max_positions or 4096) - longest  # generate's default 2048 may not fit the context
         new = f" --max-new-tokens {min(2048, room // 64 * 64)}" if room < 2048 and room >= 64 else ""
         lines.append(f"  next: dflash-offline generate --target {cfg.target} --prompts {out / 'train'} --out "
                      f"{out}-generated{new}")
-    else:
+    elif "train" in manifests:
         lines.append(f"  next: dflash-offline extract --target {cfg.target} --data {out / 'train'} --cache CACHE")
     for line in lines:
         log.info(line)
