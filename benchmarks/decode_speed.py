@@ -166,7 +166,8 @@ def part1(args, device: str) -> dict:
 
 def ceiling_recipe(name: str) -> dict:
     """The drafter the recipe stages/NAME trains: layers, block size, target layers it reads."""
-    from dflash_offline.config import ExtractConfig, TrainConfig
+    from dflash_offline.config import ExtractConfig
+    from dflash_offline.train.config import TrainConfig
     from dflash_offline.options import load_recipe
 
     stages = Path(__file__).resolve().parents[1] / "stages" / name

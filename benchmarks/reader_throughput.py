@@ -170,7 +170,7 @@ def rows_throughput(cache: str, seq_len: int, num_anchors: int, workers: int, st
     import numpy as np
 
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.train.stream import RowStream, Span, make_loader
+    from dflash_offline.blocks.stream import RowStream, Span, make_loader
 
     reader = CacheReader(cache)
     refs, lengths = [], []

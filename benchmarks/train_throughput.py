@@ -128,7 +128,7 @@ def main() -> None:
     import torch
 
     from dflash_offline.train import launcher as train
-    from dflash_offline.config import TrainConfig
+    from dflash_offline.train.config import TrainConfig
 
     dev = "cuda:0" if torch.cuda.is_available() else "cpu"
     work = Path(args.workdir)
@@ -224,7 +224,7 @@ def attention_pairs_per_row(cache: Path, args, rows: int = 8) -> float:
 
     from dflash_offline.drafter import masks
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.train.packing import anchor_rng, build_row, epoch_order, loss_weights, pack_rows
+    from dflash_offline.blocks.packing import anchor_rng, build_row, epoch_order, loss_weights, pack_rows
 
     reader = CacheReader(str(cache))
     samples = [(reader.shard(n), k) for n in reader.shard_names for k in range(len(reader.shard(n)))]

@@ -11,7 +11,10 @@ import sys
 import click
 
 # The configs are plain dataclasses (no torch): light enough to build the options from.
-from dflash_offline.config import EvalConfig, ExtractConfig, GenerateConfig, PlanConfig, PrepareConfig, TrainConfig
+from dflash_offline.config import ExtractConfig, GenerateConfig, PrepareConfig
+from dflash_offline.evaluate.config import EvalConfig
+from dflash_offline.sizing_config import PlanConfig
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.options import cli_fields, flag_of, parse_int_list, parse_size
 from dflash_offline.runtime.errors import UserError
 

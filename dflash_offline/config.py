@@ -4,8 +4,9 @@ One source of truth per value: the dataclass field holds the default and, throug
 command-line option (help, spelling, choices; cli.py builds every stage's options from these
 fields), and a recipe (`stages/<deployment>/<stage>.toml`) uses the same names. Command-line
 values win over the recipe, the recipe over the defaults (options.py reads and merges them).
-train's and eval's configs live in their packages (train/config.py, evaluate/config.py) and are
-imported here too, so every stage's config has one import place.
+This module holds extract's, generate's and prepare's; train's and eval's live in their packages
+(train/config.py, evaluate/config.py) and plan's beside them in sizing_config.py, so a stage that
+imports its config draws in no other stage's.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from dataclasses import dataclass
 from dflash_offline.options import also, check_at_least, check_choices, check_number, check_positive, opt, where
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.sampling import SamplingOptions
-from dflash_offline.evaluate.config import EvalConfig  # noqa: F401  (one import place for every stage's config)
-from dflash_offline.train.config import TrainConfig, auto_loss_chunk, auto_lr  # noqa: F401
 
 HIDDEN_DTYPE_ALIASES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 
@@ -87,44 +86,12 @@ class ExtractConfig:
             )
         self.hidden_dtype = HIDDEN_DTYPE_ALIASES.get(self.hidden_dtype, self.hidden_dtype)  # bf16, fp8 in recipes too
         check_choices(self)
-        _distinct_layers(self)
+        check_distinct_layers(self)
 
 
-def _distinct_layers(cfg) -> None:
+def check_distinct_layers(cfg) -> None:
     if cfg.capture_layers is not None and len(set(cfg.capture_layers)) != len(cfg.capture_layers):
         raise UserError(f"{where(cfg, 'capture_layers')} {cfg.capture_layers} lists a layer twice")
-
-
-_E, _T = ExtractConfig(), TrainConfig()  # the stages' defaults: one source of truth for plan's
-
-
-@dataclass
-class PlanConfig:
-    """`plan`: what extract would write (its target, data, layers, top-k, max length) and what
-    training would read; the GPU counts only divide the estimated hours."""
-    target: str = opt("", "Hugging Face model folder (config.json + *.safetensors).")
-    data: list[str] | None = opt(None, "Parquet file or folder of *.parquet; repeat for several.")
-    cache: str | None = opt(None, "Where the cache would go: its free space is the budget.")
-    max_bytes: int | None = opt(None, "A budget for the cache (e.g. 64GB).", size=True)
-    capture_layers: list[int] | None = opt(None, "Target layer ids to capture.", default_text="the DFlash rule", old=("layers",))
-    capture_count: int = opt(_E.capture_count, "How many layers the DFlash rule picks.", default_text="extract's", old=("num_layers",))
-    topk: int = opt(_E.topk, "Top-k log-probabilities per token.", default_text="extract's")
-    max_len: int = opt(_E.max_len, "Truncation length.", default_text="extract's")
-    extract_gpus: int = opt(5, "GPUs extracting, >= 1 (they divide the estimated hours).")
-    train_gpus: int = opt(3, "GPUs training, >= 1 (they divide the estimated hours).")
-    epochs: int = opt(_T.epochs, "Training epochs.", default_text="train's")
-    drafter_layers: int = _T.drafter_layers
-    seq_len: int = _T.seq_len
-    num_anchors: int = _T.num_anchors
-    block_size: int = _T.block_size
-
-    def validate(self) -> None:
-        if not self.target or not self.data:
-            raise UserError("plan: --target and --data are required")
-        check_positive(self, "max_bytes", "capture_count", "max_len", "extract_gpus", "train_gpus", "epochs",
-                       "drafter_layers", "seq_len", "num_anchors", "block_size")
-        check_at_least(self, "topk", 0, "0 = store no top-k")
-        _distinct_layers(self)
 
 
 @dataclass

@@ -18,7 +18,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from dflash_offline.config import EvalConfig, ExtractConfig, GenerateConfig, TrainConfig
+from dflash_offline.config import ExtractConfig, GenerateConfig
+from dflash_offline.evaluate.config import EvalConfig
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 
 TRAIN_PROMPTS, EVAL_PROMPTS, NEW_TOKENS = 512, 32, 64

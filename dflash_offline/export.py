@@ -10,7 +10,7 @@ from dflash_offline.runtime.paths import require_kind
 
 def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = None) -> Path:
     from dflash_offline.drafter.export import check_export_dest, export_drafter
-    from dflash_offline.train.checkpoint import (CHECKPOINT_PREFIX, checkpoint_before, checkpoint_damage, list_checkpoints,
+    from dflash_offline.runs.checkpoint import (CHECKPOINT_PREFIX, checkpoint_before, checkpoint_damage, list_checkpoints,
                                                  load_checkpoint)
 
     run = Path(run_dir)

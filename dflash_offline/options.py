@@ -67,7 +67,7 @@ def renamed(cls: type) -> dict[str, str]:
 def under_current_names(cls: type, values: dict[str, Any], spell=None, where: str = "") -> dict[str, Any]:
     """`values`, keyed by field names or a field's earlier names (opt's `old`), with each earlier
     name moved to its field's: the one reading of `old` that flags (cli.py), recipes
-    (`load_recipe`) and a checkpoint's saved config (train/checkpoint.py) share.
+    (`load_recipe`) and a checkpoint's saved config (train/resume.py) share.
 
     spell(name): how the source writes a name (`--num-layers`; a recipe's `key 'num_layers'`, after
     `where`, "--config FILE: "), for one warning line per earlier name used and the one-line refusal

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from dflash_offline.config import PlanConfig
+from dflash_offline.sizing_config import PlanConfig
 from dflash_offline.options import where
 from dflash_offline.extract.plan import bytes_per_token
 from dflash_offline.targets.folder import read_target, tensor_entries

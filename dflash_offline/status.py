@@ -16,7 +16,7 @@ from pathlib import Path
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.logs import last_error, processes
 from dflash_offline.runtime.paths import require_kind
-from dflash_offline.train.run_folder import is_run_folder
+from dflash_offline.runs.folder import is_run_folder
 
 HUNG = ("a process is alive but has not advanced for minutes (hung?): read its log; `kill -USR1 PID` writes "
         "its stacks there")
@@ -211,12 +211,14 @@ def prepare_status(path: str) -> dict:
 
 
 def run_status(path: str) -> dict:
-    from dflash_offline.train.checkpoint import CHECKPOINT_PREFIX, checkpoint_damage, damaged_checkpoint, list_checkpoints
+    from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, checkpoint_damage, damaged_checkpoint, list_checkpoints
+    from dflash_offline.train.resume import config_problem
 
     out = Path(path)
     steps = list_checkpoints(out)
     # Headers and sizes only (no tensors): what resume and export would refuse, said here first.
-    damage = {s: what for s in steps if (what := checkpoint_damage(out / f"{CHECKPOINT_PREFIX}{s}"))}
+    damage = {s: what for s in steps
+              if (what := checkpoint_damage(out / f"{CHECKPOINT_PREFIX}{s}", config_problem=config_problem))}
     damage_notes = [damaged_checkpoint(out, s, what) for s, what in damage.items()]
     intact = [s for s in steps if s not in damage]
     last, damaged = last_metrics(out / "metrics.jsonl")

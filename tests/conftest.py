@@ -218,8 +218,8 @@ def fit_drafter_to_samples(d, feats, input_ids, loss_masks, steps: int, anchors:
     import torch
 
     from dflash_offline.drafter import masks
-    from dflash_offline.train.loss import block_loss
-    from dflash_offline.train.packing import build_row, loss_weights
+    from dflash_offline.blocks.loss import block_loss
+    from dflash_offline.blocks.packing import build_row, loss_weights
 
     S, B, off = feats.shape[1], d.cfg.block_size, d.cfg.label_offset
     rng = np.random.default_rng(seed)
@@ -233,7 +233,7 @@ def fit_drafter_to_samples(d, feats, input_ids, loss_masks, steps: int, anchors:
         h = d(feats, st("block_ids"), st("positions"), st("block_positions"), mask)
         if d.cfg.method == "dspark":  # the CE term alone: the data are the target's greedy completions
             from dflash_offline.drafter.dspark import previous_tokens
-            from dflash_offline.train.dspark_loss import LossWeights, dspark_loss
+            from dflash_offline.blocks.dspark_loss import LossWeights, dspark_loss
 
             loss = dspark_loss(h, d.lm_head.weight, d.markov_head, d.confidence_head,
                                previous_tokens(st("block_ids"), st("labels"), B), st("labels"), st("weights"),

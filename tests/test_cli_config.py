@@ -10,7 +10,10 @@ import re
 import pytest
 
 from dflash_offline import cli
-from dflash_offline.config import EvalConfig, ExtractConfig, GenerateConfig, PlanConfig, PrepareConfig, TrainConfig
+from dflash_offline.config import ExtractConfig, GenerateConfig, PrepareConfig
+from dflash_offline.evaluate.config import EvalConfig
+from dflash_offline.sizing_config import PlanConfig
+from dflash_offline.train.config import TrainConfig
 
 COMMANDS = {"train": TrainConfig, "extract": ExtractConfig, "eval": EvalConfig, "generate": GenerateConfig,
             "plan": PlanConfig, "prepare": PrepareConfig}
@@ -154,7 +157,7 @@ def test_cli_declares_no_stage_option_by_hand():
 
 def test_resume_identity_is_field_metadata():
     """The settings a resumed run must share with its checkpoint are the fields marked resume=True."""
-    from dflash_offline.train.checkpoint import RESUME_KEYS
+    from dflash_offline.train.resume import RESUME_KEYS
 
     marked = [f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("resume")]
     assert list(RESUME_KEYS) == marked

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from dflash_offline.train.loss import block_loss, dpace_weights
+from dflash_offline.blocks.loss import block_loss, dpace_weights
 
 
 def _literal(q, scored, alpha):

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from dflash_offline.drafter.dspark import ConfidenceHead, MarkovHead, previous_tokens
-from dflash_offline.train.dspark_loss import LossWeights, dspark_loss
-from dflash_offline.train.packing import build_row, loss_weights
+from dflash_offline.blocks.dspark_loss import LossWeights, dspark_loss
+from dflash_offline.blocks.packing import build_row, loss_weights
 
 V, H, RANK, B = 41, 12, 5, 4
 SPREAD = 0.5  # the decoding tests' Markov bias scale: it decides some drafts, and whole blocks still pass
@@ -288,7 +288,7 @@ def test_dspark_walk_equals_a_brute_force_walk_over_the_cache(dspark_fitted, tin
     from conftest import run_cli
     from dflash_offline.cache.reader import CacheReader
     from dflash_offline.evaluate.speculative import TargetSession, greedy_decode
-    from dflash_offline.train.walk import walk_acceptance, walk_rounds
+    from dflash_offline.blocks.walk import walk_acceptance, walk_rounds
 
     model, drafter, prompts = dspark_fitted["qwen3"]
     session, new = TargetSession(model, [1, 2]), 30

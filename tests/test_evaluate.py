@@ -17,7 +17,7 @@ from conftest import fit_drafter_to_samples, run_cli
 from dflash_offline.evaluate.inputs import read_reference
 from dflash_offline.evaluate.speculative import (DFlashProposer, TargetSession, greedy_decode,
                                                  load_target_for_decoding, speculative_decode, summarize)
-from dflash_offline.train.walk import cache_acceptance, cache_layer_columns, walk_acceptance, walk_rounds
+from dflash_offline.blocks.walk import cache_acceptance, cache_layer_columns, walk_acceptance, walk_rounds
 from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.drafter.model import DFlashDrafter
 

@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 from conftest import TRAIN, run_cli, tree_digest
 
-from dflash_offline.config import EvalConfig, ExtractConfig, GenerateConfig, PlanConfig, TrainConfig
+from dflash_offline.config import ExtractConfig, GenerateConfig
+from dflash_offline.evaluate.config import EvalConfig
+from dflash_offline.sizing_config import PlanConfig
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 
 NAN, INF = float("nan"), float("inf")
@@ -121,7 +124,7 @@ def test_nonfinite_loss_stops_all_ranks_without_export(tmp_path, arith_cache, ti
     """lr 1e30 on two ranks: step 1 is finite and checkpointed, step 2's loss is not. Both ranks stop
     at step 2 before the update (no hang); one line names the step, the ranks and step-1; exit 1; no
     export, no step-2, and step-1 as it was committed."""
-    from dflash_offline.train.checkpoint import load_checkpoint
+    from dflash_offline.runs.checkpoint import load_checkpoint
 
     out = tmp_path / "run"
     r = run_cli(["train", "--target", tiny_dense, "--cache", arith_cache, "--out", out, *TRAIN, "--lr", "1e30",
@@ -218,7 +221,7 @@ def test_export_dest_rules(tmp_path):
     (["manifest.json", "shards"], True),  # a cache given as --out
 ])
 def test_run_folder_rule(tmp_path, entries, refused):
-    from dflash_offline.train.run_folder import refuse_foreign_run
+    from dflash_offline.runs.folder import refuse_foreign_run
 
     for name in entries:
         (tmp_path / name).mkdir()

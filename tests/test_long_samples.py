@@ -126,10 +126,10 @@ def test_every_epoch_holds_each_trained_token_once_and_rows_read_the_pieces(long
 
     from dflash_offline.cache.reader import CacheReader
     from dflash_offline.train.config import TrainConfig
-    from dflash_offline.train.packing import epoch_order
-    from dflash_offline.train.pieces import pack_pieces
+    from dflash_offline.blocks.packing import epoch_order
+    from dflash_offline.blocks.pieces import pack_pieces
     from dflash_offline.train.preflight import preflight
-    from dflash_offline.train.stream import RowSpec, RowStream, Span
+    from dflash_offline.blocks.stream import RowSpec, RowStream, Span
 
     masks = _samples(long_cache)
     want = Counter((i, int(p)) for i, m in masks.items() for p in np.flatnonzero(m))
@@ -274,8 +274,8 @@ def _earlier_pack_rows(lengths, order, seq_len):
 
 
 def test_rows_of_samples_that_fit_and_of_truncate_are_the_earlier_rows():
-    from dflash_offline.train.packing import epoch_order
-    from dflash_offline.train.pieces import Pieces, pack_pieces
+    from dflash_offline.blocks.packing import epoch_order
+    from dflash_offline.blocks.pieces import Pieces, pack_pieces
 
     rng = np.random.default_rng(5)
     for seq_len, top in ((64, 64), (64, 300), (256, 90)):  # all fit; some longer (truncate); all fit
@@ -298,7 +298,7 @@ def _fewest_covering(points: np.ndarray, width: int) -> int:
 
 
 def test_split_trained_holds_each_trained_token_once_in_fewest_pieces():
-    from dflash_offline.train.pieces import split_trained
+    from dflash_offline.blocks.pieces import split_trained
 
     rng = np.random.default_rng(9)
     for _ in range(400):

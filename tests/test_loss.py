@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_offline.train.loss import block_loss
+from dflash_offline.blocks.loss import block_loss
 
 
 def _case(dtype=torch.float32, seed=0, R=3, Q=40, H=32, V=301):
@@ -277,7 +277,7 @@ def test_soft_target_validation():
 def test_compiled_passes_equal_the_eager_ones(soft):
     """`compiled=True` (the trainer's GPU path: Inductor kernels over each chunk's logits) gives the
     eager fused path's loss, hits and gradient, with D-PACE weights and a partial last chunk."""
-    from dflash_offline.train.loss import _compiled
+    from dflash_offline.blocks.loss import _compiled
 
     hidden, head, labels, weights = _case(R=2, Q=48, H=32, V=301)
     g = torch.Generator().manual_seed(5)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from dflash_offline.cache.fp8 import dequantize, quantize
-from dflash_offline.train.stream import MicroBatch
+from dflash_offline.blocks.stream import MicroBatch
 
 
 def _batch(**hidden) -> MicroBatch:

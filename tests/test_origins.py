@@ -9,7 +9,9 @@ import math
 import pytest
 
 from conftest import TRAIN, run_cli
-from dflash_offline.config import EvalConfig, ExtractConfig, GenerateConfig, TrainConfig
+from dflash_offline.config import ExtractConfig, GenerateConfig
+from dflash_offline.evaluate.config import EvalConfig
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.options import load_recipe, merge
 from dflash_offline.runtime.errors import UserError
 

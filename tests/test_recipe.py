@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import TRAIN, run_cli
-from dflash_offline.train.packing import build_row, loss_weights
+from dflash_offline.blocks.packing import build_row, loss_weights
 
 
 def _random_row(rng, S):
@@ -128,8 +128,8 @@ def test_a_layer_subset_trains_exactly_as_a_cache_of_only_those_layers(layer_cac
 
 def test_distillation_targets_are_the_top_k_of_the_position_before_each_slot(layer_caches):
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.train.packing import pack_rows, epoch_order
-    from dflash_offline.train.stream import RowStream, Span
+    from dflash_offline.blocks.packing import pack_rows, epoch_order
+    from dflash_offline.blocks.stream import RowStream, Span
 
     superset, _ = layer_caches
     reader = CacheReader(str(superset))

@@ -12,7 +12,9 @@ import pytest
 
 from conftest import ROOT, TRAIN, run_cli
 from dflash_offline import cli
-from dflash_offline.config import ExtractConfig, PlanConfig, TrainConfig
+from dflash_offline.config import ExtractConfig
+from dflash_offline.sizing_config import PlanConfig
+from dflash_offline.train.config import TrainConfig
 from dflash_offline.options import load_recipe, renamed
 from dflash_offline.runtime.errors import UserError
 
@@ -79,7 +81,8 @@ def _with_earlier_keys(text: str, cls: type) -> str:
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "stages").glob("*/*.toml")), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_stage_recipes_with_their_earlier_keys_load_the_same(recipe, tmp_path, capsys):
-    from dflash_offline.config import EvalConfig, GenerateConfig, PrepareConfig
+    from dflash_offline.config import GenerateConfig, PrepareConfig
+    from dflash_offline.evaluate.config import EvalConfig
 
     cls = {"extract": ExtractConfig, "train": TrainConfig, "generate": GenerateConfig, "prepare": PrepareConfig,
            "eval": EvalConfig}[recipe.stem]

@@ -116,7 +116,7 @@ def test_chunk_files_reads_equal_zarr_and_refuse_damage(tmp_path):
 
 def test_loader_rows_from_chunk_files_equal_rows_through_zarr(valid_cache):
     """The trainer's rows, read from chunk files (refs with their first token) and through Zarr."""
-    from dflash_offline.train.stream import RowStream, Span
+    from dflash_offline.blocks.stream import RowStream, Span
 
     reader = CacheReader(str(valid_cache))
     refs3, refs2, lengths = [], [], []
@@ -192,7 +192,7 @@ def test_one_loader_over_several_epochs_equals_a_loader_per_epoch(valid_cache):
     """The run's loader spans its epochs (its processes live from the first step to the last): its
     micro-batches, made by two spawned processes, equal those of one in-process stream per epoch,
     bit for bit, in order, from a resumed step in the first epoch to a stop inside the last."""
-    from dflash_offline.train.stream import RowStream, Span, make_loader
+    from dflash_offline.blocks.stream import RowStream, Span, make_loader
 
     reader = CacheReader(str(valid_cache))
     refs, lengths = [], []

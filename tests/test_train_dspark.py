@@ -76,7 +76,7 @@ def test_dspark_learns_and_exports_deepspec_layout(topk_cache, tiny_dense, tmp_p
     from safetensors.torch import load_file as load_torch
 
     from dflash_offline.drafter.export import load_exported
-    from dflash_offline.train.checkpoint import load_checkpoint
+    from dflash_offline.runs.checkpoint import load_checkpoint
 
     tensors = load_torch(str(out / "export" / "model.safetensors"))
     assert tensors["markov_head.markov_w1.weight"].shape == (cfg["vocab_size"], 16)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from dflash_offline.config import auto_loss_chunk
+from dflash_offline.train.config import auto_loss_chunk
 from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.drafter.model import DFlashDrafter, read_layer_tensors
 from dflash_offline.drafter.masks import count_recompiles, dense_mask

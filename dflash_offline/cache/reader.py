@@ -287,3 +287,38 @@ class CacheReader:
 
     def entry(self, name: str) -> dict:
         return next(s for s in self.manifest["shards"] if s["name"] == name)
+
+
+# Opening a cache given on a command line: one line naming the option and path when it fails
+# (train's and eval's preflights).
+
+
+def cache_reader(cache: str, label: str):
+    """A CacheReader of a cache given as `label` (flag or recipe key): no manifest is one line naming it."""
+    from dflash_offline.cache.location import Location
+
+    if not Location(cache, label).exists("manifest.json"):
+        raise UserError(f"{label} {cache}: no manifest.json; not a dflash-offline cache (or nothing committed yet): "
+                        "give the folder extract wrote")
+    return CacheReader(cache)
+
+
+def checked_shards(reader, label: str, verify: str):
+    """(name, shard) of every committed shard, each there and open (and, with verify "full",
+    matching its checksum) or one line naming `label` (the option and path) and the shard."""
+    for name in reader.shard_names:
+        if not reader.loc.exists(f"shards/{name}.zarr"):
+            raise UserError(f"{label}: shard {name} is listed in manifest.json but missing on storage; "
+                            "re-extract it (delete its entry from a copy of the manifest) or restore it")
+        try:
+            sh = reader.shard(name)
+        except Exception as e:
+            raise UserError(f"{label}: shard {name} does not open ({type(e).__name__}: {e})") from None
+        if verify == "full":
+            try:
+                ok = sh.compute_checksum() == sh.entry["checksum"]
+            except Exception:  # a chunk's CRC32C failed while reading
+                ok = False
+            if not ok:
+                raise UserError(f"{label}: shard {name} does not match its checksum (corrupted data); re-extract it")
+        yield name, sh

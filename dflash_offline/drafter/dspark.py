@@ -12,7 +12,7 @@ DSpark keeps the DFlash drafter and changes three things:
   fed to the next slot's bias. In training x_{k-1} is the data token (teacher forcing).
 - **A confidence head**: a linear map of [h_k; W1[x_{k-1}]] to the logit of the probability that slot
   k survives verification given that the slots before it did, trained against 1 - TV(p_draft, p_target)
-  (train/dspark_loss.py); engines use it to cut a block short.
+  (blocks/dspark_loss.py); engines use it to cut a block short.
 
 Tensor names follow DeepSpec's checkpoints (`markov_head.markov_w1.weight` [V, r],
 `markov_head.markov_w2.weight` [V, r], `markov_head.gate_proj.*` [r, H + r], `confidence_head.proj.*`

@@ -43,7 +43,7 @@ def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str
         speculative_decode,
         summarize,
     )
-    from dflash_offline.train.walk import cache_layer_columns, walk_acceptance
+    from dflash_offline.blocks.walk import cache_layer_columns, walk_acceptance
 
     t0 = time.time()
     cfg = drafter.cfg

@@ -35,7 +35,7 @@ from dflash_offline.options import also, replaced, where
 from dflash_offline.evaluate.config import AS_FLAGS, EvalConfig, Said
 from dflash_offline.evaluate.inputs import (check_prompts_path, check_reference_path, read_prompts, read_reference,
                                             warn_chat_mismatch, chat_stop_ids)
-from dflash_offline.train.walk import cache_acceptance, walk_acceptance
+from dflash_offline.blocks.walk import cache_acceptance, walk_acceptance
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.logs import claim_heartbeat
 from dflash_offline.sampling import Sampling
@@ -58,7 +58,7 @@ def load_drafter(path: str, target_dir: str, said: Said = AS_FLAGS):
     """A drafter from an export folder (config.json) or a training checkpoint (step-N/), with the
     target's frozen embedding and LM head; refuses a drafter made for another target shape."""
     from dflash_offline.drafter.export import EXPORT_WEIGHTS, load_exported
-    from dflash_offline.train.checkpoint import CHECKPOINT_PREFIX, checkpoint_before, checkpoint_damage, load_checkpoint
+    from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, checkpoint_before, checkpoint_damage, load_checkpoint
     from dflash_offline.targets.folder import read_target
 
     root = Path(path)
@@ -138,8 +138,8 @@ def _check_cache_target(cfg: EvalConfig) -> None:
 def _check_cache_layers(cfg: EvalConfig, drafters) -> None:
     """Every drafter reads layers --cache holds, and its shards are there, checked before any
     prompt decodes (the cache walk runs after the decoding)."""
-    from dflash_offline.train.preflight import cache_reader, checked_shards
-    from dflash_offline.train.walk import cache_layer_columns
+    from dflash_offline.cache.reader import cache_reader, checked_shards
+    from dflash_offline.blocks.walk import cache_layer_columns
 
     reader = cache_reader(cfg.cache, where(cfg, "cache"))
     for _, d in drafters:
@@ -154,7 +154,7 @@ def log_folder(cfg: EvalConfig) -> Path:
     made), else ./dflash-logs: eval never creates a folder beside a model someone put there."""
     if cfg.log_dir:
         return Path(cfg.log_dir)
-    from dflash_offline.train.run_folder import is_run_folder
+    from dflash_offline.runs.folder import is_run_folder
 
     run = Path(cfg.drafters[0]).absolute().parent
     if is_run_folder(run):

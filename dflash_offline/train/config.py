@@ -44,7 +44,7 @@ class TrainConfig:
     i's token: the gradient of the expected accepted length, per block and step."""
     method: str = opt("dflash", "dflash, or dspark: every block slot predicts the next token, with a Markov head and a confidence head, and the loss ce x CE + tv x L1(p_draft, p_target) + bce x BCE(confidence, 1 - TV) (p_target from the cache's top-k).", choices=("dflash", "dspark"), resume=True)
     """dflash: the method of dflash-method.md. dspark (DSpark, arXiv 2607.05147; drafter/dspark.py,
-    train/dspark_loss.py): slot j predicts the token at anchor + 1 + j, a low-rank Markov bias from
+    blocks/dspark_loss.py): slot j predicts the token at anchor + 1 + j, a low-rank Markov bias from
     the previous token, a confidence head, and the three-term loss."""
     markov_rank: int = opt(256, "With --method dspark: the Markov head's rank.", resume=True)
     markov_head: str = opt("vanilla", "With --method dspark: vanilla (the kind vLLM and SGLang load) or gated (a sigmoid gate from the slot's hidden state).", choices=("vanilla", "gated"), resume=True)
@@ -57,7 +57,7 @@ class TrainConfig:
     """Context tokens per row; samples are packed into rows of exactly this length."""
     long_samples: str = opt("split", "Samples longer than --seq-len: split = into pieces of at most --seq-len tokens, each its own document, every trained token trained once; truncate = keep their first --seq-len tokens (earlier versions' rule).", choices=("split", "truncate"), resume=True)
     """What a sample longer than `seq_len` becomes. split: pieces of at most `seq_len` tokens that
-    hold each of its trained tokens once (train/pieces.py), each packed as its own document (its
+    hold each of its trained tokens once (blocks/pieces.py), each packed as its own document (its
     hidden states still carry the whole prefix; its blocks see no context before the piece);
     truncate: its first `seq_len` tokens, the rest untrained (what versions before this option did)."""
     global_batch_tokens: int = opt(131072, "Context tokens per optimizer step, all ranks.", resume=True)
@@ -184,7 +184,7 @@ class TrainConfig:
         if self.method == "dspark" and not self.confidence_head and self.bce_weight != TrainConfig.bce_weight:
             raise UserError(f"{where(self, 'bce_weight')} weighs the confidence head's loss, and "
                             f"{also(self, 'confidence_head')} leaves the head out: leave one of them out")
-        if self.distribution_loss:  # train/dspark_loss.py: no D-PACE weights, no soft labels
+        if self.distribution_loss:  # blocks/dspark_loss.py: no D-PACE weights, no soft labels
             why = f"{also(self, 'method')} dspark" if self.method == "dspark" else f"{also(self, 'tv_weight')} above 0"
             if self.loss_weights != "decay":
                 raise UserError(f"{where(self, 'loss_weights')} {self.loss_weights}: the loss with the L1 term weighs "
@@ -221,7 +221,7 @@ class TrainConfig:
 
     @property
     def distribution_loss(self) -> bool:
-        """The three-term loss (train/dspark_loss.py): DSpark's, or DFlash's with --tv-weight."""
+        """The three-term loss (blocks/dspark_loss.py): DSpark's, or DFlash's with --tv-weight."""
         return self.method == "dspark" or self.resolved_tv_weight > 0
 
     @property

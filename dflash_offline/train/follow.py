@@ -17,7 +17,7 @@ from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.train.plan import TrainPlan
-from dflash_offline.train.run_folder import CONSUMED
+from dflash_offline.runs.folder import CONSUMED
 
 log = logging.getLogger("dflash.train")
 
@@ -124,8 +124,8 @@ def follow_window_rows(cfg: TrainConfig, plan: TrainPlan, window: int, names: li
     """A committed window's samples and steps: its pieces are packed in the order
     epoch_order(window), and the last step is filled with empty rows (no sample dropped)."""
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.train.packing import epoch_order
-    from dflash_offline.train.pieces import pack_pieces, scan_samples
+    from dflash_offline.blocks.packing import epoch_order
+    from dflash_offline.blocks.pieces import pack_pieces, scan_samples
 
     reader = CacheReader(cfg.cache)
     table = scan_samples([(name, reader.shard(name)) for name in names], cfg.seq_len, cfg.long_samples)

@@ -12,7 +12,7 @@ from pathlib import Path
 from dflash_offline.options import where
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.logs import heartbeat
-from dflash_offline.train.run_folder import BEST, HELD_OUT_LOG
+from dflash_offline.runs.folder import BEST, HELD_OUT_LOG
 
 log = logging.getLogger("dflash.train")
 
@@ -41,7 +41,7 @@ class HeldOut:
             dist.barrier()
         if self.rank == 0:
             from dflash_offline.drafter.export import export_drafter
-            from dflash_offline.train.walk import walk_acceptance
+            from dflash_offline.blocks.walk import walk_acceptance
 
             heartbeat(phase="held-out evaluation", step=step)
             t0 = time.perf_counter()

@@ -38,7 +38,7 @@ from dflash_offline.train.loop import train_worker
 from dflash_offline.train.outcomes import TrainingDiverged, stopped_message
 from dflash_offline.train.plan import TrainPlan
 from dflash_offline.train.preflight import preflight
-from dflash_offline.train.run_folder import refuse_foreign_run
+from dflash_offline.runs.folder import refuse_foreign_run
 
 
 def run(cfg: TrainConfig) -> None:

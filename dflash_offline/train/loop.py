@@ -16,7 +16,7 @@ from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.launch import TEARDOWN_S, RanksNotMet, exit_within, wait_for_ranks
 from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.runtime.signals import Stopped, spawning
-from dflash_offline.train.checkpoint import (
+from dflash_offline.runs.checkpoint import (
     CHECKPOINT_PREFIX,
     list_checkpoints,
     remove_unfinished,
@@ -34,7 +34,7 @@ from dflash_offline.train.follow import (
 from dflash_offline.train.heldout import HeldOut
 from dflash_offline.train.outcomes import agreed_stop, stopped_message
 from dflash_offline.train.plan import EpochPlan, TrainPlan
-from dflash_offline.train.run_folder import BEST, CONSUMED, EXPORT, HELD_OUT_LOG, truncate_jsonl, truncate_metrics
+from dflash_offline.runs.folder import BEST, CONSUMED, EXPORT, HELD_OUT_LOG, truncate_jsonl, truncate_metrics
 from dflash_offline.train.step import StepLog, optimizer_step
 from dflash_offline.train.trainer import LoopState, Trainer, build_trainer
 
@@ -122,7 +122,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tra
 
 def _span(seg: Segment, step: int, stop: int | None):
     """The steps of `seg` from global step `step` up to `stop`, as a stream span."""
-    from dflash_offline.train.stream import Span
+    from dflash_offline.blocks.stream import Span
 
     start = max(step - seg.base, 0)
     return Span(seg.key, start, seg.steps if stop is None else max(start, min(seg.steps, stop - seg.base)))
@@ -131,7 +131,7 @@ def _span(seg: Segment, step: int, stop: int | None):
 def _open_rows(t: Trainer, samples: EpochPlan | Segment, spans: list):
     """An iterator over this rank's micro-batches of `spans` over `samples` (refs, lengths, pieces:
     the cache's, the same every epoch, or a follow window's), read ahead by the loader processes."""
-    from dflash_offline.train.stream import RowSpec, RowStream, make_loader
+    from dflash_offline.blocks.stream import RowSpec, RowStream, make_loader
 
     cfg = t.cfg
     # The block size and mask token are the drafter's (plan.drafter, its config: their one owner

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_offline.runtime.signals import signal_name, stop_requested
-from dflash_offline.train.checkpoint import CHECKPOINT_PREFIX, list_checkpoints
+from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, list_checkpoints
 
 
 class TrainingDiverged(RuntimeError):

@@ -21,10 +21,10 @@ from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.launch import torchrun_launch
 from dflash_offline.runtime.logs import heartbeat
-from dflash_offline.train.checkpoint import check_resume
+from dflash_offline.train.resume import check_resume
 from dflash_offline.train.follow import window_misfit
 from dflash_offline.train.plan import EpochPlan, FollowPlan, TrainPlan
-from dflash_offline.train.run_folder import BEST, EXPORT
+from dflash_offline.runs.folder import BEST, EXPORT
 
 log = logging.getLogger("dflash.train")
 
@@ -32,7 +32,7 @@ log = logging.getLogger("dflash.train")
 def step_accumulation(cfg: TrainConfig, world: int) -> int:
     """Micro-batches per rank and step; said on the terminal when that rounds --global-batch-tokens
     (a step is whole rows of --seq-len on every rank)."""
-    from dflash_offline.train.packing import accumulation
+    from dflash_offline.blocks.packing import accumulation
 
     accum = accumulation(cfg.global_batch_tokens, cfg.seq_len, world)
     if accum * world * cfg.seq_len != cfg.global_batch_tokens:
@@ -43,9 +43,10 @@ def step_accumulation(cfg: TrainConfig, world: int) -> int:
 
 
 def preflight(cfg: TrainConfig) -> TrainPlan:
+    from dflash_offline.cache.reader import cache_reader, checked_shards
     from dflash_offline.drafter.export import check_export_dest
-    from dflash_offline.train.packing import manifest_fingerprint, epoch_order, steps_per_epoch
-    from dflash_offline.train.pieces import pack_pieces, scan_samples
+    from dflash_offline.blocks.packing import manifest_fingerprint, epoch_order, steps_per_epoch
+    from dflash_offline.blocks.pieces import pack_pieces, scan_samples
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
     from dflash_offline.runtime.paths import require_kind
 
@@ -142,38 +143,6 @@ def _check_row_memory(cfg: TrainConfig, features: int) -> None:
                         "lower --seq-len")
 
 
-def cache_reader(cache: str, label: str):
-    """A CacheReader of a cache given as `label` (flag or recipe key): no manifest is one line naming it."""
-    from dflash_offline.cache.location import Location
-    from dflash_offline.cache.reader import CacheReader
-
-    if not Location(cache, label).exists("manifest.json"):
-        raise UserError(f"{label} {cache}: no manifest.json; not a dflash-offline cache (or nothing committed yet): "
-                        "give the folder extract wrote")
-    return CacheReader(cache)
-
-
-def checked_shards(reader, label: str, verify: str):
-    """(name, shard) of every committed shard, each there and open (and, with verify "full",
-    matching its checksum) or one line naming `label` (the option and path) and the shard."""
-    for name in reader.shard_names:
-        if not reader.loc.exists(f"shards/{name}.zarr"):
-            raise UserError(f"{label}: shard {name} is listed in manifest.json but missing on storage; "
-                            "re-extract it (delete its entry from a copy of the manifest) or restore it")
-        try:
-            sh = reader.shard(name)
-        except Exception as e:
-            raise UserError(f"{label}: shard {name} does not open ({type(e).__name__}: {e})") from None
-        if verify == "full":
-            try:
-                ok = sh.compute_checksum() == sh.entry["checksum"]
-            except Exception:  # a chunk's CRC32C failed while reading
-                ok = False
-            if not ok:
-                raise UserError(f"{label}: shard {name} does not match its checksum (corrupted data); re-extract it")
-        yield name, sh
-
-
 def _check_cache_target(cfg: TrainConfig, v: ManifestView) -> None:
     from dflash_offline.targets.folder import read_target
 
@@ -261,7 +230,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     step trains on is fixed once its window's shards are committed (`follow_window_rows`)."""
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore, committed_names
-    from dflash_offline.train.packing import follow_fingerprint
+    from dflash_offline.blocks.packing import follow_fingerprint
 
     store = ManifestStore(Location(cfg.cache, where(cfg, "cache")))
     t0 = last = time.time()
@@ -324,8 +293,9 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
 
 def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], v: ManifestView) -> None:
     """--eval-cache, before any process starts: complete, from the same target, with the layers."""
-    from dflash_offline.cache.manifest import ManifestStore
     from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore
+    from dflash_offline.cache.reader import cache_reader, checked_shards
 
     try:
         held = ManifestStore(Location(cfg.eval_cache, where(cfg, "eval_cache"))).read_committed()  # an edited one: before training

@@ -72,7 +72,7 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
     import torch.distributed as dist
 
     from dflash_offline.drafter import masks
-    from dflash_offline.train.loss import block_loss, block_metrics
+    from dflash_offline.blocks.loss import block_loss, block_metrics
     from dflash_offline.train.profiling import phase
 
     cfg, world, rank, device, cuda = t.cfg, t.world, t.rank, t.device, t.cuda
@@ -234,10 +234,10 @@ class StepLog:
             self.tb = None
 
 def _dspark_loss(t: Trainer, h, mb, B: int):
-    """The three-term loss (train/dspark_loss.py) of a micro-batch -> (sum, correct): DSpark's, or
+    """The three-term loss (blocks/dspark_loss.py) of a micro-batch -> (sum, correct): DSpark's, or
     DFlash's with the L1 term (no heads: its CE and L1 terms)."""
     from dflash_offline.drafter.dspark import previous_tokens
-    from dflash_offline.train.dspark_loss import LossWeights, dspark_loss
+    from dflash_offline.blocks.dspark_loss import LossWeights, dspark_loss
 
     cfg, d = t.cfg, t.drafter
     prev = previous_tokens(mb.block_ids, mb.labels, B) if d.markov_head is not None else mb.labels

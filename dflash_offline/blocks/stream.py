@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from dflash_offline.cache.fp8 import DTYPE_NAME as FP8
-from dflash_offline.train.packing import anchor_rng, build_row, epoch_order, loss_weights
-from dflash_offline.train.pieces import Piece, Pieces, pack_pieces
+from dflash_offline.blocks.packing import anchor_rng, build_row, epoch_order, loss_weights
+from dflash_offline.blocks.pieces import Piece, Pieces, pack_pieces
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,18 @@
 """The one owner of a run's checkpoint format: `step-N/` folders (state.json, drafter.safetensors,
 trainer.pt), written under a temporary name and renamed, so a checkpoint counts only when complete;
-listing, validation, loading, the resume check and resume, and keep-last-k.
+listing, validation, loading, resume, and keep-last-k. train writes them; eval, export and status
+read them. Whether a checkpoint's settings allow a resume is train's question (train/resume.py).
 
 Imports no torch at module level: the launcher's preflight and `status` read checkpoints without it
 (a broken torch install fails in a process whose log is open)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import json
 import os
 import shutil
 from pathlib import Path
 
-from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.paths import ordinary_mode
@@ -106,10 +104,12 @@ def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: dict, keep
 CHECKPOINT_FILES = ("state.json", "drafter.safetensors", "trainer.pt")
 
 
-def checkpoint_damage(ck: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> str | None:
+def checkpoint_damage(ck: Path, files: tuple[str, ...] = CHECKPOINT_FILES, config_problem=None) -> str | None:
     """What is wrong with a checkpoint's files, as "FILE: what", or None: state.json is the JSON a
     checkpoint writes, drafter.safetensors and trainer.pt are whole (their headers and sizes agree).
-    Reads headers only, no tensors: a check of a 27B-shaped drafter's checkpoint takes a moment."""
+    Reads headers only, no tensors: a check of a 27B-shaped drafter's checkpoint takes a moment.
+    `config_problem(config) -> str | None`: a check of the saved training settings (train's resume
+    reads them; a reader of the drafter alone need not)."""
     import zipfile
 
     for name in files:
@@ -128,7 +128,8 @@ def checkpoint_damage(ck: Path, files: tuple[str, ...] = CHECKPOINT_FILES) -> st
                     return f"{name}: damaged or not a checkpoint's state (config or drafter is not an object)"
                 from dflash_offline.drafter.config import DrafterConfig
 
-                if problem := DrafterConfig.saved_problem(state["drafter"]) or _config_problem(state["config"]):
+                problem = DrafterConfig.saved_problem(state["drafter"])
+                if problem := problem or (config_problem(state["config"]) if config_problem else None):
                     return f"{name}: {problem}"
             elif name.endswith(".safetensors"):
                 with open(f, "rb") as fh:
@@ -178,82 +179,6 @@ def load_checkpoint(ck_dir: str):
         raise UserError(f"{ck}: drafter weights do not match its config (unexpected {got.unexpected_keys[:3]}, "
                         f"missing {lost[:3]}); the checkpoint is damaged")
     return drafter
-
-
-# Settings a resumed run must share with its checkpoint (they decide the numbers of every step):
-# the TrainConfig fields marked `resume=True`.
-RESUME_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("resume"))
-
-
-def saved_config(config: dict) -> dict:
-    """A checkpoint's saved TrainConfig with fields saved under an earlier name (a checkpoint from
-    before a rename: num_layers, layers) under their current one."""
-    from dflash_offline.options import under_current_names
-
-    return under_current_names(TrainConfig, config)
-
-
-# What a checkpoint written before a setting existed did, where that is not the setting's default:
-# earlier versions cut every sample longer than --seq-len to its first seq_len tokens.
-EARLIER_RULES = {"long_samples": "truncate"}
-
-
-def check_resume(cfg: TrainConfig, cache_fingerprint: str, moot: tuple[str, ...] = ()) -> None:
-    """Refuse, before any process starts, to resume a checkpoint made on another cache or with
-    other settings (a changed lr would be silently overridden by the saved optimizer state).
-    `moot`: settings that change no number of this run (long_samples when every sample fits)."""
-    out = Path(cfg.out)
-    found = list_checkpoints(out)
-    if not found:
-        return
-    ck = out / f"{CHECKPOINT_PREFIX}{found[-1]}"
-    what = checkpoint_damage(ck)  # headers and sizes only: a damaged file is named before any rank starts
-    if what:
-        raise UserError(damaged_checkpoint(out, found[-1], what))
-    state = json.loads((ck / "state.json").read_text())
-    if state["cache_fingerprint"] != cache_fingerprint:
-        raise UserError(f"{ck} was trained on another cache (its fingerprint differs); use a new --out")
-    defaults = TrainConfig()
-    saved = saved_config(state["config"])
-    for key in RESUME_KEYS:
-        if key in moot:
-            continue
-        # A key newer than the checkpoint: what the version that wrote it did, by default its default.
-        theirs = saved.get(key, EARLIER_RULES.get(key, getattr(defaults, key)))
-        if theirs != getattr(cfg, key):
-            raise UserError(f"{ck} was made with {key} = {_shown(theirs)}, this run has {_shown(getattr(cfg, key))}; "
-                            "use the same settings to resume, or a new --out")
-
-
-def _config_problem(config: dict) -> str | None:
-    """A saved setting of the resume identity that is not of its field's type ("config.KEY is ..."),
-    or None: a hand-edited "8" is a damaged file, not a setting that differs from 8."""
-    def fits(v, kind: str) -> bool:
-        if v is None:
-            return "None" in kind
-        if kind.startswith("bool"):
-            return isinstance(v, bool)
-        if kind.startswith("int"):
-            return isinstance(v, int) and not isinstance(v, bool)
-        if kind.startswith("float"):
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
-        if kind.startswith("str"):
-            return isinstance(v, str)
-        if kind.startswith("list[int]"):
-            return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
-        return True
-
-    saved = saved_config(config)
-    for f in dataclasses.fields(TrainConfig):
-        if f.name in RESUME_KEYS and f.name in saved and not fits(saved[f.name], str(f.type)):
-            return f"config.{f.name} is {json.dumps(saved[f.name])}, not of its type ({f.type})"
-    return None
-
-
-def _shown(v) -> str:
-    """A setting in a message, as JSON (a hand-edited "8" must not read as the 8 it differs from);
-    None is an option left to its default rule (the lr's, the cache's layers)."""
-    return "unset (its default rule)" if v is None else json.dumps(v)
 
 
 def remove_unfinished(out: Path) -> None:

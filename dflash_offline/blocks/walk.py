@@ -69,10 +69,10 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
 
     from dflash_offline.drafter import masks
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.train.loss import block_metrics
-    from dflash_offline.train.packing import epoch_order
-    from dflash_offline.train.pieces import pack_pieces, scan_samples
-    from dflash_offline.train.stream import RowSpec, RowStream, Span, make_loader
+    from dflash_offline.blocks.loss import block_metrics
+    from dflash_offline.blocks.packing import epoch_order
+    from dflash_offline.blocks.pieces import pack_pieces, scan_samples
+    from dflash_offline.blocks.stream import RowSpec, RowStream, Span, make_loader
 
     reader = CacheReader(cache)
     m = reader.manifest
@@ -80,7 +80,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     columns = cache_layer_columns(m, cfg, cache, option)
     view = ManifestView.of(m)
     n_cached = len(view.layer_ids)
-    # Samples longer than a row are split as training's default splits them (train/pieces.py).
+    # Samples longer than a row are split as training's default splits them (blocks/pieces.py).
     table = scan_samples([(name, reader.shard(name)) for name in reader.shard_names], seq_len)
     rows = len(pack_pieces(table.pieces, epoch_order(len(table.refs), seed, 0), seq_len))
     steps = rows if max_rows is None else min(rows, max_rows)
@@ -126,11 +126,11 @@ def slot_hits(drafter, h, mb, chunk_tokens: int):
     """[R, Q] whether each slot's argmax is its label: the LM head's (DFlash), or the Markov-biased
     logits given the data token before the slot (DSpark: teacher forcing, which is the draft chain
     itself up to its first miss, all that a leading run of hits counts)."""
-    from dflash_offline.train.loss import block_loss
+    from dflash_offline.blocks.loss import block_loss
 
     if drafter.cfg.method == "dspark":
         from dflash_offline.drafter.dspark import previous_tokens
-        from dflash_offline.train.dspark_loss import dspark_loss
+        from dflash_offline.blocks.dspark_loss import dspark_loss
 
         prev = previous_tokens(mb.block_ids, mb.labels, drafter.cfg.block_size)
         return dspark_loss(h, drafter.lm_head.weight, drafter.markov_head, None, prev, mb.labels, mb.weights,
@@ -218,8 +218,8 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
     from dflash_offline.drafter import masks
     from dflash_offline.cache.fp8 import DTYPE_NAME as FP8
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.train.packing import build_row, loss_weights, pack_rows
-    from dflash_offline.train.stream import MicroBatch
+    from dflash_offline.blocks.packing import build_row, loss_weights, pack_rows
+    from dflash_offline.blocks.stream import MicroBatch
 
     t0 = time.time()
     device = str(device)

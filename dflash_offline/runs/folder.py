@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.paths import refuse_foreign_folder
-from dflash_offline.train.checkpoint import CHECKPOINT_PREFIX, list_checkpoints
+from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, list_checkpoints
 
 EXPORT = "export"
 BEST = "best"

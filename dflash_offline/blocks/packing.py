@@ -24,7 +24,7 @@ def pack_rows(lengths: np.ndarray, order: np.ndarray, seq_len: int) -> list[list
     """Greedy packing in `order` of every sample's first min(length, seq_len) tokens: each row is
     [(sample, kept_length), ...] with sum <= seq_len (the held-out estimates' rows; training packs
     `pieces.pack_pieces`, which splits samples longer than seq_len)."""
-    from dflash_offline.train.pieces import Pieces, pack_pieces
+    from dflash_offline.blocks.pieces import Pieces, pack_pieces
 
     return [[(p.sample, p.length) for p in row] for row in pack_pieces(Pieces.make(lengths, seq_len), order, seq_len)]
 
