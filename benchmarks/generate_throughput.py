@@ -258,7 +258,7 @@ def continuous_steps(model, args, weight_bytes: int, res: dict, save, device: st
     DeltaNet states and windows read and written once per step."""
     import torch
 
-    from dflash_offline.generate.continuous import ContinuousDecoder, Job
+    from dflash_offline.generate.continuous import ContinuousDecoder, Request
     from dflash_offline.sampling import Sampling
 
     g = torch.Generator().manual_seed(1)
@@ -273,10 +273,10 @@ def continuous_steps(model, args, weight_bytes: int, res: dict, save, device: st
                 with torch.inference_mode():
                     dec._capture()
             capture_s = time.perf_counter() - t0
-            jobs = [Job(i, torch.randint(2, vocab, (args.prompt,), generator=g).tolist()) for i in range(B)]
+            requests = [Request(i, torch.randint(2, vocab, (args.prompt,), generator=g).tolist()) for i in range(B)]
             with torch.inference_mode():
                 for a in range(0, B, dec.stage.rows):
-                    dec._admit(list(range(a, min(B, a + dec.stage.rows))), jobs[a:a + dec.stage.rows])
+                    dec._admit(list(range(a, min(B, a + dec.stage.rows))), requests[a:a + dec.stage.rows])
                 for _ in range(3):  # warm-up steps
                     dec._run_step()
                 if device == "cuda":

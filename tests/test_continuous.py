@@ -5,7 +5,7 @@ generate's padded decoder, in fp32, on tiny dense and hybrid targets.
   ends: by an end-of-sequence token or at --max-new-tokens), read back every step and every
   third step, the staging prefill two prompts at a time: the same tokens, greedy and sampled
   (the keyed noise makes a prompt's sample independent of its slot);
-- `run` with `on_finish` queueing follow-up jobs (a conversation's next turn) decodes them too;
+- `run` with `on_finish` queueing follow-up requests (a conversation's next turn) decodes them too;
 - generate's parts stream through the slots: the next part's prompts start before a part's last
   ends (fewer steps than draining the slots at each part's end), the same tokens;
 - on a GPU the step replays as a CUDA graph: the same tokens as the eager step.
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dflash_offline.evaluate.speculative import load_target_for_decoding
-from dflash_offline.generate.continuous import ContinuousDecoder, Job
+from dflash_offline.generate.continuous import ContinuousDecoder, Request
 from dflash_offline.generate.decoding import BatchDecoder
 from dflash_offline.sampling import Sampling
 
@@ -70,12 +70,12 @@ def test_follow_up_jobs_are_decoded(model):
     seen = {}
 
     def on_finish(f):
-        seen[f.job.key] = f.tokens
-        if f.job.key < 1000:
-            return [Job(f.job.key + 1000, f.job.prompt + f.tokens)]
+        seen[f.request.key] = f.tokens
+        if f.request.key < 1000:
+            return [Request(f.request.key + 1000, f.request.prompt + f.tokens)]
         return None
 
-    dec.run(deque(Job(i, p) for i, p in zip(ids, prompts)), on_finish)
+    dec.run(deque(Request(i, p) for i, p in zip(ids, prompts)), on_finish)
     one = BatchDecoder(model, 1, 8 + MAX_NEW, MAX_NEW, set(), Sampling())
     for i, p in zip(ids, prompts):
         first = one.decode([p], [i]).tokens[0]

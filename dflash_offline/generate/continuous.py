@@ -38,14 +38,14 @@ from dflash_offline.sampling import Sampling
 log = logging.getLogger("dflash.decoding")
 
 
-class Job(NamedTuple):
+class Request(NamedTuple):
     key: int  # the prompt's sampling key (its id; a conversation's turn key)
     prompt: list[int]
     tag: object = None  # the caller's handle, given back with the result
 
 
 class Finished(NamedTuple):
-    job: Job
+    request: Request
     tokens: list[int]  # new tokens, the end-of-sequence token included when it ended there
     ended_by_eos: bool
 
@@ -71,7 +71,7 @@ class _Decoding:
 
 
 class ContinuousDecoder:
-    """Decodes jobs in `rows` slots; `run` takes a queue of jobs and calls `on_finish` for each as
+    """Decodes requests in `rows` slots; `run` takes a queue of requests and calls `on_finish` for each as
     it ends (which may queue more: the next turn of a conversation)."""
 
     def __init__(self, model, rows: int, max_prompt_len: int, max_new_tokens: int, eos: set[int],
@@ -131,17 +131,17 @@ class ContinuousDecoder:
         self.done.copy_(saved)
         self._graph = graph
 
-    def _admit(self, slots: list[int], jobs: list[Job]) -> None:
-        """Prefills `jobs` in the staging target and moves them into `slots` with their first token."""
-        m, P = len(jobs), max(len(j.prompt) for j in jobs)
+    def _admit(self, slots: list[int], requests: list[Request]) -> None:
+        """Prefills `requests` in the staging target and moves them into `slots` with their first token."""
+        m, P = len(requests), max(len(j.prompt) for j in requests)
         ids = torch.zeros((m, P), dtype=torch.long)
-        for r, j in enumerate(jobs):
+        for r, j in enumerate(requests):
             if not 0 < len(j.prompt) <= self.max_prompt_len:
                 raise ValueError(f"a prompt of {len(j.prompt)} tokens; this decoder holds 1..{self.max_prompt_len}")
             ids[r, :len(j.prompt)] = torch.tensor(j.prompt)
         dev = self.device
-        lens = torch.tensor([len(j.prompt) for j in jobs], device=dev)
-        keys = torch.tensor([j.key for j in jobs], device=dev)
+        lens = torch.tensor([len(j.prompt) for j in requests], device=dev)
+        keys = torch.tensor([j.key for j in requests], device=dev)
         at = torch.tensor(slots, device=dev)
         self.stage.reset()
         hidden, _ = self.stage.forward(ids.to(dev), torch.arange(P, device=dev)[None].expand(m, P), features=False,
@@ -160,38 +160,38 @@ class ContinuousDecoder:
     # -- host side --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, jobs: deque, on_finish: Callable[[Finished], list[Job] | None],
-            refill: Callable[[], list[Job]] | None = None) -> int:
-        """Decodes every job of the queue, those on_finish adds, and those refill() gives whenever the
+    def run(self, requests: deque, on_finish: Callable[[Finished], list[Request] | None],
+            refill: Callable[[], list[Request]] | None = None) -> int:
+        """Decodes every request of the queue, those on_finish adds, and those refill() gives whenever the
         queue is empty and a slot is free (until it gives none); -> steps run. Jobs added later are
         in the caller's progress bound already (the bar counts all the work from its start)."""
         if self.graphs and self._graph is None:
             self._capture()
-        R, job_of = self.rows, [None] * self.rows
+        R, request_of = self.rows, [None] * self.rows
         free, steps, finished_tokens = list(range(R)), 0, 0
-        bound = len(jobs) * self.max_new
+        bound = len(requests) * self.max_new
         if self.progress is not None:
             self.progress.batch_start(bound)
         while True:
             while free:
-                if not jobs and refill is not None:
-                    jobs.extend(refill())
-                if not jobs:
+                if not requests and refill is not None:
+                    requests.extend(refill())
+                if not requests:
                     break
-                take = min(len(free), len(jobs), self.stage.rows)
-                group = [jobs.popleft() for _ in range(take)]
+                take = min(len(free), len(requests), self.stage.rows)
+                group = [requests.popleft() for _ in range(take)]
                 slots = [free.pop(0) for _ in range(take)]
                 self._admit(slots, group)
                 for s, j in zip(slots, group):
-                    job_of[s] = j
-            if len(free) == R:  # no slot holds a job, and none is left to admit
+                    request_of[s] = j
+            if len(free) == R:  # no slot holds a request, and none is left to admit
                 break
             if not bool(self.done.all()):
                 for _ in range(self.check_every):
                     self._run_step()
                 steps += self.check_every
             done, n_out = self.done.tolist(), self.n_out.tolist()  # the read-back
-            ended = [s for s in range(R) if job_of[s] is not None and done[s]]
+            ended = [s for s in range(R) if request_of[s] is not None and done[s]]
             rows = self.out[ended].tolist() if ended else []
             for s, row in zip(ended, rows):
                 toks = row[:n_out[s]]
@@ -199,13 +199,13 @@ class ContinuousDecoder:
                 toks = toks if hit is None else toks[:hit + 1]
                 finished_tokens += len(toks)
                 bound -= self.max_new - len(toks)
-                more = on_finish(Finished(job_of[s], toks, hit is not None)) or []
-                jobs.extend(more)  # (their tokens are in the caller's bound already: a conversation's turns)
-                job_of[s] = None
+                more = on_finish(Finished(request_of[s], toks, hit is not None)) or []
+                requests.extend(more)  # (their tokens are in the caller's bound already: a conversation's turns)
+                request_of[s] = None
                 free.append(s)
             free.sort()
             if self.progress is not None:
-                running = sum(n_out[s] for s in range(R) if job_of[s] is not None)
+                running = sum(n_out[s] for s in range(R) if request_of[s] is not None)
                 self.progress.batch_step(finished_tokens + running, bound)
         return steps
 
@@ -219,7 +219,7 @@ class ContinuousDecoder:
         the work after the parts begun. -> steps run."""
         running: dict[int, _Decoding] = {}
 
-        def refill() -> list[Job]:
+        def refill() -> list[Request]:
             for part in parts:
                 if not part.prompts:
                     on_part(part, [], [])
@@ -230,8 +230,8 @@ class ContinuousDecoder:
             return []
 
         def finished(f: Finished) -> None:
-            d = running[f.job.tag[0]]
-            d.new[f.job.tag[1]], d.eos_end[f.job.tag[1]] = f.tokens, f.ended_by_eos
+            d = running[f.request.tag[0]]
+            d.new[f.request.tag[1]], d.eos_end[f.request.tag[1]] = f.tokens, f.ended_by_eos
             d.left -= 1
             on_prompt(d.part.handle)
             if d.left == 0:
@@ -250,17 +250,17 @@ class ContinuousDecoder:
         results: list[Finished | None] = [None] * len(prompts)
 
         def keep(f: Finished) -> None:
-            results[f.job.tag] = f
+            results[f.request.tag] = f
 
         self.run(deque(longest_first(prompts, keys, lambda i: i)), keep)
         return results  # type: ignore[return-value]
 
 
-def longest_first(prompts: list[list[int]], keys: list[int], tag: Callable[[int], object]) -> list[Job]:
-    """The prompts as jobs, longest first (the slots' staging prefill pads to the longest of a group,
+def longest_first(prompts: list[list[int]], keys: list[int], tag: Callable[[int], object]) -> list[Request]:
+    """The prompts as requests, longest first (the slots' staging prefill pads to the longest of a group,
     so prompts of like length are prefilled together); tag(i): prompt i's handle."""
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    return [Job(keys[i], prompts[i], tag(i)) for i in order]
+    return [Request(keys[i], prompts[i], tag(i)) for i in order]
 
 
 def continuous_decoder(model, rows: int, max_prompt_len: int, max_new_tokens: int, eos: set[int],

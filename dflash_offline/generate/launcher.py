@@ -21,12 +21,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from dflash_offline.config import GenerateConfig
+from dflash_offline.generate.plan import (CPU_CHUNK_PROMPTS, GPU_CHUNK_PROMPTS, Job, Preflight, make_batches,
+                                          make_chunks)
 from dflash_offline.generate.progress import Bar, Todo, Tracker, todo_of, turns_per_row
 from dflash_offline.generate.writing import PartWriter, stream_parts
 from dflash_offline.options import also, where as origin
@@ -39,44 +41,6 @@ from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signa
 from dflash_offline.runtime.supervise import wait_for_other_ranks
 
 log = logging.getLogger("dflash.generate")
-
-GPU_CHUNK_PROMPTS, CPU_CHUNK_PROMPTS = 2048, 64  # --chunk-prompts' defaults (config.py says why)
-
-
-@dataclass
-class Job:
-    """Everything a worker needs, as plain data (it crosses a process spawn before the log opens)."""
-
-    cfg: dict
-    folder: str  # where parts, manifest and logs go
-    target_path: str
-    source: dict  # data.Source as plain fields
-    chunks: list[np.ndarray]  # global rows of each chunk (one part each)
-    compute_dtype: str
-    eos: list[int]
-    rows_per_batch: int
-    max_prompt_len: int
-    compile: bool
-    chat: dict | None = None  # conversation prompts (a prepare output): its chat settings and template
-    max_positions: int | None = None
-    turns: np.ndarray | None = None  # conversation prompts: the replies the target writes for each row
-    copies: int = 1  # --samples-per-prompt: plan row r is copy r % copies of global row r // copies
-
-
-# ----------------------------------------------------------------------------------------------
-# Plan
-
-
-def make_chunks(num_rows: int, chunk_prompts: int) -> list[np.ndarray]:
-    return [np.arange(a, min(a + chunk_prompts, num_rows), dtype=np.int64) for a in range(0, num_rows, chunk_prompts)]
-
-
-def make_batches(lengths: np.ndarray, rows: int) -> list[np.ndarray]:
-    """Positions within a chunk -> batches of at most `rows`, longest prompts first (ties in input
-    order): a batch's prompts are padded to its longest, so similar lengths waste little."""
-    order = np.lexsort((np.arange(lengths.shape[0]), -lengths))
-    return [order[a:a + rows] for a in range(0, order.shape[0], rows)]
-
 
 def output_folder(out: str) -> tuple[Path, Path | None]:
     """(folder of parts and manifest, the single merged file or None). `--out x.parquet` keeps its
@@ -109,7 +73,7 @@ def _check_output(folder: Path, merged: Path | None, option: str = "--out") -> N
         raise UserError(f"{option} {folder}: {folder / parts.MANIFEST} is not a generate manifest; choose another --out")
 
 
-def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: Launch | None):
+def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: Launch | None) -> Preflight:
     """All checks that need no weights. Raises UserError; writes nothing."""
     from dflash_offline.rows import reader as data
     from dflash_offline.rows import parts
@@ -238,7 +202,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
               source=source.state(),
               chunks=chunks, compute_dtype=compute_dtype, eos=eos, rows_per_batch=rows, max_prompt_len=max_prompt,
               compile=compile, chat=chat, max_positions=info.max_positions, turns=turns, copies=copies)
-    return job, wanted, devices, todo_of([chunks[j] for j in todo], turns)
+    return Preflight(job, wanted, devices, todo_of([chunks[j] for j in todo], turns))
 
 
 # ----------------------------------------------------------------------------------------------

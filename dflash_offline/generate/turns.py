@@ -193,11 +193,11 @@ def regenerate_continuously(convs: list[Conversation], tmpl: ChatTemplate, decod
     (they go on in padded rounds: `regenerate(..., start=...)`)."""
     from collections import deque
 
-    from dflash_offline.generate.continuous import Job
+    from dflash_offline.generate.continuous import Request
 
     outgrown: list[tuple[Conversation, int]] = []
 
-    def job(c: Conversation, r: int) -> list[Job]:
+    def request(c: Conversation, r: int) -> list[Request]:
         if r >= len(c.slots) or c.stopped:
             return []
         prompt = _turn_prompt(c, r, tmpl, decoder.max_new, max_positions)
@@ -206,16 +206,16 @@ def regenerate_continuously(convs: list[Conversation], tmpl: ChatTemplate, decod
         if len(prompt) > decoder.max_prompt_len:
             outgrown.append((c, r))
             return []
-        return [Job(c.id * TURN_KEY + c.turn_of(c.slots[r]), prompt, (c, r))]
+        return [Request(c.id * TURN_KEY + c.turn_of(c.slots[r]), prompt, (c, r))]
 
-    def finished(f) -> list[Job]:
-        c, r = f.job.tag
-        _take_reply(c, r, f.job.prompt, f.tokens, f.ended_by_eos, tmpl.tokenizer, strip_reasoning)
+    def finished(f) -> list[Request]:
+        c, r = f.request.tag
+        _take_reply(c, r, f.request.prompt, f.tokens, f.ended_by_eos, tmpl.tokenizer, strip_reasoning)
         if on_batch is not None:
             on_batch(1, len(f.tokens), None)
-        return job(c, r + 1)
+        return request(c, r + 1)
 
-    decoder.run(deque(j for c in convs for j in job(c, 0)), finished)
+    decoder.run(deque(j for c in convs for j in request(c, 0)), finished)
     return outgrown
 
 

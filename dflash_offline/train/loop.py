@@ -137,13 +137,13 @@ def _open_rows(t: Trainer, samples: EpochPlan | Segment, spans: list):
     # The block size and mask token are the drafter's (plan.drafter, its config: their one owner
     # after the command line); the layers and widths the cache's.
     spec = RowSpec(seed=cfg.seed, seq_len=cfg.seq_len, num_anchors=cfg.num_anchors,
-                   block_size=t.plan.drafter["block_size"], mask_token_id=t.plan.drafter["mask_token_id"],
+                   block_size=t.plan.drafter.block_size, mask_token_id=t.plan.drafter.mask_token_id,
                    gamma=cfg.resolved_gamma, hidden_size=t.plan.hidden_size,
                    captured_layers=t.plan.captured_layers, hidden_dtype=t.plan.hidden_dtype,
                    cache_layers=t.plan.cache_layers,
                    layer_columns=None if t.plan.layer_columns is None else tuple(t.plan.layer_columns),
                    topk=t.plan.topk, anchors_per_sample=cfg.anchors_per_sample or None,
-                   label_offset=1 if t.plan.drafter.get("method") == "dspark" else 0)
+                   label_offset=t.plan.drafter.label_offset)
     stream = RowStream(cfg.cache, samples.refs, samples.lengths, spec, spans, t.rank, t.world, t.plan.accum,
                        pad_rows=t.follow, pieces=samples.pieces)
     if len(stream) == 0:  # nothing left to train (a resumed finished run): no processes to start
@@ -212,7 +212,7 @@ def checkpoint(t: Trainer, st: LoopState, seg: Segment, in_seg: int) -> None:
         _barrier(t, f"checkpoint step-{st.step}")
     if t.rank == 0:
         state = {"step": st.step, "cache_fingerprint": t.plan.cache_fingerprint, "config": asdict(t.cfg),
-                 "drafter": t.plan.drafter}
+                 "drafter": asdict(t.plan.drafter)}
         if t.follow:
             done = in_seg >= seg.steps
             at = FollowPosition(window=seg.key + 1 if done else seg.key, window_start=st.step if done else seg.base,

@@ -4,6 +4,10 @@ ranks; the part that differs between epochs of a complete cache and --follow is 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dflash_offline.drafter.config import DrafterConfig
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class TrainPlan:
     world: int
     accum: int  # micro-batches per step
     total_steps: int
-    drafter: dict  # DrafterConfig as a dict (as state.json records it)
+    drafter: DrafterConfig  # the drafter's config: its block size, mask token and method are read from here
     cache_fingerprint: str
     hidden_size: int
     captured_layers: int  # layers the drafter reads (of the cache's)

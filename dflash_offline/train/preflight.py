@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import math
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from dflash_offline.options import also, where
@@ -97,7 +96,7 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
         raise UserError(f"the cache packs into {rows} rows of {cfg.seq_len} tokens, fewer than one step needs "
                         f"({world} ranks x {accum} micro-batches); lower --global-batch-tokens or --seq-len")
     plan = TrainPlan(
-        devices=devices, world=world, accum=accum, total_steps=spe * cfg.epochs, drafter=asdict(dcfg),
+        devices=devices, world=world, accum=accum, total_steps=spe * cfg.epochs, drafter=dcfg,
         cache_fingerprint=manifest_fingerprint(m), hidden_size=v.hidden_size,
         captured_layers=len(layer_ids), cache_layers=len(v.layer_ids), layer_columns=columns,
         topk=topk, hidden_dtype=v.hidden_dtype, lr=cfg.resolved_lr(v.hidden_size),
@@ -272,7 +271,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     # trained, not this count (`schedule.lr_at`).
     total = max(1, math.ceil(tokens / (cfg.seq_len * world * accum)))
     plan = TrainPlan(
-        devices=devices, world=world, accum=accum, total_steps=total, drafter=asdict(dcfg),
+        devices=devices, world=world, accum=accum, total_steps=total, drafter=dcfg,
         cache_fingerprint=follow_fingerprint(m), hidden_size=v.hidden_size,
         captured_layers=len(layer_ids), cache_layers=len(v.layer_ids), layer_columns=columns,
         topk=topk, hidden_dtype=v.hidden_dtype, lr=cfg.resolved_lr(v.hidden_size),

@@ -76,7 +76,7 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
     from dflash_offline.train.profiling import phase
 
     cfg, world, rank, device, cuda = t.cfg, t.world, t.rank, t.device, t.cuda
-    accum, B = t.plan.accum, t.plan.drafter["block_size"]  # the drafter config owns the block size
+    accum, B = t.plan.accum, t.plan.drafter.block_size  # the drafter config owns the block size
     first_slot = 1 - t.drafter.cfg.label_offset  # the first drafted slot: DFlash's 1, DSpark's 0
     three_terms = t.cfg.distribution_loss  # DSpark's loss (for DFlash: --tv-weight above 0)
     t0 = time.perf_counter()

@@ -68,7 +68,6 @@ def build_trainer(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tr
     import torch
     import torch.distributed as dist
 
-    from dflash_offline.drafter.config import DrafterConfig
     from dflash_offline.drafter.model import DFlashDrafter
     from dflash_offline.runtime.launch import single_thread_compute
 
@@ -88,7 +87,7 @@ def build_trainer(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tr
         ctrl = dist.new_group(backend="gloo") if cuda else None
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    dcfg = DrafterConfig(**plan.drafter)
+    dcfg = plan.drafter
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts them)
     # Built on the device: initialising a 27B-shaped drafter's ~1.8B parameters on one CPU thread
     # takes minutes; on the GPU it takes a moment. (GPU and CPU draw different initial weights.)

@@ -1,0 +1,55 @@
+"""generate's plan, as plain data: the chunks of prompts (one part each, the unit of commit and
+resume), the batches within a chunk, and the Job a worker process receives. A pure function of the
+input and the settings (launcher.py's preflight builds it; docs/generate.md, "What is decided how")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from dflash_offline.generate.progress import Todo
+
+GPU_CHUNK_PROMPTS, CPU_CHUNK_PROMPTS = 2048, 64  # --chunk-prompts' defaults (config.py says why)
+
+
+@dataclass
+class Job:
+    """Everything a worker needs, as plain data (it crosses a process spawn before the log opens)."""
+
+    cfg: dict
+    folder: str  # where parts, manifest and logs go
+    target_path: str
+    source: dict  # data.Source as plain fields
+    chunks: list[np.ndarray]  # global rows of each chunk (one part each)
+    compute_dtype: str
+    eos: list[int]
+    rows_per_batch: int
+    max_prompt_len: int
+    compile: bool
+    chat: dict | None = None  # conversation prompts (a prepare output): its chat settings and template
+    max_positions: int | None = None
+    turns: np.ndarray | None = None  # conversation prompts: the replies the target writes for each row
+    copies: int = 1  # --samples-per-prompt: plan row r is copy r % copies of global row r // copies
+
+
+def make_chunks(num_rows: int, chunk_prompts: int) -> list[np.ndarray]:
+    return [np.arange(a, min(a + chunk_prompts, num_rows), dtype=np.int64) for a in range(0, num_rows, chunk_prompts)]
+
+
+def make_batches(lengths: np.ndarray, rows: int) -> list[np.ndarray]:
+    """Positions within a chunk -> batches of at most `rows`, longest prompts first (ties in input
+    order): a batch's prompts are padded to its longest, so similar lengths waste little."""
+    order = np.lexsort((np.arange(lengths.shape[0]), -lengths))
+    return [order[a:a + rows] for a in range(0, order.shape[0], rows)]
+
+
+class Preflight(NamedTuple):
+    """What the launcher's preflight hands on: the workers' job, the manifest the output must have,
+    the devices, and the work still to do (for the bar)."""
+
+    job: Job
+    wanted: dict  # the generate manifest this run writes or continues (rows/parts.py)
+    devices: list[str]
+    todo: Todo
