@@ -68,6 +68,11 @@ class ExtractConfig:
     progress: bool = opt(True, "Progress bar on the terminal.")
     """Show a progress bar on the terminal."""
 
+    def __post_init__(self) -> None:
+        # The short spellings (bf16, fp8) name the same storage: one value from here on, so
+        # validate() only checks and the manifest records one name.
+        self.hidden_dtype = HIDDEN_DTYPE_ALIASES.get(self.hidden_dtype, self.hidden_dtype)
+
     def validate(self) -> None:
         if not self.target:
             raise UserError("no target: pass --target DIR (a Hugging Face model folder) or set `target` in --config")
@@ -84,7 +89,6 @@ class ExtractConfig:
                 f"{where(self, 'batch_tokens')} {self.batch_tokens} is smaller than {also(self, 'max_len')} "
                 f"{self.max_len}: one batch must hold the longest sample; raise the first or lower the second"
             )
-        self.hidden_dtype = HIDDEN_DTYPE_ALIASES.get(self.hidden_dtype, self.hidden_dtype)  # bf16, fp8 in recipes too
         check_choices(self)
         check_distinct_layers(self)
 
