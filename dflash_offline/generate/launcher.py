@@ -79,7 +79,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     from dflash_offline.rows import parts
     from dflash_offline.targets import model as target
     from dflash_offline.runtime.launch import resolve_compute_dtype
-    from dflash_offline.targets.folder import eos_source, read_target
+    from dflash_offline.targets.folder import read_target
     from dflash_offline.runtime.launch import check_devices_exist, parse_devices
     from dflash_offline.generate.turns import chat_stop, conversation_settings
 
@@ -90,36 +90,10 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     compute_dtype = resolve_compute_dtype(cfg.compute_dtype, devices, launch,
                                           (origin(cfg, "devices"), origin(cfg, "compute_dtype")))
     source = data.scan(cfg.prompts, info.vocab_size, option=origin(cfg, "prompts"), need_mask=False)
-    lengths = source.lengths
     chat = conversation_settings(cfg.prompts, source)
-    if info.max_positions is not None:
-        over = np.flatnonzero(lengths + cfg.max_new_tokens > info.max_positions)
-        if over.size:
-            fi, fr = source.file_of_row(int(over[0]))
-            raise UserError(
-                f"{source.files[fi].path}: row {fr}: a prompt of {int(lengths[over[0]])} tokens + {origin(cfg, 'max_new_tokens')} "
-                f"{cfg.max_new_tokens} exceeds the target's context ({info.max_positions} positions; {over.size} "
-                "prompt(s) do); lower the new tokens or leave out the longest prompts")
-    copies = cfg.samples_per_prompt  # the k-th copy of global row r is plan row r * copies + k
-    if copies > 1:
-        if chat is not None:
-            raise UserError(f"{origin(cfg, 'samples_per_prompt')} {copies}: conversation prompts regenerate turn by "
-                            "turn, one reply per turn; sample several outputs of plain prompts, or leave it out")
-        if (int(np.abs(source.ids).max()) + 1) * copies >= 1 << 63:
-            raise UserError(f"{origin(cfg, 'samples_per_prompt')} {copies}: the prompt ids times {copies} overflow int64 "
-                            "(copy k of prompt id i gets id i x N + k); renumber the prompts' ids from 0")
-        lengths = np.repeat(lengths, copies)
-    given = cfg.eos_token_ids is not None
-    read, read_from = (set(), None) if cfg.ignore_eos or given else eos_source(cfg.target)
-    eos = [] if cfg.ignore_eos else sorted(cfg.eos_token_ids if given else read)
-    bad = [e for e in eos if not 0 <= e < info.vocab_size]
-    if bad:
-        # Say where the ids came from: the option the user gave, or the target's file.
-        where = f"{origin(cfg, 'eos_token_ids')} {bad}" if given else f"{read_from}: eos_token_id {bad}"
-        fix = ("; give the target's end-of-sequence ids, or leave the option out to read them from the target"
-               if given else "; give --eos-token-ids (or --ignore-eos) to decode anyway")
-        raise UserError(f"{where}: outside the target's vocabulary [0, {info.vocab_size}){fix}")
-    eos, stop_warning = chat_stop(cfg, chat, eos)  # conversations: at the template's end of turn too
+    lengths = _plan_lengths(cfg, source, info, chat)
+    copies = cfg.samples_per_prompt
+    eos, stop_warning = chat_stop(cfg, chat, _end_of_sequence(cfg, info))  # conversations: at the template's end of turn too
     cuda = any(d != "cpu" for d in devices)
     if (compile := cfg.compile) and (not cuda or cfg.batching != "padded"):
         raise UserError("--compile compiles --batching padded's step on GPUs (continuous batching's step is a CUDA "
@@ -156,35 +130,14 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     target.check_weights(info, info.num_target_layers, need_head=True)
     wanted = parts.new_manifest(target=info.manifest_entry(), settings=settings, source=source.manifest_entry(),
                                 plan={"chunk_prompts": chunk_prompts, "num_parts": len(chunks)}, chat=chat)
-    existing = parts.OutputStore(folder).read() if folder.is_dir() else None
-    if existing is not None:
-        from dflash_offline.cache.manifest import check_compatible
-
-        try:
-            check_compatible(existing, wanted, str(folder / parts.MANIFEST), fmt=parts.FORMAT, version=parts.VERSION,
-                             fields=parts.IDENTITY_FIELDS, how_to_fix=parts.HOW_TO_FIX, what="generate output")
-        except UserError as e:
-            if existing["parts"]:
-                raise
-            if launch is not None:  # no run lock under torchrun: another job may be starting there
-                raise UserError(f"{e}; no part is committed there yet: delete {folder / parts.MANIFEST} (an earlier "
-                                "attempt's) to start anew with this run's settings") from None
-            existing = None  # an earlier attempt that committed nothing: replaced once the run lock is held
-    committed = {p["name"] for p in existing["parts"]} if existing else set()
+    committed = _committed_parts(folder, wanted, launch)
     todo = [j for j in range(len(chunks)) if parts.part_name(j) not in committed]
     todo_prompts = sum(len(chunks[j]) for j in todo)
     turns = turns_per_row(source, cfg.turns == "last") if chat is not None else None
     # Parquet of int32 tokens: about 4 bytes per token before compression; with room to spare.
     need = 5 * (int(lengths[np.concatenate([chunks[j] for j in todo])].sum()) + todo_prompts * cfg.max_new_tokens) \
         if todo else 0
-    from dflash_offline.cache.location import Location
-
-    free = Location(str(folder)).free_bytes()
-    if free is not None and need * (2 if merged else 1) > free:
-        from dflash_offline.runtime.units import human_bytes
-
-        raise UserError(f"{origin(cfg, 'out')} {cfg.out}: the output needs up to {human_bytes(need * (2 if merged else 1))} but "
-                        f"{human_bytes(free)} is free there; free space or choose another --out")
+    _check_room(cfg, folder, need * (2 if merged else 1))
     if not eos and not cfg.ignore_eos:  # every completion runs to the limit, chat turns never end: said loudly
         log.warning("%s %s names no end-of-sequence id (not generation_config.json, config.json nor the tokenizer "
                     "files): every completion runs to %s %d; give --eos-token-ids (or --ignore-eos to say so)",
@@ -203,6 +156,82 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
               chunks=chunks, compute_dtype=compute_dtype, eos=eos, rows_per_batch=rows, max_prompt_len=max_prompt,
               compile=compile, chat=chat, max_positions=info.max_positions, turns=turns, copies=copies)
     return Preflight(job, wanted, devices, todo_of([chunks[j] for j in todo], turns))
+
+
+def _plan_lengths(cfg: GenerateConfig, source, info, chat) -> np.ndarray:
+    """The prompt length of every plan row: each prompt's, checked against the target's context,
+    repeated --samples-per-prompt times (copy k of global row r is plan row r x copies + k)."""
+    lengths = source.lengths
+    if info.max_positions is not None:
+        over = np.flatnonzero(lengths + cfg.max_new_tokens > info.max_positions)
+        if over.size:
+            fi, fr = source.file_of_row(int(over[0]))
+            raise UserError(
+                f"{source.files[fi].path}: row {fr}: a prompt of {int(lengths[over[0]])} tokens + {origin(cfg, 'max_new_tokens')} "
+                f"{cfg.max_new_tokens} exceeds the target's context ({info.max_positions} positions; {over.size} "
+                "prompt(s) do); lower the new tokens or leave out the longest prompts")
+    copies = cfg.samples_per_prompt
+    if copies > 1:
+        if chat is not None:
+            raise UserError(f"{origin(cfg, 'samples_per_prompt')} {copies}: conversation prompts regenerate turn by "
+                            "turn, one reply per turn; sample several outputs of plain prompts, or leave it out")
+        if (int(np.abs(source.ids).max()) + 1) * copies >= 1 << 63:
+            raise UserError(f"{origin(cfg, 'samples_per_prompt')} {copies}: the prompt ids times {copies} overflow int64 "
+                            "(copy k of prompt id i gets id i x N + k); renumber the prompts' ids from 0")
+        lengths = np.repeat(lengths, copies)
+    return lengths
+
+
+def _end_of_sequence(cfg: GenerateConfig, info) -> list[int]:
+    """The end-of-sequence ids: the option's, else the target folder's; each inside the vocabulary."""
+    from dflash_offline.targets.folder import eos_source
+
+    given = cfg.eos_token_ids is not None
+    read, read_from = (set(), None) if cfg.ignore_eos or given else eos_source(cfg.target)
+    eos = [] if cfg.ignore_eos else sorted(cfg.eos_token_ids if given else read)
+    bad = [e for e in eos if not 0 <= e < info.vocab_size]
+    if bad:
+        # Say where the ids came from: the option the user gave, or the target's file.
+        where = f"{origin(cfg, 'eos_token_ids')} {bad}" if given else f"{read_from}: eos_token_id {bad}"
+        fix = ("; give the target's end-of-sequence ids, or leave the option out to read them from the target"
+               if given else "; give --eos-token-ids (or --ignore-eos) to decode anyway")
+        raise UserError(f"{where}: outside the target's vocabulary [0, {info.vocab_size}){fix}")
+    return eos
+
+
+def _committed_parts(folder: Path, wanted: dict, launch: Launch | None) -> set[str]:
+    """The parts an existing output at `folder` has committed, once it is shown to be this run's
+    (same target, settings and input); an earlier attempt that committed nothing is replaced."""
+    from dflash_offline.rows import parts
+
+    existing = parts.OutputStore(folder).read() if folder.is_dir() else None
+    if existing is None:
+        return set()
+    from dflash_offline.cache.manifest import check_compatible
+
+    try:
+        check_compatible(existing, wanted, str(folder / parts.MANIFEST), fmt=parts.FORMAT, version=parts.VERSION,
+                         fields=parts.IDENTITY_FIELDS, how_to_fix=parts.HOW_TO_FIX, what="generate output")
+    except UserError as e:
+        if existing["parts"]:
+            raise
+        if launch is not None:  # no run lock under torchrun: another job may be starting there
+            raise UserError(f"{e}; no part is committed there yet: delete {folder / parts.MANIFEST} (an earlier "
+                            "attempt's) to start anew with this run's settings") from None
+        return set()  # an earlier attempt that committed nothing: replaced once the run lock is held
+    return {p["name"] for p in existing["parts"]}
+
+
+def _check_room(cfg: GenerateConfig, folder: Path, need: int) -> None:
+    """Refuse an output whose parts (and the merged file) would not fit the free space at `folder`."""
+    from dflash_offline.cache.location import Location
+
+    free = Location(str(folder)).free_bytes()
+    if free is not None and need > free:
+        from dflash_offline.runtime.units import human_bytes
+
+        raise UserError(f"{origin(cfg, 'out')} {cfg.out}: the output needs up to {human_bytes(need)} but "
+                        f"{human_bytes(free)} is free there; free space or choose another --out")
 
 
 # ----------------------------------------------------------------------------------------------
