@@ -214,7 +214,6 @@ LONG_FUNCTIONS = {
     "dflash_offline/rows/reader.py:scan": 145,
     "dflash_offline/prepare/launcher.py:run": 128,
     "dflash_offline/generate/launcher.py:worker_run": 111,
-    "dflash_offline/evaluate/run.py:_decode_all": 106,
 }
 
 

@@ -29,6 +29,7 @@ import time
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 
 from dflash_offline.options import also, replaced, where
@@ -264,21 +265,8 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
         cfg = replaced(cfg, batch_size=GPU_BATCH_SIZE if device.startswith("cuda") else 1)
     from tqdm import tqdm
 
-    from dflash_offline.targets.folder import read_target
-
-    # Inputs are checked before the target loads: a bad prompt or reference file costs nothing.
-    tinfo = read_target(cfg.target, where(cfg, "target"))
     said = partial(where, cfg)
-    ids, prompts = read_prompts(cfg.prompts, tinfo.vocab_size, cfg.max_prompts, said)
-    longest = max(range(len(prompts)), key=lambda k: len(prompts[k]))
-    if tinfo.max_positions is not None and len(prompts[longest]) + cfg.max_new_tokens > tinfo.max_positions:
-        raise UserError(f"{where(cfg, 'prompts')} {cfg.prompts}: row {longest}: a prompt of {len(prompts[longest])} "
-                        f"tokens + {also(cfg, 'max_new_tokens')} {cfg.max_new_tokens} exceeds the target's context "
-                        f"({tinfo.max_positions} positions); lower the new tokens or leave out the longest prompts")
-    eos, turn_warning = chat_stop_ids(cfg.prompts, cfg.target, set() if cfg.ignore_eos else eos_ids(cfg.target),
-                                      f"{where(cfg, 'max_new_tokens')} {cfg.max_new_tokens}")
-    reference = (read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos, said, vocab_size=tinfo.vocab_size)
-                 if cfg.reference else None)
+    ids, prompts, eos, turn_warning, reference = _read_inputs(cfg)
     tok = show_tokenizer(cfg.target, cfg.show)  # --show: the target's tokenizer.json, or one line now
     # With a reference the target-alone decode (as long as the speculative one) is needed only for
     # the speed-up figure, so it runs only when asked for.
@@ -361,6 +349,34 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
                 log.error("%s: %d of %d outputs differ from the target's greedy decode%s (ids %s)", path, len(bad),
                           len(runs), f" in {cfg.reference}" if cfg.reference else "", bad[:10])
         log.info("%s: tau %.3f over %d rounds, %.1f tokens/s", path, e["tau"], e["rounds"], e["tokens_per_s"])
+
+
+class EvalInputs(NamedTuple):
+    ids: list[int]  # the prompts' ids, in their order
+    prompts: list[list[int]]
+    eos: set[int]  # the end-of-sequence ids (a chat template's end of turn included)
+    turn_warning: str | None
+    reference: list[list[int]] | None  # --reference: the target's greedy outputs, in the prompts' order
+
+
+def _read_inputs(cfg: EvalConfig) -> EvalInputs:
+    """The prompts, end-of-sequence ids and reference outputs, checked before the target loads: a
+    bad prompt or reference file costs nothing."""
+    from dflash_offline.targets.folder import read_target
+
+    tinfo = read_target(cfg.target, where(cfg, "target"))
+    said = partial(where, cfg)
+    ids, prompts = read_prompts(cfg.prompts, tinfo.vocab_size, cfg.max_prompts, said)
+    longest = max(range(len(prompts)), key=lambda k: len(prompts[k]))
+    if tinfo.max_positions is not None and len(prompts[longest]) + cfg.max_new_tokens > tinfo.max_positions:
+        raise UserError(f"{where(cfg, 'prompts')} {cfg.prompts}: row {longest}: a prompt of {len(prompts[longest])} "
+                        f"tokens + {also(cfg, 'max_new_tokens')} {cfg.max_new_tokens} exceeds the target's context "
+                        f"({tinfo.max_positions} positions); lower the new tokens or leave out the longest prompts")
+    eos, turn_warning = chat_stop_ids(cfg.prompts, cfg.target, set() if cfg.ignore_eos else eos_ids(cfg.target),
+                                      f"{where(cfg, 'max_new_tokens')} {cfg.max_new_tokens}")
+    reference = (read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos, said, vocab_size=tinfo.vocab_size)
+                 if cfg.reference else None)
+    return EvalInputs(ids, prompts, eos, turn_warning, reference)
 
 
 @contextmanager
