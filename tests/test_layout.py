@@ -213,7 +213,6 @@ LONG_FUNCTIONS = {
     "dflash_offline/blocks/walk.py:walk_acceptance": 200,
     "dflash_offline/rows/reader.py:scan": 145,
     "dflash_offline/prepare/launcher.py:run": 128,
-    "dflash_offline/generate/launcher.py:worker_run": 111,
 }
 
 

@@ -380,7 +380,6 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
 
     import torch
 
-    from dflash_offline.generate.decoding import BatchDecoder, Sampling
     from dflash_offline.targets.folder import read_target
     from dflash_offline.targets.model import load_target
 
@@ -407,19 +406,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
     fault_point("load-target")
     model = load_target(info, device, job.compute_dtype, info.num_target_layers, need_head=True)
     log.info("loaded target in %.1fs", time.time() - t0)
-    # Conversation prompts grow turn by turn: any prompt that fits the context may come.
-    longest = job.max_prompt_len if job.chat is None else max(
-        job.max_prompt_len, (job.max_positions or 1 << 20) - cfg.max_new_tokens)
-    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.seed)
-    decoder = continuous = None
-    if cfg.batching == "continuous":
-        from dflash_offline.generate.continuous import continuous_decoder
-
-        continuous = continuous_decoder(model, job.rows_per_batch, job.max_prompt_len, cfg.max_new_tokens,
-                                        set(job.eos), sampling, job.chat is not None, job.max_positions, cfg.batch_tokens)
-    if continuous is None or job.chat is not None:  # conversations: turns that outgrow the slots go padded
-        decoder = BatchDecoder(model, job.rows_per_batch, longest, cfg.max_new_tokens, set(job.eos), sampling,
-                               compile=job.compile)
+    continuous, decoder = _decoders(job, cfg, model)
     chat = None
     if job.chat is not None:
         from dflash_offline.generate.turns import ChatJob
@@ -481,6 +468,28 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
         log.info("worker %d: %d prompts, %d new tokens in %.1fs (%.0f new tokens/s)", rank, writer.prompts_done,
                  tracker.tokens, dt, tracker.tokens / max(dt, 1e-9))
     return 0
+
+
+def _decoders(job: Job, cfg: GenerateConfig, model):
+    """(continuous, padded) decoders over the loaded target: the continuous one with --batching
+    continuous where the target allows it, the padded one otherwise and for conversations (a turn
+    that outgrows the slots goes on in padded rounds); either may be None."""
+    from dflash_offline.generate.decoding import BatchDecoder, Sampling
+
+    # Conversation prompts grow turn by turn: any prompt that fits the context may come.
+    longest = job.max_prompt_len if job.chat is None else max(
+        job.max_prompt_len, (job.max_positions or 1 << 20) - cfg.max_new_tokens)
+    sampling = Sampling(cfg.temperature, cfg.top_p, cfg.seed)
+    decoder = continuous = None
+    if cfg.batching == "continuous":
+        from dflash_offline.generate.continuous import continuous_decoder
+
+        continuous = continuous_decoder(model, job.rows_per_batch, job.max_prompt_len, cfg.max_new_tokens,
+                                        set(job.eos), sampling, job.chat is not None, job.max_positions, cfg.batch_tokens)
+    if continuous is None or job.chat is not None:  # conversations: turns that outgrow the slots go padded
+        decoder = BatchDecoder(model, job.rows_per_batch, longest, cfg.max_new_tokens, set(job.eos), sampling,
+                               compile=job.compile)
+    return continuous, decoder
 
 
 def _part_prompts(job: Job, reader, src, j: int) -> tuple[list[list[int]], list[int]]:
