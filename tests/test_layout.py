@@ -212,7 +212,6 @@ def test_each_command_logs_before_torch_is_imported():
 LONG_FUNCTIONS = {
     "dflash_offline/blocks/walk.py:walk_acceptance": 200,
     "dflash_offline/rows/reader.py:scan": 145,
-    "dflash_offline/prepare/launcher.py:run": 128,
 }
 
 

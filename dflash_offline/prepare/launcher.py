@@ -56,7 +56,7 @@ def run(cfg: PrepareConfig) -> dict:
     """The `prepare` command. Returns {split: manifest}."""
     from dflash_offline.chat.records import read_records
     from dflash_offline.chat.template import ChatTemplate, load_chat_tokenizer, turn_stop
-    from dflash_offline.prepare import output, rows, select
+    from dflash_offline.prepare import output, select
     from dflash_offline.targets.folder import eos_ids, read_target
 
     cfg.validate()
@@ -114,26 +114,7 @@ def run(cfg: PrepareConfig) -> dict:
     for s in SPLITS:  # another run's output is refused before the rendering, not after it
         stores[s].check(wanted[s])
     committed = {s: stores[s].committed_names() for s in SPLITS}
-    tables: dict[str, list] = {s: [] for s in SPLITS}
-    from tqdm import tqdm
-
-    # Counts the records read: those the selection dropped are done, the others as their chunk is rendered.
-    bar = tqdm(total=sel.read, initial=sel.read - sum(len(sel.splits[s]) for s in SPLITS), unit="record",
-               desc="prepare", disable=not cfg.progress, dynamic_ncols=True)
-    try:
-        for s in SPLITS:
-            for j, chunk in enumerate(chunks[s]):
-                if output.part_name(j) in committed[s]:
-                    tables[s].append(None)  # committed earlier: not rendered again
-                elif cfg.responses == "keep":
-                    tables[s].append(rows.keep_rows(chunk, tmpl, cfg.train_turns, limits, tokenizer))
-                else:
-                    tables[s].append(rows.prompt_rows(chunk, tmpl, limits))
-                bar.update(len(chunk))
-                heartbeat(phase="render", split=s, part=j)
-                fault_point("prepare-render")
-    finally:
-        bar.close()
+    tables = _render(cfg, sel, chunks, committed, tmpl, limits, tokenizer)
     made = sum(t.table.num_rows for s in SPLITS for t in tables[s] if t is not None)
     if made == 0 and not any(committed.values()):
         dropped = sel.dropped + sum((t.dropped for s in SPLITS for t in tables[s] if t is not None), Counter())
@@ -162,6 +143,45 @@ def run(cfg: PrepareConfig) -> dict:
                         "wait for it or stop it, then run again")
     claim_heartbeat()
     heartbeat(phase="write")
+    manifests = _write(cfg, sel, chunks, tables, stores, wanted)
+    fresh = any(t is not None for sp in SPLITS for t in tables[sp])
+    _report(manifests, sel, out, time.time() - t0, cfg, info, fresh)
+    return manifests
+
+
+def _render(cfg: PrepareConfig, sel, chunks: dict, committed: dict, tmpl, limits, tokenizer) -> dict[str, list]:
+    """Each split's chunks rendered into rows (None for a part committed by an earlier run: not
+    rendered again), with the bar counting the records read."""
+    from tqdm import tqdm
+
+    from dflash_offline.prepare import output, rows
+
+    tables: dict[str, list] = {s: [] for s in SPLITS}
+    # Counts the records read: those the selection dropped are done, the others as their chunk is rendered.
+    bar = tqdm(total=sel.read, initial=sel.read - sum(len(sel.splits[s]) for s in SPLITS), unit="record",
+               desc="prepare", disable=not cfg.progress, dynamic_ncols=True)
+    try:
+        for s in SPLITS:
+            for j, chunk in enumerate(chunks[s]):
+                if output.part_name(j) in committed[s]:
+                    tables[s].append(None)  # committed earlier: not rendered again
+                elif cfg.responses == "keep":
+                    tables[s].append(rows.keep_rows(chunk, tmpl, cfg.train_turns, limits, tokenizer))
+                else:
+                    tables[s].append(rows.prompt_rows(chunk, tmpl, limits))
+                bar.update(len(chunk))
+                heartbeat(phase="render", split=s, part=j)
+                fault_point("prepare-render")
+    finally:
+        bar.close()
+    return tables
+
+
+def _write(cfg: PrepareConfig, sel, chunks: dict, tables: dict, stores: dict, wanted: dict) -> dict:
+    """Write and commit the rendered parts, split by split (a stop request ends it between parts,
+    committed ones kept); -> {split: its manifest}."""
+    from dflash_offline.prepare import output
+
     manifests = {}
     for s in SPLITS:
         if not chunks[s]:
@@ -177,8 +197,6 @@ def run(cfg: PrepareConfig) -> dict:
                                        [:cfg.chunk_records])
             fault_point("prepare-part-committed")
         manifests[s] = stores[s].read()
-    fresh = any(t is not None for sp in SPLITS for t in tables[sp])
-    _report(manifests, sel, out, time.time() - t0, cfg, info, fresh)
     return manifests
 
 
