@@ -211,7 +211,6 @@ def test_each_command_logs_before_torch_is_imported():
 # split below 100 lines leaves it; none may join). Splitting them into named steps is under way.
 LONG_FUNCTIONS = {
     "dflash_offline/blocks/walk.py:walk_acceptance": 200,
-    "dflash_offline/rows/reader.py:scan": 145,
 }
 
 

@@ -141,6 +141,92 @@ def is_int_list(t: pa.DataType, booleans: bool = False) -> bool:
         pa.types.is_integer(t.value_type) or (booleans and pa.types.is_boolean(t.value_type)))
 
 
+def _checked_columns(path, schema, need_mask: bool) -> str | None:
+    """The file's columns checked against the contract (input_ids, an id if any, and with
+    `need_mask` a loss_mask or prompt_len); -> the mask column read (None for prompts)."""
+    names = set(schema.names)
+    if "input_ids" not in names:
+        raise UserError(f"{path}: missing column 'input_ids' (columns: {', '.join(schema.names)})")
+    if not is_int_list(schema.field("input_ids").type):
+        raise UserError(f"{path}: column 'input_ids' must be a list of integers, found {schema.field('input_ids').type}")
+    if "id" in names and not pa.types.is_integer(schema.field("id").type):
+        raise UserError(f"{path}: column 'id' must be an integer, found {schema.field('id').type}")
+    if not need_mask:
+        return None  # prompts: a mask column, if any, is not read
+    if "loss_mask" in names:
+        t = schema.field("loss_mask").type
+        if not is_int_list(t, booleans=True):
+            raise UserError(f"{path}: column 'loss_mask' must be a list of int8/bool, found {t}")
+        return "loss_mask"
+    if "prompt_len" in names:
+        if not pa.types.is_integer(schema.field("prompt_len").type):
+            raise UserError(f"{path}: column 'prompt_len' must be an integer, found {schema.field('prompt_len').type}")
+        return "prompt_len"
+    raise UserError(f"{path}: needs a 'loss_mask' (list per row) or a 'prompt_len' (integer) column; found "
+                    f"{', '.join(schema.names)} (prompts alone, e.g. prepare's --responses regenerate output, "
+                    "are completed by `dflash-offline generate` first)")
+
+
+def _checked_tokens(path, ids_col, base: int, vocab_size: int) -> tuple[np.ndarray, int]:
+    """A row group's input_ids checked (no null row or token, none empty, every id in the
+    vocabulary); -> (each row's length, the largest id or -1)."""
+    if ids_col.null_count:
+        r = base + int(np.flatnonzero(ids_col.is_null().to_numpy(zero_copy_only=False))[0])
+        raise UserError(f"{path}: row {r}: input_ids is null")
+    lens = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
+    empty = np.flatnonzero(lens == 0)
+    if empty.size:
+        raise UserError(f"{path}: row {base + int(empty[0])}: input_ids is empty")
+    flat = pc.list_flatten(ids_col)
+    _refuse_null_element(path, "input_ids", flat, lens, base)
+    if not len(flat):
+        return lens, -1
+    mm = pc.min_max(flat)
+    lo, hi = mm["min"].as_py(), mm["max"].as_py()
+    if lo < 0 or hi >= vocab_size:
+        vals = flat.to_numpy(zero_copy_only=False)
+        bad = int(np.flatnonzero((vals < 0) | (vals >= vocab_size))[0])
+        row = int(np.searchsorted(np.cumsum(lens), bad, side="right"))
+        raise UserError(
+            f"{path}: row {base + row}: token id {int(vals[bad])} is outside the target "
+            f"vocabulary [0, {vocab_size}); was the data tokenized for another model?"
+        )
+    return lens, hi
+
+
+def _checked_mask(path, mask_col: str, mask, lens: np.ndarray, base: int) -> int:
+    """A row group's loss_mask (0/1 per token, as long as its row) or prompt_len (within its row)
+    checked; -> the tokens it trains."""
+    if mask.null_count:
+        r = base + int(np.flatnonzero(mask.is_null().to_numpy(zero_copy_only=False))[0])
+        raise UserError(f"{path}: row {r}: {mask_col} is null")
+    if mask_col == "prompt_len":
+        pl = mask.to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero((pl < 0) | (pl > lens))
+        if bad.size:
+            r = int(bad[0])
+            raise UserError(
+                f"{path}: row {base + r}: prompt_len {int(pl[r])} is outside [0, {int(lens[r])}] (the row's length)"
+            )
+        return int((lens - pl).sum())
+    mlens = pc.list_value_length(mask).to_numpy(zero_copy_only=False)
+    diff = np.flatnonzero(mlens != lens)
+    if diff.size:
+        r = int(diff[0])
+        raise UserError(
+            f"{path}: row {base + r}: loss_mask has {int(mlens[r])} entries but input_ids has {int(lens[r])}"
+        )
+    mflat = pc.list_flatten(mask)
+    _refuse_null_element(path, "loss_mask", mflat, lens, base)
+    if len(mflat) and not pa.types.is_boolean(mflat.type):
+        mvals = mflat.to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero((mvals < 0) | (mvals > 1))
+        if bad.size:
+            row = int(np.searchsorted(np.cumsum(lens), int(bad[0]), side="right"))
+            raise UserError(f"{path}: row {base + row}: loss_mask holds {int(mvals[bad[0]])}; only 0 and 1 are allowed")
+    return int(pc.sum(pc.cast(mflat, pa.int64())).as_py() or 0)
+
+
 def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: bool = True) -> Source:
     """Validate every input file against the contract; raise UserError naming file, row, problem.
     `need_mask=False` reads prompts (`generate --prompts`): `input_ids` and the optional `id`."""
@@ -160,29 +246,8 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
                     f"; {option} takes Parquet with an input_ids column (the input contract), or a prepare or "
                     "generate output folder")
             raise UserError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e}){hint}") from None
-        names = set(schema.names)
-        if "input_ids" not in names:
-            raise UserError(f"{path}: missing column 'input_ids' (columns: {', '.join(schema.names)})")
-        if not is_int_list(schema.field("input_ids").type):
-            raise UserError(f"{path}: column 'input_ids' must be a list of integers, found {schema.field('input_ids').type}")
-        if not need_mask:
-            mask_col = None  # prompts: a mask column, if any, is not read
-        elif "loss_mask" in names:
-            mask_col = "loss_mask"
-            t = schema.field("loss_mask").type
-            if not is_int_list(t, booleans=True):
-                raise UserError(f"{path}: column 'loss_mask' must be a list of int8/bool, found {t}")
-        elif "prompt_len" in names:
-            mask_col = "prompt_len"
-            if not pa.types.is_integer(schema.field("prompt_len").type):
-                raise UserError(f"{path}: column 'prompt_len' must be an integer, found {schema.field('prompt_len').type}")
-        else:
-            raise UserError(f"{path}: needs a 'loss_mask' (list per row) or a 'prompt_len' (integer) column; found "
-                            f"{', '.join(schema.names)} (prompts alone, e.g. prepare's --responses regenerate output, "
-                            "are completed by `dflash-offline generate` first)")
-        has_id = "id" in names
-        if has_id and not pa.types.is_integer(schema.field("id").type):
-            raise UserError(f"{path}: column 'id' must be an integer, found {schema.field('id').type}")
+        mask_col = _checked_columns(path, schema, need_mask)
+        has_id = "id" in schema.names
 
         rg_rows = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
         starts = np.concatenate([[0], np.cumsum(rg_rows)]).astype(np.int64)
@@ -193,61 +258,10 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
             except Exception as e:
                 raise UserError(f"{path}: row group {g} unreadable ({type(e).__name__}: {e})") from None
             base = int(starts[g])
-            ids_col = tab.column("input_ids").combine_chunks()
-            if ids_col.null_count:
-                r = base + int(np.flatnonzero(ids_col.is_null().to_numpy(zero_copy_only=False))[0])
-                raise UserError(f"{path}: row {r}: input_ids is null")
-            lens = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
-            empty = np.flatnonzero(lens == 0)
-            if empty.size:
-                raise UserError(f"{path}: row {base + int(empty[0])}: input_ids is empty")
-            flat = pc.list_flatten(ids_col)
-            _refuse_null_element(path, "input_ids", flat, lens, base)
-            if len(flat):
-                mm = pc.min_max(flat)
-                lo, hi = mm["min"].as_py(), mm["max"].as_py()
-                if lo < 0 or hi >= vocab_size:
-                    vals = flat.to_numpy(zero_copy_only=False)
-                    bad = int(np.flatnonzero((vals < 0) | (vals >= vocab_size))[0])
-                    row = int(np.searchsorted(np.cumsum(lens), bad, side="right"))
-                    raise UserError(
-                        f"{path}: row {base + row}: token id {int(vals[bad])} is outside the target "
-                        f"vocabulary [0, {vocab_size}); was the data tokenized for another model?"
-                    )
-                max_token = max(max_token, hi)
-            mask = tab.column(mask_col).combine_chunks() if mask_col else None
-            if mask_col == "loss_mask":
-                if mask.null_count:
-                    r = base + int(np.flatnonzero(mask.is_null().to_numpy(zero_copy_only=False))[0])
-                    raise UserError(f"{path}: row {r}: loss_mask is null")
-                mlens = pc.list_value_length(mask).to_numpy(zero_copy_only=False)
-                diff = np.flatnonzero(mlens != lens)
-                if diff.size:
-                    r = int(diff[0])
-                    raise UserError(
-                        f"{path}: row {base + r}: loss_mask has {int(mlens[r])} entries but input_ids has {int(lens[r])}"
-                    )
-                mflat = pc.list_flatten(mask)
-                _refuse_null_element(path, "loss_mask", mflat, lens, base)
-                if len(mflat) and not pa.types.is_boolean(mflat.type):
-                    mvals = mflat.to_numpy(zero_copy_only=False)
-                    bad = np.flatnonzero((mvals < 0) | (mvals > 1))
-                    if bad.size:
-                        row = int(np.searchsorted(np.cumsum(lens), int(bad[0]), side="right"))
-                        raise UserError(f"{path}: row {base + row}: loss_mask holds {int(mvals[bad[0]])}; only 0 and 1 are allowed")
-                trained += int(pc.sum(pc.cast(mflat, pa.int64())).as_py() or 0)
-            elif mask_col == "prompt_len":
-                if mask.null_count:
-                    r = base + int(np.flatnonzero(mask.is_null().to_numpy(zero_copy_only=False))[0])
-                    raise UserError(f"{path}: row {r}: prompt_len is null")
-                pl = mask.to_numpy(zero_copy_only=False)
-                bad = np.flatnonzero((pl < 0) | (pl > lens))
-                if bad.size:
-                    r = int(bad[0])
-                    raise UserError(
-                        f"{path}: row {base + r}: prompt_len {int(pl[r])} is outside [0, {int(lens[r])}] (the row's length)"
-                    )
-                trained += int((lens - pl).sum())
+            lens, hi = _checked_tokens(path, tab.column("input_ids").combine_chunks(), base, vocab_size)
+            max_token = max(max_token, hi)
+            if mask_col:
+                trained += _checked_mask(path, mask_col, tab.column(mask_col).combine_chunks(), lens, base)
             if has_id:
                 ids_all.append(ids_as_int64(str(path), tab.column("id"), base))
             else:
