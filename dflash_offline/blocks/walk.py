@@ -215,170 +215,190 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
     the cache in messages: --cache, --eval-cache, or the recipe key and file)."""
     import torch
 
-    from dflash_offline.drafter import masks
-    from dflash_offline.cache.fp8 import DTYPE_NAME as FP8
     from dflash_offline.cache.reader import CacheReader
     from dflash_offline.blocks.packing import build_row, loss_weights, pack_rows
-    from dflash_offline.blocks.stream import MicroBatch
 
     t0 = time.time()
-    device = str(device)
-    cuda = device.startswith("cuda")
     if anchors_per_row < 1 or batch_rows < 1:
         raise ValueError(f"walk_acceptance: anchors_per_row {anchors_per_row} and batch_rows {batch_rows} must be positive")
     reader = CacheReader(cache)
-    m = reader.manifest
-    cfg = drafter.cfg
-    B = cfg.block_size
-    columns = cache_layer_columns(m, cfg, cache, option)
-    fp8 = ManifestView.of(m).hidden_dtype == FP8
-    refs: list[_Sample] = []
-    for name in reader.shard_names:
-        sh = reader.shard(name)
-        for k in range(len(sh)):
-            refs.append(_Sample(name, int(sh.offsets[k]), int(sh.offsets[k + 1] - sh.offsets[k]), int(sh.ids[k])))
-    if max_samples is not None:
-        refs = refs[:max_samples]
+    refs = [_Sample(name, int(sh.offsets[k]), int(sh.offsets[k + 1] - sh.offsets[k]), int(sh.ids[k]))
+            for name in reader.shard_names for sh in [reader.shard(name)] for k in range(len(sh))][:max_samples]
     if not refs:
         raise UserError(f"{option} {cache}: no samples to walk")
     lengths = np.asarray([r.length for r in refs], np.int64)
     S = int(seq_len) if seq_len else int(lengths.max())
-    A = max(1, min(anchors_per_row, S - 1))  # a row has at most S - 1 candidates
-    # Every candidate of a row: build_row takes all of them, sorted, when asked for at least as
-    # many blocks as the row has positions.
-    off = cfg.label_offset  # DSpark: every slot drafts, slot j the token at p + 1 + j
-    weights = loss_weights(B, 1.0, off)
+    # A row has at most S - 1 candidates: build_row takes all of them, sorted, when asked for at
+    # least as many blocks as the row has positions.
+    w = _Walker(reader, cache, option, drafter, str(device), A=max(1, min(anchors_per_row, S - 1)),
+                batch_rows=batch_rows, loss_chunk_tokens=loss_chunk_tokens)
+    cfg, B, off = w.cfg, w.B, w.off
+    weights = loss_weights(B, 1.0, off)  # DSpark: every slot drafts, slot j the token at p + 1 + j
     rng = np.random.default_rng(0)
+    pending: list[tuple[int, dict]] = []  # (context row, arrays of one block of anchors)
+    was_training = drafter.training
+    w.drafter = drafter.to(w.device)
+    w.drafter.eval()
+    try:
+        with torch.no_grad():
+            for packed in pack_rows(lengths, np.arange(len(refs)), S):
+                bits, scale, ids, lms, spans = w.read_row(refs, packed, S)
+                row = build_row(ids, lms, S, S, B, cfg.mask_token_id, weights, rng, label_offset=off)
+                r = len(w.ctx_rows)
+                w.ctx_rows.append(_ContextRow(spans, row.loss_mask, np.zeros(S, np.int64)))
+                n_cand = int(row.anchor_valid.sum())
+                per_block = {k: getattr(row, k).reshape(S, B) for k in ("block_ids", "block_positions", "labels", "weights")}
+                for lo in range(0, n_cand, w.A):
+                    hi = min(lo + w.A, n_cand)
+                    part = {"bits": bits.reshape(S, -1), "doc_ids": row.doc_ids, "positions": row.positions,
+                            "anchors": _pad(row.anchors[lo:hi], w.A, 0),
+                            "anchor_valid": _pad(row.anchor_valid[lo:hi], w.A, False)}
+                    if w.fp8:
+                        part["scale"] = scale
+                    for k, v in per_block.items():
+                        part[k] = _pad(v[lo:hi], w.A, cfg.mask_token_id if k == "block_ids" else 0).reshape(-1)
+                    pending.append((r, part))
+                    if len(pending) == batch_rows:
+                        w.forward(pending)
+                        pending = []
+            if pending:
+                w.forward(pending)
+    finally:
+        drafter.train(was_training)
+    out = w.summary(refs, lengths, S, max_new, option)
+    out["seconds"] = time.time() - t0
+    if per_sample:
+        out["per_sample"] = [{"id": refs[s].id, "accepted": r} for s, r, _ in w.rounds_of]
+    return out
 
-    def read(ref: _Sample, keep: int):
+
+class _Walker:
+    """walk_acceptance's state: the cache it reads, the drafter it scores, and what the forwards
+    accumulate (each context row's accepted run per anchor, per-slot hits)."""
+
+    def __init__(self, reader, cache: str, option: str, drafter, device: str, A: int, batch_rows: int,
+                 loss_chunk_tokens: int):
+        from dflash_offline.drafter import masks
+        from dflash_offline.cache.fp8 import DTYPE_NAME as FP8
+
+        self.reader, self.cache, self.drafter, self.device = reader, cache, drafter, device
+        self.cuda = device.startswith("cuda")
+        self.cfg = drafter.cfg
+        self.B, self.off = self.cfg.block_size, self.cfg.label_offset
+        self.A, self.batch_rows, self.loss_chunk_tokens = A, batch_rows, loss_chunk_tokens
+        self.columns = cache_layer_columns(reader.manifest, self.cfg, cache, option)
+        self.fp8 = ManifestView.of(reader.manifest).hidden_dtype == FP8
+        self.build = masks.flex_block_mask if self.cuda else masks.dense_mask
+        self.ctx_rows: list[_ContextRow] = []
+        self.slot_hit = np.zeros(self.B - 1 + self.off, np.float64)
+        self.slot_count = np.zeros(self.B - 1 + self.off, np.float64)
+        self.anchor_acc: list[np.ndarray] = []
+        self.rounds_of: list[tuple[int, list[int], int]] = []  # (sample, accepted per round, committed tokens)
+
+    def read(self, ref: _Sample, keep: int):
+        """A sample's first `keep` tokens, loss mask and (the drafter's layers of) hidden states."""
         shard, a, sid = ref.shard, ref.start, ref.id
         try:
-            g = reader.shard(shard).group
+            g = self.reader.shard(shard).group
             ids, lm, bits = g["input_ids"][a:a + keep], g["loss_mask"][a:a + keep], g["hidden"][a:a + keep]
-            scale = g["hidden_scale"][a:a + keep] if fp8 else None
+            scale = g["hidden_scale"][a:a + keep] if self.fp8 else None
         except Exception as e:  # never score (or skip) unreadable data silently
-            raise RuntimeError(f"cache {cache}: shard {shard}, sample id {sid} is unreadable "
+            raise RuntimeError(f"cache {self.cache}: shard {shard}, sample id {sid} is unreadable "
                                f"({type(e).__name__}: {e}); check the cache with `dflash-offline verify`") from None
-        if columns is not None:
-            bits = bits[:, columns]
-            scale = scale[:, columns] if fp8 else None
+        if self.columns is not None:
+            bits = bits[:, self.columns]
+            scale = scale[:, self.columns] if self.fp8 else None
         return ids.astype(np.int64), lm, bits, scale
 
-    ctx_rows: list[_ContextRow] = []
-    pending: list[tuple[int, dict]] = []  # (context row, arrays of one block of anchors)
-    slot_hit = np.zeros(B - 1 + off, np.float64)
-    slot_count = np.zeros(B - 1 + off, np.float64)
-    anchor_acc: list[np.ndarray] = []
-    was_training = drafter.training
-    drafter = drafter.to(device)
-    drafter.eval()
-    build = masks.flex_block_mask if cuda else masks.dense_mask
+    def read_row(self, refs: list[_Sample], packed, S: int):
+        """One context row of S tokens: the packed samples' hidden bits (and fp8 scales) side by
+        side -> (bits, scale, token ids, loss masks, spans (sample, start, kept))."""
+        n = len(self.cfg.target_layer_ids)
+        bits = np.zeros((S, n, self.cfg.hidden_size), np.uint8 if self.fp8 else np.uint16)
+        scale = np.zeros((S, n), np.float32) if self.fp8 else None
+        ids, lms, spans, at = [], [], [], 0
+        for s, keep in packed:
+            i, lm, hb, sc = self.read(refs[s], keep)
+            bits[at:at + keep] = hb
+            if self.fp8:
+                scale[at:at + keep] = sc
+            ids.append(i)
+            lms.append(lm)
+            spans.append((s, at, keep))
+            at += keep
+        return bits, scale, ids, lms, spans
 
-    def forward(batch: list[tuple[int, dict]]) -> None:
+    def forward(self, batch: list[tuple[int, dict]]) -> None:
+        """Score one batch of anchor blocks: each anchor's accepted run, and the per-slot counts."""
+        import torch
+
+        from dflash_offline.blocks.stream import MicroBatch
+
+        A, B, off = self.A, self.B, self.off
         # On CUDA the batch is padded with anchorless rows: one shape for every forward.
-        R = batch_rows if cuda else len(batch)
+        R = self.batch_rows if self.cuda else len(batch)
         arr = {k: np.stack([b[k] for _, b in batch] + [np.zeros_like(batch[0][1][k])] * (R - len(batch)))
                for k in batch[0][1]}
         t = {k: torch.from_numpy(v) for k, v in arr.items()}
         # The same typed row as training's; fp8 bits are dequantised on the device, as there.
-        hidden = ({"target_hidden_bits": t["bits"], "target_hidden_scale": t["scale"]} if fp8 else
+        hidden = ({"target_hidden_bits": t["bits"], "target_hidden_scale": t["scale"]} if self.fp8 else
                   {"target_hidden": t["bits"].view(torch.bfloat16)})
         mb = MicroBatch(row=torch.arange(R), doc_ids=t["doc_ids"], ctx_positions=t["positions"], anchors=t["anchors"],
                         anchor_valid=t["anchor_valid"], block_ids=t["block_ids"],
                         block_positions=t["block_positions"], labels=t["labels"], weights=t["weights"],
-                        **hidden).on(device)
-        mask = build(mb.doc_ids, mb.anchors, mb.anchor_valid, B)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            h = drafter(mb.target_hidden, mb.block_ids, mb.ctx_positions, mb.block_positions, mask)
-            correct = slot_hits(drafter, h, mb, loss_chunk_tokens)
+                        **hidden).on(self.device)
+        mask = self.build(mb.doc_ids, mb.anchors, mb.anchor_valid, B)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.cuda):
+            h = self.drafter(mb.target_hidden, mb.block_ids, mb.ctx_positions, mb.block_positions, mask)
+            correct = slot_hits(self.drafter, h, mb, self.loss_chunk_tokens)
         # block_metrics' rule: a slot counts when its argmax is the label and it is scored
         # (inside the sample, on a loss-mask token); an unscored slot ends the run.
         scored = (mb.weights > 0).view(R, A, B)[:, :, 1 - off:]
         hit = correct.view(R, A, B)[:, :, 1 - off:] & scored
         acc = torch.cumprod(hit.to(torch.int32), dim=2).sum(dim=2).cpu().numpy()
         valid = mb.anchor_valid
-        slot_hit[:] += hit[valid].sum(0).double().cpu().numpy()
-        slot_count[:] += scored[valid].sum(0).double().cpu().numpy()
+        self.slot_hit[:] += hit[valid].sum(0).double().cpu().numpy()
+        self.slot_count[:] += scored[valid].sum(0).double().cpu().numpy()
         for i, (r, b) in enumerate(batch):
             v = b["anchor_valid"]
-            ctx_rows[r].accepted[b["anchors"][v]] = acc[i][v]
-            anchor_acc.append(acc[i][v])
+            self.ctx_rows[r].accepted[b["anchors"][v]] = acc[i][v]
+            self.anchor_acc.append(acc[i][v])
 
-    try:
-        with torch.no_grad():
-            n_layers = len(cfg.target_layer_ids)
-            for packed in pack_rows(lengths, np.arange(len(refs)), S):
-                bits = np.zeros((S, n_layers, cfg.hidden_size), np.uint8 if fp8 else np.uint16)
-                scale = np.zeros((S, n_layers), np.float32) if fp8 else None
-                ids, lms, spans, at = [], [], [], 0
-                for s, keep in packed:
-                    i, lm, hb, sc = read(refs[s], keep)
-                    bits[at:at + keep] = hb
-                    if fp8:
-                        scale[at:at + keep] = sc
-                    ids.append(i)
-                    lms.append(lm)
-                    spans.append((s, at, keep))
-                    at += keep
-                row = build_row(ids, lms, S, S, B, cfg.mask_token_id, weights, rng, label_offset=off)
-                r = len(ctx_rows)
-                ctx_rows.append(_ContextRow(spans, row.loss_mask, np.zeros(S, np.int64)))
-                n_cand = int(row.anchor_valid.sum())
-                per_block = {k: getattr(row, k).reshape(S, B) for k in ("block_ids", "block_positions", "labels", "weights")}
-                for lo in range(0, n_cand, A):
-                    hi = min(lo + A, n_cand)
-                    part = {"bits": bits.reshape(S, -1), "doc_ids": row.doc_ids, "positions": row.positions,
-                            "anchors": _pad(row.anchors[lo:hi], A, 0), "anchor_valid": _pad(row.anchor_valid[lo:hi], A, False)}
-                    if fp8:
-                        part["scale"] = scale
-                    for k, v in per_block.items():
-                        part[k] = _pad(v[lo:hi], A, cfg.mask_token_id if k == "block_ids" else 0).reshape(-1)
-                    pending.append((r, part))
-                    if len(pending) == batch_rows:
-                        forward(pending)
-                        pending = []
-            if pending:
-                forward(pending)
-    finally:
-        drafter.train(was_training)
-
-    rounds_of: list[tuple[int, list[int], int]] = []  # (sample, accepted per round, committed tokens)
-    skipped = 0
-    for row in ctx_rows:
-        for s, at, keep in row.spans:
-            lm = row.loss_mask[at:at + keep]
-            ones = np.flatnonzero(lm)
-            if not ones.size:
-                skipped += 1
-                continue
-            p0 = at + int(ones[0])
-            length = int(lm[ones[0]:].sum())
-            if max_new is not None:
-                length = min(length, max_new)
-            got = walk_rounds(row.accepted[p0:at + keep], length)
-            if got:
-                rounds_of.append((s, got, length - 1))
-            else:
-                skipped += 1
-    if not rounds_of:
-        raise UserError(f"{option} {cache}: no sample with a completion of two tokens or more to walk")
-    rounds_of.sort()
-    flat = np.asarray([a for _, r, _ in rounds_of for a in r], np.int64)
-    every = np.concatenate(anchor_acc) if anchor_acc else np.zeros(0, np.int64)
-    out = {
-        "samples": len(rounds_of), "samples_skipped": skipped, "rounds": int(flat.size),
-        "tau_pooled": sum(c for _, _, c in rounds_of) / flat.size,
-        "tau_per_prompt_mean": float(np.mean([c / len(r) for _, r, c in rounds_of])),
-        "accept_rate": [float((flat >= j).mean()) for j in range(1, B + off)],
-        "anchors": int(every.size),
-        "tau_all_anchors": float((every + 1).mean()) if every.size else float("nan"),
-        "slot_accuracy": [float(h / c) if c else 0.0 for h, c in zip(slot_hit, slot_count)],
-        "seq_len": S, "truncated_samples": int((lengths > S).sum()), "max_new": max_new,
-        "seconds": time.time() - t0,
-    }
-    if per_sample:
-        out["per_sample"] = [{"id": refs[s].id, "accepted": r} for s, r, _ in rounds_of]
-    return out
+    def summary(self, refs: list[_Sample], lengths: np.ndarray, S: int, max_new: int | None, option: str) -> dict:
+        """Walk every sample from its first completion token (walk_rounds) -> walk_acceptance's figures."""
+        skipped = 0
+        for row in self.ctx_rows:
+            for s, at, keep in row.spans:
+                lm = row.loss_mask[at:at + keep]
+                ones = np.flatnonzero(lm)
+                if not ones.size:
+                    skipped += 1
+                    continue
+                p0 = at + int(ones[0])
+                length = int(lm[ones[0]:].sum())
+                if max_new is not None:
+                    length = min(length, max_new)
+                got = walk_rounds(row.accepted[p0:at + keep], length)
+                if got:
+                    self.rounds_of.append((s, got, length - 1))
+                else:
+                    skipped += 1
+        if not self.rounds_of:
+            raise UserError(f"{option} {self.cache}: no sample with a completion of two tokens or more to walk")
+        self.rounds_of.sort()
+        rounds_of, B, off = self.rounds_of, self.B, self.off
+        flat = np.asarray([a for _, r, _ in rounds_of for a in r], np.int64)
+        every = np.concatenate(self.anchor_acc) if self.anchor_acc else np.zeros(0, np.int64)
+        return {
+            "samples": len(rounds_of), "samples_skipped": skipped, "rounds": int(flat.size),
+            "tau_pooled": sum(c for _, _, c in rounds_of) / flat.size,
+            "tau_per_prompt_mean": float(np.mean([c / len(r) for _, r, c in rounds_of])),
+            "accept_rate": [float((flat >= j).mean()) for j in range(1, B + off)],
+            "anchors": int(every.size),
+            "tau_all_anchors": float((every + 1).mean()) if every.size else float("nan"),
+            "slot_accuracy": [float(h / c) if c else 0.0 for h, c in zip(self.slot_hit, self.slot_count)],
+            "seq_len": S, "truncated_samples": int((lengths > S).sum()), "max_new": max_new,
+        }
 
 
 def _pad(x: np.ndarray, n: int, value) -> np.ndarray:
