@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict
 
 import numpy as np
 
@@ -147,7 +146,7 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     log.info("plan: %d shards, %d tokens (%d to do), %.2f GB estimated (%d bytes/token), layers %s, topk %d",
              len(shards), total_tokens, todo_tokens, whole / 1e9, bpt, layer_ids, cfg.topk)
     job = Job(
-        cfg=asdict(cfg), target_path=str(info.path), layer_ids=layer_ids, hidden_size=info.hidden_size,
+        cfg=cfg, target_path=str(info.path), layer_ids=layer_ids, hidden_size=info.hidden_size,
         source=source.state(), shards=shards, compute_dtype=compute_dtype, shard_bytes=shard_bytes,
     )
     return job, wanted, devices, todo_tokens
@@ -281,7 +280,7 @@ def _worker_failure(job: Job, rank: int, device: str, code: int, error: str | No
     reason = no_room_reason(error) if error else None
     if reason:
         error = error.split("; see ")[0]  # the worker's pointer to its logs and its advice: said below
-        loc = Location(job.cfg["cache"])
+        loc = Location(job.cfg.cache)
         m = ManifestStore(loc).read() or {"shards": [], "released": []}
         done = len(committed_names(m))
         # A file-size limit is not a full device: say which, so the fix offered is the right one.

@@ -12,12 +12,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dflash_offline.config import ExtractConfig
+
 
 @dataclass
 class Job:
-    """Everything a worker needs, as plain data (it crosses a process spawn before the log opens)."""
+    """Everything a worker needs (it crosses a process spawn before the log opens: its fields are
+    plain data and the config's light dataclass)."""
 
-    cfg: dict
+    cfg: ExtractConfig
     target_path: str
     layer_ids: list[int]
     hidden_size: int

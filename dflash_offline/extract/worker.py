@@ -39,8 +39,8 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     from dflash_offline.runtime.supervise import die_with_parent
 
     die_with_parent()
-    loc = Location(job.cfg["cache"])
-    open_process_log(log_folder(ExtractConfig(**job.cfg), loc), f"extract-rank{rank}", console=True, claim=True)
+    loc = Location(job.cfg.cache)
+    open_process_log(log_folder(job.cfg, loc), f"extract-rank{rank}", console=True, claim=True)
     install_stop_handlers(launched=True)
     # ("error", rank, line) is run_workers' own message: it keeps the line for the failure report.
     with worker_outcome(on_error=lambda line: q.put(WorkerError(rank, line))):
@@ -63,7 +63,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     import torch
 
     single_thread_compute()
-    cfg = ExtractConfig(**job.cfg)
+    cfg = job.cfg
     loc = Location(cfg.cache)
     store = ManifestStore(loc)
     committed = committed_names(store.read())

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -151,7 +150,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
              compute_dtype, ",".join(devices), "greedy" if cfg.temperature <= 0 else
              f"sampling (temperature {cfg.temperature}, top-p {cfg.top_p}, seed {cfg.seed})", eos,
              cfg.batching, compile)
-    job = Job(cfg=asdict(cfg), folder=str(folder), target_path=str(info.path),
+    job = Job(cfg=cfg, folder=str(folder), target_path=str(info.path),
               source=source.state(),
               chunks=chunks, compute_dtype=compute_dtype, eos=eos, rows_per_batch=rows, max_prompt_len=max_prompt,
               compile=compile, chat=chat, max_positions=info.max_positions, turns=turns, copies=copies)
@@ -337,7 +336,7 @@ def _launch_workers(job: Job, devices: list[str], todo: Todo, progress: bool, lo
     on request (the workers committed their parts in progress and exited), else None."""
     from dflash_offline.runtime.supervise import run_workers
 
-    bar = Bar(todo, job.cfg["max_new_tokens"], progress)  # the workers' Progress messages, added up
+    bar = Bar(todo, job.cfg.max_new_tokens, progress)  # the workers' Progress messages, added up
     try:
         ended = run_workers(worker_entry, devices, job, "generate", bar)
     finally:
@@ -361,7 +360,7 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     from dflash_offline.runtime.supervise import die_with_parent
 
     die_with_parent()
-    open_process_log(job.cfg["log_dir"] or os.path.join(job.folder, "logs"), f"generate-rank{rank}", claim=True)
+    open_process_log(job.cfg.log_dir or os.path.join(job.folder, "logs"), f"generate-rank{rank}", claim=True)
     install_stop_handlers(launched=True)
     with worker_outcome(on_error=lambda line: q.put(WorkerError(rank, line))):
         left = worker_run(rank, world, device, job, q, False)
@@ -384,7 +383,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
     from dflash_offline.targets.model import load_target
 
     single_thread_compute()
-    cfg = GenerateConfig(**job.cfg)
+    cfg = job.cfg
     folder = Path(job.folder)
     store = parts.OutputStore(folder)
     committed = {p["name"] for p in store.read()["parts"]}

@@ -9,6 +9,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dflash_offline.config import GenerateConfig
+
 from dflash_offline.generate.progress import Todo
 
 GPU_CHUNK_PROMPTS, CPU_CHUNK_PROMPTS = 2048, 64  # --chunk-prompts' defaults (config.py says why)
@@ -16,9 +18,10 @@ GPU_CHUNK_PROMPTS, CPU_CHUNK_PROMPTS = 2048, 64  # --chunk-prompts' defaults (co
 
 @dataclass
 class Job:
-    """Everything a worker needs, as plain data (it crosses a process spawn before the log opens)."""
+    """Everything a worker needs (it crosses a process spawn before the log opens: its fields are
+    plain data and the config's light dataclass)."""
 
-    cfg: dict
+    cfg: GenerateConfig
     folder: str  # where parts, manifest and logs go
     target_path: str
     source: dict  # data.Source as plain fields
