@@ -28,7 +28,10 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
     if step not in steps:
         raise UserError(f"--step {step}: no such checkpoint in {run_dir}; available: {', '.join(map(str, steps))}")
     ck = run / f"{CHECKPOINT_PREFIX}{step}"
-    what = checkpoint_damage(ck, ("state.json", "drafter.safetensors"))
+    from dflash_offline.train.resume import config_problem
+
+    # The saved training settings are checked too: a DSpark export reads the run's target from them.
+    what = checkpoint_damage(ck, ("state.json", "drafter.safetensors"), config_problem=config_problem)
     if what:
         before = checkpoint_before(ck)
         other = (f"export the one before with --step {before}" if before is not None

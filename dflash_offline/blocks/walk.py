@@ -232,13 +232,12 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
     # least as many blocks as the row has positions.
     w = _Walker(reader, cache, option, drafter, str(device), A=max(1, min(anchors_per_row, S - 1)),
                 batch_rows=batch_rows, loss_chunk_tokens=loss_chunk_tokens)
+    was_training = drafter.training
+    drafter.to(w.device).eval()  # in place (a Module): the walker holds the same module
     cfg, B, off = w.cfg, w.B, w.off
     weights = loss_weights(B, 1.0, off)  # DSpark: every slot drafts, slot j the token at p + 1 + j
     rng = np.random.default_rng(0)
     pending: list[tuple[int, dict]] = []  # (context row, arrays of one block of anchors)
-    was_training = drafter.training
-    w.drafter = drafter.to(w.device)
-    w.drafter.eval()
     try:
         with torch.no_grad():
             for packed in pack_rows(lengths, np.arange(len(refs)), S):
@@ -265,11 +264,7 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
                 w.forward(pending)
     finally:
         drafter.train(was_training)
-    out = w.summary(refs, lengths, S, max_new, option)
-    out["seconds"] = time.time() - t0
-    if per_sample:
-        out["per_sample"] = [{"id": refs[s].id, "accepted": r} for s, r, _ in w.rounds_of]
-    return out
+    return {**w.summary(refs, lengths, S, max_new, option, per_sample), "seconds": time.time() - t0}
 
 
 class _Walker:
@@ -293,7 +288,6 @@ class _Walker:
         self.slot_hit = np.zeros(self.B - 1 + self.off, np.float64)
         self.slot_count = np.zeros(self.B - 1 + self.off, np.float64)
         self.anchor_acc: list[np.ndarray] = []
-        self.rounds_of: list[tuple[int, list[int], int]] = []  # (sample, accepted per round, committed tokens)
 
     def read(self, ref: _Sample, keep: int):
         """A sample's first `keep` tokens, loss mask and (the drafter's layers of) hidden states."""
@@ -364,8 +358,10 @@ class _Walker:
             self.ctx_rows[r].accepted[b["anchors"][v]] = acc[i][v]
             self.anchor_acc.append(acc[i][v])
 
-    def summary(self, refs: list[_Sample], lengths: np.ndarray, S: int, max_new: int | None, option: str) -> dict:
+    def summary(self, refs: list[_Sample], lengths: np.ndarray, S: int, max_new: int | None, option: str,
+                per_sample: bool) -> dict:
         """Walk every sample from its first completion token (walk_rounds) -> walk_acceptance's figures."""
+        rounds_of: list[tuple[int, list[int], int]] = []  # (sample, accepted per round, committed tokens)
         skipped = 0
         for row in self.ctx_rows:
             for s, at, keep in row.spans:
@@ -380,16 +376,16 @@ class _Walker:
                     length = min(length, max_new)
                 got = walk_rounds(row.accepted[p0:at + keep], length)
                 if got:
-                    self.rounds_of.append((s, got, length - 1))
+                    rounds_of.append((s, got, length - 1))
                 else:
                     skipped += 1
-        if not self.rounds_of:
+        if not rounds_of:
             raise UserError(f"{option} {self.cache}: no sample with a completion of two tokens or more to walk")
-        self.rounds_of.sort()
-        rounds_of, B, off = self.rounds_of, self.B, self.off
+        rounds_of.sort()
+        B, off = self.B, self.off
         flat = np.asarray([a for _, r, _ in rounds_of for a in r], np.int64)
         every = np.concatenate(self.anchor_acc) if self.anchor_acc else np.zeros(0, np.int64)
-        return {
+        out = {
             "samples": len(rounds_of), "samples_skipped": skipped, "rounds": int(flat.size),
             "tau_pooled": sum(c for _, _, c in rounds_of) / flat.size,
             "tau_per_prompt_mean": float(np.mean([c / len(r) for _, r, c in rounds_of])),
@@ -399,6 +395,9 @@ class _Walker:
             "slot_accuracy": [float(h / c) if c else 0.0 for h, c in zip(self.slot_hit, self.slot_count)],
             "seq_len": S, "truncated_samples": int((lengths > S).sum()), "max_new": max_new,
         }
+        if per_sample:
+            out["per_sample"] = [{"id": refs[s].id, "accepted": r} for s, r, _ in rounds_of]
+        return out
 
 
 def _pad(x: np.ndarray, n: int, value) -> np.ndarray:

@@ -295,8 +295,6 @@ class CacheReader:
 
 def cache_reader(cache: str, label: str):
     """A CacheReader of a cache given as `label` (flag or recipe key): no manifest is one line naming it."""
-    from dflash_offline.cache.location import Location
-
     if not Location(cache, label).exists("manifest.json"):
         raise UserError(f"{label} {cache}: no manifest.json; not a dflash-offline cache (or nothing committed yet): "
                         "give the folder extract wrote")

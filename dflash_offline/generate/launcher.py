@@ -174,7 +174,7 @@ def _plan_lengths(cfg: GenerateConfig, source, info, chat) -> np.ndarray:
         if chat is not None:
             raise UserError(f"{origin(cfg, 'samples_per_prompt')} {copies}: conversation prompts regenerate turn by "
                             "turn, one reply per turn; sample several outputs of plain prompts, or leave it out")
-        if (int(np.abs(source.ids).max()) + 1) * copies >= 1 << 63:
+        if (int(source.ids.max()) + 1) * copies >= 1 << 63:  # ids are >= 0 (rows.reader.scan refuses others)
             raise UserError(f"{origin(cfg, 'samples_per_prompt')} {copies}: the prompt ids times {copies} overflow int64 "
                             "(copy k of prompt id i gets id i x N + k); renumber the prompts' ids from 0")
         lengths = np.repeat(lengths, copies)

@@ -10,7 +10,6 @@ from typing import NamedTuple
 import numpy as np
 
 from dflash_offline.config import GenerateConfig
-
 from dflash_offline.generate.progress import Todo
 
 GPU_CHUNK_PROMPTS, CPU_CHUNK_PROMPTS = 2048, 64  # --chunk-prompts' defaults (config.py says why)
