@@ -52,7 +52,7 @@ def generate(args: list, log: Path) -> dict:
                          + "".join(logs.splitlines(True)[-60:]))
     m = json.loads((out / "manifest.json").read_text())
     logs = "\n".join(p.read_text() for p in (out / "logs").glob("*.log"))
-    done = re.findall(r"done: (\d+) prompts, (\d+) new tokens in ([\d.]+)s", logs)
+    done = re.findall(r"worker \d+: (\d+) prompts, (\d+) new tokens in ([\d.]+)s", logs)
     loaded = re.findall(r"loaded target in ([\d.]+)s", logs)
     decode_s = max(float(d[2]) for d in done)
     # Steady state: the batches after the first (which also pays for compilation).
@@ -146,24 +146,34 @@ def pycode(args) -> dict:
         save(res)  # after every run: a run cut short by a time limit keeps what it measured
         return out
 
-    # Continuous batching (the default) against padded batches, eager and (GPU) compiled, same prompts.
-    c = go("subset-fp32-continuous", subset, "--compute-dtype", "float32", "--batching", "continuous")
-    e = go("subset-fp32-padded", subset, "--compute-dtype", "float32", "--batching", "padded")
-    if not args.smoke:
-        go("subset-fp32-padded-compiled", subset, "--compute-dtype", "float32", "--batching", "padded", "--compile")
-    res["continuous_vs_padded_fp32"] = agreement(rows_of(e), rows_of(c), 128)
-    fx_out = go("fixture-fp32", fixture_prompts, "--compute-dtype", "float32")
-    res["fixture_vs_ours_fp32"] = agreement(fixture_rows, rows_of(fx_out), 128)
-    save(res)
-    print(f"fixture completions reproduced: {json.dumps(res['fixture_vs_ours_fp32'])}", flush=True)
-    if not args.skip_full:
+    parts = set(args.parts.split(","))
+    if parts - {"subset", "fixture", "full"}:
+        raise SystemExit(f"--parts {args.parts}: choose from subset, fixture, full")
+    if "subset" in parts:
+        subset_runs(go, subset, res, args.smoke)
+    if "fixture" in parts:
+        fx_out = go("fixture-fp32", fixture_prompts, "--compute-dtype", "float32")
+        res["fixture_vs_ours_fp32"] = agreement(fixture_rows, rows_of(fx_out), 128)
+        save(res)
+        print(f"fixture completions reproduced: {json.dumps(res['fixture_vs_ours_fp32'])}", flush=True)
+    if "full" in parts and not args.skip_full:
         a = go("all-fp32", prompts40k, "--compute-dtype", "float32")
-        go("all-fp32-padded", prompts40k, "--compute-dtype", "float32", "--batching", "padded")
+        p = go("all-fp32-padded", prompts40k, "--compute-dtype", "float32", "--batching", "padded")
+        res["continuous_vs_padded_fp32_all"] = agreement(rows_of(p), rows_of(a), 128)
         b = go("all-bf16", prompts40k, "--compute-dtype", "bfloat16")
         res["bf16_vs_fp32"] = agreement(rows_of(a), rows_of(b), 128)
         print(f"bf16 against fp32: {json.dumps(res['bf16_vs_fp32'])}", flush=True)
     res["prompts_all"] = n_all
     return res
+
+
+def subset_runs(go, subset: Path, res: dict, smoke: bool) -> None:
+    """Continuous batching (the default) against padded batches, eager and (GPU) compiled, same prompts."""
+    c = go("subset-fp32-continuous", subset, "--compute-dtype", "float32", "--batching", "continuous")
+    e = go("subset-fp32-padded", subset, "--compute-dtype", "float32", "--batching", "padded")
+    if not smoke:
+        go("subset-fp32-padded-compiled", subset, "--compute-dtype", "float32", "--batching", "padded", "--compile")
+    res["continuous_vs_padded_fp32"] = agreement(rows_of(e), rows_of(c), 128)
 
 
 def shape27b(args) -> dict:
@@ -318,6 +328,9 @@ def main() -> None:
     p.add_argument("--subset", type=int, default=4096, help="prompts of the eager/compiled comparison")
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts of the 40k file")
     p.add_argument("--skip-full", action="store_true")
+    p.add_argument("--parts", default="subset,fixture,full",
+                   help="which runs: subset (continuous/padded/compiled on --subset prompts), fixture (exactness "
+                        "against the fixture's completions), full (all 40K prompts: fp32 continuous and padded, bf16)")
     p = sub.add_parser("shape27b")
     p.add_argument("--batches", default="1,32,128")
     p.add_argument("--prompt", type=int, default=128)
