@@ -226,7 +226,7 @@ def run_shape(args, shape: str, results: dict, save) -> None:
                                                  plan={"num_shards": 10**9, "shard_tokens": 0, "sort_window": 0}))
                 loc.makedirs("shards")
                 capture = LayerCapture(model, layer_ids)
-                layout = dict(captured_layers=len(layer_ids), hidden_size=H, topk=topk, chunk_tokens=cfg.chunk_tokens,
+                layout = dict(cache_layers=len(layer_ids), hidden_size=H, topk=topk, chunk_tokens=cfg.chunk_tokens,
                               layer_ids=layer_ids, hidden_dtype="bfloat16")
                 written = {"bytes": 0}
 
@@ -399,7 +399,7 @@ def writer_capacity(cache: str, smoke: bool) -> dict:
         t0 = time.perf_counter()
         timing = {}
         for j in range(shards):
-            w = ShardWriter(loc, f"cap-{shards}-{j}.zarr", ShardLayout(tokens=4 * T, captured_layers=n, hidden_size=H, topk=k,
+            w = ShardWriter(loc, f"cap-{shards}-{j}.zarr", ShardLayout(tokens=4 * T, cache_layers=n, hidden_size=H, topk=k,
                                                                         chunk_tokens=1024, layer_ids=list(range(n))))
             for b in range(4):
                 w.append_batch([(b * 8 + r, np.zeros(T // 8, np.int32), np.ones(T // 8, np.uint8)) for r in range(8)],

@@ -56,7 +56,7 @@ def write_zarr_cache(root: Path, lengths: list[int], n: int, H: int, seed: int, 
     sid = 0
     for j, lens in enumerate(shards):
         name = shard_name(j)
-        w = ShardWriter(loc, tmp_shard_rel(name), ShardLayout(tokens=sum(lens), captured_layers=n, hidden_size=H, topk=0,
+        w = ShardWriter(loc, tmp_shard_rel(name), ShardLayout(tokens=sum(lens), cache_layers=n, hidden_size=H, topk=0,
                                                               chunk_tokens=1024, layer_ids=list(range(n))))
         for t in lens:
             ids, mask, h = sample_data(sid, t, n, H, seed)

@@ -78,7 +78,7 @@ def make_cache(root: Path, target: Path, rows: int, seq_len: int, dev: str) -> N
     H, n, sid = SHAPE["hidden_size"], len(LAYERS), 0
     for j, lens in enumerate(shards):
         name = shard_name(j)
-        w = ShardWriter(loc, tmp_shard_rel(name), ShardLayout(tokens=sum(lens), captured_layers=n, hidden_size=H, topk=0,
+        w = ShardWriter(loc, tmp_shard_rel(name), ShardLayout(tokens=sum(lens), cache_layers=n, hidden_size=H, topk=0,
                                                               chunk_tokens=1024, layer_ids=LAYERS))
         for t in lens:
             h = torch.randn(t, n, H, device=dev).bfloat16().view(torch.uint16).cpu().numpy()

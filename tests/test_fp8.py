@@ -64,7 +64,7 @@ def test_bytes_per_token_at_27b_width(tmp_path):
     sizes = {}
     for dtype, h, sc in (("bfloat16", x.view(torch.uint16).numpy(), None), ("float8_e4m3fn", bits.numpy(), scale.numpy())):
         loc = Location(str(tmp_path / dtype))
-        w = ShardWriter(loc, "s.zarr", ShardLayout(tokens=T, captured_layers=n, hidden_size=H, topk=0, chunk_tokens=1024,
+        w = ShardWriter(loc, "s.zarr", ShardLayout(tokens=T, cache_layers=n, hidden_size=H, topk=0, chunk_tokens=1024,
                                                     layer_ids=list(range(n)), hidden_dtype=dtype))
         w.append_batch([(0, np.zeros(T, np.int32), np.ones(T, np.uint8))], h, None, None, sc)
         w.close("s")

@@ -69,7 +69,7 @@ def test_layer_stats_and_outlier_channels(tmp_path):
         capture={"layer_ids": layers, "topk": 0, "hidden_dtype": "bfloat16", "max_len": 64},
         source={"files": [], "rows": 6}, plan={"shard_tokens": 0, "sort_window": 0, "num_shards": 1}))
     loc.makedirs("shards")
-    w = ShardWriter(loc, tmp_shard_rel("shard-000000"), ShardLayout(tokens=6 * 40, captured_layers=2, hidden_size=H,
+    w = ShardWriter(loc, tmp_shard_rel("shard-000000"), ShardLayout(tokens=6 * 40, cache_layers=2, hidden_size=H,
                                                                      topk=0, chunk_tokens=64, layer_ids=layers))
     values = []
     for sid in range(6):

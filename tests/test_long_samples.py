@@ -154,7 +154,7 @@ def test_every_epoch_holds_each_trained_token_once_and_rows_read_the_pieces(long
     reader = CacheReader(str(long_cache))
     by_id = {s.sample_id: s for s in reader.samples()}
     spec = RowSpec(seed=cfg.seed, seq_len=S, num_anchors=16, block_size=8, mask_token_id=1, gamma=4.0,
-                   hidden_size=plan.hidden_size, captured_layers=plan.captured_layers)
+                   hidden_size=plan.hidden_size, row_layers=plan.target_layer_count)
     stream = RowStream(str(long_cache), ep.refs, ep.lengths, spec, Span(0, 0, ep.steps_per_epoch), 0, 1, 1,
                        pieces=ep.pieces)
     rows = stream.rows(0)

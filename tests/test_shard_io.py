@@ -47,7 +47,7 @@ def _write(root: str, name: str = "shard-000000", batches=(700, 2100, 1500, 700)
                                      plan={"num_shards": 1, "shard_tokens": 0, "sort_window": 0}))
     loc.makedirs("shards")
     h, ti, tl = _data()
-    w = ShardWriter(loc, tmp_shard_rel(name), ShardLayout(tokens=T, captured_layers=N_LAYERS, hidden_size=H, topk=K,
+    w = ShardWriter(loc, tmp_shard_rel(name), ShardLayout(tokens=T, cache_layers=N_LAYERS, hidden_size=H, topk=K,
                                                            chunk_tokens=C, layer_ids=[0, 1, 2]))
     pos, sid = 0, 0
     for n in batches:

@@ -34,9 +34,9 @@ class RowSpec:
     mask_token_id: int
     gamma: float
     hidden_size: int
-    captured_layers: int  # layers per row the stream delivers (the drafter's, in its order)
+    row_layers: int  # layers per row the stream delivers (training: the drafter's, in its order)
     hidden_dtype: str = "bfloat16"
-    cache_layers: int | None = None  # layers the cache holds per token; None = captured_layers
+    cache_layers: int | None = None  # layers a cache row holds per token; None = row_layers
     layer_columns: tuple[int, ...] | None = None  # which of them, when a subset (train --target-layers)
     topk: int = 0
     anchors_per_sample: int | None = None
@@ -44,13 +44,14 @@ class RowSpec:
 
     @classmethod
     def of(cls, spec: "RowSpec | dict") -> "RowSpec":
-        """A RowSpec, or one from a dict of its fields (`num_layers` for `captured_layers`, as
-        scripts written before the typed spec pass it)."""
+        """A RowSpec, or one from a dict of its fields (`num_layers` and `captured_layers`, the
+        names scripts written before the typed spec and before the layer words pass, for `row_layers`)."""
         if isinstance(spec, RowSpec):
             return spec
         d = dict(spec)
-        if "num_layers" in d:
-            d["captured_layers"] = d.pop("num_layers")
+        for old in ("num_layers", "captured_layers"):
+            if old in d:
+                d["row_layers"] = d.pop(old)
         if d.get("layer_columns") is not None:
             d["layer_columns"] = tuple(d["layer_columns"])
         return cls(**d)
@@ -199,7 +200,7 @@ class RowStream(torch.utils.data.IterableDataset):
 
     def make(self, epoch: int, global_row: int, packed: list[Piece]) -> MicroBatch:
         sp = self.spec
-        S, n, H = sp.seq_len, sp.captured_layers, sp.hidden_size
+        S, n, H = sp.seq_len, sp.row_layers, sp.hidden_size
         # A subset of the captured layers (train --target-layers): the cache's [tokens, n_cache, H] rows are
         # read whole, then the chosen columns are kept, in the drafter's order.
         cols = None if sp.layer_columns is None else list(sp.layer_columns)

@@ -47,12 +47,12 @@ def cache_layer_columns(manifest: dict, drafter_cfg, cache: str, option: str = "
     return None if want == have else [have.index(i) for i in want]
 
 
-def _select_layers(target_hidden, columns: list[int] | None, captured_layers: int):
+def _select_layers(target_hidden, columns: list[int] | None, cache_layers: int):
     """[R, S, n*H] with all captured layers -> [R, S, len(columns)*H] with the drafter's."""
     if columns is None:
         return target_hidden
     R, S, width = target_hidden.shape
-    return target_hidden.view(R, S, captured_layers, width // captured_layers)[:, :, columns].reshape(R, S, -1)
+    return target_hidden.view(R, S, cache_layers, width // cache_layers)[:, :, columns].reshape(R, S, -1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     # drafter's columns are picked on the device.
     spec = RowSpec(seed=seed, seq_len=seq_len, num_anchors=num_anchors, block_size=B,
                    mask_token_id=cfg.mask_token_id, gamma=1.0, hidden_size=cfg.hidden_size,
-                   captured_layers=n_cached, hidden_dtype=view.hidden_dtype, label_offset=cfg.label_offset)
+                   row_layers=n_cached, hidden_dtype=view.hidden_dtype, label_offset=cfg.label_offset)
     stream = RowStream(cache, table.refs, table.lengths, spec, Span(0, 0, steps), 0, 1, 1, pieces=table.pieces)
     drafter = drafter.to(device)
     cuda = str(device).startswith("cuda")

@@ -102,7 +102,7 @@ def _plain_codecs(arr) -> bool:
 @dataclass
 class ShardLayout:
     tokens: int
-    captured_layers: int  # layers per token (len(layer_ids))
+    cache_layers: int  # layers per token (len(layer_ids))
     hidden_size: int
     topk: int
     chunk_tokens: int
@@ -116,7 +116,7 @@ class ShardWriter:
     def __init__(self, loc: Location, rel: str, layout: ShardLayout, checksum: str = DEFAULT_CHECKSUM):
         self.loc, self.rel, self.layout = loc, rel, layout
         self.checksum = checksum
-        T, n, H, k, C = layout.tokens, layout.captured_layers, layout.hidden_size, layout.topk, layout.chunk_tokens
+        T, n, H, k, C = layout.tokens, layout.cache_layers, layout.hidden_size, layout.topk, layout.chunk_tokens
         self.group = zarr.open_group(
             store=loc.url(rel), mode="w", zarr_format=3, **loc.zarr_kwargs(),
             attributes={
@@ -186,7 +186,7 @@ class ShardWriter:
         lengths."""
         lens = [int(ids.shape[0]) for _, ids, _ in samples]
         N = sum(lens)
-        n, H = self.layout.captured_layers, self.layout.hidden_size
+        n, H = self.layout.cache_layers, self.layout.hidden_size
         if self._offsets[-1] + N > self.layout.tokens:
             raise RuntimeError(f"shard {self.rel}: samples {samples[0][0]}.. overflow the planned {self.layout.tokens} tokens")
         if hidden.shape != (N, n, H) or hidden.dtype != self.hidden_np_dtype:

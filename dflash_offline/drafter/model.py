@@ -202,17 +202,17 @@ class DFlashDrafter(nn.Module):
         uncompiled module: their shapes change every call."""
         self._compiled_layer = torch.compile(_run_layer, dynamic=False, backend=backend)
 
-    def init_layers_from_target(self, target_dir: str, target_layers: list[int]) -> None:
-        """Start drafter layer i from target layer target_layers[i] (every tensor of the layer:
+    def init_layers_from_target(self, target_dir: str, init_layers: list[int]) -> None:
+        """Start drafter layer i from target layer init_layers[i] (every tensor of the layer:
         attention, q/k norms, MLP, both layer norms), for targets whose decoder layers have the
         drafter's shapes (dense Qwen3-like ones). The target's layers already hold the circuits a
         drafter needs (previous-token and copying heads), which a random start must rediscover."""
-        found = read_layer_tensors(target_dir, target_layers, self)
+        found = read_layer_tensors(target_dir, init_layers, self)
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name in found:
                     p.copy_(found[name].to(device=p.device, dtype=p.dtype))
-        log.info("drafter layers initialised from target layers %s", list(target_layers))
+        log.info("drafter layers initialised from target layers %s", list(init_layers))
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for n, p in self.named_parameters() if not n.startswith(FROZEN_PREFIXES)]
@@ -342,7 +342,7 @@ def target_tensors(info, wanted: set[str]):
                     yield name, sf, key
 
 
-def read_layer_tensors(target_dir: str, target_layers: list[int], drafter: "DFlashDrafter | None" = None,
+def read_layer_tensors(target_dir: str, init_layers: list[int], drafter: "DFlashDrafter | None" = None,
                        cfg: DrafterConfig | None = None,
                        flags: tuple[str, str] = ("--init-layers", "--drafter-layers")) -> dict[str, Tensor]:
     """The target tensors that start the drafter's layers: {drafter parameter name: tensor}, one
@@ -353,10 +353,10 @@ def read_layer_tensors(target_dir: str, target_layers: list[int], drafter: "DFla
     cfg = drafter.cfg if drafter is not None else cfg
     info = read_target(target_dir)
     flag, depth = flags
-    if len(target_layers) != cfg.num_hidden_layers:
-        raise UserError(f"{flag} {','.join(map(str, target_layers))}: one target layer per drafter layer, "
+    if len(init_layers) != cfg.num_hidden_layers:
+        raise UserError(f"{flag} {','.join(map(str, init_layers))}: one target layer per drafter layer, "
                         f"{cfg.num_hidden_layers} expected ({depth})")
-    bad = [j for j in target_layers if not 0 <= j < info.num_target_layers]
+    bad = [j for j in init_layers if not 0 <= j < info.num_target_layers]
     if bad:
         raise UserError(f"{flag}: layer ids {bad} are outside the target's layers 0..{info.num_target_layers - 1}")
     shapes = {name: tuple(t.shape) for name, t in (drafter or DFlashDrafter.meta(cfg)).named_parameters()
@@ -364,7 +364,7 @@ def read_layer_tensors(target_dir: str, target_layers: list[int], drafter: "DFla
     want: dict[str, str] = {}  # target key -> drafter name
     for name in shapes:
         i, rest = name[len("layers."):].split(".", 1)
-        want[f"model.layers.{target_layers[int(i)]}.{rest}"] = name
+        want[f"model.layers.{init_layers[int(i)]}.{rest}"] = name
     found: dict[str, Tensor] = {}
     got_shapes: dict[str, tuple] = {}
     for tkey, sf, key in target_tensors(info, set(want)):

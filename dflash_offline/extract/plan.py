@@ -92,8 +92,8 @@ def reserved_bytes(tokens: int, bpt: int, chunk_tokens: int) -> int:
     return -(-tokens // chunk_tokens) * chunk_tokens * bpt + 64 * 1024
 
 
-def bytes_per_token(captured_layers: int, hidden_size: int, topk: int, hidden_dtype: str = "bfloat16") -> int:
+def bytes_per_token(cache_layers: int, hidden_size: int, topk: int, hidden_dtype: str = "bfloat16") -> int:
     """hidden (bf16: 2 bytes a value; fp8: 1 byte a value + a float32 scale a layer) + top-k ids
     (int32) and log-probs (fp16) + input_ids (int32) + loss_mask (uint8)."""
-    hidden = captured_layers * hidden_size * 2 if hidden_dtype == "bfloat16" else captured_layers * (hidden_size + 4)
+    hidden = cache_layers * hidden_size * 2 if hidden_dtype == "bfloat16" else cache_layers * (hidden_size + 4)
     return hidden + topk * 6 + 5

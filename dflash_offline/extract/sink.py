@@ -64,7 +64,7 @@ class ShardSink:
         if writers < 1 or slots < 1:
             raise ValueError(f"need at least one writer and one slot (got {writers}, {slots})")
         self.on_progress = on_progress
-        self.arrays = slot_arrays(batch_tokens, layout_kw["captured_layers"], layout_kw["hidden_size"], layout_kw["topk"],
+        self.arrays = slot_arrays(batch_tokens, layout_kw["cache_layers"], layout_kw["hidden_size"], layout_kw["topk"],
                                   layout_kw.get("hidden_dtype", "bfloat16"))
         size = slot_bytes(self.arrays)
         self.log_dir, self.log_name = log_dir, log_name

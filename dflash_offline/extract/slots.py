@@ -128,14 +128,14 @@ class Segment:
             self.buf = self._mmap = None
 
 
-def slot_arrays(batch_tokens: int, captured_layers: int, hidden_size: int, topk: int,
+def slot_arrays(batch_tokens: int, cache_layers: int, hidden_size: int, topk: int,
                 hidden_dtype: str = "bfloat16") -> list[tuple[str, tuple, str]]:
     """(name, shape, numpy dtype) of the arrays of one slot, in memory order. fp8 hidden states
     come as uint8 bits plus a float32 scale per token and layer."""
     k = max(topk, 1)
     fp8 = hidden_dtype == "float8_e4m3fn"
-    return [("flag", (1,), "int64"), ("hidden", (batch_tokens, captured_layers, hidden_size), "uint8" if fp8 else "uint16"),
-            ("scale", (batch_tokens, captured_layers), "float32"),
+    return [("flag", (1,), "int64"), ("hidden", (batch_tokens, cache_layers, hidden_size), "uint8" if fp8 else "uint16"),
+            ("scale", (batch_tokens, cache_layers), "float32"),
             ("ids", (batch_tokens, k), "int32"), ("lp", (batch_tokens, k), "float16")]
 
 

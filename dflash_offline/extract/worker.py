@@ -112,7 +112,7 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
             bar.update(tokens)
             bar.set_postfix_str(f"{written[0] / 1e9:.2f} GB written")
 
-    sink = make_sink(cfg, dict(captured_layers=n, hidden_size=H, topk=k, chunk_tokens=cfg.chunk_tokens,
+    sink = make_sink(cfg, dict(cache_layers=n, hidden_size=H, topk=k, chunk_tokens=cfg.chunk_tokens,
                                layer_ids=job.layer_ids, hidden_dtype=cfg.hidden_dtype), cuda,
                      log_folder(cfg, loc), f"extract-rank{rank}", on_progress)
 

@@ -139,7 +139,7 @@ def _open_rows(t: Trainer, samples: EpochPlan | Segment, spans: list):
     spec = RowSpec(seed=cfg.seed, seq_len=cfg.seq_len, num_anchors=cfg.num_anchors,
                    block_size=t.plan.drafter.block_size, mask_token_id=t.plan.drafter.mask_token_id,
                    gamma=cfg.resolved_gamma, hidden_size=t.plan.hidden_size,
-                   captured_layers=t.plan.captured_layers, hidden_dtype=t.plan.hidden_dtype,
+                   row_layers=t.plan.target_layer_count, hidden_dtype=t.plan.hidden_dtype,
                    cache_layers=t.plan.cache_layers,
                    layer_columns=None if t.plan.layer_columns is None else tuple(t.plan.layer_columns),
                    topk=t.plan.topk, anchors_per_sample=cfg.anchors_per_sample or None,

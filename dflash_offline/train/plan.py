@@ -42,8 +42,8 @@ class TrainPlan:
     drafter: DrafterConfig  # the drafter's config: its block size, mask token and method are read from here
     cache_fingerprint: str
     hidden_size: int
-    captured_layers: int  # layers the drafter reads (of the cache's)
-    cache_layers: int  # layers the cache holds
+    target_layer_count: int  # layers the drafter reads (len(target_layers), of the cache's)
+    cache_layers: int  # layers a cache row holds per token
     layer_columns: list[int] | None  # their columns in the cache's rows, None for all
     topk: int
     hidden_dtype: str

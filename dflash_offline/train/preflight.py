@@ -98,7 +98,7 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     plan = TrainPlan(
         devices=devices, world=world, accum=accum, total_steps=spe * cfg.epochs, drafter=dcfg,
         cache_fingerprint=manifest_fingerprint(m), hidden_size=v.hidden_size,
-        captured_layers=len(layer_ids), cache_layers=len(v.layer_ids), layer_columns=columns,
+        target_layer_count=len(layer_ids), cache_layers=len(v.layer_ids), layer_columns=columns,
         topk=topk, hidden_dtype=v.hidden_dtype, lr=cfg.resolved_lr(v.hidden_size),
         epochs=EpochPlan(refs=refs, lengths=table.lengths, pieces=table.pieces, rows_per_epoch=rows,
                          steps_per_epoch=spe),
@@ -273,7 +273,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     plan = TrainPlan(
         devices=devices, world=world, accum=accum, total_steps=total, drafter=dcfg,
         cache_fingerprint=follow_fingerprint(m), hidden_size=v.hidden_size,
-        captured_layers=len(layer_ids), cache_layers=len(v.layer_ids), layer_columns=columns,
+        target_layer_count=len(layer_ids), cache_layers=len(v.layer_ids), layer_columns=columns,
         topk=topk, hidden_dtype=v.hidden_dtype, lr=cfg.resolved_lr(v.hidden_size),
         follow=FollowPlan(num_shards=v.num_shards, consumer=mine, plan_tokens=int(tokens)),
     )
