@@ -23,50 +23,32 @@ HIDDEN_DTYPE_ALIASES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 @dataclass
 class ExtractConfig:
     target: str = opt("", "Hugging Face model folder (config.json + *.safetensors).")
-    """Local Hugging Face model folder (config.json + *.safetensors)."""
+    # The input's columns: cache-contract.md, Input.
     data: list[str] = opt(help="Parquet file or folder of *.parquet with input_ids and loss_mask (or prompt_len), optional id; or a `generate`/`prepare` output folder. Repeat for several.", factory=list)
-    """Parquet files or folders of *.parquet (cache-contract.md, Input)."""
     cache: str = opt("", "Cache location: a path (/dev/shm/..., NVMe) or an fsspec URL.")
-    """Cache location: a local path or an fsspec URL."""
     devices: str = opt("cpu", "GPU indices like 0,1,2,3,4 (one worker process each), or cpu / cpu,cpu.")
-    """`0,1,2,3,4` for one worker per GPU, `cpu` or `cpu,cpu` for CPU workers."""
     capture_layers: list[int] | None = opt(None, "Target layer ids to capture, e.g. 1,9,17,25,33.", default_text="the DFlash rule", old=("layers",))
-    """Target decoder layer ids to capture; None = the DFlash rule with `capture_count` layers."""
     capture_count: int = opt(5, "How many layers the DFlash rule picks (without --capture-layers).", old=("num_layers",))
-    """How many layers the DFlash rule picks when `capture_layers` is not given."""
     topk: int = opt(32, "Top-k log-probabilities per token, at most the vocabulary; 0 = none (skips the LM head).")
-    """Top-k log-probabilities stored per token; 0 stores none and skips the LM head."""
-    max_len: int = opt(4096, "Truncate samples to this many tokens.")
-    """Samples longer than this are truncated to their first max_len tokens."""
-    batch_tokens: int = opt(16384, "Token budget of one forward batch, padding included.")
-    """Token budget of one forward batch, padding included (rows x longest row)."""
+    max_len: int = opt(4096, "Truncate samples to this many tokens.")  # a longer sample keeps its first max_len
+    batch_tokens: int = opt(16384, "Token budget of one forward batch, padding included.")  # rows x longest row
     shard_tokens: int = opt(65536, "Tokens per shard, the unit of commit and resume.")
-    """Tokens per shard (a shard is the unit of commit and of resume)."""
-    sort_window: int = opt(8192, "Length-sort input rows within windows of this many rows.")
-    """Rows are length-sorted within windows of this many input rows (keeps reads local)."""
+    sort_window: int = opt(8192, "Length-sort input rows within windows of this many rows.")  # keeps reads local
     chunk_tokens: int = opt(1024, "Zarr chunk length along tokens.")
-    """Zarr chunk length along the token axis."""
-    logits_chunk_tokens: int = opt(2048, "Tokens per LM-head chunk for top-k.")
-    """Tokens per LM-head chunk when computing top-k (bounds the full-vocabulary logits)."""
+    logits_chunk_tokens: int = opt(2048, "Tokens per LM-head chunk for top-k.")  # bounds the full-vocabulary logits
+    # fp8 is an alias of float8_e4m3fn; its scales are float32; cache/fp8.py states the error bound.
     hidden_dtype: str = opt("bfloat16", "Storage dtype of hidden states; fp8 = float8 e4m3fn with a scale per token and layer (half the bytes).", choices=('bfloat16', 'fp8', 'float8_e4m3fn'))
-    """Storage dtype of hidden states: bfloat16, or float8_e4m3fn (alias fp8: 8-bit values with a
-    float32 scale per token and layer, 0.50x the bytes; cache/fp8.py states the error bound)."""
+    # One writer writes about 0.9 GB/s into /dev/shm; a 27B target's five layers need about 0.46 GB/s per H200.
     writers: int = opt(1, "Shard writer processes per worker.")
-    """Shard writer processes per extract worker (one writes about 0.9 GB/s into /dev/shm; a 27B
-    target's five layers need about 0.46 GB/s per H200)."""
     compute_dtype: str = opt("auto", "Target dtype; auto = bf16 on GPU, fp32 on CPU.", choices=('auto', 'bfloat16', 'float16', 'float32'))
-    """Target weights/activations: auto = bfloat16 on GPU, float32 on CPU."""
+    # It counts committed shards a streaming trainer has not released plus shards being written; a worker
+    # pauses (and says so) before a shard that would exceed it; "one shard" is the largest.
     max_bytes: int | None = opt(None, "Budget of the cache on storage (e.g. 64GB): workers pause while unreleased shards fill it; a budget below one shard is refused.", size=True)
-    """Budget of the cache on storage: committed shards not yet released by a streaming trainer
-    plus shards being written. A worker pauses before a shard that would exceed it (and says so)
-    until a consumer releases shards; a budget smaller than the largest shard is refused."""
+    # Each pass's order is deterministic; multi-epoch training within a budget (train --follow --stream
+    # consumes every pass once).
     passes: int = opt(1, "Produce the input N times, each pass in its own order (for train --follow --stream).")
-    """Produce the input this many times, each pass in its own deterministic order (multi-epoch
-    training within a budget: `train --follow --stream` consumes every pass once)."""
-    log_dir: str | None = opt(None, "Folder for process logs.", default_text="CACHE/logs")
-    """Where process logs go; default CACHE/logs (a local folder `dflash-logs` for URL caches)."""
+    log_dir: str | None = opt(None, "Folder for process logs (./dflash-logs for a URL cache).", default_text="CACHE/logs")
     progress: bool = opt(True, "Progress bar on the terminal.")
-    """Show a progress bar on the terminal."""
 
     def __post_init__(self) -> None:
         # The short spellings (bf16, fp8) name the same storage: one value from here on, so
@@ -101,53 +83,34 @@ def check_distinct_layers(cfg) -> None:
 @dataclass
 class GenerateConfig(SamplingOptions):
     target: str = opt("", "Hugging Face model folder: the model that writes the completions.")
-    """The target's Hugging Face folder: it writes the completions."""
     prompts: list[str] = opt(help="Parquet file or folder with input_ids (and optional id); repeat for several.", factory=list)
-    """Parquet files or folders with `input_ids` (the prompt tokens) and an optional `id`."""
     out: str = opt("", "Output folder (Parquet parts + manifest.json), or a .parquet file (parts in OUT.parts/, merged at the end).")
-    """Output: a folder of Parquet parts with a manifest, or a .parquet file (parts beside it in
-    OUT.parts/, merged into the file at the end)."""
     devices: str = opt("cpu", "GPU indices like 0,1,2,3 (one worker process each), or cpu / cpu,cpu.")
-    """`0,1,2,3` for one worker process per GPU, `cpu` or `cpu,cpu` for CPU workers."""
-    max_new_tokens: int = opt(2048, "New tokens per prompt at most.")
-    """New tokens per prompt at most (a row also ends after an end-of-sequence token, kept)."""
+    max_new_tokens: int = opt(2048, "New tokens per prompt at most.")  # a row also ends after (and keeps) an EOS token
+    # None: the target folder's generation_config.json, or its config.json.
     eos_token_ids: list[int] | None = opt(None, "End-of-sequence ids, e.g. 0 or 151643,151645.", default_text="the target's generation_config.json")
-    """End-of-sequence ids; None = the target folder's generation_config.json / config.json."""
     ignore_eos: bool = opt(False, "Always generate --max-new-tokens.", is_flag=True)
-    """Always generate max_new_tokens (no end-of-sequence stop)."""
+    # Sampling only because greedy copies would be equal. i x N + k keeps ids unique, as the cache contract
+    # asks (N = 1: the prompt's own id), and the noise is keyed by the id.
     samples_per_prompt: int = opt(1, "Completions of each prompt (sampling only): row k of prompt id i has id i x N + k, and noise of its own.")
-    """Completions sampled per prompt (N; needs temperature > 0: greedy copies would be equal). The
-    k-th completion of the prompt with id i is the row with id i * N + k (0 <= k < N): ids stay
-    unique, as the cache contract asks, and the sampling noise, keyed by the id, differs per copy.
-    N = 1 keeps the prompt's own id."""
-    batch_tokens: int = opt(262144, "Budget of one decoding batch: rows x (longest prompt + max new tokens).")
-    """Budget of one decoding batch: rows x (longest prompt + max_new_tokens) cache positions."""
+    batch_tokens: int = opt(262144, "Budget of one decoding batch: rows x (longest prompt + max new tokens).")  # cache positions
+    # 64 on the CPU: a part of 2048 prompts would decode there for hours before its commit, and a batch
+    # (at most a part) of 64 rows loses little speed.
     chunk_prompts: int | None = opt(None, "Prompts per part file, the unit of commit and resume.", default_text="2048 on GPUs, 64 on the CPU; a resumed output keeps its own")
-    """Prompts per part file (the unit of commit and of resume). None: 2048 on GPUs; 64 on the CPU,
-    where a part of 2048 prompts would decode for hours before it is committed (and a batch, at
-    most a part, of 64 rows loses little speed there); an output being resumed keeps the size it
-    was made with."""
+    # float32 reproduces the target's fp32 greedy decode.
     compute_dtype: str = opt("auto", "Target dtype; auto = bf16 on GPU, fp32 on CPU.", choices=('auto', 'bfloat16', 'float16', 'float32'))
-    """auto = bfloat16 on GPU, float32 on CPU; float32 reproduces the target's fp32 greedy decode."""
+    # continuous: slots over the static decoder's buffers (generate/continuous.py); a conversation's next
+    # turn is queued as its reply ends (one that outgrows the slots goes on in padded rounds); targets the
+    # static decoder cannot run (sliding windows) decode padded, with a warning. padded: left-padded
+    # (generate/decoding.py). In fp32 the same tokens either way (bf16: up to near-ties, as between batch sizes).
     batching: str = opt("continuous", "continuous: a row that ends takes the next prompt at once (the step a CUDA graph on GPUs); padded: batches of prompts decoded until their longest row ends.", choices=('continuous', 'padded'))
-    """`continuous`: slots over the static decoder's buffers, each refilled with the next prompt as
-    soon as its prompt ends (generate/continuous.py; the step is one CUDA graph on a GPU);
-    `padded`: left-padded batches decoded until their last row ends (generate/decoding.py). In
-    fp32 the same tokens either way (bf16: up to near-ties, as between batch sizes). A conversation's next turn is queued as its reply ends (a turn that
-    outgrows the slots goes on in padded rounds); targets the static decoder cannot run (sliding
-    windows) decode padded, with a warning."""
+    # Static shapes: a fixed cache and filler rows. Off by default: on the H200 the eager step with the grouped
+    # attention decoded the pycode target 4x faster at 2048-row batches (docs/benchmarks.md), and compiling a
+    # 64-layer hybrid takes minutes.
     compile: bool = opt(False, "CUDA graphs for the one-token step (--batching padded, GPU only; measured slower at large batches).")
-    """Compile the one-token decode step with CUDA graphs (static shapes: a fixed cache and filler
-    rows). Off by default: on the H200 the eager step with the grouped attention decoded the pycode
-    target 4x faster at 2048-row batches (docs/benchmarks.md), and compiling a 64-layer hybrid takes
-    minutes."""
     turns: str = opt("all", "Conversation prompts (a `prepare` output): regenerate every assistant turn in order, each from the target's own earlier replies, or only the last.", choices=('all', 'last'))
-    """Conversation prompts (a `prepare` output): `all` regenerates every assistant turn in order,
-    each from the conversation with the target's own earlier replies; `last` only the final one."""
     reasoning: str = opt("keep", "What rows keep of the target's thinking: keep (trained) or strip (the reply as history renders it, thinking removed).", choices=('keep', 'strip'))
-    """What rows keep of the target's <think> block: `keep` trains it; `strip` drops it (history's form)."""
-    log_dir: str | None = opt(None, "Folder for process logs.", default_text="OUT/logs")
-    """Where process logs go; default OUT/logs (OUT.parts/logs for a .parquet output)."""
+    log_dir: str | None = opt(None, "Folder for process logs (OUT.parts/logs for a .parquet --out).", default_text="OUT/logs")
     progress: bool = opt(True, "Progress bar on the terminal.")
 
     def validate(self) -> None:
@@ -173,42 +136,24 @@ class GenerateConfig(SamplingOptions):
 @dataclass
 class PrepareConfig:
     target: str = opt("", "Hugging Face model folder: its tokenizer, chat template and config.json (the weights are not read: a folder without them will do).")
-    """The target's Hugging Face folder: its tokenizer, chat template, context length (config.json);
-    its weights are not read, so a folder of the tokenizer files and config.json will do."""
     data: list[str] = opt(help="Conversation data: .jsonl/.json/.parquet files, folders, globs, or a `datasets` save_to_disk folder; repeat for several.", factory=list)
-    """Conversation files (.jsonl, .json, .parquet), folders, globs, `datasets` save_to_disk folders."""
     out: str = opt("", "Output folder: OUT/train/ and OUT/eval/ (Parquet parts, each folder committed in its manifest.json).")
-    """Output folder: OUT/train/ and OUT/eval/, Parquet parts each committed in its manifest.json."""
     format: str = opt("auto", "Record format: messages (OpenAI), sharegpt (conversations of from/value), pair (prompt + response, or Alpaca instruction/input/output), turns (user messages only), text (every token trained); auto: detected per file.", choices=('auto', 'messages', 'sharegpt', 'pair', 'turns', 'text'))
-    """auto (detected per file), messages, sharegpt, pair, turns or text."""
+    # Counted before any record is dropped.
     max_records: int | None = opt(None, "Read only the first N records of the input (all --data in the order given); reading stops there.", default_text="all")
-    """The first N records only (counted over all inputs, in the order given, before any is dropped);
-    reading stops after them: a file cut off later, or files after them, are never read."""
     chat_template: str | None = opt(None, "A Jinja chat template file to render with instead of the tokenizer's own.")
-    """A Jinja chat template file to use instead of the tokenizer's own."""
     thinking: str | None = opt(None, "enable_thinking for templates that read it (Qwen3 family).", choices=('on', 'off'), default_text="the template's default")
-    """on / off: passed to templates that read `enable_thinking`; None = the template's default."""
     system: str | None = opt(None, "A system prompt for conversations that have none.")
-    """A system prompt added to conversations that have none."""
+    # regenerate writes the conversations too (for generate --turns).
     responses: str = opt("regenerate", "regenerate: prompts for `generate` (the target writes the replies); keep: the dataset's replies become training rows for `extract`.", choices=('regenerate', 'keep'))
-    """regenerate: prompts (and conversations) for `generate`; keep: the dataset's replies as rows for `extract`."""
     train_turns: str = opt("all", "With --responses keep: train every assistant reply, or only the last of each conversation.", choices=('all', 'last'))
-    """keep: train every assistant reply (`all`) or only each conversation's last (`last`)."""
     eval_fraction: float = opt(0.0, "Share of conversations held out into OUT/eval/ (by a hash of the id: stable).")
-    """Share of conversations put into OUT/eval/ (chosen by a hash of the id: stable across runs)."""
     max_len: int | None = opt(None, "Drop rows (prompts, with regenerate) longer than this many tokens.", default_text="the target's context; longer is an error")
-    """Rows (keep) or prompts (regenerate) longer than this are dropped (or cut: --truncate); None = the
-    target's context, where a longer row is an error."""
     truncate: bool = opt(False, "Cut rows longer than --max-len instead of dropping them.")
-    """Cut rows longer than --max-len to it instead of dropping them."""
     dedup: bool = opt(True, "Drop conversations whose content (case and spacing folded) was seen before.")
-    """Drop conversations whose normalised content (case and whitespace folded) was seen before."""
-    drop_unanswered: bool = opt(False, "With --responses keep: drop (and count) conversations that end with a user turn instead of refusing the dataset.", is_flag=True)
-    """keep: drop (and count) conversations that end with a user or tool turn, instead of refusing them."""
+    drop_unanswered: bool = opt(False, "With --responses keep: drop (and count) conversations that end with a user or tool turn instead of refusing the dataset.", is_flag=True)
     chunk_records: int = opt(4096, "Conversations per part file, the unit of commit and resume.")
-    """Conversations per part file (the unit of commit and of resume)."""
     log_dir: str | None = opt(None, "Folder for the process log.", default_text="OUT/logs")
-    """Where the process log goes; default OUT/logs."""
     progress: bool = opt(True, "Progress bar on the terminal.")
 
     def validate(self) -> None:

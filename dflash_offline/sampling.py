@@ -32,16 +32,14 @@ class SamplingOptions:
     """The sampling options `generate` and `eval` share, declared once (their command-line options
     are built from these fields, listed after each command's own)."""
 
+    # Greedy is argmax. eval draws drafts from the drafter's distribution and verifies them by speculative
+    # sampling's rule (this module's docstring).
     temperature: float = opt(0.0, "0 = greedy (eval: outputs checked equal to the target's); above 0 (finite), "
                              "sampling at this temperature (eval: speculative sampling, output distributed as the "
                              "target's own sampling).")
-    """0 = greedy (argmax); above 0, sampling at this temperature. eval draws drafts from the
-    drafter's distribution and verifies them by speculative sampling's rule, so its output is
-    distributed as the target's own sampling."""
+    # The nucleus: the smallest set of most likely tokens whose probability reaches top_p.
     top_p: float = opt(1.0, "Sampling: nucleus mass kept, in (0, 1].")
-    """Sampling: keep the smallest set of tokens whose probability reaches top_p."""
     seed: int = opt(0, "Sampling: the noise of each prompt depends only on (seed, prompt id, output position).")
-    """Sampling: the noise for prompt id i and output position t depends only on (seed, i, t)."""
 
     def check_sampling(self) -> None:
         """The shared options' ranges, each named as it was given (flag or recipe key): NaN and

@@ -14,68 +14,38 @@ from dflash_offline.sampling import SamplingOptions
 @dataclass
 class EvalConfig(SamplingOptions):
     target: str = opt("", "The target's Hugging Face folder.")
-    """The target's Hugging Face folder."""
     drafters: list[str] = opt(help="A drafter export folder or a step-N checkpoint; repeat to compare several.", factory=list, flag="--drafter")
-    """Drafter export folders or step-N checkpoints, compared on the same prompts."""
     prompts: str | None = opt(None, "Parquet with input_ids: speculative decoding against the target, checked lossless.")
-    """Parquet with input_ids: speculative decoding against the target, checked lossless."""
     cache: str | None = opt(None, "A (held-out) cache: acceptance estimated from it, without running the target.")
-    """A held-out cache: acceptance estimated from it, without running the target."""
     device: str = opt("cpu", "One GPU index (e.g. 0) or cpu.")
-    """One GPU index or cpu."""
     dtype: str = opt("float32", "Target and drafter dtype for decoding (float32: the lossless check is exact).", choices=('float32', 'bfloat16', 'float16'))
-    """Target and drafter dtype for decoding; float32 makes the lossless check exact."""
     max_new_tokens: int = opt(256, "New tokens per prompt.")
     max_prompts: int | None = opt(None, "Use only the first N prompts.")
-    """Use only the first N prompts."""
     ignore_eos: bool = opt(False, "Always generate --max-new-tokens (do not stop at end-of-sequence).", is_flag=True)
-    """Always generate max_new_tokens."""
     baseline: bool | None = opt(None, "Also decode with the target alone: the lossless reference and the speed baseline.", default_text="on, off with --reference")
-    """Also decode with the target alone: the lossless reference and the speed baseline.
-    None: on, unless `reference` is given."""
     reference: str | None = opt(None, "Parquet of the target's greedy completions of --prompts (id, input_ids, loss_mask; e.g. `generate --out X.parquet`): check the outputs against it instead of decoding with the target alone.")
-    """Parquet of the target's greedy completions of the prompts (id, input_ids, loss_mask): the
-    lossless reference instead of a target-alone decode."""
     seq_len: int = opt(2048, "Cache estimate, random anchors: tokens per packed row.")
-    """Cache estimate, random anchors: tokens per packed row."""
     num_anchors: int = opt(256, "Cache estimate, random anchors: blocks per row.")
-    """Cache estimate, random anchors: blocks per row."""
     max_rows: int | None = opt(None, "Cache estimate, random anchors: use at most this many rows.")
-    """Cache estimate, random anchors: at most this many rows."""
     max_samples: int | None = opt(None, "Cache walk (decoding's blocks): use only the first N samples.", default_text="all")
-    """Cache walk: only the first N samples of the cache."""
     walk_batch_rows: int = opt(4, "Cache walk: rows of up to 512 anchors per drafter forward.")
-    """Cache walk: rows (of up to 512 anchors each) per drafter forward."""
+    # By the decoder --decoder picks: static buffers evaluate/graphed.py, KV caches evaluate/kv_batch.py,
+    # sliding-window re-runs evaluate/batched.py. 64 on a GPU: one prompt at a time leaves it idle.
     batch_size: int | None = opt(None, "Prompts decoded together: 1 = one at a time; N > 1 = N per target forward (static buffers; transformers: KV caches, hybrid targets' recurrent states rolled back per row, sliding-window targets' sequences re-run each round); the target-alone baseline is batched the same way. All exact.", default_text="64 on a GPU, 1 on CPU")
-    """Prompts decoded together, by the decoder `decoder` chooses: 1, one prompt at a time; N > 1,
-    N prompts per target forward (static buffers, evaluate/graphed.py; through transformers, KV
-    caches, evaluate/kv_batch.py, or for sliding-window targets whole sequences re-run each round,
-    evaluate/batched.py); all exact. None: 64 on a GPU (one prompt at a time leaves it idle), 1 on CPU."""
+    # The cache: held out, the target's own greedy completions. The disagreement is walk vs decoding
+    # (evaluate/parity.py).
     parity: int | None = opt(None, "With --cache: on its first N samples compare the every-anchor estimate, the walk and real decoding; name the likely cause of a disagreement (exit 1).")
-    """With `cache` (held-out, the target's own greedy completions): on its first N samples,
-    compare the every-anchor estimate, the walk and real decoding, and name the likely cause when
-    walk and decoding disagree (evaluate/parity.py); exit code 1 then."""
     show: int = opt(0, "After decoding, print the first N prompts and each drafter's outputs as text (the target's tokenizer.json), each verify round's accepted drafts in green on a terminal (NO_COLOR: off), else between {{ and }}; the token the target adds each round unmarked; 0 = off.")
-    """After decoding, print the first N prompts and each drafter's outputs as text (the target's
-    tokenizer.json), each verify round's accepted drafts marked (colour on a terminal, else {{ }});
-    0 = off."""
     json_path: str | None = opt(None, "Write the full report here as JSON.", flag="--json")
-    """Write the full report here as JSON."""
+    # The default looks at the first drafter (in export/, best/ or step-N/ of a run); never a folder beside
+    # someone's model.
     log_dir: str | None = opt(None, "Folder for the process log.", default_text="RUN/logs for a drafter in a training run folder, else ./dflash-logs")
-    """Where the process log goes; default RUN/logs when the (first) drafter is inside a training
-    run folder (export/, best/, step-N/), else ./dflash-logs: never a folder beside someone's model."""
     progress: bool = opt(True, "Progress bars.")
     top_k: int = opt(0, "Sampling: keep the k most likely tokens; 0 = all.")
-    """Sampling: keep only the k most likely tokens; 0 = all."""
+    # static: key/value buffers and per-row Gated DeltaNet states; one CUDA graph a round; runs Qwen3, Qwen2,
+    # Llama, Mistral and the Qwen3.5/3.6 hybrids. transformers runs sliding windows too.
     decoder: str = opt("auto", "static: the target's layers over preallocated buffers, CUDA graphs on a GPU (full-attention and Gated DeltaNet hybrid targets); transformers: transformers' forward and caches (any target); auto: static where possible (the report says which ran).", choices=('auto', 'static', 'transformers'))
-    """static: the target's own layers over preallocated key/value buffers (and per-row Gated
-    DeltaNet states), each round one CUDA graph on a GPU (full attention: Qwen3, Qwen2, Llama,
-    Mistral; Qwen3.5/3.6 hybrids); transformers: transformers' forward with its caches (any target,
-    sliding windows too); auto: static where the target allows it, else transformers (the report
-    says which ran)."""
-    implied_for: str | None = opt(None, "Also print the speed-up this tau implies on a named target shape measured by benchmarks/decode_speed.py --ceiling (e.g. qwen3.6-27b).")
-    """Also print the speed-up this tau implies on a named target shape measured by
-    `benchmarks/decode_speed.py --ceiling` (kernel times; evaluate/ceiling.py)."""
+    implied_for: str | None = opt(None, "Also print the speed-up this tau implies on a named target shape measured by benchmarks/decode_speed.py --ceiling (e.g. qwen3.6-27b).")  # kernel times; evaluate/ceiling.py
 
     def validate(self) -> None:
         if not self.target:
