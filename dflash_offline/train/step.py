@@ -16,7 +16,6 @@ from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.train.follow import Segment
 from dflash_offline.train.outcomes import TrainingDiverged, diverged_message
-from dflash_offline.train.schedule import lr_at
 from dflash_offline.train.trainer import LoopState, Trainer
 
 log = logging.getLogger("dflash.train")
@@ -65,9 +64,10 @@ class StepResult(NamedTuple):
     t_data: float  # seconds it waited for its micro-batches
 
 
-def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepResult:
-    """Step `st.step + 1`, the `s`-th of its segment: raises TrainingDiverged (on every rank at
-    once) instead of applying a non-finite loss or gradient."""
+def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int, lr_now: float | None) -> StepResult:
+    """Step `st.step + 1`, the `s`-th of its segment, at learning rate `lr_now` where the data
+    source sets it (--follow: over the plan's tokens) and the LambdaLR's where it is None: raises
+    TrainingDiverged (on every rank at once) instead of applying a non-finite loss or gradient."""
     import torch
     import torch.distributed as dist
 
@@ -150,18 +150,14 @@ def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int) -> StepR
         if sums.diverged:  # the same on every rank: all stop here, none waits for another
             raise TrainingDiverged(diverged_message(sums.nonfinite_loss, float(gnorm), st.step + 1, t.out,
                                                     st.last_ckpt))
-        if t.follow:
-            # The schedule runs over the plan's tokens, not over a step count known in advance:
-            # this step's place is the middle of its share of the window's tokens.
-            lr_now = t.plan.lr * lr_at(min(1.0, (seg.tokens_before + seg.tokens * (s + 0.5) / seg.steps)
-                                           / t.plan.follow.plan_tokens), cfg.warmup_ratio)
+        if lr_now is not None:
             for group in t.opt.param_groups:
                 group["lr"] = lr_now
         t.opt.step()
         t.sched.step()
         t.opt.zero_grad(set_to_none=True)
     return StepResult(sums=sums, wsum=wsum, gnorm=gnorm, trained_tokens=head[1],
-                      lr=lr_now if t.follow else t.sched.get_last_lr()[0], t0=t0, t_data=t_data)
+                      lr=lr_now if lr_now is not None else t.sched.get_last_lr()[0], t0=t0, t_data=t_data)
 
 
 @dataclass
