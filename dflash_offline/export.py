@@ -10,7 +10,7 @@ from dflash_offline.runtime.paths import require_kind
 
 def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = None) -> Path:
     from dflash_offline.drafter.export import check_export_dest, export_drafter
-    from dflash_offline.runs.checkpoint import (CHECKPOINT_PREFIX, checkpoint_before, checkpoint_damage, list_checkpoints,
+    from dflash_offline.runs.checkpoint import (CHECKPOINT_PREFIX, CheckpointState, checkpoint_before, checkpoint_damage, list_checkpoints,
                                                  load_checkpoint)
 
     run = Path(run_dir)
@@ -41,9 +41,7 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
     if drafter.cfg.method == "dspark":
         # DSpark's export carries the target's embedding and LM head (SGLang loads every
         # parameter from it): read them from the target the run trained against.
-        import json
-
-        target = (json.loads((ck / "state.json").read_text()).get("config") or {}).get("target")
+        target = (CheckpointState.read(ck).config or {}).get("target")
         if not target or not Path(target).is_dir():
             raise UserError(f"{ck}: a DSpark export carries the target's embedding and LM head, but the run's target "
                             f"{target!r} is not a folder here; export where the target is")

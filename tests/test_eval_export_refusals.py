@@ -220,7 +220,7 @@ def run_folder(tiny_dense, tmp_path) -> Path:
 
     from dflash_offline.drafter.config import DrafterConfig
     from dflash_offline.drafter.model import DFlashDrafter
-    from dflash_offline.runs.checkpoint import save_checkpoint
+    from dflash_offline.runs.checkpoint import CheckpointState, save_checkpoint
 
     cfg = DrafterConfig.from_target(str(tiny_dense), [1, 3], block_size=8, drafter_layers=1, mask_token_id=1)
     drafter = DFlashDrafter(cfg)
@@ -229,8 +229,8 @@ def run_folder(tiny_dense, tmp_path) -> Path:
     out = tmp_path / "run"
     out.mkdir()
     for step in (2, 4):
-        save_checkpoint(out, step, drafter, opt, sched, {"step": step, "cache_fingerprint": "test", "config": {},
-                                                         "drafter": dataclasses.asdict(cfg)}, keep=2)
+        state = CheckpointState(step=step, cache_fingerprint="test", config={}, drafter=dataclasses.asdict(cfg))
+        save_checkpoint(out, step, drafter, opt, sched, state, keep=2)
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from dflash_offline.runtime.errors import UserError
@@ -18,6 +19,35 @@ from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.paths import ordinary_mode
 
 CHECKPOINT_PREFIX = "step-"
+
+
+@dataclass
+class CheckpointState:
+    """A checkpoint's state.json: its step, the cache it trained on, the run's settings and the
+    drafter's config, and where the data goes on: the place in the epochs, or (--follow) the next
+    window (`train/follow.FollowPosition` as a dict). Exactly one of the two places is set."""
+
+    step: int
+    cache_fingerprint: str
+    config: dict  # dataclasses.asdict(TrainConfig); read back through train/resume.saved_config
+    drafter: dict  # dataclasses.asdict(DrafterConfig); read back through DrafterConfig.from_saved
+    epoch: int | None = None
+    step_in_epoch: int | None = None
+    follow: dict | None = None
+
+    def to_json(self) -> dict:
+        """The file's object: the place that is not set is left out, as before this type existed."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CheckpointState":
+        """From a state.json that checkpoint_damage has read without complaint (keys it does not
+        know, from a later version, are ignored)."""
+        return cls(**{f.name: d.get(f.name) for f in fields(cls)})
+
+    @classmethod
+    def read(cls, ck: Path) -> "CheckpointState":
+        return cls.from_json(json.loads((ck / "state.json").read_text()))
 
 
 def damaged_checkpoint(out: Path, step: int, what: str) -> str:
@@ -48,7 +78,7 @@ def list_checkpoints(out: Path) -> list[int]:
     return sorted(steps)
 
 
-def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: dict, keep: int) -> Path:
+def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: CheckpointState, keep: int) -> Path:
     """Write `step-N/` under a temporary name, then rename: a checkpoint exists only when complete.
     A write that finds no room (a full device, a quota, a file-size limit) removes the temporary
     folder and raises NoRoom: one line naming the folder, the room needed and the intact checkpoint."""
@@ -67,7 +97,7 @@ def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: dict, keep
         save_file(weights, str(tmp / "drafter.safetensors"))
         ordinary_mode(tmp / "drafter.safetensors")  # safetensors leaves 0600: unreadable to another user
         torch.save(trainer, tmp / "trainer.pt")
-        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        (tmp / "state.json").write_text(json.dumps(state.to_json(), indent=1))
         from dflash_offline.cache.location import Location
 
         Location(str(out)).fsync_tree(tmp.name)  # on storage before it counts
@@ -171,8 +201,8 @@ def load_checkpoint(ck_dir: str):
     if what:
         raise UserError(f"{ck}/{what}; the checkpoint is damaged: use another checkpoint of the run (step-N/), or "
                         "restore the file from a copy")
-    state = json.loads((ck / "state.json").read_text())
-    drafter = DFlashDrafter(DrafterConfig.from_saved(state["drafter"], str(ck / "state.json")))
+    state = CheckpointState.read(ck)
+    drafter = DFlashDrafter(DrafterConfig.from_saved(state.drafter, str(ck / "state.json")))
     got = drafter.load_state_dict(load_file(str(ck / "drafter.safetensors")), strict=False)
     lost = [k for k in got.missing_keys if not k.startswith(FROZEN_PREFIXES)]
     if got.unexpected_keys or lost:
@@ -187,7 +217,7 @@ def remove_unfinished(out: Path) -> None:
         shutil.rmtree(debris, ignore_errors=True)
 
 
-def resume_checkpoint(out: Path, step: int, drafter, opt, sched, device: str) -> dict:
+def resume_checkpoint(out: Path, step: int, drafter, opt, sched, device: str) -> CheckpointState:
     """Load `out/step-N/` into the drafter, optimizer, scheduler and CPU RNG; its state.json.
     Its settings were checked in preflight (check_resume); a file that still fails to load is
     named the way checkpoint_damage names it, with the fix."""
@@ -207,7 +237,7 @@ def resume_checkpoint(out: Path, step: int, drafter, opt, sched, device: str) ->
         sched.load_state_dict(tr["scheduler"])
         torch.set_rng_state(tr["rng_cpu"])
         reading = "state.json"
-        return json.loads((ck / reading).read_text())
+        return CheckpointState.read(ck)
     except (MemoryError, torch.OutOfMemoryError):  # not the file's fault
         raise
     except Exception as e:

@@ -19,6 +19,7 @@ from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.runtime.signals import Stopped
 from dflash_offline.runs.checkpoint import (
     CHECKPOINT_PREFIX,
+    CheckpointState,
     list_checkpoints,
     remove_unfinished,
     resume_checkpoint,
@@ -52,14 +53,14 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tra
         truncate_metrics(out / HELD_OUT_LOG, found[-1] if found else 0)
         remove_unfinished(out)
     st = LoopState(step=found[-1] if found else 0, last_ckpt=found[-1] if found else 0)
-    resumed_state: dict = {}
+    resumed_state: CheckpointState | None = None
     if found:  # its settings were checked in preflight (check_resume)
         resumed_state = resume_checkpoint(out, st.step, t.drafter, t.opt, t.sched, device)
         log.info("resumed from %s (step %d of %d)", out / f"{CHECKPOINT_PREFIX}{st.step}", st.step, plan.total_steps)
     start_step = st.step
     held_out = HeldOut(cfg, out, t.drafter, device, rank, world) if cfg.eval_cache else None
     if t.follow:
-        source: Source = Windows(t, st, resumed_state, bool(found),
+        source: Source = Windows(t, st, resumed_state,
                                  lambda seg: checkpoint(t, st, source, seg, seg.steps), lambda: _agree_stop(t, st))
     else:
         source = Epochs(t, st.step)
@@ -171,11 +172,11 @@ def checkpoint(t: Trainer, st: LoopState, source: Source, seg: Segment, in_seg: 
         _barrier(t, f"checkpoint step-{st.step}")
     if t.rank == 0:
         position = source.position(seg, in_seg, st.step)
-        state = {"step": st.step, "cache_fingerprint": t.plan.cache_fingerprint, "config": asdict(t.cfg),
-                 "drafter": asdict(t.plan.drafter), **position}
+        state = CheckpointState(step=st.step, cache_fingerprint=t.plan.cache_fingerprint, config=asdict(t.cfg),
+                                drafter=asdict(t.plan.drafter), **position)
         save_checkpoint(t.out, st.step, t.drafter, t.opt, t.sched, state, t.cfg.keep_checkpoints)
         log.info("checkpoint step-%d saved", st.step)
-        source.after_checkpoint(position)
+        source.after_checkpoint(state)
     st.last_ckpt = st.step
     if t.world > 1:
         _barrier(t, f"checkpoint step-{st.step}")

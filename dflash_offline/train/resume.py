@@ -9,7 +9,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, checkpoint_damage, damaged_checkpoint, list_checkpoints
+from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, CheckpointState, checkpoint_damage, damaged_checkpoint, list_checkpoints
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.train.config import TrainConfig
 
@@ -43,11 +43,11 @@ def check_resume(cfg: TrainConfig, cache_fingerprint: str, moot: tuple[str, ...]
     what = checkpoint_damage(ck, config_problem=config_problem)  # headers and sizes only: a damaged file is named before any rank starts
     if what:
         raise UserError(damaged_checkpoint(out, found[-1], what))
-    state = json.loads((ck / "state.json").read_text())
-    if state["cache_fingerprint"] != cache_fingerprint:
+    state = CheckpointState.read(ck)
+    if state.cache_fingerprint != cache_fingerprint:
         raise UserError(f"{ck} was trained on another cache (its fingerprint differs); use a new --out")
     defaults = TrainConfig()
-    saved = saved_config(state["config"])
+    saved = saved_config(state.config)
     for key in RESUME_KEYS:
         if key in moot:
             continue

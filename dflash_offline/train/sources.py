@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Callable, Iterable, Iterator, Protocol
 
+from dflash_offline.runs.checkpoint import CheckpointState
 from dflash_offline.runs.folder import CONSUMED, truncate_jsonl
 from dflash_offline.runtime.signals import spawning
 from dflash_offline.train.follow import (
@@ -42,10 +43,11 @@ class Source(Protocol):
         """Every rank, after a segment's last step (or for a segment with no step)."""
 
     def position(self, seg: Segment, in_seg: int, step: int) -> dict:
-        """What a checkpoint at `step` (`in_seg` steps into `seg`) records of where the run goes on."""
+        """What a checkpoint at `step` (`in_seg` steps into `seg`) records of where the run goes on:
+        CheckpointState's fields of this source's place."""
 
-    def after_checkpoint(self, position: dict) -> None:
-        """Rank 0, once the checkpoint holding `position` is written."""
+    def after_checkpoint(self, state: CheckpointState) -> None:
+        """Rank 0, once the checkpoint holding `state` is written."""
 
     def checkpoint_at_end(self, stopping: int | None) -> bool:
         """Whether the run's end needs a checkpoint the steps did not write."""
@@ -117,7 +119,7 @@ class Epochs:
         spe = self.t.plan.epochs.steps_per_epoch
         return {"epoch": step // spe, "step_in_epoch": step % spe}
 
-    def after_checkpoint(self, position: dict) -> None:
+    def after_checkpoint(self, state: CheckpointState) -> None:
         pass
 
     def checkpoint_at_end(self, stopping: int | None) -> bool:
@@ -140,14 +142,14 @@ class Windows:
     runs over the plan's tokens, not over a step count known in advance, so this source sets each
     step's learning rate; the run ends at the data's end (or --max-steps)."""
 
-    def __init__(self, t: Trainer, st: LoopState, resumed: dict, found: bool,
+    def __init__(self, t: Trainer, st: LoopState, resumed: CheckpointState | None,
                  checkpoint_now: Callable[[Segment], None], agree_stop: Callable[[], int | None]):
         cfg, plan = t.cfg, t.plan
         self.t, self.stop = t, cfg.max_steps
-        start = FollowPosition(**resumed.get("follow", {}))
+        start = FollowPosition(**(resumed.follow or {})) if resumed is not None else FollowPosition()
         if t.rank == 0:  # windows from the resumed one on run again, and are recorded again
             truncate_jsonl(t.out / CONSUMED, lambda r: r["window"] < start.window)
-            if found:
+            if resumed is not None:
                 release_consumed(cfg, plan, start.window)  # a kill between checkpoint and release: finish it now
         self._segments = follow_segments(cfg, plan, t.rank, t.world, t.device, start, checkpoint_now,
                                          lambda: st.step, lambda: st.last_ckpt, agree_stop)
@@ -168,8 +170,8 @@ class Windows:
                             tokens_before=seg.tokens_before + (seg.tokens if done else 0))
         return {"follow": asdict(at)}
 
-    def after_checkpoint(self, position: dict) -> None:
-        release_consumed(self.t.cfg, self.t.plan, position["follow"]["window"])
+    def after_checkpoint(self, state: CheckpointState) -> None:
+        release_consumed(self.t.cfg, self.t.plan, state.follow["window"])
 
     def checkpoint_at_end(self, stopping: int | None) -> bool:
         # Stopped while waiting for shards, or the data ended between checkpoints.
