@@ -17,12 +17,13 @@ from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.logs import last_error, processes
 from dflash_offline.runtime.paths import require_kind
 from dflash_offline.runs.folder import is_run_folder
+from dflash_offline.status_records import CacheStatus, GenerateStatus, PrepareStatus, RunStatus, StatusRecord
 
 HUNG = ("a process is alive but has not advanced for minutes (hung?): read its log; `kill -USR1 PID` writes "
         "its stacks there")
 
 
-def cache_status(path: str) -> dict:
+def cache_status(path: str) -> CacheStatus:
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore, committed_names, edited_problem, occupancy
 
@@ -50,13 +51,12 @@ def cache_status(path: str) -> dict:
         verdict = f"damaged: manifest.json: {edited}"
     else:
         verdict = _verdict(m["status"], procs, "extracting", "extract")
-    return {"kind": "cache", "path": str(path), "status": m["status"], "verdict": verdict,
-            "shards_committed": len(committed), "shards_planned": m["plan"]["num_shards"], "totals": m["totals"],
-            "shards_released": len(m.get("released", [])), "occupancy_bytes": occupancy(m),
-            "budget_bytes": m.get("budget_bytes"), "in_flight": sorted(m.get("reserved") or {}),
-            "consumers": {k: len(v["finished"]) for k, v in (m.get("consumers") or {}).items()},
-            "debris": debris, "missing_shards": missing, "processes": procs,
-            "last_error": last_error(logs, "extract-") if logs.is_dir() else None}
+    return CacheStatus(
+        path=str(path), status=m["status"], verdict=verdict, shards_committed=len(committed),
+        shards_planned=m["plan"]["num_shards"], totals=m["totals"], shards_released=len(m.get("released", [])),
+        occupancy_bytes=occupancy(m), budget_bytes=m.get("budget_bytes"), in_flight=sorted(m.get("reserved") or {}),
+        consumers={k: len(v["finished"]) for k, v in (m.get("consumers") or {}).items()}, debris=debris,
+        missing_shards=missing, processes=procs, last_error=last_error(logs, "extract-") if logs.is_dir() else None)
 
 
 def _verdict(status: str, procs: list[dict], busy: str, command: str) -> str:
@@ -102,7 +102,7 @@ def _read_part_manifest(folder: Path, totals: tuple[str, ...], fix: str) -> dict
     return m
 
 
-def generate_status(path: str) -> dict:
+def generate_status(path: str) -> GenerateStatus:
     """A `generate` output folder: parts committed of those planned, its processes, the last error."""
     folder = Path(path)
     if folder.suffix == ".parquet":  # the merged file: its parts and logs are beside it
@@ -113,11 +113,11 @@ def generate_status(path: str) -> dict:
     procs = processes(logs, stage="generate-") if logs.is_dir() else []
     on_disk = {f.name for f in folder.glob("part-*.parquet")}
     debris = sorted(on_disk - {p["file"] for p in m["parts"]})
-    return {"kind": "generate", "path": str(path), "status": m["status"],
-            "verdict": _verdict(m["status"], procs, "generating", "generate"),
-            "parts_committed": len(m["parts"]), "parts_planned": m["plan"]["num_parts"], "totals": m["totals"],
-            "merged": m.get("merged"), "debris": debris, "processes": procs,
-            "last_error": last_error(logs, "generate-") if logs.is_dir() else None}
+    return GenerateStatus(
+        path=str(path), status=m["status"], verdict=_verdict(m["status"], procs, "generating", "generate"),
+        parts_committed=len(m["parts"]), parts_planned=m["plan"]["num_parts"], totals=m["totals"],
+        merged=m.get("merged"), debris=debris, processes=procs,
+        last_error=last_error(logs, "generate-") if logs.is_dir() else None)
 
 
 def _is_generated(p: Path) -> bool:
@@ -172,7 +172,7 @@ def _is_prepare_output(p: Path) -> bool:
     return not (p / "manifest.json").exists() and any((p / "logs").glob("prepare*.heartbeat.json"))
 
 
-def prepare_status(path: str) -> dict:
+def prepare_status(path: str) -> PrepareStatus:
     """A `prepare` output (OUT, or its train/ or eval/ folder): per split the parts committed of
     those planned and what they hold, the records read and dropped, the prepare process and its
     last error."""
@@ -205,12 +205,12 @@ def prepare_status(path: str) -> dict:
                   "parts_planned": m["plan"]["num_parts"],
                   "totals": {k: m["totals"].get(k, 0) for k in PREPARE_TOTALS},
                   "debris": sorted(on_disk - {p["file"] for p in m["parts"]})}
-    return {"kind": "prepare", "path": str(path), "status": status, "verdict": verdict, "splits": out,
-            "records_read": records, "dropped": dict(dropped.most_common()), "processes": procs,
-            "last_error": last_error(logs, "prepare") if logs is not None else None}
+    return PrepareStatus(path=str(path), status=status, verdict=verdict, splits=out, records_read=records,
+                         dropped=dict(dropped.most_common()), processes=procs,
+                         last_error=last_error(logs, "prepare") if logs is not None else None)
 
 
-def run_status(path: str) -> dict:
+def run_status(path: str) -> RunStatus:
     from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, checkpoint_damage, damaged_checkpoint, list_checkpoints
     from dflash_offline.train.resume import config_problem
 
@@ -247,10 +247,9 @@ def run_status(path: str) -> dict:
         verdict = "nothing recorded yet"
     if damage_notes:
         verdict += f"; DAMAGED checkpoint(s): {', '.join(f'step-{s}' for s in damage)}"
-    return {"kind": "run", "path": str(path), "verdict": verdict, "checkpoints": steps,
-            "damaged_checkpoints": damage_notes,
-            "last_metrics": last, "metrics_damaged": damaged, "total_steps": total, "export": export, "processes": procs,
-            "last_error": last_error(out / "logs", "train-") if (out / "logs").is_dir() else None}
+    return RunStatus(path=str(path), verdict=verdict, checkpoints=steps, damaged_checkpoints=damage_notes,
+                     last_metrics=last, metrics_damaged=damaged, total_steps=total, export=export, processes=procs,
+                     last_error=last_error(out / "logs", "train-") if (out / "logs").is_dir() else None)
 
 
 METRIC_KEYS = ("step", "loss", "acc_slot1", "tau", "step_time")  # what a step's line holds (and the report shows)
@@ -370,7 +369,7 @@ def _kind(path: str) -> str | None:
     return "prepare" if _is_prepare_output(p) else None
 
 
-def status(path: str) -> dict:
+def status(path: str) -> StatusRecord:
     kind = _kind(path)
     if kind is not None:
         return {"generate": generate_status, "prepare": prepare_status, "cache": cache_status,
@@ -385,79 +384,5 @@ def show(path: str, as_json: bool = False) -> str:
     inside = held(path)
     found = [status(p) for p in inside] if inside else status(path)
     if as_json:
-        return json.dumps(found, indent=1, default=str)
-    return "\n\n".join(format_status(st) for st in found) if inside else format_status(found)
-
-
-def _age(s: float) -> str:
-    return f"{s:.0f}s" if s < 120 else (f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h")
-
-
-def format_status(st: dict) -> str:
-    lines = []
-    if st["kind"] == "generate":
-        t = st["totals"]
-        lines.append(f"generated {st['path']}: {st['verdict']}")
-        lines.append(f"  {st['parts_committed']}/{st['parts_planned']} parts committed: {t['rows']} rows, "
-                     f"{t['new_tokens']} new tokens ({t['ended_by_eos']} ended by end-of-sequence)")
-        if st["debris"]:
-            lines.append(f"  {len(st['debris'])} uncommitted part file(s) (removed when generation resumes): "
-                         + ", ".join(st["debris"][:4]))
-    elif st["kind"] == "prepare":
-        lines.append(f"prepared {st['path']}: {st['verdict']}")
-        for split, sp in st["splits"].items():
-            t = sp["totals"]
-            what = "training rows" if sp["kind"] == "completions" else "prompts"
-            lines.append(f"  {split}: {sp['parts_committed']}/{sp['parts_planned']} parts committed: "
-                         f"{t['conversations']} conversations -> {t['rows']} {what}, {t['tokens']} tokens"
-                         + (f" ({t['trained_tokens']} trained, {t['truncated']} rows truncated)"
-                            if sp["kind"] == "completions" else "") + f" ({sp['path']})")
-            if sp["debris"]:
-                lines.append(f"  {len(sp['debris'])} uncommitted part file(s) in {split} (removed when preparation "
-                             "resumes): " + ", ".join(sp["debris"][:4]))
-        if st["records_read"] is not None:
-            from collections import Counter
-
-            from dflash_offline.prepare.output import dropped_text
-
-            lines.append(f"  {st['records_read']} records read; dropped: {dropped_text(Counter(st['dropped']))}")
-    elif st["kind"] == "cache":
-        t = st["totals"]
-        lines.append(f"cache {st['path']}: {st['verdict']}")
-        lines.append(f"  {st['shards_committed']}/{st['shards_planned']} shards committed: {t['samples']} samples, "
-                     f"{t['tokens']} tokens, {t['bytes'] / 1e9:.3f} GB")
-        if st["debris"]:
-            lines.append(f"  {len(st['debris'])} uncommitted shard folder(s) (removed when extraction resumes): "
-                         + ", ".join(st["debris"][:4]))
-        if st.get("missing_shards"):
-            lines.append(f"  DAMAGED: {len(st['missing_shards'])} committed shard(s) missing on storage: "
-                         + ", ".join(st["missing_shards"][:4]) + "; training refuses this cache: restore them or "
-                         "re-extract into a new --cache (`dflash-offline verify` checks the rest)")
-    else:
-        lines.append(f"run {st['path']}: {st['verdict']}")
-        m = st["last_metrics"]
-        if m:
-            of = f"/{st['total_steps']}" if st["total_steps"] else ""
-            lines.append(f"  last step {m['step']}{of}: loss {m['loss']:.4f}, slot-1 accuracy {m['acc_slot1']:.3f}, "
-                         f"tau {m['tau']:.2f}, {m['step_time']:.3f} s/step")
-        if st.get("metrics_damaged"):
-            lines.append(f"  note: {st['metrics_damaged']}")
-        for note in st.get("damaged_checkpoints") or []:
-            lines.append(f"  DAMAGED: {note}")
-        lines.append(f"  checkpoints: {', '.join(f'step-{s}' for s in st['checkpoints']) or 'none'}; "
-                     f"export: {'yes' if st['export'] else 'no'}")
-    # Columns as wide as the longest name and pid of this block: names like extract-rank0-writer0 would
-    # push the state column out of line.
-    name_w = max((len(p["name"]) for p in st["processes"]), default=0)
-    pid_w = max((len(str(p["pid"])) for p in st["processes"]), default=0)
-    for p in st["processes"]:
-        prog = ", ".join(f"{k} {p[k]}" for k in ("shard", "part", "prompts_done", "tokens_done", "step", "total_steps")
-                         if k in p)
-        state = p["state"]
-        note = {"died": " (process gone without a word: killed?)", "stale": " (no heartbeat: hung?)"}.get(state, "")
-        err = f": {p['error']}" if p.get("error") and state in ("failed", "interrupted", "stopped") else ""
-        lines.append(f"  {p['name']:<{name_w}} pid {p['pid']:<{pid_w}} {state}{note}{err}; phase {p['phase']}"
-                     + (f", {prog}" if prog else "") + f"; last heartbeat {_age(p['age_s'])} ago")
-    e = st["last_error"]
-    lines.append(f"  last error: {e['error']} ({e['log']}, {e['time']})" if e else "  last error: none")
-    return "\n".join(lines)
+        return json.dumps([st.to_json() for st in found] if inside else found.to_json(), indent=1, default=str)
+    return "\n\n".join(st.text() for st in found) if inside else found.text()

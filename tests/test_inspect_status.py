@@ -329,15 +329,17 @@ def _process_columns(text: str) -> list[tuple[int, int]]:
 def test_status_columns_line_up_whatever_the_names_and_pids(valid_cache):
     """Process names longer than 18 characters (extract-rank0-writer0) and pids of any width keep
     the pid and state columns aligned on every process line."""
-    from dflash_offline.status import format_status
+    from dflash_offline.status_records import CacheStatus
 
     procs = [{"name": name, "pid": pid, "state": state, "phase": "extract", "age_s": 1.0, "error": "OSError: x"}
              for name, pid, state in [("extract-launcher", 8590, "done"), ("extract-rank0-writer0", 8592, "done"),
                                       ("extract-rank0", 123456, "failed"), ("extract-rank12-writer3", 77, "died")]]
-    st = {"kind": "cache", "path": "c", "verdict": "complete", "shards_committed": 1, "shards_planned": 1,
-          "totals": {"samples": 1, "tokens": 1, "bytes": 1}, "debris": [], "processes": procs, "last_error": None}
-    cols = _process_columns(format_status(st))
-    assert len(cols) == 4 and len(set(cols)) == 1, format_status(st)
+    st = CacheStatus(path="c", status="complete", verdict="complete", shards_committed=1, shards_planned=1,
+                     totals={"samples": 1, "tokens": 1, "bytes": 1}, shards_released=0, occupancy_bytes=1,
+                     budget_bytes=None, in_flight=[], consumers={}, debris=[], missing_shards=[], processes=procs,
+                     last_error=None)
+    cols = _process_columns(st.text())
+    assert len(cols) == 4 and len(set(cols)) == 1, st.text()
     assert cols[0] == (2 + len("extract-rank12-writer3") + 1, 2 + len("extract-rank12-writer3") + 5 + 6 + 1)
     # The real thing: the session's cache, with its launcher, rank and writer processes.
     r = run_cli(["status", valid_cache])
@@ -350,7 +352,7 @@ def test_a_finished_process_is_in_phase_done(tmp_path):
     evaluation); a failed process keeps the phase it failed in. A heartbeat written before the
     phase was reset reads as done too."""
     from dflash_offline.runtime.logs import HEARTBEAT_SUFFIX, Heartbeat
-    from dflash_offline.status import format_status, run_status
+    from dflash_offline.status import run_status
 
     out = tmp_path / "run"
     (out / "logs").mkdir(parents=True)
@@ -364,13 +366,13 @@ def test_a_finished_process_is_in_phase_done(tmp_path):
     written = json.loads((out / "logs" / f"train-launcher{HEARTBEAT_SUFFIX}").read_text())
     assert written["state"] == "done" and written["phase"] == "done", written
     st = run_status(str(out))
-    assert {p["name"]: p["phase"] for p in st["processes"]} == \
-        {"train-launcher": "done", "train-rank1": "held-out evaluation"}, st["processes"]
-    text = format_status(st)
+    assert {p["name"]: p["phase"] for p in st.processes} == \
+        {"train-launcher": "done", "train-rank1": "held-out evaluation"}, st.processes
+    text = st.text()
     assert "done; phase done, step 4" in text and "failed: RuntimeError: boom; phase held-out evaluation" in text, text
     # A heartbeat file as earlier versions left it: done, with the last phase of the work.
     (out / "logs" / f"train-launcher{HEARTBEAT_SUFFIX}").write_text(json.dumps({**written, "phase": "held-out evaluation"}))
-    assert run_status(str(out))["processes"][0]["phase"] == "done"
+    assert run_status(str(out)).processes[0]["phase"] == "done"
 
 
 def test_notebook_finds_the_demo_cache_from_docs(valid_cache, tmp_path, monkeypatch):
