@@ -8,73 +8,35 @@ from dataclasses import dataclass
 from dflash_offline.options import also, check_at_least, check_choices, check_number, check_positive, opt, where
 from dflash_offline.runtime.errors import UserError
 
+
 @dataclass
-class TrainConfig:
+class RunOptions:
+    """What the run reads and writes, and where it runs."""
+
     cache: str = opt("", "The committed cache written by `extract` (a path or an fsspec URL).")
     target: str = opt("", "The target's Hugging Face folder (widths, mask token, frozen embedding and LM head).")
     out: str = opt("", "Run folder: step-N/ checkpoints, metrics.jsonl, logs/, export/. Re-run to resume.")  # also TensorBoard events
     devices: str = opt("cpu", "GPU indices like 5,6,7 (one DDP process each, NCCL), or cpu / cpu,cpu (gloo).")
-    drafter_layers: int = opt(5, "Drafter layers.", resume=True, old=("num_layers",))
-    block_size: int = opt(16, "Draft block size.", resume=True)
-    gamma: float | None = opt(None, "Loss decay over slots, > 0: slot k weighs exp(-(k-1)/gamma).", default_text="7 for block 16, 5 for 10, 4 for 8", resume=True)
-    num_anchors: int = opt(512, "Blocks per row: the row's static capacity.", resume=True)  # unused ones are masked
-    # A row's draws beyond num_anchors are subsampled uniformly; 0: one uniform draw of num_anchors over the
-    # whole row, however many samples it packs.
-    anchors_per_sample: int = opt(512, "Anchors each packed sample draws (the method's per-sequence budget), capped by --num-anchors per row; 0 = one draw per row.", resume=True)
-    # Read in the cache's order. One extraction of a superset serves a whole layer ablation.
-    target_layers: list[int] | None = opt(None, "Target layer ids the drafter reads, a subset of the cache's, e.g. 1,3,5,6.", default_text="all the cache holds", resume=True, old=("layers",))
-    # For dense Qwen3-like targets; None (random) is the method's own start.
-    init_layers: list[int] | None = opt(None, "Target layer ids whose weights start the drafter's layers, one per drafter layer, e.g. 0,1,2,3,4 (dense targets shaped like the drafter).", default_text="random")
-    # The cache's top-k log-probabilities, renormalised; 0 = hard labels.
-    kd_weight: float = opt(0.0, "Share of the target's top-k distribution (from the cache) in each slot's target, 0..1; 0 = the data tokens alone.", resume=True)
-    # dpace: D-PACE (arXiv 2605.18810), slot k weighs sum_{m>=k} prod_{i<=m} ((1 - a) q_i + a), q_i the
-    # drafter's detached probability of slot i's token: the gradient of the expected accepted length,
-    # per block and step.
-    loss_weights: str = opt("decay", "How a block's slots weigh in the loss: decay = exp(-(k-1)/gamma), the method's; dpace = D-PACE, each slot by the acceptance it can still unlock (from the drafter's own detached probabilities).", choices=("decay", "dpace"), resume=True)
-    # dflash: dflash-method.md. dspark: DSpark, arXiv 2607.05147 (drafter/dspark.py, blocks/dspark_loss.py);
-    # slot j predicts the token at anchor + 1 + j, the Markov head a low-rank bias from the previous token.
-    method: str = opt("dflash", "dflash, or dspark: every block slot predicts the next token, with a Markov head and a confidence head, and the loss ce x CE + tv x L1(p_draft, p_target) + bce x BCE(confidence, 1 - TV) (p_target from the cache's top-k).", choices=("dflash", "dspark"), resume=True)
-    markov_rank: int = opt(256, "With --method dspark: the Markov head's rank.", resume=True)
-    markov_head: str = opt("vanilla", "With --method dspark: vanilla (the kind vLLM and SGLang load) or gated (a sigmoid gate from the slot's hidden state).", choices=("vanilla", "gated"), resume=True)
-    confidence_head: bool = opt(True, "With --method dspark: train the confidence head (the probability each slot survives; engines use it to cut a block short).", resume=True)
-    ce_weight: float | None = opt(None, "The weight of the cross-entropy term beside --tv-weight.", default_text="0.1 with --method dspark, 1 with dflash", resume=True)
-    tv_weight: float | None = opt(None, "The weight of the L1 distance between the drafter's and the target's distributions (twice the total variation; p_target from the cache's top-k); with --method dflash above 0 it adds DSpark's distribution term to DFlash's loss.", default_text="0.9 with --method dspark, 0 with dflash", resume=True)
-    bce_weight: float = opt(1.0, "With --method dspark: the weight of the confidence head's binary cross-entropy.", resume=True)
-    dpace_alpha: float = opt(0.5, "With --loss-weights dpace: the smoothing a in (1 - a) x q + a, in [0, 1] (1 = every scored slot to the end counts equally).", resume=True)
+
+
+@dataclass
+class DataOptions:
+    """How the cache's samples become rows and steps: packing, anchors, order, the loader, and
+    --follow's windows of a cache still being filled (train/sources.py)."""
+
     seq_len: int = opt(4096, "Context tokens per packed row; more than --block-size (a row holds whole blocks).", resume=True)
     # split: blocks/pieces.py; a piece's hidden states still carry the whole prefix, but its blocks see no
     # context before the piece. truncate: the rest is untrained.
     long_samples: str = opt("split", "Samples longer than --seq-len: split = into pieces of at most --seq-len tokens, each its own document, every trained token trained once; truncate = keep their first --seq-len tokens (earlier versions' rule).", choices=("split", "truncate"), resume=True)
+    num_anchors: int = opt(512, "Blocks per row: the row's static capacity.", resume=True)  # unused ones are masked
+    # A row's draws beyond num_anchors are subsampled uniformly; 0: one uniform draw of num_anchors over the
+    # whole row, however many samples it packs.
+    anchors_per_sample: int = opt(512, "Anchors each packed sample draws (the method's per-sequence budget), capped by --num-anchors per row; 0 = one draw per row.", resume=True)
     global_batch_tokens: int = opt(131072, "Context tokens per optimizer step, all ranks.", resume=True)  # accumulation fills it
-    # None = auto_lr(hidden size): 6e-4 is the published recipe's, tuned on 4096-wide drafters; 4.0e-3 at 384 wide.
-    lr: float | None = opt(None, "Peak learning rate.", default_text="6e-4 x (4096 / hidden size)^0.8", resume=True)
-    warmup_ratio: float = opt(0.04, "Warm-up share of all steps, in [0, 1).", resume=True)
-    weight_decay: float = opt(0.0, "AdamW weight decay, >= 0 (a negative one grows the weights).", resume=True)
     epochs: int = opt(6, "Epochs.", resume=True)
-    clip: float = opt(1.0, "Gradient-norm clip, > 0 (0 makes no update, a negative one reverses it; inf = no clipping).", resume=True)
     seed: int = opt(0, "Seed of sample order, anchors and initial weights, >= 0.", resume=True)
-    mask_token_id: int | None = opt(None, "Mask token id.", default_text="the tokenizer's mask token", resume=True)
-    max_steps: int | None = opt(None, "Stop after this many steps (schedule still spans all epochs).")
-    checkpoint_every: int = opt(500, "Steps between checkpoints.")
-    keep_checkpoints: int = opt(3, "Checkpoints kept.")
-    log_every: int = opt(10, "Steps between log lines.")
     loader_workers: int = opt(2, "Background loader processes per rank; 0 = read in the training process.")
     prefetch: int = opt(4, "Rows each loader process reads ahead, >= 1.")
-    # None = auto_loss_chunk(vocabulary): about 2^28 logits (1 GB in fp32) a chunk.
-    loss_chunk_tokens: int | None = opt(None, "Block tokens per LM-head chunk in the loss.", default_text="2^28 / vocabulary, at least 4096", resume=True)
-    # Head matmuls per token: fused two; recompute three (the backward recomputes the chunks' logits).
-    loss_impl: str = opt("fused", "fused: the head's input gradient is made in the loss forward; recompute: checkpointed chunks.", choices=('fused', 'recompute'))
-    precision: str = opt("auto", "auto = bf16 autocast on GPU, fp32 on CPU.", choices=('auto', 'bf16', 'fp32'), resume=True)  # fp32 master weights
-    # Inductor fuses the elementwise work with the flex kernels; None = on GPU, off on CPU.
-    compile_layers: bool | None = opt(None, "Compile the drafter layer for training (fuses its elementwise work).", default_text="on GPU")
-    # The passes: log-sum-exp, the label's logit, argmax, the gradient. Same numbers as eager up to float32
-    # summation order (tests/test_loss.py, CPU and GPU). -8.8% measured on an H200 (stages/qwen3.6-27b turns
-    # it on); off by default until its effect on the small pycode drafter's end-to-end run is measured.
-    compile_loss: bool = opt(False, "Compile the loss's element-wise passes over each chunk's logits (fused kernels reading the matmul's dtype); -8.8% step time at the 27B drafter's shape.")
-    # flex_attention takes a BlockMask; the CPU has no flex backward; the dense mask costs O(Q x KV) memory.
-    attention: str = opt("auto", "auto = compiled flex on GPU, SDPA + dense mask on CPU; sdpa = the dense baseline on GPU too.", choices=('auto', 'sdpa'))
-    final_checkpoint: bool = True
-    """Write a checkpoint and the export when the run ends (benchmarks turn it off)."""
     verify: str = opt("quick", "quick: shards exist and open; full: also checksums.", choices=('quick', 'full'))  # full reads the whole cache
     # Shards are taken in plan order, follow_window at a time; the run ends when the plan's last shard is
     # consumed. Every committed shard is consumed once: `extract --passes N` makes N epochs.
@@ -82,13 +44,108 @@ class TrainConfig:
     # The manifest records each deletion first; freeing shards lets a budgeted extraction (--max-bytes) go on.
     stream: bool = opt(False, "With --follow: delete each shard once a checkpoint is past its last use.")
     follow_window: int = opt(4, "Shards shuffled and packed together with --follow.", resume=True)  # the budget must hold a window's shards
+
+
+@dataclass
+class DrafterOptions:
+    """The drafter: its shape, the target layers it reads and starts from, its mask token, and the
+    method (DFlash, or DSpark's Markov and confidence heads)."""
+
+    drafter_layers: int = opt(5, "Drafter layers.", resume=True, old=("num_layers",))
+    block_size: int = opt(16, "Draft block size.", resume=True)
+    # Read in the cache's order. One extraction of a superset serves a whole layer ablation.
+    target_layers: list[int] | None = opt(None, "Target layer ids the drafter reads, a subset of the cache's, e.g. 1,3,5,6.", default_text="all the cache holds", resume=True, old=("layers",))
+    # For dense Qwen3-like targets; None (random) is the method's own start.
+    init_layers: list[int] | None = opt(None, "Target layer ids whose weights start the drafter's layers, one per drafter layer, e.g. 0,1,2,3,4 (dense targets shaped like the drafter).", default_text="random")
+    mask_token_id: int | None = opt(None, "Mask token id.", default_text="the tokenizer's mask token", resume=True)
+    # dflash: dflash-method.md. dspark: DSpark, arXiv 2607.05147 (drafter/dspark.py, blocks/dspark_loss.py);
+    # slot j predicts the token at anchor + 1 + j, the Markov head a low-rank bias from the previous token.
+    method: str = opt("dflash", "dflash, or dspark: every block slot predicts the next token, with a Markov head and a confidence head, and the loss ce x CE + tv x L1(p_draft, p_target) + bce x BCE(confidence, 1 - TV) (p_target from the cache's top-k).", choices=("dflash", "dspark"), resume=True)
+    markov_rank: int = opt(256, "With --method dspark: the Markov head's rank.", resume=True)
+    markov_head: str = opt("vanilla", "With --method dspark: vanilla (the kind vLLM and SGLang load) or gated (a sigmoid gate from the slot's hidden state).", choices=("vanilla", "gated"), resume=True)
+    confidence_head: bool = opt(True, "With --method dspark: train the confidence head (the probability each slot survives; engines use it to cut a block short).", resume=True)
+
+
+@dataclass
+class LossOptions:
+    """The loss: slot weights, distillation, DSpark's three terms, and how the LM head's chunks run."""
+
+    gamma: float | None = opt(None, "Loss decay over slots, > 0: slot k weighs exp(-(k-1)/gamma).", default_text="7 for block 16, 5 for 10, 4 for 8", resume=True)
+    # dpace: D-PACE (arXiv 2605.18810), slot k weighs sum_{m>=k} prod_{i<=m} ((1 - a) q_i + a), q_i the
+    # drafter's detached probability of slot i's token: the gradient of the expected accepted length,
+    # per block and step.
+    loss_weights: str = opt("decay", "How a block's slots weigh in the loss: decay = exp(-(k-1)/gamma), the method's; dpace = D-PACE, each slot by the acceptance it can still unlock (from the drafter's own detached probabilities).", choices=("decay", "dpace"), resume=True)
+    dpace_alpha: float = opt(0.5, "With --loss-weights dpace: the smoothing a in (1 - a) x q + a, in [0, 1] (1 = every scored slot to the end counts equally).", resume=True)
+    # The cache's top-k log-probabilities, renormalised; 0 = hard labels.
+    kd_weight: float = opt(0.0, "Share of the target's top-k distribution (from the cache) in each slot's target, 0..1; 0 = the data tokens alone.", resume=True)
+    ce_weight: float | None = opt(None, "The weight of the cross-entropy term beside --tv-weight.", default_text="0.1 with --method dspark, 1 with dflash", resume=True)
+    tv_weight: float | None = opt(None, "The weight of the L1 distance between the drafter's and the target's distributions (twice the total variation; p_target from the cache's top-k); with --method dflash above 0 it adds DSpark's distribution term to DFlash's loss.", default_text="0.9 with --method dspark, 0 with dflash", resume=True)
+    bce_weight: float = opt(1.0, "With --method dspark: the weight of the confidence head's binary cross-entropy.", resume=True)
+    # None = auto_loss_chunk(vocabulary): about 2^28 logits (1 GB in fp32) a chunk.
+    loss_chunk_tokens: int | None = opt(None, "Block tokens per LM-head chunk in the loss.", default_text="2^28 / vocabulary, at least 4096", resume=True)
+    # Head matmuls per token: fused two; recompute three (the backward recomputes the chunks' logits).
+    loss_impl: str = opt("fused", "fused: the head's input gradient is made in the loss forward; recompute: checkpointed chunks.", choices=('fused', 'recompute'))
+    # The passes: log-sum-exp, the label's logit, argmax, the gradient. Same numbers as eager up to float32
+    # summation order (tests/test_loss.py, CPU and GPU). -8.8% measured on an H200 (stages/qwen3.6-27b turns
+    # it on); off by default until its effect on the small pycode drafter's end-to-end run is measured.
+    compile_loss: bool = opt(False, "Compile the loss's element-wise passes over each chunk's logits (fused kernels reading the matmul's dtype); -8.8% step time at the 27B drafter's shape.")
+
+
+@dataclass
+class OptimizerOptions:
+    """The optimizer, its schedule, and the step's numerics and kernels."""
+
+    # None = auto_lr(hidden size): 6e-4 is the published recipe's, tuned on 4096-wide drafters; 4.0e-3 at 384 wide.
+    lr: float | None = opt(None, "Peak learning rate.", default_text="6e-4 x (4096 / hidden size)^0.8", resume=True)
+    warmup_ratio: float = opt(0.04, "Warm-up share of all steps, in [0, 1).", resume=True)
+    weight_decay: float = opt(0.0, "AdamW weight decay, >= 0 (a negative one grows the weights).", resume=True)
+    clip: float = opt(1.0, "Gradient-norm clip, > 0 (0 makes no update, a negative one reverses it; inf = no clipping).", resume=True)
+    precision: str = opt("auto", "auto = bf16 autocast on GPU, fp32 on CPU.", choices=('auto', 'bf16', 'fp32'), resume=True)  # fp32 master weights
+    # Inductor fuses the elementwise work with the flex kernels; None = on GPU, off on CPU.
+    compile_layers: bool | None = opt(None, "Compile the drafter layer for training (fuses its elementwise work).", default_text="on GPU")
+    # flex_attention takes a BlockMask; the CPU has no flex backward; the dense mask costs O(Q x KV) memory.
+    attention: str = opt("auto", "auto = compiled flex on GPU, SDPA + dense mask on CPU; sdpa = the dense baseline on GPU too.", choices=('auto', 'sdpa'))
+
+
+@dataclass
+class CheckpointOptions:
+    """How long the run goes and what it keeps (runs/checkpoint.py owns the format)."""
+
+    max_steps: int | None = opt(None, "Stop after this many steps (schedule still spans all epochs).")
+    checkpoint_every: int = opt(500, "Steps between checkpoints.")
+    keep_checkpoints: int = opt(3, "Checkpoints kept.")
+    final_checkpoint: bool = True
+    """Write a checkpoint and the export when the run ends (benchmarks turn it off)."""
+
+
+@dataclass
+class HeldOutOptions:
+    """The held-out estimate during training (train/heldout.py): the best drafter goes to OUT/best/."""
+
     # A cache of the target's own completions; rank 0 measures it.
     eval_cache: str | None = opt(None, "Held-out cache: the walk estimate of decoding tau every --eval-every steps; the best drafter goes to OUT/best/.")
     eval_every: int | None = opt(None, "Steps between held-out evaluations.", default_text="--checkpoint-every")
     eval_samples: int = opt(200, "Held-out samples per evaluation.")  # the cache's first ones
+
+
+@dataclass
+class ReportOptions:
+    """What the run shows as it goes."""
+
+    log_every: int = opt(10, "Steps between log lines.")
     # Writes a trace and a table.
     profile_steps: int = opt(0, "Profile N optimizer steps (torch.profiler) after the first five: where a step's time goes, in OUT/profile/; 0 = off.")
     progress: bool = opt(True, "Progress bar.")
+
+
+@dataclass
+class TrainConfig(ReportOptions, HeldOutOptions, CheckpointOptions, OptimizerOptions, LossOptions, DrafterOptions,
+                  DataOptions, RunOptions):
+    """`train`'s options, one component each (a torchtitan-style config per part), composed as
+    bases of one flat dataclass: the command line, the recipes and a checkpoint's saved settings
+    keep their flat names (`--lr`, `lr = ...`, `config.lr`), and a part of the code that needs one
+    component can take it alone. Field order (and so `--help`'s) is the components' order above
+    (dataclasses take the bases last to first)."""
 
     def resolved_loss_chunk(self, vocab_size: int) -> int:
         return self.loss_chunk_tokens or auto_loss_chunk(vocab_size)
