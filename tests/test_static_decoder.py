@@ -173,6 +173,27 @@ def fitted(targets):
     return out
 
 
+def test_every_decoder_is_one_interface(fitted):
+    """`Decoders.decoder` hands back each kind eval can run (the static decoder, transformers' KV
+    batches, one prompt at a time) behind one interface, `decode_all`, and each decodes the hybrid
+    target alone and with the drafter to the same greedy tokens: what a new decoder must do to
+    join them (docs/architecture.md, "A decoder")."""
+    from dflash_offline.evaluate.decoders import Decoder, Decoders, KVBatched, OneAtATime
+
+    model, drafter, prompts = fitted["qwen3_5"]
+    keys = list(range(len(prompts)))
+    want = None
+    for choice, batch, kind in (("static", 2, StaticDecoder), ("transformers", 2, KVBatched),
+                                ("transformers", 1, OneAtATime)):
+        decoders = Decoders(model, choice, batch, max(map(len, prompts)), MAX_NEW, set(), Sampling(), "cpu", "float32")
+        for d in (None, drafter):
+            dec: Decoder = decoders.decoder(d, len(prompts))
+            assert isinstance(dec, kind), (choice, batch, type(dec))
+            got = [r.tokens for r in dec.decode_all(prompts, keys, lambda runs: None)]
+            want = want or got
+            assert got == want, (choice, batch, d is None)
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_5"])
 def test_speculative_equals_one_prompt_decoder(fitted, kind):
     """The static decoder with a fitted drafter = speculative_decode, prompt for prompt: the tokens

@@ -10,12 +10,14 @@ and for every drafter alike (a speed-up compares like with like).
                 (evaluate.batched, greedy only).
 
 `--decoder auto` takes static where the target allows it; the report and the log say which ran
-and, when it is not static, why.
+and, when it is not static, why. Each kind implements one interface, `Decoder.decode_all`
+(graphed.StaticDecoder, and OneAtATime, KVBatched, Rerun below), and `Decoders.decoder` picks it.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 from dflash_offline.evaluate import kv_batch
 from dflash_offline.targets import static
@@ -79,46 +81,91 @@ class Decoders:
             self._sessions[key] = TargetSession(self.model, list(layer_ids))
         return self._sessions[key]
 
-    def target_alone(self, prompts: list[list[int]], keys: list[int], on_batch) -> list[Decoded]:
-        if self.static:
-            from dflash_offline.evaluate.graphed import StaticDecoder
-
-            dec = StaticDecoder(self.model, None, self._rows(len(prompts)), self.max_prompt_len, self.max_new, self.eos,
-                                self.sampling)
-            return dec.decode_all(prompts, keys, on_batch)
-        if self.batch_size > 1 and self.kv_reason is None:
-            return kv_batch.kv_batched_decode(self.model, kv_batch.NoDrafts(), [], prompts, self.max_new, self.eos,
-                                              self.batch_size, on_batch, self.sampling, keys)
-        runs = []
-        for p, k in zip(prompts, keys):
-            runs.append(greedy_decode(self._session([]), p, self.max_new, self.eos, self.sampling, k))
-            on_batch(runs[-1:])
-        return runs
-
-    def speculative(self, drafter, prompts: list[list[int]], keys: list[int], on_batch) -> list[Decoded]:
+    def decoder(self, drafter, n_prompts: int) -> Decoder:
+        """The chosen decoder for `n_prompts` prompts, speculative with `drafter` or the target
+        alone (None): every kind answers `decode_all` the same way."""
         import torch
 
-        layers = drafter.cfg.target_layer_ids
-        self.check_drafters([("the drafter", drafter)])
+        layers = drafter.cfg.target_layer_ids if drafter is not None else []
         if self.static:
             from dflash_offline.evaluate.graphed import StaticDecoder
 
-            drafter = drafter.to(device=self.device, dtype=getattr(torch, self.dtype)).eval()
-            dec = StaticDecoder(self.model, drafter, self._rows(len(prompts)), self.max_prompt_len, self.max_new,
-                                self.eos, self.sampling)
-            return dec.decode_all(prompts, keys, on_batch)
+            if drafter is not None:
+                drafter = drafter.to(device=self.device, dtype=getattr(torch, self.dtype)).eval()
+            return StaticDecoder(self.model, drafter, self._rows(n_prompts), self.max_prompt_len, self.max_new,
+                                 self.eos, self.sampling)
         if self.batch_size > 1 and self.kv_reason is None:
-            return kv_batch.kv_batched_decode(self.model, kv_batch.KVBatchDFlashProposer(drafter, self.device, self.dtype),
-                                              layers, prompts, self.max_new, self.eos, self.batch_size, on_batch,
-                                              self.sampling, keys)
-        if self.batch_size > 1:
-            from dflash_offline.evaluate.batched import BatchDFlashProposer, batched_speculative_decode
+            proposer = (kv_batch.NoDrafts() if drafter is None
+                        else kv_batch.KVBatchDFlashProposer(drafter, self.device, self.dtype))
+            return KVBatched(self.model, proposer, layers, self.max_new, self.eos, self.batch_size, self.sampling)
+        if self.batch_size > 1 and drafter is not None:
+            from dflash_offline.evaluate.batched import BatchDFlashProposer
 
-            return batched_speculative_decode(self.model, BatchDFlashProposer(drafter, self.device, self.dtype), layers,
-                                              prompts, self.max_new, self.eos, self.batch_size, on_batch)
-        proposer = DFlashProposer(drafter, self.device, self.dtype)
+            return Rerun(self.model, BatchDFlashProposer(drafter, self.device, self.dtype), layers, self.max_new,
+                         self.eos, self.batch_size)
+        # One prompt at a time (also the target alone where batches would re-run whole sequences).
+        proposer = DFlashProposer(drafter, self.device, self.dtype) if drafter is not None else None
+        return OneAtATime(self._session(layers), proposer, self.max_new, self.eos, self.sampling)
+
+    def target_alone(self, prompts: list[list[int]], keys: list[int], on_batch) -> list[Decoded]:
+        return self.decoder(None, len(prompts)).decode_all(prompts, keys, on_batch)
+
+    def speculative(self, drafter, prompts: list[list[int]], keys: list[int], on_batch) -> list[Decoded]:
+        self.check_drafters([("the drafter", drafter)])
+        return self.decoder(drafter, len(prompts)).decode_all(prompts, keys, on_batch)
+
+
+class Decoder(Protocol):
+    """What every decoder does: decode `prompts` (each with its sampling key), calling `on_batch`
+    with each finished group of results, and return one Decoded per prompt in order.
+    Implemented by graphed.StaticDecoder and the three below."""
+
+    def decode_all(self, prompts: list[list[int]], keys: list[int], on_batch) -> list[Decoded]: ...
+
+
+class OneAtATime:
+    """transformers' caches, one prompt at a time (evaluate.speculative); the target alone when
+    `proposer` is None."""
+
+    def __init__(self, session: TargetSession, proposer: DFlashProposer | None, max_new: int, eos: set[int],
+                 sampling: Sampling):
+        self.session, self.proposer, self.max_new, self.eos, self.sampling = session, proposer, max_new, eos, sampling
+
+    def decode_all(self, prompts: list[list[int]], keys: list[int], on_batch) -> list[Decoded]:
         runs = []
         for p, k in zip(prompts, keys):
-            runs.append(speculative_decode(self._session(layers), proposer, p, self.max_new, self.eos, self.sampling, k))
+            if self.proposer is None:
+                runs.append(greedy_decode(self.session, p, self.max_new, self.eos, self.sampling, k))
+            else:
+                runs.append(speculative_decode(self.session, self.proposer, p, self.max_new, self.eos, self.sampling, k))
             on_batch(runs[-1:])
         return runs
+
+
+class KVBatched:
+    """transformers' KV caches, many prompts per forward, with per-row recurrent-state rollback
+    (evaluate.kv_batch); the target alone with `kv_batch.NoDrafts`."""
+
+    def __init__(self, model, proposer, layers: list[int], max_new: int, eos: set[int], batch_size: int,
+                 sampling: Sampling):
+        self.model, self.proposer, self.layers = model, proposer, layers
+        self.max_new, self.eos, self.batch_size, self.sampling = max_new, eos, batch_size, sampling
+
+    def decode_all(self, prompts: list[list[int]], keys: list[int], on_batch) -> list[Decoded]:
+        return kv_batch.kv_batched_decode(self.model, self.proposer, self.layers, prompts, self.max_new, self.eos,
+                                          self.batch_size, on_batch, self.sampling, keys)
+
+
+class Rerun:
+    """Whole sequences re-run each round, many prompts per forward (evaluate.batched): sliding-window
+    targets, greedy only (Decoders refuses a temperature first), so the keys are not used."""
+
+    def __init__(self, model, proposer, layers: list[int], max_new: int, eos: set[int], batch_size: int):
+        self.model, self.proposer, self.layers = model, proposer, layers
+        self.max_new, self.eos, self.batch_size = max_new, eos, batch_size
+
+    def decode_all(self, prompts: list[list[int]], keys: list[int], on_batch) -> list[Decoded]:
+        from dflash_offline.evaluate.batched import batched_speculative_decode
+
+        return batched_speculative_decode(self.model, self.proposer, self.layers, prompts, self.max_new, self.eos,
+                                          self.batch_size, on_batch)
