@@ -5,6 +5,7 @@ process log, faulthandler armed, before its heavy imports."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
 import sys
 
@@ -15,8 +16,11 @@ from dflash_offline.config import ExtractConfig, GenerateConfig, PrepareConfig
 from dflash_offline.evaluate.config import EvalConfig
 from dflash_offline.sizing_config import PlanConfig
 from dflash_offline.train.config import TrainConfig
-from dflash_offline.options import cli_fields, flag_of, parse_int_list, parse_size
+from dflash_offline.options import (as_flag, cli_fields, flag_of, load_recipe, merge, parse_int_list, parse_size,
+                                    under_current_names)
 from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.logs import claim_heartbeat, current_log, finish_heartbeat, keep_early_log, record_failure
+from dflash_offline.runtime.signals import Stopped
 
 
 def _given(ctx: click.Context, **values) -> dict:
@@ -38,8 +42,6 @@ def _given(ctx: click.Context, **values) -> dict:
 def _config(ctx: click.Context, cls: type, config_file: str | None, options: dict, ignore: type | None = None):
     """A stage command's config: the field defaults < its --config recipe < the options typed (read
     before the stage's heavy imports, so a bad recipe is one line at once)."""
-    from dflash_offline.options import load_recipe, merge
-
     recipe = load_recipe(config_file, cls, ignore=ignore) if config_file else {}
     return merge(cls, recipe, _renamed_given(cls, _given(ctx, **options)))
 
@@ -50,11 +52,7 @@ _WAS = "was__"  # the parameter name of a renamed option's earlier spelling: was
 def _renamed_given(cls: type, given: dict) -> dict:
     """The typed options with values given under an earlier name moved to the field's name (with a
     one-line warning); both names at once is an error."""
-    from dataclasses import fields
-
-    from dflash_offline.options import as_flag, under_current_names
-
-    flags = {f.name: flag_of(f) for f in fields(cls)}
+    flags = {f.name: flag_of(f) for f in dataclasses.fields(cls)}
     return under_current_names(cls, {k.removeprefix(_WAS): v for k, v in given.items()},
                                lambda name: flags.get(name) or as_flag(name))
 
@@ -190,7 +188,7 @@ def prepare(ctx: click.Context, config_file, **options) -> None:
     data to the cache and the export. Running the same command again resumes.
     """
     cfg = _config(ctx, PrepareConfig, config_file, options)
-    from dflash_offline.prepare import launcher as stage
+    from dflash_offline.prepare import launcher as stage  # start-up: a command imports its own stage only
 
     stage.run(cfg)
 
@@ -217,7 +215,7 @@ def extract(ctx: click.Context, config_file, **options) -> None:
 def train(ctx: click.Context, config_file, **options) -> None:
     """Stage two: train a DFlash drafter from a committed cache (resumes from OUT's last checkpoint)."""
     cfg = _config(ctx, TrainConfig, config_file, options)
-    from dflash_offline.train import launcher as stage
+    from dflash_offline.train import launcher as stage  # start-up: a command imports its own stage only
 
     stage.run(cfg)
 
@@ -232,7 +230,7 @@ def export(run_dir: str, step: int | None, dest: str | None) -> None:
     Checked here: the export loads into the reference implementation (PyPI dflash==0.1.0,
     dflash.model.DFlashDraftModel) and decodes as `eval` does; its config.json holds the keys
     vLLM's and SGLang's DFlash loaders read, but no serving engine was run (docs/serving.md)."""
-    from dflash_offline import export as export_mod
+    from dflash_offline import export as export_mod  # start-up: a command imports its own stage only
 
     path = export_mod.export_checkpoint(run_dir, step, dest)
     click.echo(f"exported {path}")
@@ -264,14 +262,12 @@ def plan(ctx: click.Context, config_file, as_json: bool, **options) -> None:
     budget, and estimated hours per stage. Reads config, headers and input rows; loads no weights.
 
     `--config stages/<deployment>/extract.toml` sizes what that recipe would extract."""
-    import json as _json
-
     from dflash_offline.sizing import make_plan, report
 
     # Extract's recipe names the same target, data, layers and cache; its other keys mean nothing here.
     p = make_plan(_config(ctx, PlanConfig, config_file, options, ignore=ExtractConfig))
     if as_json:
-        click.echo(_json.dumps(p, indent=1))
+        click.echo(json.dumps(p, indent=1))
     else:
         for line in report(p):
             click.echo(line)
@@ -313,7 +309,7 @@ def status(path: str, as_json: bool) -> None:
     """What is done, running or failed, for a cache (extraction), a run folder (training), a
     generate output or a prepare output; for a folder holding some of them (the demo's --out), for
     each of them."""
-    from dflash_offline.status import show
+    from dflash_offline.status import show  # start-up: a command imports its own stage only
 
     click.echo(show(path, as_json))
 
@@ -340,7 +336,7 @@ def generate(ctx: click.Context, config_file, **options) -> None:
 @click.pass_context
 def demo(ctx: click.Context, out: str, devices: str) -> None:
     """Run the main job end to end on an embedded default: a tiny target and data made on the fly."""
-    from dflash_offline import demo as demo_mod
+    from dflash_offline import demo as demo_mod  # start-up: a command imports its own stage only
 
     report = demo_mod.run(out, devices)
     if not all(d.get("lossless", True) for d in report["drafters"]):  # as eval: a failed check fails the command
@@ -348,9 +344,6 @@ def demo(ctx: click.Context, out: str, devices: str) -> None:
 
 
 def entry() -> None:
-    from dflash_offline.runtime.logs import claim_heartbeat, current_log, finish_heartbeat, keep_early_log, record_failure
-    from dflash_offline.runtime.signals import Stopped
-
     code = None
     try:
         # Outside standalone mode click returns ctx.exit()'s code instead of exiting with it.

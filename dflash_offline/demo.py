@@ -22,6 +22,8 @@ from dflash_offline.config import ExtractConfig, GenerateConfig
 from dflash_offline.evaluate.config import EvalConfig
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.launch import check_devices_exist, parse_devices
+from dflash_offline.train import launcher as train
 
 TRAIN_PROMPTS, EVAL_PROMPTS, NEW_TOKENS = 512, 32, 64
 MARK = ".dflash-demo"  # written first into a folder the demo makes or finds empty: "this folder is a demo's"
@@ -42,8 +44,6 @@ def _check_out(root: Path) -> None:
 
 
 def run(out: str, devices: str = "cpu") -> dict:
-    from dflash_offline.runtime.launch import check_devices_exist, parse_devices
-
     root = Path(out)
     _check_out(root)
     check_devices_exist(parse_devices(devices))  # before minutes of work, not after the target is trained
@@ -77,7 +77,6 @@ def run(out: str, devices: str = "cpu") -> dict:
     from dflash_offline.evaluate import run as evaluate
     from dflash_offline.extract import launcher as extract
     from dflash_offline.generate import launcher as generate
-    from dflash_offline.train import launcher as train
 
     generated, cache, run_dir = root / "generated", root / "cache", root / "train"
     generate.run(GenerateConfig(target=str(target), prompts=[str(prompts_train)], out=str(generated), devices=devices,

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dflash_offline.runs.checkpoint import (CHECKPOINT_PREFIX, CheckpointState, checkpoint_before, checkpoint_damage,
+                                            list_checkpoints, load_checkpoint)
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.paths import require_kind
+from dflash_offline.train.resume import config_problem
 
 
 def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = None) -> Path:
     from dflash_offline.drafter.export import check_export_dest, export_drafter
-    from dflash_offline.runs.checkpoint import (CHECKPOINT_PREFIX, CheckpointState, checkpoint_before, checkpoint_damage, list_checkpoints,
-                                                 load_checkpoint)
 
     run = Path(run_dir)
     require_kind(run_dir, "--run", True, "a training run folder (OUT of train, with step-N/ checkpoints)")
@@ -28,7 +29,6 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
     if step not in steps:
         raise UserError(f"--step {step}: no such checkpoint in {run_dir}; available: {', '.join(map(str, steps))}")
     ck = run / f"{CHECKPOINT_PREFIX}{step}"
-    from dflash_offline.train.resume import config_problem
 
     # The saved training settings are checked too: a DSpark export reads the run's target from them.
     what = checkpoint_damage(ck, ("state.json", "drafter.safetensors"), config_problem=config_problem)

@@ -17,13 +17,16 @@ both imported only when asked for (`pip install 'dflash-offline[notebook]'`).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 
+import click
 import numpy as np
 
 from dflash_offline.cache.view import ManifestView
 from dflash_offline.cache.reader import CacheReader, ShardUnreadable, bf16_bits_to_float32, damage_words
 from dflash_offline.runtime.errors import UserError
+from dflash_offline.status import folder_hint, held
 from dflash_offline.text import TRAINED_MARKS, decode_spans, load_tokenizer, render, render_ansi, use_color
 
 # A channel is an outlier when its RMS over tokens exceeds this multiple of the layer's median
@@ -297,10 +300,6 @@ def _frame(records: list[dict]):
 def inspect_command(cache: str, sample_id: int | None, stats: bool, max_tokens: int, as_text: bool,
                     tokenizer: str | None, color: bool | None) -> None:
     """Summary of a cache (or of each cache a folder holds), and one sample, as tables or as text."""
-    import click
-
-    from dflash_offline.status import folder_hint, held
-
     caches = held(cache, kinds=("cache",))
     if not caches:
         hint = folder_hint(cache, "inspect")  # a folder that holds runs only: how to look at them
@@ -349,11 +348,7 @@ def _echo_sample(view, s) -> None:
 def verify_cache(cache: str) -> int:
     """Re-read every committed shard against its checksum; print what is damaged and how to re-make
     it. Returns the exit status: 1 if any shard is damaged."""
-    import sys
-
     from tqdm import tqdm
-
-    from dflash_offline.status import folder_hint
 
     hint = folder_hint(cache, "verify")  # a folder that holds caches: name them
     if hint:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -94,8 +96,6 @@ _warned: set[str] = set()
 
 def warn_renamed(was: str, now: str) -> None:
     """One line on stderr, once per process and name: an earlier name was used (it still works)."""
-    import sys
-
     if was not in _warned:
         _warned.add(was)
         print(f"warning: {was} is now {now} (same meaning); the old name still works but will be removed",
@@ -236,8 +236,6 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, 
 def parse_size(value) -> int:
     """A size in bytes: 123456, 64GB, 1.5T, 512MiB (k/M/G/T are powers of 1000, KiB/MiB/GiB/TiB of
     1024); ValueError naming the examples otherwise. The command line and recipes read the same."""
-    import re
-
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))

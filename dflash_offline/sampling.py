@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dflash_offline.options import opt
+from dflash_offline.options import check_at_least, check_number, opt
 
 if TYPE_CHECKING:
     import torch
@@ -45,8 +45,6 @@ class SamplingOptions:
         """The shared options' ranges, each named as it was given (flag or recipe key): NaN and
         infinite temperatures are refused, and seeds are >= 0 (the noise keys on 63 bits of it,
         so a negative seed would repeat another's noise)."""
-        from dflash_offline.options import check_at_least, check_number
-
         check_number(self, "temperature", 0, open_high=True, must=">= 0 and finite", why="0 = greedy")
         check_number(self, "top_p", 0, 1, open_low=True, must="in (0, 1]",
                      why="the probability mass of the tokens sampling keeps")

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 
+from dflash_offline.cache.location import Location
 from dflash_offline.sizing_config import PlanConfig
 from dflash_offline.options import where
 from dflash_offline.extract.plan import bytes_per_token
+from dflash_offline.runtime.paths import require_kind
+from dflash_offline.runtime.units import human_bytes
+from dflash_offline.targets import model as target
 from dflash_offline.targets.folder import read_target, tensor_entries
 
 H200_BF16_PEAK = 774e12  # measured dense bf16 matmul FLOP/s
@@ -58,7 +63,6 @@ def drafter_flops_per_context_token(text: dict, n_captured: int, p: PlanConfig) 
 
 def make_plan(p: PlanConfig) -> dict:
     from dflash_offline.rows import reader as data
-    from dflash_offline.targets import model as target
 
     p.validate()
     info = read_target(p.target, where(p, "target"))
@@ -69,16 +73,11 @@ def make_plan(p: PlanConfig) -> dict:
     tokens = int(np.minimum(source.lengths, p.max_len).sum())
     free = None
     if p.cache:
-        from dflash_offline.cache.location import Location
-        from dflash_offline.runtime.paths import require_kind
-
         require_kind(p.cache, where(p, "cache"), True, "the folder the cache would go to")
 
         loc = Location(p.cache, where(p, "cache"))
         probe = loc
         if not loc.remote:
-            import os
-
             path = loc.path()
             while path and not os.path.exists(path):
                 path = os.path.dirname(path)
@@ -109,8 +108,6 @@ def make_plan(p: PlanConfig) -> dict:
 
 
 def report(plan: dict) -> list[str]:
-    from dflash_offline.runtime.units import human_bytes
-
     lines = [f"input: {plan['rows']} rows, {plan['tokens']:,} tokens after truncation"
              + (f" ({plan['truncated_rows']} rows truncated)" if plan["truncated_rows"] else "")
              + f"; layers {plan['layer_ids']}, top-k {plan['topk']}"]

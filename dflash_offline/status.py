@@ -11,22 +11,26 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
+from dflash_offline.cache.location import Location
+from dflash_offline.cache.manifest import ManifestStore, committed_names, edited_problem, occupancy
+from dflash_offline.cache.manifest_check import FORMAT
+from dflash_offline.rows.parts import PREPARED_FORMAT, read_manifest
+from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, checkpoint_damage, damaged_checkpoint, list_checkpoints
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.logs import last_error, processes
 from dflash_offline.runtime.paths import require_kind
 from dflash_offline.runs.folder import is_run_folder
 from dflash_offline.status_records import CacheStatus, GenerateStatus, PrepareStatus, RunStatus, StatusRecord
+from dflash_offline.train.resume import config_problem
 
 HUNG = ("a process is alive but has not advanced for minutes (hung?): read its log; `kill -USR1 PID` writes "
         "its stacks there")
 
 
 def cache_status(path: str) -> CacheStatus:
-    from dflash_offline.cache.location import Location
-    from dflash_offline.cache.manifest import ManifestStore, committed_names, edited_problem, occupancy
-
     loc = Location(path)
     m = ManifestStore(loc).read()
     logs = Path(loc.path("logs")) if not loc.remote else Path("dflash-logs")
@@ -93,8 +97,6 @@ def _part_folder_problem(m: dict, totals: tuple[str, ...]) -> str | None:
 
 
 def _read_part_manifest(folder: Path, totals: tuple[str, ...], fix: str) -> dict:
-    from dflash_offline.rows.parts import read_manifest
-
     m = read_manifest(folder)
     wrong = _part_folder_problem(m, totals) if m is not None else "no manifest"
     if wrong:
@@ -127,8 +129,6 @@ def _is_generated(p: Path) -> bool:
 
 def _part_manifest(p: Path) -> dict | None:
     """The manifest of a generate or prepare part folder, or None (none, not ours, unreadable)."""
-    from dflash_offline.rows.parts import read_manifest
-
     try:
         return read_manifest(p) if p.is_dir() else None
     except UserError:
@@ -142,8 +142,6 @@ PREPARE_TOTALS = ("rows", "tokens", "trained_tokens", "conversations", "truncate
 def _prepared_splits(p: Path) -> dict[str, Path]:
     """{split: folder} of a `prepare` output: OUT (its train/ and eval/ that hold a manifest), or
     one split folder itself. {} for anything else."""
-    from dflash_offline.rows.parts import PREPARED_FORMAT
-
     m = _part_manifest(p)
     if m is not None:
         if m.get("format") != PREPARED_FORMAT:
@@ -187,7 +185,6 @@ def prepare_status(path: str) -> PrepareStatus:
         verdict = "no manifest yet: the preparation ended before it wrote one (see the last error)"
     else:
         verdict = _verdict(status, procs, "preparing", "prepare")
-    from collections import Counter
 
     dropped: Counter = Counter()
     records = None
@@ -211,9 +208,6 @@ def prepare_status(path: str) -> PrepareStatus:
 
 
 def run_status(path: str) -> RunStatus:
-    from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, checkpoint_damage, damaged_checkpoint, list_checkpoints
-    from dflash_offline.train.resume import config_problem
-
     out = Path(path)
     steps = list_checkpoints(out)
     # Headers and sizes only (no tensors): what resume and export would refuse, said here first.
@@ -282,8 +276,6 @@ def last_metrics(path: Path) -> tuple[dict | None, str | None]:
 
 
 def _is_cache(p: Path) -> bool:
-    from dflash_offline.cache.manifest_check import FORMAT
-
     try:
         return json.loads((p / "manifest.json").read_text()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):

@@ -10,6 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
+from dflash_offline.prepare.output import dropped_text
+
 
 @dataclass
 class _Record:
@@ -133,8 +135,6 @@ class PrepareStatus(_Record):
                 lines.append(f"  {len(sp['debris'])} uncommitted part file(s) in {split} (removed when preparation "
                              "resumes): " + ", ".join(sp["debris"][:4]))
         if self.records_read is not None:
-            from dflash_offline.prepare.output import dropped_text
-
             lines.append(f"  {self.records_read} records read; dropped: {dropped_text(Counter(self.dropped))}")
         return lines
 

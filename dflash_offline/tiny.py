@@ -6,9 +6,12 @@ built from a config with seeded random weights and saved as a normal Hugging Fac
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
+
+from dflash_offline.runtime.launch import single_thread_compute
 
 TINY_VOCAB = 512
 
@@ -124,12 +127,8 @@ def train_tiny_target(folder: str | Path, steps: int = 120, batch: int = 16, seq
     """Train the tiny target in `folder` in place (next-token loss on progression text, AdamW),
     mark token 0 as its end of sequence, and save it with a tokenizer (save_tiny_tokenizer).
     Returns {steps, loss, seconds}."""
-    import time
-
     import torch
     from transformers import AutoModelForCausalLM
-
-    from dflash_offline.runtime.launch import single_thread_compute
 
     # One thread, as every stage's compute: this model is far too small to gain from a second one,
     # and an OpenMP pool of two on a two-core machine that is doing anything else spins and waits

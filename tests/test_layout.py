@@ -1,7 +1,16 @@
 """The package layout keeps its promises: the stages meet only at the cache contract, nothing imports
 in a circle, no module grows past a page a reader can hold, and the code is lint-clean.
 
-Imports are read from the source (ast), inside functions too: a lazy import still ties two modules."""
+Imports are read from the source (ast), inside functions too: a lazy import still ties two modules.
+
+Imports inside functions are for start-up time only. A module imports at its top what it uses,
+except the heavy packages (HEAVY: torch, transformers and their kit, pyarrow, numpy, zarr and
+numcodecs, fsspec, tqdm, pandas, matplotlib), and the package's own modules that import one of
+them at their top (directly or through another module): those wait in the function that needs
+them, so `status`, `inspect`, `--help` and the launchers' preflight start fast, and every process
+opens its log (faulthandler armed) before torch can fail to import. The only other lazy imports
+carry the reason on their line: `# start-up:` (cli.py imports a command's own stage only) or
+`# cycle:` (the import would close a circle at import time)."""
 
 from __future__ import annotations
 
@@ -213,3 +222,99 @@ def test_no_function_is_over_100_lines():
             for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and (n := node.end_lineno - node.lineno + 1) > 100}
     assert not long, f"functions over 100 lines (split them into named steps): {long}"
+
+
+# Packages whose import costs start-up time (seconds for torch and transformers, a tenth of a second
+# for pyarrow, numpy or zarr): imported inside the function that needs them unless the module needs
+# them anyway (see the module docstring). Everything else, stdlib and the package's own light
+# modules, is imported at the top of the module.
+HEAVY = frozenset({
+    "torch", "transformers", "safetensors", "tokenizers", "datasets", "jinja2", "fla", "triton",  # models
+    "pyarrow", "numpy", "zarr", "numcodecs", "fsspec",  # data
+    "tqdm", "pandas", "matplotlib",  # progress bars, notebook tables and plots
+})
+# (module, imported module) -> why a light import stays inside a function. Empty: none has to.
+LAZY_ALLOWED: dict[tuple[str, str], str] = {}
+LAZY_MARKS = ("# start-up:", "# cycle:")
+
+
+def _absolute(mod: str, node: ast.ImportFrom | ast.Import) -> list[str]:
+    """The modules an import statement names, absolute (`from pkg import module` names the module)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if node.level:
+        me = mod.split(".")
+        package = me if resolve(mod) and resolve(mod).name == "__init__.py" else me[:-1]
+        base = ".".join(package[: len(package) - node.level + 1])
+        src = f"{base}.{node.module}" if node.module else base
+    else:
+        src = node.module or ""
+    subs = [f"{src}.{a.name}" for a in node.names if src.startswith("dflash_offline") and resolve(f"{src}.{a.name}")]
+    return subs if len(subs) == len(node.names) else [src, *subs]
+
+
+def _split_imports(tree: ast.Module) -> tuple[list, list]:
+    """(imports run when the module is imported, imports inside functions); `if TYPE_CHECKING:`
+    blocks are neither."""
+    top, lazy = [], []
+
+    def walk(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                (lazy if in_function else top).append(child)
+            walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    walk(tree, False)
+    return top, lazy
+
+
+def heavy_at_import() -> dict[str, set[str]]:
+    """Module -> the heavy packages importing it imports (its top-level imports, its packages'
+    __init__ and theirs, transitively)."""
+    tops = {}
+    for path in sorted(PKG.rglob("*.py")):
+        mod = module_name(path)
+        parts = mod.split(".")
+        tops[mod] = {m for n in _split_imports(ast.parse(path.read_text()))[0] for m in _absolute(mod, n)}
+        tops[mod] |= {".".join(parts[:i]) for i in range(1, len(parts))}
+    memo: dict[str, set[str]] = {}
+
+    def heavy(mod: str) -> set[str]:
+        if mod not in memo:
+            memo[mod] = set()  # a circle adds nothing more
+            memo[mod] = {m.split(".")[0] for m in tops[mod] if m.split(".")[0] in HEAVY}.union(
+                *(heavy(m) for m in tops[mod] if m in tops and m != mod))
+        return memo[mod]
+
+    return {mod: heavy(mod) for mod in tops}
+
+
+def test_imports_inside_functions_are_for_start_up_only():
+    heavy = heavy_at_import()
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        mod, lines = module_name(path), path.read_text().splitlines()
+        for node in _split_imports(ast.parse(path.read_text()))[1]:
+            if any(mark in line for line in lines[node.lineno - 1:node.end_lineno] for mark in LAZY_MARKS):
+                continue
+            for name in _absolute(mod, node):
+                if name.split(".")[0] in HEAVY or (mod, name) in LAZY_ALLOWED:
+                    continue
+                if name.startswith("dflash_offline") and name in heavy and heavy[name]:
+                    continue
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name} inside a function")
+    assert not bad, ("imports of light modules belong at the top of the module (a heavy package, or a module that "
+                     "imports one, may wait; else say why on the line: # start-up: or # cycle:):\n" + "\n".join(bad))
+
+
+def test_light_modules_import_nothing_heavy():
+    """The reading above agrees with Python: importing every module that ast finds light loads no
+    heavy package (an import that ast cannot see, importlib or __import__, would show here)."""
+    light = sorted(m for m, h in heavy_at_import().items() if not h)
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in light)
+            + f"print(sorted(m for m in {sorted(HEAVY)!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"light modules ({len(light)}) imported {out.stdout.strip()}"

@@ -18,6 +18,8 @@ import torch
 from dflash_offline.cache.fp8 import DTYPE_NAME as FP8
 from dflash_offline.blocks.packing import anchor_rng, build_row, epoch_order, loss_weights
 from dflash_offline.blocks.pieces import Piece, Pieces, pack_pieces
+from dflash_offline.cache.location import Location
+from dflash_offline.runtime.signals import ignore_stop_signals
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,6 @@ class RowStream(torch.utils.data.IterableDataset):
         opened, so a loader's cost per sample does not grow with the number of shards; URL caches
         through Zarr."""
         if self._reader is None:
-            from dflash_offline.cache.location import Location
             from dflash_offline.cache.reader import ChunkFiles
 
             loc = Location(self.cache)
@@ -283,8 +284,6 @@ class RowStream(torch.utils.data.IterableDataset):
 def _loader_worker_init(worker_id: int) -> None:
     # A terminal's Ctrl-C reaches the whole process group: the rank stops its loaders itself,
     # after finishing its step (a loader dying first would fail that step).
-    from dflash_offline.runtime.signals import ignore_stop_signals
-
     ignore_stop_signals()
 
 

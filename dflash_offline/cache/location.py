@@ -7,11 +7,15 @@ protocol (write under a temporary name, rename, replace the manifest atomically)
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
 import uuid
 from pathlib import Path
+
+from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.faults import fault_point
 
 
 def is_url(path: str) -> bool:
@@ -34,15 +38,11 @@ class Location:
             # File-system-like backends need parent folders; object stores have none to make.
             self.storage_options = {"auto_mkdir": True} if protocol in ("local", "file") else {}
             if protocol == "memory":
-                from dflash_offline.runtime.errors import UserError
-
                 raise UserError(f"{option} {root}: memory:// lives inside one process and workers are separate "
                                 "processes; use a path (e.g. /dev/shm/cache) instead")
             try:
                 self.fs, self._base = fsspec.core.url_to_fs(root, **self.storage_options)
             except (ImportError, ValueError) as e:
-                from dflash_offline.runtime.errors import UserError
-
                 raise UserError(f"{option} {root}: fsspec cannot open this URL ({e}); install the backend "
                                 f"for '{protocol}://' (e.g. pip install s3fs for s3://)") from None
         else:
@@ -170,7 +170,6 @@ class Location:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        from dflash_offline.runtime.faults import fault_point
 
         fault_point("manifest-tmp-written")
         os.replace(tmp, final)
@@ -183,7 +182,6 @@ class Location:
         file stays empty: a rerun leaves the cache's bytes as they were."""
         if self.remote:
             return -1
-        import fcntl
 
         self.makedirs("")
         fd = os.open(self.path(rel), os.O_CREAT | os.O_RDWR, 0o644)
@@ -205,7 +203,6 @@ class Location:
         if self.remote:
             yield
             return
-        import fcntl
 
         self.makedirs("")
         fd = os.open(self.path(rel), os.O_CREAT | os.O_RDWR, 0o644)

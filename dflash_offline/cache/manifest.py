@@ -11,6 +11,7 @@ import json
 import os
 import time
 
+from dflash_offline.cache.debris import refuse_foreign_shards
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest_check import DAMAGED_FIX, FORMAT, VERSION, check_manifest, describe
@@ -185,8 +186,6 @@ class ManifestStore:
 
     def _refuse_foreign_shards(self, committed: set[str] | None, everything: bool | None = None) -> None:
         if not self.loc.remote:
-            from dflash_offline.cache.debris import refuse_foreign_shards
-
             refuse_foreign_shards(self.loc.path(), committed=committed, everything=everything)
 
     def _refuser(self, wanted: dict):

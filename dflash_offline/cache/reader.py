@@ -5,6 +5,7 @@ Only shards the manifest lists are visible; folders it does not list are debris 
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 from dataclasses import dataclass
@@ -163,8 +164,6 @@ class ChunkFiles:
     def _array(self, shard: str, name: str) -> dict | None:
         key = (shard, name)
         if key not in self._meta:
-            import json
-
             root = self.loc.path(f"{shard_rel(shard)}/{name}")
             with open(f"{root}/zarr.json", "rb") as f:
                 m = json.load(f)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -90,8 +91,6 @@ def combine_digests(digests: dict[str, str], algorithm: str = DEFAULT_CHECKSUM) 
 def _plain_codecs(arr) -> bool:
     """True when the array stores chunks as little-endian bytes + CRC32C and nothing else, so a chunk
     file can be written without Zarr's codec pipeline."""
-    import sys
-
     names = [type(c).__name__ for c in arr.metadata.codecs]
     endian = getattr(arr.metadata.codecs[0], "endian", None)
     # One-byte dtypes have no byte order: Zarr writes their `bytes` codec without one.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,8 +203,6 @@ def _iter_json(path: Path) -> Iterator[tuple[str, object]]:
     """A JSON array of records (or {"data": [...]}), read element by element so that a file cut
     off mid-record (as the public ShareGPT_V3 dump is) yields its complete records and then one
     warning, not a failure of the whole file."""
-    import logging
-
     text = _decode(path.read_bytes(), path, "file")
     dec = json.JSONDecoder()
     i = len(text) - len(text.lstrip())

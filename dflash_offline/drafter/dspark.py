@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash_offline.drafter.config import MARKOV_HEADS
+from dflash_offline.sampling import DRAFT, draw, keyed_uniform, sampling_probs
 
 
 class MarkovHead(nn.Module):
@@ -87,8 +88,6 @@ def draft_chain(h: Tensor, head_weight: Tensor, markov: MarkovHead | None, s, se
     distributions they were drawn from, None when greedy: the q of the rejection rule[, the
     confidence head's survival probabilities [R, K] when `confidence` is given])."""
     import torch.nn.functional as F
-
-    from dflash_offline.sampling import DRAFT, draw, keyed_uniform, sampling_probs
 
     base = F.linear(h, head_weight.to(h.dtype)).float()
     prev, drafts, qs, conf = anchor, [], [], []

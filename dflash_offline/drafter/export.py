@@ -26,7 +26,7 @@ import torch
 from dflash_offline.drafter.config import DSPARK_ARCHITECTURE, DrafterConfig
 from dflash_offline.drafter.model import FROZEN_PREFIXES, DFlashDrafter
 from dflash_offline.runtime.errors import UserError
-from dflash_offline.runtime.paths import ordinary_mode
+from dflash_offline.runtime.paths import ordinary_mode, unwritable_folder
 
 log = logging.getLogger("dflash.drafter")
 
@@ -41,7 +41,6 @@ def check_export_dest(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: exists and is a file, not a drafter export; refusing to replace it (choose another "
                         "export folder)")
-    from dflash_offline.runtime.paths import unwritable_folder
 
     why = unwritable_folder(out.absolute().parent)  # the export is written beside it, then renamed
     if why:

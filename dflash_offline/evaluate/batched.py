@@ -33,6 +33,7 @@ import torch
 
 from dflash_offline.evaluate.speculative import Decoded, commit_round, in_length_batches, output_done
 from dflash_offline.sampling import verify_greedy
+from dflash_offline.targets.model import RawLayerOutputs
 
 log = logging.getLogger("dflash.eval")
 
@@ -77,8 +78,6 @@ class BatchDFlashProposer:
 def _target_forward(model, ids: torch.Tensor, layer_ids: list[int], starts: torch.Tensor, width: int):
     """One forward of right-padded rows: (features [R, T, n*H] by position, logits [R, width, V]
     of the `width` positions from each row's start)."""
-    from dflash_offline.targets.model import RawLayerOutputs
-
     with RawLayerOutputs(model, layer_ids) as raw:  # raw layer outputs, as extraction stores them
         out = model.model(input_ids=ids, use_cache=False)
     feats = raw.features()

@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from dflash_offline.chat.template import ChatTemplate, differences, turn_stop
 from dflash_offline.evaluate.config import AS_FLAGS, Said
+from dflash_offline.rows.parts import PREPARED_FORMAT, chat_settings_of, listed_parts, read_manifest
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.paths import require_kind
 from dflash_offline.rows.reader import ids_as_int64, is_int_list
@@ -23,8 +25,6 @@ log = logging.getLogger("dflash.eval")
 def _parts_of(option: str, folder: str):
     """listed_parts of a folder (None: not a prepare or generate output), its refusals (an
     unreadable manifest, an unfinished output) naming the option too."""
-    from dflash_offline.rows.parts import listed_parts
-
     try:
         return listed_parts(folder)
     except UserError as e:
@@ -74,8 +74,6 @@ def _read_parts(option: str, path: str, parts: list[Path], columns: tuple[str, .
     damaged or missing part, a missing column or an id the contract does not allow is named by its
     part file (and row); ids as int64 in every part (a part of uint64 ids beside int64 ones)."""
     import pyarrow as pa
-
-    from dflash_offline.rows.parts import PREPARED_FORMAT, read_manifest
 
     cmd = "prepare" if (read_manifest(path) or {}).get("format") == PREPARED_FORMAT else "generate"
     damaged = (f"the folder is damaged: restore the part from a copy, or run `dflash-offline {cmd}` again into a "
@@ -142,8 +140,6 @@ def _part_and_row(path: str, row: int) -> tuple[str | None, int]:
     if not Path(path).is_dir():
         return None, row
     import pyarrow.parquet as pq
-
-    from dflash_offline.rows.parts import listed_parts
 
     for f in listed_parts(path):
         n = pq.read_metadata(f).num_rows
@@ -213,8 +209,6 @@ def _prompt_parts(option: str, path: str, rows: list, masks: list) -> list:
     """Each training row's prompt: its tokens before the first one its loss_mask trains. A row
     trained from its first token (a plain-text row) has no prompt: refused, naming what writes
     prompts."""
-    from dflash_offline.rows.parts import PREPARED_FORMAT, read_manifest
-
     out = []
     for row, (toks, mask) in enumerate(zip(rows, masks)):
         if toks is None or mask is None:
@@ -300,9 +294,6 @@ def warn_chat_mismatch(prompts: str, drafters) -> None:
     """A drafter trained on text rendered one way (template, thinking mode, system prompt) and
     measured on prompts rendered another: said loudly, since served that way it loses much of its
     tau (the most reported DFlash pitfall). Known only for prompts from `prepare`."""
-    from dflash_offline.chat.template import differences
-    from dflash_offline.rows.parts import chat_settings_of
-
     used = chat_settings_of([prompts]) if Path(prompts).is_dir() else None
     for path, d in drafters:
         diff = differences(d.cfg.chat, used)
@@ -319,12 +310,9 @@ def chat_stop_ids(prompts: str, target: str, eos: set[int], runs_to: str):
     ends them, so a template whose end of turn is one token the end-of-sequence ids lack (a
     generation_config.json naming <|endoftext|> alone beside a ChatML template) still stops there.
     Plain prompts, and --ignore-eos (an empty `eos`), keep `eos`."""
-    from dflash_offline.rows.parts import chat_settings_of
-
     chat = chat_settings_of([prompts]) if eos and Path(prompts).is_dir() else None
     if chat is None:
         return eos, None
-    from dflash_offline.chat.template import ChatTemplate, turn_stop
 
     stop = turn_stop(ChatTemplate.recorded(target, chat, sorted(eos)), sorted(eos), None, runs_to)
     return set(stop.eos), stop.warning

@@ -34,6 +34,7 @@ is measured against.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import Protocol
@@ -44,6 +45,7 @@ from dflash_offline.evaluate.speculative import (COUNTER_ATTRS, STATE_ATTRS, Dec
                                                  in_length_batches, output_done, snapshot_states)
 from dflash_offline.sampling import Sampling, draft_tokens, prompt_keys, target_tokens, verify_block
 from dflash_offline.targets import families
+from dflash_offline.targets.model import RawLayerOutputs
 
 log = logging.getLogger("dflash.eval")
 
@@ -175,8 +177,6 @@ class SlotCache:
         self._snapshot: list[dict] | None = None  # speculative.snapshot_states before the last forward
 
     def _run(self, cache, ids, positions, mask, features: bool):
-        from dflash_offline.targets.model import RawLayerOutputs
-
         with RawLayerOutputs(self.model, self.layer_ids if features else []) as raw:
             out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=mask.long(), use_cache=True,
                                    **{self.cache_arg: cache})
@@ -239,8 +239,6 @@ class SlotCache:
     def _sub_cache(self, rows: torch.Tensor):
         """A cache of `rows` alone: their keys/values (copies) and their recurrent states from the
         copy taken before the last forward. Its layers are copies: nothing it appends reaches ours."""
-        import copy
-
         sub = copy.copy(self.cache)
         sub.layers = []
         for layer, snap in zip(self.cache.layers, self._snapshot):

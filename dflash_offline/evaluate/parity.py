@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_offline.drafter.config import config_rope_theta, mask_token_from_tokenizer
+
 log = logging.getLogger("dflash.eval")
 
 TOLERANCE = 0.05  # relative difference of walk and decoding tau that counts as a disagreement
@@ -35,7 +37,6 @@ def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str
                  tolerance: float = TOLERANCE) -> dict:
 
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.drafter.config import config_rope_theta, mask_token_from_tokenizer
     from dflash_offline.evaluate.speculative import (
         DFlashProposer,
         TargetSession,

@@ -37,11 +37,18 @@ from dflash_offline.evaluate.config import AS_FLAGS, EvalConfig, Said
 from dflash_offline.evaluate.inputs import (check_prompts_path, check_reference_path, read_prompts, read_reference,
                                             warn_chat_mismatch, chat_stop_ids)
 from dflash_offline.blocks.walk import cache_acceptance, walk_acceptance
+from dflash_offline.cache.location import Location
+from dflash_offline.cache.manifest import ManifestStore
+from dflash_offline.evaluate.ceiling import find_shape, format_implied, implied_speedup
+from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, checkpoint_before, checkpoint_damage, load_checkpoint
+from dflash_offline.runs.folder import is_run_folder
+from dflash_offline.runtime.early_log import open_launcher_log
 from dflash_offline.runtime.errors import UserError
-from dflash_offline.runtime.logs import claim_heartbeat
+from dflash_offline.runtime.launch import check_devices_exist, parse_devices, single_thread_compute
+from dflash_offline.runtime.logs import claim_heartbeat, log_dir_refusal
 from dflash_offline.sampling import Sampling
 from dflash_offline.runtime.paths import REPORT_FORMAT, check_report_dest, require_kind
-from dflash_offline.targets.folder import eos_ids
+from dflash_offline.targets.folder import eos_ids, read_target
 from dflash_offline.text import show_decoded, show_tokenizer
 
 log = logging.getLogger("dflash.eval")
@@ -59,8 +66,6 @@ def load_drafter(path: str, target_dir: str, said: Said = AS_FLAGS):
     """A drafter from an export folder (config.json) or a training checkpoint (step-N/), with the
     target's frozen embedding and LM head; refuses a drafter made for another target shape."""
     from dflash_offline.drafter.export import EXPORT_WEIGHTS, load_exported
-    from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, checkpoint_before, checkpoint_damage, load_checkpoint
-    from dflash_offline.targets.folder import read_target
 
     root = Path(path)
     if root.is_file():
@@ -117,10 +122,6 @@ def load_drafter(path: str, target_dir: str, said: Said = AS_FLAGS):
 def _check_cache_target(cfg: EvalConfig) -> None:
     """--cache must hold the completions of --target, the model whose features it stores: another
     target's cache would score the drafter on features it never sees when serving."""
-    from dflash_offline.cache.location import Location
-    from dflash_offline.cache.manifest import ManifestStore
-    from dflash_offline.targets.folder import read_target
-
     cache, target, option = cfg.cache, cfg.target, where(cfg, "cache")
     try:
         m = ManifestStore(Location(cache, option)).read_committed()  # an edited one: before any decoding
@@ -155,7 +156,6 @@ def log_folder(cfg: EvalConfig) -> Path:
     made), else ./dflash-logs: eval never creates a folder beside a model someone put there."""
     if cfg.log_dir:
         return Path(cfg.log_dir)
-    from dflash_offline.runs.folder import is_run_folder
 
     run = Path(cfg.drafters[0]).absolute().parent
     if is_run_folder(run):
@@ -164,10 +164,6 @@ def log_folder(cfg: EvalConfig) -> Path:
 
 
 def run(cfg: EvalConfig) -> dict:
-    from dflash_offline.runtime.launch import check_devices_exist, parse_devices
-    from dflash_offline.runtime.early_log import open_launcher_log
-    from dflash_offline.runtime.logs import log_dir_refusal
-
     cfg.validate()
     said = partial(where, cfg)
     require_kind(cfg.cache, said("cache"), True, "a cache folder (the one with manifest.json)")
@@ -178,8 +174,6 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.cache:
         _check_cache_target(cfg)
     if cfg.implied_for:
-        from dflash_offline.evaluate.ceiling import find_shape
-
         find_shape(cfg.implied_for, option=said("implied_for"))  # an unknown name: one line now, not after the decoding
     try:  # in its folder once the inputs are checked (claim_heartbeat): a refusal leaves no log folder behind
         open_launcher_log(log_folder(cfg), "eval")
@@ -194,8 +188,6 @@ def run(cfg: EvalConfig) -> dict:
     device = devices[0]
     check_devices_exist(devices, said("device"))
     import torch
-
-    from dflash_offline.runtime.launch import single_thread_compute
 
     single_thread_compute()
     drafters = [(p, load_drafter(p, cfg.target, said)) for p in cfg.drafters]  # all refused before any decoding
@@ -237,8 +229,6 @@ def run(cfg: EvalConfig) -> dict:
 
                 report["drafters"][i]["parity"] = check_parity(cfg.target, d, cfg.cache, cfg.parity, device, cfg.dtype)
     if cfg.implied_for and cfg.prompts:
-        from dflash_offline.evaluate.ceiling import find_shape, format_implied, implied_speedup
-
         shape = find_shape(cfg.implied_for)
         for (_, d), e in zip(drafters, report["drafters"]):
             if d.cfg.method == "dspark":  # the ceilings are timed for DFlash's B-token verify blocks
@@ -362,8 +352,6 @@ class EvalInputs(NamedTuple):
 def _read_inputs(cfg: EvalConfig) -> EvalInputs:
     """The prompts, end-of-sequence ids and reference outputs, checked before the target loads: a
     bad prompt or reference file costs nothing."""
-    from dflash_offline.targets.folder import read_target
-
     tinfo = read_target(cfg.target, where(cfg, "target"))
     said = partial(where, cfg)
     ids, prompts = read_prompts(cfg.prompts, tinfo.vocab_size, cfg.max_prompts, said)

@@ -22,6 +22,8 @@ import numpy as np
 
 from dflash_offline.sampling import Sampling, draft_tokens, prompt_keys, target_tokens, verify_block
 from dflash_offline.targets import families
+from dflash_offline.targets.folder import read_target
+from dflash_offline.targets.model import RawLayerOutputs, load_target
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,7 +89,6 @@ class TargetSession:
 
     def _forward(self, tokens: list[int], features: bool):
         torch = self.torch
-        from dflash_offline.targets.model import RawLayerOutputs
 
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         # The layers' raw outputs, as extraction stores them (not `hidden_states`, whose last entry
@@ -157,9 +158,6 @@ def _crop_keys(layer, length: int) -> None:
 def load_target_for_decoding(target_dir: str, device: str, dtype: str):
     """The whole text model with its LM head, in eval mode; TF32 off so fp32 means fp32."""
     import torch
-
-    from dflash_offline.targets.folder import read_target
-    from dflash_offline.targets.model import load_target
 
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False

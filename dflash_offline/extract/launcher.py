@@ -24,19 +24,24 @@ import numpy as np
 from dflash_offline.options import where
 from dflash_offline.cache.manifest import ManifestStore, binds_nothing, check_compatible, committed_names, new_manifest
 from dflash_offline.cache.debris import refuse_foreign_shards
+from dflash_offline.cache.location import Location
 from dflash_offline.cache.shards import delete_released, shard_name
 from dflash_offline.config import ExtractConfig
 from dflash_offline.extract.messages import Paused, Progress
 from dflash_offline.extract.plan import Job, bytes_per_token, pass_plan, reserved_bytes
 from dflash_offline.extract.worker import log_folder, worker_entry, worker_run
+from dflash_offline.rows.parts import chat_settings_of
 from dflash_offline.runtime.errors import UserError, no_room_reason
-from dflash_offline.runtime.launch import Launch, join_ranks, resolve_compute_dtype, torchrun_launch
+from dflash_offline.runtime.launch import (Launch, check_devices_exist, join_ranks, parse_devices,
+                                           resolve_compute_dtype, torchrun_launch)
 from dflash_offline.runtime.early_log import open_launcher_log
 from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, log_dir_refusal
 from dflash_offline.runtime.paths import refuse_foreign_folder
 from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
-from dflash_offline.runtime.supervise import wait_for_other_ranks
+from dflash_offline.runtime.supervise import run_workers, wait_for_other_ranks
 from dflash_offline.runtime.units import human_bytes
+from dflash_offline.targets import model as target
+from dflash_offline.targets.folder import read_target
 
 log = logging.getLogger("dflash.extract")
 # What a cache location holds before its first manifest (a refused or killed first run): anything
@@ -54,9 +59,6 @@ def worker_device(devices: list[str], launch: Launch | None, rank: int) -> str:
 def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     """All checks that need no weights. Raises UserError; writes nothing to the cache."""
     from dflash_offline.rows import reader as data
-    from dflash_offline.targets import model as target
-    from dflash_offline.targets.folder import read_target
-    from dflash_offline.runtime.launch import check_devices_exist, parse_devices
 
     cfg.validate()
     devices = parse_devices(cfg.devices, where(cfg, "devices"))
@@ -97,7 +99,6 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
               "tokens": total_tokens,
               **({"passes": cfg.passes, "shards_per_pass": [len(plan) for plan in per_pass]} if cfg.passes > 1 else {})},
     )
-    from dflash_offline.rows.parts import chat_settings_of
 
     chat = chat_settings_of([p for p in cfg.data if os.path.isdir(p)])
     if chat is not None:  # how the text was rendered (prepare's record): travels on to the export
@@ -154,8 +155,6 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
 
 def run(cfg: ExtractConfig) -> dict:
     """The `extract` command. Returns the final manifest."""
-    from dflash_offline.cache.location import Location
-
     launch = torchrun_launch()
     cfg.validate()  # no log folder for a run that names no cache
     loc = Location(cfg.cache, where(cfg, "cache"))
@@ -244,8 +243,6 @@ def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bo
     stopped on request (the workers finished their shards in progress and exited), else None."""
     from tqdm import tqdm
 
-    from dflash_offline.runtime.supervise import run_workers
-
     bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
                desc="extract", smoothing=0.05)
     written = done = 0  # counted here: a disabled bar (--no-progress) never advances
@@ -275,8 +272,6 @@ def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bo
 
 def _worker_failure(job: Job, rank: int, device: str, code: int, error: str | None, log_path: str) -> str:
     """The launcher's one line for a failed worker: its own error, and for a full device what to do."""
-    from dflash_offline.cache.location import Location
-
     reason = no_room_reason(error) if error else None
     if reason:
         error = error.split("; see ")[0]  # the worker's pointer to its logs and its advice: said below

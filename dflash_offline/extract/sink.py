@@ -32,6 +32,7 @@ Back-pressure: when all slots are taken, `acquire` blocks the forward loop, so h
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import queue
 import time
@@ -40,6 +41,7 @@ from dflash_offline.extract.messages import (Batch, Begin, Close, Closed, End, F
                                              WriterError)
 from dflash_offline.extract.slots import Segment, close_shm, slot_arrays, slot_bytes, slot_views
 from dflash_offline.extract.writer_process import writer_main
+from dflash_offline.runtime.signals import spawning
 
 log = logging.getLogger("dflash.extract")
 
@@ -59,8 +61,6 @@ class ShardSink:
 
     def __init__(self, cache: str, layout_kw: dict, *, batch_tokens: int, writers: int, slots: int, pin: bool,
                  log_dir: str, log_name: str, on_progress, discard: bool = False):
-        import multiprocessing as mp
-
         if writers < 1 or slots < 1:
             raise ValueError(f"need at least one writer and one slot (got {writers}, {slots})")
         self.on_progress = on_progress
@@ -86,7 +86,6 @@ class ShardSink:
         # Called while waiting on the writers: run_shards sets the copy stream's query(), which
         # raises after a CUDA error (the flags would then never be written, and all would wait).
         self.poll = None
-        from dflash_offline.runtime.signals import spawning
 
         try:
             for _ in range(slots):

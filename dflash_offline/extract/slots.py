@@ -14,8 +14,11 @@ writer receives the descriptors with its start (multiprocessing passes them to t
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import secrets
+from multiprocessing import context, reduction
 
 import numpy as np
 
@@ -37,8 +40,6 @@ def _anonymous_fd(size: int) -> int:
 
 
 def _libc_memfd() -> int | None:
-    import ctypes
-
     try:
         f = ctypes.CDLL(None, use_errno=True).memfd_create
     except (AttributeError, OSError):
@@ -49,8 +50,6 @@ def _libc_memfd() -> int | None:
 
 def _unlinked_shm_file() -> int:
     """A /dev/shm file unlinked as soon as it exists (named for microseconds, not for a run)."""
-    import secrets
-
     if not os.path.isdir("/dev/shm"):
         raise RuntimeError("extract's shared slots need Linux shared memory (memfd_create or /dev/shm); "
                            "this system has neither")
@@ -69,8 +68,6 @@ class SegmentHandle:
         self.fd, self.size = fd, size
 
     def __reduce__(self):
-        from multiprocessing import context, reduction
-
         if context.get_spawning_popen() is None:
             raise RuntimeError("a SegmentHandle can only be passed to a process being started")
         return (SegmentHandle._received, (reduction.DupFd(self.fd), self.size))

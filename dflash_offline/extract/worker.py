@@ -13,15 +13,20 @@ import time
 
 import numpy as np
 
+from dflash_offline.cache.location import Location
+from dflash_offline.cache.manifest import ManifestStore, committed_names
 from dflash_offline.cache.shards import shard_name, shard_rel, tmp_shard_rel
 from dflash_offline.config import ExtractConfig
 from dflash_offline.extract.messages import Paused, Progress
 from dflash_offline.extract.plan import Job, make_batches
 from dflash_offline.runtime.faults import fault_point
+from dflash_offline.runtime.launch import single_thread_compute
 from dflash_offline.runtime.logs import heartbeat, open_process_log, worker_outcome
-from dflash_offline.runtime.supervise import WorkerError
+from dflash_offline.runtime.supervise import WorkerError, die_with_parent
 from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
 from dflash_offline.runtime.units import human_bytes
+from dflash_offline.targets.folder import read_target
+from dflash_offline.targets.model import LayerCapture, forward_batch, load_target
 
 log = logging.getLogger("dflash.extract")
 
@@ -35,9 +40,6 @@ def log_folder(cfg: ExtractConfig, loc) -> str:
 
 def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     """Spawned process: log file first, then torch, then the work."""
-    from dflash_offline.cache.location import Location
-    from dflash_offline.runtime.supervise import die_with_parent
-
     die_with_parent()
     loc = Location(job.cfg.cache)
     open_process_log(log_folder(job.cfg, loc), f"extract-rank{rank}", console=True, claim=True)
@@ -53,12 +55,7 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
 def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar: bool, todo_tokens: int) -> int:
     """Write this worker's shards. Returns how many it left unstarted (a stop was requested)."""
     heartbeat(phase="import")  # torch and the model code: a broken install fails here
-    from dflash_offline.cache.location import Location
-    from dflash_offline.cache.manifest import ManifestStore, committed_names
     from dflash_offline.rows.reader import RowReader, Source
-    from dflash_offline.runtime.launch import single_thread_compute
-    from dflash_offline.targets.model import LayerCapture, load_target
-    from dflash_offline.targets.folder import read_target
 
     import torch
 
@@ -213,7 +210,6 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
 
     from dflash_offline.cache.fp8 import DTYPE_NAME as FP8
     from dflash_offline.cache.fp8 import quantize as quantize_fp8
-    from dflash_offline.targets.model import forward_batch
 
     cuda = device.startswith("cuda")
     k = cfg.topk

@@ -15,10 +15,16 @@ import time
 
 import numpy as np
 
+from dflash_offline.cache.location import Location
+from dflash_offline.cache.manifest import ManifestStore
+from dflash_offline.cache.shards import publish_shard, shard_name, tmp_shard_rel
 from dflash_offline.extract.messages import (Batch, Begin, Close, Closed, End, Free, Progress, Ready, ShardDone,
                                              WriterError)
 from dflash_offline.extract.slots import Segment, SegmentHandle, close_shm, slot_bytes, slot_views
 from dflash_offline.runtime.faults import fault_point
+from dflash_offline.runtime.logs import heartbeat, open_process_log, reported_outcome
+from dflash_offline.runtime.signals import ignore_stop_signals
+from dflash_offline.runtime.supervise import die_with_parent
 
 log = logging.getLogger("dflash.extract")
 
@@ -27,8 +33,6 @@ def _wait_flag(flag: np.ndarray, seq: int) -> None:
     """Until the device's copy of batch `seq` into this slot has landed (its flag is written last).
     The worker's death ends this process (die_with_parent), and a worker that stops waits for no
     writer, so no timeout is needed here; the heartbeat keeps saying the process is alive."""
-    from dflash_offline.runtime.logs import heartbeat
-
     delay = 0.0002
     while int(flag[0]) != seq:
         time.sleep(delay)
@@ -38,8 +42,6 @@ def _wait_flag(flag: np.ndarray, seq: int) -> None:
 
 def _next_message(inq):
     """The next message from the worker, beating the heartbeat while there is none."""
-    from dflash_offline.runtime.logs import heartbeat
-
     while True:
         try:
             return inq.get(timeout=5.0)
@@ -50,10 +52,6 @@ def _next_message(inq):
 def writer_main(w: int, cache: str, layout_kw: dict, slot_handles: list[SegmentHandle], arrays, inq, outq,
                 log_dir: str, log_name: str, discard: bool = False) -> None:
     """Entry of writer process w: log file first, then its loop (numpy and Zarr only)."""
-    from dflash_offline.runtime.logs import open_process_log, reported_outcome
-    from dflash_offline.runtime.signals import ignore_stop_signals
-    from dflash_offline.runtime.supervise import die_with_parent
-
     die_with_parent()
     ignore_stop_signals()  # the worker decides when its writers stop (it finishes the shard first)
     open_process_log(log_dir, log_name, console=False, claim=True)
@@ -67,9 +65,6 @@ def writer_main(w: int, cache: str, layout_kw: dict, slot_handles: list[SegmentH
 
 
 def _writer_loop(w, cache, layout_kw, slot_handles, arrays, inq, outq, discard: bool) -> None:
-    from dflash_offline.cache.location import Location
-    from dflash_offline.cache.manifest import ManifestStore
-
     loc = Location(cache)
     store = ManifestStore(loc)
     shms = [Segment.attach(h) for h in slot_handles]
@@ -82,9 +77,7 @@ def _writer_loop(w, cache, layout_kw, slot_handles, arrays, inq, outq, discard: 
 
 
 def _write_loop(w, loc, store, shms, arrays, layout_kw, inq, outq, discard: bool) -> None:
-    from dflash_offline.cache.shards import publish_shard, shard_name, tmp_shard_rel
     from dflash_offline.cache.writer import ShardLayout, ShardWriter
-    from dflash_offline.runtime.logs import heartbeat
 
     slots = [slot_views(s.buf, arrays) for s in shms]
     outq.put(Ready(w, os.getpid()))

@@ -25,19 +25,29 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_offline.cache.location import Location
+from dflash_offline.cache.manifest import check_compatible, id_ranges
 from dflash_offline.config import GenerateConfig
 from dflash_offline.generate.plan import (CPU_CHUNK_PROMPTS, GPU_CHUNK_PROMPTS, Job, Preflight, make_batches,
                                           make_chunks)
 from dflash_offline.generate.progress import Bar, Todo, Tracker, todo_of, turns_per_row
 from dflash_offline.generate.writing import PartWriter, stream_parts
 from dflash_offline.options import also, where as origin
+from dflash_offline.rows import parts
+from dflash_offline.rows.parts import write_parquet_atomic
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
-from dflash_offline.runtime.launch import Launch, join_ranks, torchrun_launch
+from dflash_offline.runtime.launch import (Launch, check_devices_exist, join_ranks, parse_devices,
+                                           resolve_compute_dtype, single_thread_compute, torchrun_launch)
 from dflash_offline.runtime.early_log import open_command_log
-from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_process_log
+from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_process_log, worker_outcome
+from dflash_offline.runtime.paths import file_sha256
 from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
-from dflash_offline.runtime.supervise import wait_for_other_ranks
+from dflash_offline.runtime.supervise import WorkerError, die_with_parent, run_workers, wait_for_other_ranks
+from dflash_offline.runtime.units import human_bytes
+from dflash_offline.targets import model as target
+from dflash_offline.targets.folder import eos_source, read_target
+from dflash_offline.targets.model import load_target
 
 log = logging.getLogger("dflash.generate")
 
@@ -55,8 +65,6 @@ OWN_ENTRIES = {"logs", ".run.lock", ".manifest.lock"}
 
 def _check_output(folder: Path, merged: Path | None, option: str = "--out") -> None:
     """Nothing the tool did not create is overwritten: an existing output must be ours."""
-    from dflash_offline.rows import parts
-
     ours = (folder / parts.MANIFEST).is_file()
     if merged is not None and merged.exists() and not ours:
         raise UserError(f"{option} {merged}: the file exists and was not written by `generate` (no {folder / parts.MANIFEST}); "
@@ -75,11 +83,6 @@ def _check_output(folder: Path, merged: Path | None, option: str = "--out") -> N
 def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: Launch | None) -> Preflight:
     """All checks that need no weights. Raises UserError; writes nothing."""
     from dflash_offline.rows import reader as data
-    from dflash_offline.rows import parts
-    from dflash_offline.targets import model as target
-    from dflash_offline.runtime.launch import resolve_compute_dtype
-    from dflash_offline.targets.folder import read_target
-    from dflash_offline.runtime.launch import check_devices_exist, parse_devices
     from dflash_offline.generate.turns import chat_stop, conversation_settings
 
     devices = parse_devices(cfg.devices, origin(cfg, "devices"))
@@ -183,8 +186,6 @@ def _plan_lengths(cfg: GenerateConfig, source, info, chat) -> np.ndarray:
 
 def _end_of_sequence(cfg: GenerateConfig, info) -> list[int]:
     """The end-of-sequence ids: the option's, else the target folder's; each inside the vocabulary."""
-    from dflash_offline.targets.folder import eos_source
-
     given = cfg.eos_token_ids is not None
     read, read_from = (set(), None) if cfg.ignore_eos or given else eos_source(cfg.target)
     eos = [] if cfg.ignore_eos else sorted(cfg.eos_token_ids if given else read)
@@ -201,12 +202,9 @@ def _end_of_sequence(cfg: GenerateConfig, info) -> list[int]:
 def _committed_parts(folder: Path, wanted: dict, launch: Launch | None) -> set[str]:
     """The parts an existing output at `folder` has committed, once it is shown to be this run's
     (same target, settings and input); an earlier attempt that committed nothing is replaced."""
-    from dflash_offline.rows import parts
-
     existing = parts.OutputStore(folder).read() if folder.is_dir() else None
     if existing is None:
         return set()
-    from dflash_offline.cache.manifest import check_compatible
 
     try:
         check_compatible(existing, wanted, str(folder / parts.MANIFEST), fmt=parts.FORMAT, version=parts.VERSION,
@@ -223,12 +221,8 @@ def _committed_parts(folder: Path, wanted: dict, launch: Launch | None) -> set[s
 
 def _check_room(cfg: GenerateConfig, folder: Path, need: int) -> None:
     """Refuse an output whose parts (and the merged file) would not fit the free space at `folder`."""
-    from dflash_offline.cache.location import Location
-
     free = Location(str(folder)).free_bytes()
     if free is not None and need > free:
-        from dflash_offline.runtime.units import human_bytes
-
         raise UserError(f"{origin(cfg, 'out')} {cfg.out}: the output needs up to {human_bytes(need)} but "
                         f"{human_bytes(free)} is free there; free space or choose another --out")
 
@@ -239,9 +233,6 @@ def _check_room(cfg: GenerateConfig, folder: Path, need: int) -> None:
 
 def run(cfg: GenerateConfig) -> dict:
     """The `generate` command. Returns the final manifest."""
-    from dflash_offline.rows import parts
-    from dflash_offline.cache.location import Location
-
     launch = torchrun_launch()
     cfg.validate()
     folder, merged = output_folder(cfg.out)
@@ -316,9 +307,6 @@ def _finish(store, merged: Path | None, launch: Launch | None) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dflash_offline.runtime.paths import file_sha256
-    from dflash_offline.rows.parts import write_parquet_atomic
-
     m = store.read()
     done = m.get("merged")
     if done and merged.is_file() and file_sha256(merged) == done["sha256"]:
@@ -334,8 +322,6 @@ def _finish(store, merged: Path | None, launch: Launch | None) -> None:
 def _launch_workers(job: Job, devices: list[str], todo: Todo, progress: bool, log_dir: str) -> int | None:
     """One worker process per device, to the end. Returns the signal number if the run was stopped
     on request (the workers committed their parts in progress and exited), else None."""
-    from dflash_offline.runtime.supervise import run_workers
-
     bar = Bar(todo, job.cfg.max_new_tokens, progress)  # the workers' Progress messages, added up
     try:
         ended = run_workers(worker_entry, devices, job, "generate", bar)
@@ -355,10 +341,6 @@ def _launch_workers(job: Job, devices: list[str], todo: Todo, progress: bool, lo
 
 def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     """Spawned process: log file first, then torch, then the work."""
-    from dflash_offline.runtime.logs import worker_outcome
-    from dflash_offline.runtime.supervise import WorkerError
-    from dflash_offline.runtime.supervise import die_with_parent
-
     die_with_parent()
     open_process_log(job.cfg.log_dir or os.path.join(job.folder, "logs"), f"generate-rank{rank}", claim=True)
     install_stop_handlers(launched=True)
@@ -372,15 +354,9 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
 def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) -> int:
     """Generate and commit this worker's parts. Returns how many it left unstarted (a stop was requested)."""
     heartbeat(phase="import")
-    from dflash_offline.rows import parts
-    from dflash_offline.cache.manifest import id_ranges
     from dflash_offline.rows.reader import RowReader, Source
-    from dflash_offline.runtime.launch import single_thread_compute
 
     import torch
-
-    from dflash_offline.targets.folder import read_target
-    from dflash_offline.targets.model import load_target
 
     single_thread_compute()
     cfg = job.cfg

@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from dflash_offline.chat.formats import Message, messages_json
-from dflash_offline.chat.template import ChatTemplate, TemplateRefused, row_id, split_reasoning
+from dflash_offline.chat.template import ChatTemplate, TemplateRefused, TurnStop, row_id, split_reasoning, turn_stop
+from dflash_offline.options import where
+from dflash_offline.rows.parts import chat_settings_of, write_part
 from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.paths import file_sha256
 
 log = logging.getLogger("dflash.generate")
 
@@ -81,8 +85,6 @@ def conversation_settings(prompts: list[str], source) -> dict | None:
     `prepare` (a `messages` column in every file); None for plain prompts."""
     import pyarrow.parquet as pq
 
-    from dflash_offline.rows.parts import chat_settings_of
-
     with_messages = ["messages" in pq.read_schema(f.path).names for f in source.files]
     if not any(with_messages):
         return None
@@ -98,9 +100,6 @@ def chat_stop(cfg, chat: dict | None, eos: list[int]):
     """The ids replies stop at and a warning to print (chat/template.py `turn_stop`): for
     conversations, the template's end of turn joins the end-of-sequence ids where it is one token
     they lack (unless the user named the ids); plain prompts and --ignore-eos keep `eos`."""
-    from dflash_offline.chat.template import TurnStop, turn_stop
-    from dflash_offline.options import where
-
     if chat is None or cfg.ignore_eos:
         return TurnStop(eos, None)
     tmpl = ChatTemplate.recorded(cfg.target, chat, eos)
@@ -191,8 +190,6 @@ def regenerate_continuously(convs: list[Conversation], tmpl: ChatTemplate, decod
     """Fill each conversation's rows through the continuous decoder: a conversation's next turn is
     queued as soon as its reply ends. -> the (conversation, round) whose prompt outgrew the slots
     (they go on in padded rounds: `regenerate(..., start=...)`)."""
-    from collections import deque
-
     from dflash_offline.generate.continuous import Request
 
     outgrown: list[tuple[Conversation, int]] = []
@@ -266,9 +263,6 @@ def write_chat_part(folder, name: str, convs: list[Conversation]) -> dict:
     """Rows in the input contract (id, input_ids, loss_mask) plus where they came from. Row k > 0 of
     a conversation split by its template takes the id `id + k * 2^40`, as `prepare` numbers them."""
     import pyarrow as pa
-
-    from dflash_offline.runtime.paths import file_sha256
-    from dflash_offline.rows.parts import write_part
 
     cols: dict[str, list] = {k: [] for k in ("id", "input_ids", "loss_mask", "finish_reason", "conversation_id",
                                              "turns", "messages")}

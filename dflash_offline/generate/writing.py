@@ -15,6 +15,8 @@ import logging
 from pathlib import Path
 from typing import Callable
 
+from dflash_offline.cache.manifest import id_ranges
+from dflash_offline.rows import parts
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.runtime.signals import stop_requested
@@ -50,9 +52,6 @@ class PartWriter:
 
     def write(self, name: str, ids: list[int], prompts: list[list[int]], new: list, eos_end: list[bool]) -> None:
         """Write one part's completions and commit it."""
-        from dflash_offline.cache.manifest import id_ranges
-        from dflash_offline.rows import parts
-
         self.tracker.flush()
         entry = parts.write_completions(self.folder, name, ids, prompts, new, eos_end)
         entry["ids"] = id_ranges(ids)

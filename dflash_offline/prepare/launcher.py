@@ -19,13 +19,22 @@ from collections import Counter
 from functools import partial
 from pathlib import Path
 
+from dflash_offline.cache.location import Location
+from dflash_offline.chat.formats import cut_off_files
+from dflash_offline.chat.records import read_records
+from dflash_offline.chat.template import ChatTemplate, load_chat_tokenizer, turn_stop
 from dflash_offline.options import where
 from dflash_offline.config import PrepareConfig
+from dflash_offline.prepare import output, select
+from dflash_offline.prepare.output import dropped_text
+from dflash_offline.rows.parts import MANIFEST, read_manifest
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.early_log import open_command_log
 from dflash_offline.runtime.logs import claim_heartbeat, heartbeat
+from dflash_offline.runtime.paths import refuse_foreign_folder
 from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
+from dflash_offline.targets.folder import eos_ids, read_target
 
 log = logging.getLogger("dflash.prepare")
 
@@ -33,9 +42,6 @@ SPLITS = ("train", "eval")
 
 
 def _check_out(out: Path, option: str = "--out") -> None:
-    from dflash_offline.rows.parts import MANIFEST, read_manifest
-    from dflash_offline.runtime.paths import refuse_foreign_folder
-
     if out.is_file():
         raise UserError(f"{option} {out}: is a file; give a folder")
     ours = any((out / s / MANIFEST).is_file() and read_manifest(out / s) is not None for s in SPLITS)
@@ -54,11 +60,6 @@ def _limits(cfg: PrepareConfig, info):
 
 def run(cfg: PrepareConfig) -> dict:
     """The `prepare` command. Returns {split: manifest}."""
-    from dflash_offline.chat.records import read_records
-    from dflash_offline.chat.template import ChatTemplate, load_chat_tokenizer, turn_stop
-    from dflash_offline.prepare import output, select
-    from dflash_offline.targets.folder import eos_ids, read_target
-
     cfg.validate()
     out = Path(cfg.out)
     _check_out(out, where(cfg, "out"))
@@ -89,7 +90,6 @@ def run(cfg: PrepareConfig) -> dict:
                              end_ids=eos, tokenizer=tokenizer,
                              said=partial(where, cfg)) if chat else None
     sel = select.select(records, cfg.responses, cfg.eval_fraction, cfg.dedup, cfg.drop_unanswered)
-    from dflash_offline.chat.formats import cut_off_files
 
     sel.cut_off = cut_off_files()
     log.info("read %d records from %d input(s); %d train, %d eval after selection; dropped %s", sel.read,
@@ -135,7 +135,6 @@ def run(cfg: PrepareConfig) -> dict:
     if stop_requested():
         raise Stopped(stop_requested(), f"stopped on {signal_name(stop_requested())} before writing; nothing changed; "
                       "run the same command again")
-    from dflash_offline.cache.location import Location
 
     run_lock = Location(str(out)).try_run_lock()  # held until this process exits
     if run_lock is None:
@@ -154,7 +153,7 @@ def _render(cfg: PrepareConfig, sel, chunks: dict, committed: dict, tmpl, limits
     rendered again), with the bar counting the records read."""
     from tqdm import tqdm
 
-    from dflash_offline.prepare import output, rows
+    from dflash_offline.prepare import rows
 
     tables: dict[str, list] = {s: [] for s in SPLITS}
     # Counts the records read: those the selection dropped are done, the others as their chunk is rendered.
@@ -180,8 +179,6 @@ def _render(cfg: PrepareConfig, sel, chunks: dict, committed: dict, tmpl, limits
 def _write(cfg: PrepareConfig, sel, chunks: dict, tables: dict, stores: dict, wanted: dict) -> dict:
     """Write and commit the rendered parts, split by split (a stop request ends it between parts,
     committed ones kept); -> {split: its manifest}."""
-    from dflash_offline.prepare import output
-
     manifests = {}
     for s in SPLITS:
         if not chunks[s]:
@@ -201,8 +198,6 @@ def _write(cfg: PrepareConfig, sel, chunks: dict, tables: dict, stores: dict, wa
 
 
 def _report(manifests: dict, sel, out: Path, seconds: float, cfg: PrepareConfig, info, fresh: bool) -> None:
-    from dflash_offline.prepare.output import dropped_text
-
     dropped = Counter(sel.dropped)
     for m in manifests.values():
         for p in m["parts"]:

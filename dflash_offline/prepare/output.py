@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import time
 
+from dflash_offline.cache.manifest import id_ranges
+from dflash_offline.chat.formats import resolve_inputs
 from dflash_offline.rows.parts import PREPARED_FORMAT, OutputStore, part_name, write_part
+from dflash_offline.runtime.paths import file_sha256
 
 __all__ = ["PreparedStore", "new_manifest", "part_name", "source_entry"]
 
@@ -40,9 +43,6 @@ def new_manifest(kind: str, target: dict, chat: dict | None, settings: dict, sou
 
 def source_entry(paths: list[str]) -> dict:
     """The inputs as identity: each file's bytes (sha256), so a changed file is noticed on resume."""
-    from dflash_offline.chat.formats import resolve_inputs
-    from dflash_offline.runtime.paths import file_sha256
-
     files = []
     for p in resolve_inputs(paths):
         if p.is_file():
@@ -74,9 +74,6 @@ class PreparedStore(OutputStore):
             self._refuser(wanted)(m)
 
     def write_and_commit(self, name: str, rows, conversations) -> None:
-        from dflash_offline.cache.manifest import id_ranges
-        from dflash_offline.runtime.paths import file_sha256
-
         self.folder.mkdir(parents=True, exist_ok=True)
         self.remove_debris({name})
         file, nbytes = write_part(self.folder, name, rows.table)

@@ -22,9 +22,11 @@ import os
 import time
 from pathlib import Path
 
-from dflash_offline.cache.location import Location
+from dflash_offline.cache.location import Location, fsync_dir
 from dflash_offline.cache.manifest import check_compatible, create_or_check, replace_unbound
 from dflash_offline.runtime.errors import UserError
+from dflash_offline.runtime.faults import fault_point
+from dflash_offline.runtime.paths import file_sha256
 
 log = logging.getLogger("dflash.generate")
 
@@ -192,8 +194,6 @@ def write_parquet_atomic(table, final: Path, on_written=None) -> int:
     rename (a fault point). Returns the file's bytes."""
     import pyarrow.parquet as pq
 
-    from dflash_offline.cache.location import fsync_dir
-
     tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp, row_group_size=1024)
     with open(tmp, "rb") as f:
@@ -207,8 +207,6 @@ def write_parquet_atomic(table, final: Path, on_written=None) -> int:
 
 def write_part(folder: Path, name: str, table) -> tuple[str, int]:
     """Write one part as `name`.parquet. -> (file name, bytes)."""
-    from dflash_offline.runtime.faults import fault_point
-
     final = folder / f"{name}.parquet"
     return final.name, write_parquet_atomic(table, final, on_written=lambda: fault_point("part-written"))
 
@@ -216,8 +214,6 @@ def write_part(folder: Path, name: str, table) -> tuple[str, int]:
 def write_completions(folder: Path, name: str, ids, prompts, new, eos_end) -> dict:
     """One part of prompt + completion rows in the input contract; returns its manifest entry."""
     import pyarrow as pa
-
-    from dflash_offline.runtime.paths import file_sha256
 
     seqs = [p + t for p, t in zip(prompts, new)]
     masks = [[0] * len(p) + [1] * len(t) for p, t in zip(prompts, new)]

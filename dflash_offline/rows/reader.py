@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dflash_offline.rows.parts import listed_parts
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.paths import file_sha256
 
@@ -26,8 +27,6 @@ def resolve_files(paths: list[str], option: str = "--data") -> list[Path]:
     """Files in the order given; a folder contributes its *.parquet files in name order, or, for
     the output folder of `dflash-offline generate`, the parts its manifest lists (only once the
     generation is complete: a folder still being written is refused)."""
-    from dflash_offline.rows.parts import listed_parts
-
     files: list[Path] = []
     for p in paths:
         path = Path(p)

@@ -11,12 +11,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zipfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from dflash_offline.runtime.errors import UserError
+from dflash_offline.cache.location import Location
+from dflash_offline.drafter.config import DrafterConfig
+from dflash_offline.runtime.errors import NoRoom, UserError, no_room_reason, tensor_bytes
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.paths import ordinary_mode
+from dflash_offline.runtime.units import human_bytes
 
 CHECKPOINT_PREFIX = "step-"
 
@@ -85,8 +89,6 @@ def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: Checkpoint
     import torch
     from safetensors.torch import save_file
 
-    from dflash_offline.runtime.errors import NoRoom, no_room_reason, tensor_bytes
-
     final = out / f"{CHECKPOINT_PREFIX}{step}"
     tmp = out / f".tmp-{CHECKPOINT_PREFIX}{step}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -98,7 +100,6 @@ def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: Checkpoint
         ordinary_mode(tmp / "drafter.safetensors")  # safetensors leaves 0600: unreadable to another user
         torch.save(trainer, tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps(state.to_json(), indent=1))
-        from dflash_offline.cache.location import Location
 
         Location(str(out)).fsync_tree(tmp.name)  # on storage before it counts
     except Exception as e:
@@ -112,7 +113,6 @@ def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: Checkpoint
         reason = no_room_reason(e) or ("the device is full" if free is not None and free < need else None)
         if reason is None:
             raise
-        from dflash_offline.runtime.units import human_bytes
 
         before = list_checkpoints(out)
         intact = (f"the last complete checkpoint {out / f'{CHECKPOINT_PREFIX}{before[-1]}'} is intact and the same "
@@ -140,8 +140,6 @@ def checkpoint_damage(ck: Path, files: tuple[str, ...] = CHECKPOINT_FILES, confi
     Reads headers only, no tensors: a check of a 27B-shaped drafter's checkpoint takes a moment.
     `config_problem(config) -> str | None`: a check of the saved training settings (train's resume
     reads them; a reader of the drafter alone need not)."""
-    import zipfile
-
     for name in files:
         f = ck / name
         try:
@@ -156,7 +154,6 @@ def checkpoint_damage(ck: Path, files: tuple[str, ...] = CHECKPOINT_FILES, confi
                         return f"{name}: damaged or not a checkpoint's state (no {key})"
                 if not isinstance(state["config"], dict) or not isinstance(state["drafter"], dict):
                     return f"{name}: damaged or not a checkpoint's state (config or drafter is not an object)"
-                from dflash_offline.drafter.config import DrafterConfig
 
                 problem = DrafterConfig.saved_problem(state["drafter"])
                 if problem := problem or (config_problem(state["config"]) if config_problem else None):
@@ -193,7 +190,6 @@ def load_checkpoint(ck_dir: str):
     float32); the frozen embedding and LM head are placeholders until load_frozen_from_target."""
     from safetensors.torch import load_file
 
-    from dflash_offline.drafter.config import DrafterConfig
     from dflash_offline.drafter.model import FROZEN_PREFIXES, DFlashDrafter
 
     ck = Path(ck_dir)

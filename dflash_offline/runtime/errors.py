@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class UserError(Exception):
     """Bad input or configuration: the CLI prints the message as one line and exits with 2."""
@@ -17,8 +19,6 @@ def no_room_reason(err: BaseException | str) -> str | None:
     None when the error says otherwise. `err` is the exception, or its one-line text as a worker
     process reports it to its launcher. Native writers (safetensors, torch.save) report it only in
     their message text."""
-    import errno
-
     text = str(err)
     for code, words, marks in ((errno.ENOSPC, "the device is full", ("No space left",)),
                                (getattr(errno, "EDQUOT", errno.ENOSPC), "the disk quota is reached", ("quota",)),

@@ -3,10 +3,15 @@ rendezvous of the ranks."""
 
 from __future__ import annotations
 
+import ctypes
+import datetime
+import faulthandler
 import os
+import sys
 import time
 from dataclasses import dataclass
 
+from dflash_offline.runtime import logs
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.logs import heartbeat, log
 from dflash_offline.runtime.signals import stop_requested
@@ -85,7 +90,6 @@ def join_ranks(launch: Launch | None) -> None:
              launch_env(), launch.rank, timeout, launch.world_size - 1, addr, port)
     heartbeat(phase="waiting for the other ranks")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # a client's retries print C++ stacks otherwise
-    import datetime
 
     import torch.distributed as dist
 
@@ -171,8 +175,6 @@ def abandon_process_groups() -> None:
     stay blocked in it, and destroying a group (destroy_process_group, or the interpreter freeing
     it at exit) waits for them forever. The groups are kept alive to the process's end instead
     (one reference more that is never dropped), so that the process can exit."""
-    import ctypes
-
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -194,11 +196,6 @@ TEARDOWN_S = 60.0
 def exit_within(seconds: float) -> None:
     """The process's work is done: if it has not exited `seconds` from now, the tracebacks of its
     threads go to its log and it exits with code 1, instead of never."""
-    import faulthandler
-    import sys
-
-    from dflash_offline.runtime import logs
-
     stream = getattr(getattr(logs, "_file_handler", None), "stream", None) or sys.stderr
     faulthandler.dump_traceback_later(seconds, exit=True, file=stream)
 

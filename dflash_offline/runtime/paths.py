@@ -4,8 +4,10 @@ Nothing the tool did not create is ever overwritten: each destination is checked
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from dflash_offline.runtime.errors import UserError
@@ -28,8 +30,6 @@ def unwritable_folder(folder: str | os.PathLike) -> str | None:
     """Why nothing can be created in `folder` (or, when it does not exist yet, in its nearest
     existing parent), else None. It really creates and removes a file there: permission bits do
     not tell (root passes them; /proc, read-only mounts and full devices refuse anyway)."""
-    import tempfile
-
     p = Path(folder).absolute()
     while not p.exists():
         p = p.parent
@@ -115,8 +115,6 @@ def ordinary_mode(*paths: str | os.PathLike) -> None:
 
 def file_sha256(path: str | os.PathLike) -> str:
     """sha256 of a file's bytes (inputs and parts are identified by content, not by path)."""
-    import hashlib
-
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):

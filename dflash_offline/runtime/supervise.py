@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing as mp
 import os
+import queue as queue_mod
 import signal
 import sys
 import time
@@ -26,7 +29,6 @@ def die_with_parent() -> None:
     writing into the cache behind it."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
 
     PR_SET_PDEATHSIG = 1
     try:
@@ -100,9 +102,6 @@ def run_workers(entry, devices: list[str], job, stage: str, on_message) -> Worke
     others are stopped (stop_processes). The failure reported is the first one: the worker whose
     error line came first (after it, ranks of one process group fail in broken collectives), else
     the lowest rank that exited with an error."""
-    import multiprocessing as mp
-    import queue as queue_mod
-
     ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
     q = ctx.Queue()
     procs = []

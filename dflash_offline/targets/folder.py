@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.targets import families
+from dflash_offline.targets.tokenizer import read_tokenizer_files
 
 # Checkpoint key prefixes of multimodal wrappers, mapped onto the text-only causal LM.
 KEY_REWRITES = [
@@ -231,7 +232,6 @@ def eos_source(target_dir: str) -> tuple[set[int], Path | None]:
                                     "(integers); fix the file (generate --eos-token-ids and eval --ignore-eos "
                                     "override it)")
                 return set(items), f
-    from dflash_offline.targets.tokenizer import read_tokenizer_files
 
     eos = read_tokenizer_files(root).declared_id("eos_token")
     if eos is not None:

@@ -10,9 +10,13 @@ hooks (RawLayerOutputs), never `output_hidden_states`. When no logits are wanted
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
+import sys
 
-from dflash_offline.targets.folder import TargetInfo, checkpoint_name
+from dflash_offline.options import also, where
+from dflash_offline.targets.folder import TargetInfo, checkpoint_name, tensor_entries
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.targets import families
 
@@ -34,8 +38,6 @@ def _rule_limit(num_target_layers: int) -> int:
 def resolve_layers(info: TargetInfo, cfg) -> list[int]:
     """The target layer ids to capture: `cfg.capture_layers`, or the DFlash rule's
     `cfg.capture_count` (extract's and plan's configs); messages name the option as given."""
-    from dflash_offline.options import also, where
-
     layers, n = cfg.capture_layers, cfg.capture_count
     if layers is None:
         if info.num_target_layers < 5:
@@ -68,8 +70,6 @@ def check_topk(info: TargetInfo, topk: int, option: str = "--topk") -> None:
 
 def check_kernels(info: TargetInfo, devices: list[str]) -> str | None:
     """For a hybrid target on CUDA, the loud warning when the fast Gated DeltaNet kernels are missing."""
-    import importlib.util
-
     if not any(d.startswith("cuda") for d in devices):
         return None
     wanted = families.kernels({"layer_types": list(info.layer_types)})
@@ -111,9 +111,6 @@ def route_cpu_tensors_to_torch_kernels(model) -> int:
     kernel, CPU tensors take the original PyTorch function (`__wrapped__`). Returns how many
     functions were wrapped (0 for dense targets or when nothing is bound to a fast kernel).
     """
-    import functools
-    import sys
-
     import torch
 
     wrapped = 0
@@ -174,9 +171,6 @@ def check_weights(info: TargetInfo, keep_layers: int, need_head: bool) -> None:
     shape the config implies (the model is built on the meta device: no memory, no weights)."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from dflash_offline.targets.folder import tensor_entries
-
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()

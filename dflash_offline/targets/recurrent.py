@@ -26,11 +26,14 @@ loop over the tokens in fp32, the same arithmetic as transformers' `torch_recurr
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from dflash_offline.targets.families import LAYER_KINDS, LINEAR
 
 log = logging.getLogger("dflash.eval")
 
@@ -52,8 +55,6 @@ def _fla() -> Kernels | None:
         return None
     kernel = None
     try:
-        import importlib.metadata
-
         # The launch below follows fla 0.6's kernel (a 1-D grid); 0.5's takes the same arguments on
         # a 2-D grid and would silently update one head: only 0.6 and later get the in-place path.
         major, minor = (int(x) for x in importlib.metadata.version("fla-core").split(".")[:2])
@@ -221,8 +222,6 @@ def kernels_for(device: torch.device):
 @functools.cache
 def _warn_no_fla() -> None:
     """Once a process (a decoder builds two static targets: its slots and its staging rows)."""
-    from dflash_offline.targets.families import LAYER_KINDS, LINEAR
-
     fla = next(k for k in LAYER_KINDS[LINEAR].kernels if k.module == "fla")
     log.warning("%s is not installed: the Gated DeltaNet layers run a token-by-token PyTorch loop (slow); %s",
                 fla.package, fla.install)

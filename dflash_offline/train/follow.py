@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from dflash_offline.cache.location import Location
+from dflash_offline.cache.manifest import ManifestStore, committed_names, occupancy
+from dflash_offline.cache.shards import delete_released, shard_name
 from dflash_offline.options import also, where
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
-from dflash_offline.runtime.logs import heartbeat
+from dflash_offline.runtime.logs import heartbeat, pid_alive, processes
 from dflash_offline.train.plan import TrainPlan
 from dflash_offline.runs.folder import CONSUMED
 
@@ -69,13 +75,6 @@ def extraction_gone(cache: str, fresh_s: float = 120.0) -> str | None:
     this host, or a log written within `fresh_s` on another, counts as running); and heartbeats
     older than the manifest's last commit belong to an earlier run (this one logs elsewhere, with
     --log-dir): unknown. A remote cache: unknown."""
-    import os
-    import re
-    import socket
-
-    from dflash_offline.cache.location import Location
-    from dflash_offline.runtime.logs import pid_alive, processes
-
     loc = Location(cache)
     logs = None if loc.remote else Path(loc.path("logs"))
     procs = processes(logs, stage="extract-") if logs is not None and logs.is_dir() else []
@@ -143,10 +142,6 @@ def follow_segments(cfg: TrainConfig, plan: TrainPlan, rank: int, world: int, de
     paused for space while the trainer waits, a checkpoint releases the windows already trained."""
     import torch
     import torch.distributed as dist
-
-    from dflash_offline.cache.location import Location
-    from dflash_offline.cache.manifest import ManifestStore, committed_names, occupancy
-    from dflash_offline.cache.shards import shard_name
 
     G, N = cfg.follow_window, plan.follow.num_shards
     window, base, tokens_before = start.window, start.window_start, start.tokens_before
@@ -227,10 +222,6 @@ def release_consumed(cfg: TrainConfig, plan: TrainPlan, window: int) -> None:
     """Rank 0, after a checkpoint whose next window is `window`: the shards of all earlier windows
     are finished for good. Recorded in the manifest first; with --stream their data is deleted
     after (a kill in between leaves folders that the next call deletes)."""
-    from dflash_offline.cache.location import Location
-    from dflash_offline.cache.manifest import ManifestStore
-    from dflash_offline.cache.shards import delete_released, shard_name
-
     n = min(window * cfg.follow_window, plan.follow.num_shards)
     if n == 0:
         return

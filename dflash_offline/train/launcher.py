@@ -22,12 +22,13 @@ import socket
 from pathlib import Path
 from typing import NamedTuple
 
+from dflash_offline.cache.location import Location
 from dflash_offline.options import where
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.launch import join_ranks, torchrun_launch
 from dflash_offline.runtime.early_log import open_launcher_log
-from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_process_log
+from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_process_log, worker_outcome
 from dflash_offline.runtime.signals import (
     Stopped,
     install_stop_handlers,
@@ -39,6 +40,7 @@ from dflash_offline.train.outcomes import TrainingDiverged, stopped_message
 from dflash_offline.train.plan import TrainPlan
 from dflash_offline.train.preflight import preflight
 from dflash_offline.runs.folder import refuse_foreign_run
+from dflash_offline.runtime.supervise import WorkerError, die_with_parent, run_workers
 
 
 def run(cfg: TrainConfig) -> None:
@@ -61,8 +63,6 @@ def run(cfg: TrainConfig) -> None:
         raise Stopped(stop_requested(), f"stopped on {signal_name(stop_requested())} before training started; "
                       "nothing changed; run the same command again to start")
     if launch is None or launch.rank == 0:
-        from dflash_offline.cache.location import Location
-
         run_lock = Location(str(out)).try_run_lock()  # held until this process exits
         if run_lock is None:
             raise UserError(f"{where(cfg, 'out')} {cfg.out}: another training run is using this folder (it holds "
@@ -93,8 +93,6 @@ def _spawn_ranks(cfg: TrainConfig, plan: TrainPlan, out: Path) -> None:
     (runtime/supervise.py): a stop request is passed on to every rank, a rank stopped on its own
     stops the others, a failed rank stops the others and the run fails with the error of the rank
     that failed first (the others' broken collectives follow from it)."""
-    from dflash_offline.runtime.supervise import run_workers
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -117,9 +115,6 @@ def _spawn_ranks(cfg: TrainConfig, plan: TrainPlan, out: Path) -> None:
 
 def _spawned(rank: int, world: int, device: str, job: RankJob, q) -> None:
     """A spawned rank: its own log, the launcher's rendezvous, its error line on `q` if it fails."""
-    from dflash_offline.runtime.logs import worker_outcome
-    from dflash_offline.runtime.supervise import WorkerError, die_with_parent
-
     die_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))

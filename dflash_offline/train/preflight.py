@@ -14,16 +14,21 @@ import math
 import time
 from pathlib import Path
 
+from dflash_offline.cache.location import Location
+from dflash_offline.cache.manifest import ManifestStore, committed_names
 from dflash_offline.options import also, where
 from dflash_offline.cache.view import ManifestView
+from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
-from dflash_offline.runtime.launch import torchrun_launch
+from dflash_offline.runtime.launch import check_devices_exist, parse_devices, torchrun_launch
 from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.train.resume import check_resume
 from dflash_offline.train.follow import window_misfit
 from dflash_offline.train.plan import EpochPlan, FollowPlan, TrainPlan
 from dflash_offline.runs.folder import BEST, EXPORT
+from dflash_offline.runtime.paths import require_kind
+from dflash_offline.targets.folder import read_target
 
 log = logging.getLogger("dflash.train")
 
@@ -46,8 +51,6 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     from dflash_offline.drafter.export import check_export_dest
     from dflash_offline.blocks.packing import manifest_fingerprint, epoch_order, steps_per_epoch
     from dflash_offline.blocks.pieces import pack_pieces, scan_samples
-    from dflash_offline.runtime.launch import check_devices_exist, parse_devices
-    from dflash_offline.runtime.paths import require_kind
 
     cfg.validate()
     require_kind(cfg.cache, where(cfg, "cache"), True, "the cache folder extract wrote (the one with manifest.json)")
@@ -143,8 +146,6 @@ def _check_row_memory(cfg: TrainConfig, features: int) -> None:
 
 
 def _check_cache_target(cfg: TrainConfig, v: ManifestView) -> None:
-    from dflash_offline.targets.folder import read_target
-
     info = read_target(cfg.target, where(cfg, "target"))
     # The shapes too: a hand-edited manifest keeps the fingerprints but not the rows' widths.
     for key, theirs, mine in (("hidden_size", v.hidden_size, info.hidden_size),
@@ -168,7 +169,6 @@ def _drafter_config(cfg: TrainConfig, layer_ids: list[int], v: ManifestView):
     """The drafter's config (DrafterConfig) from the target and the options (its mask token and the
     --init-layers start checked against the target: shapes only, no tensor loaded), with the
     cache's chat settings."""
-    from dflash_offline.drafter.config import DrafterConfig
     from dflash_offline.drafter.model import read_layer_tensors
 
     dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
@@ -227,8 +227,6 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     """--follow: the cache may still be empty or missing; what is fixed now is its identity (target,
     capture, plan), the schedule (from the plan's token count) and the window rule. Which rows a
     step trains on is fixed once its window's shards are committed (`follow_window_rows`)."""
-    from dflash_offline.cache.location import Location
-    from dflash_offline.cache.manifest import ManifestStore, committed_names
     from dflash_offline.blocks.packing import follow_fingerprint
 
     store = ManifestStore(Location(cfg.cache, where(cfg, "cache")))
@@ -292,8 +290,6 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
 
 def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], v: ManifestView) -> None:
     """--eval-cache, before any process starts: complete, from the same target, with the layers."""
-    from dflash_offline.cache.location import Location
-    from dflash_offline.cache.manifest import ManifestStore
     from dflash_offline.cache.reader import cache_reader, checked_shards
 
     try:

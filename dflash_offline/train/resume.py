@@ -9,6 +9,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from dflash_offline.options import under_current_names
 from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, CheckpointState, checkpoint_damage, damaged_checkpoint, list_checkpoints
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.train.config import TrainConfig
@@ -21,8 +22,6 @@ RESUME_KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadat
 def saved_config(config: dict) -> dict:
     """A checkpoint's saved TrainConfig with fields saved under an earlier name (a checkpoint from
     before a rename: num_layers, layers) under their current one."""
-    from dflash_offline.options import under_current_names
-
     return under_current_names(TrainConfig, config)
 
 

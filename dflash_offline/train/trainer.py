@@ -6,12 +6,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_offline.options import where
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.faults import fault_point
+from dflash_offline.runtime.launch import rendezvous_store, single_thread_compute
 from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.runtime.units import human_count
 from dflash_offline.train.plan import TrainPlan
@@ -69,7 +71,6 @@ def build_trainer(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tr
     import torch.distributed as dist
 
     from dflash_offline.drafter.model import DFlashDrafter
-    from dflash_offline.runtime.launch import single_thread_compute
 
     single_thread_compute()
     cuda = device.startswith("cuda")
@@ -77,8 +78,6 @@ def build_trainer(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tr
         torch.cuda.set_device(device)
     ctrl = None
     if world > 1:
-        from dflash_offline.runtime.launch import rendezvous_store
-
         # A launch other than torchrun met its ranks on a store (join_ranks); torchrun's and our
         # launcher's ranks meet through MASTER_ADDR/MASTER_PORT.
         store = rendezvous_store()
@@ -110,8 +109,6 @@ def build_trainer(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tr
     model = drafter
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
-
-        import warnings
 
         with warnings.catch_warnings():  # torch's advice applies to rank-local buffers; the drafter has none
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
