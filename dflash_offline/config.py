@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_offline.options import also, check_at_least, check_choices, check_number, check_positive, opt, where
+from dflash_offline.options import (Configured, Origins, also, check_at_least, check_choices, check_number, check_positive,
+                                    opt, where)
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.sampling import SamplingOptions
 
@@ -21,7 +22,7 @@ HIDDEN_DTYPE_ALIASES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 
 
 @dataclass
-class ExtractConfig:
+class ExtractConfig(Configured):
     target: str = opt("", "Hugging Face model folder (config.json + *.safetensors).")
     # The input's columns: cache-contract.md, Input.
     data: list[str] = opt(help="Parquet file or folder of *.parquet with input_ids and loss_mask (or prompt_len), optional id; or a `generate`/`prepare` output folder. Repeat for several.", factory=list)
@@ -50,7 +51,8 @@ class ExtractConfig:
     log_dir: str | None = opt(None, "Folder for process logs (./dflash-logs for a URL cache).", default_text="CACHE/logs")
     progress: bool = opt(True, "Progress bar on the terminal.")
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, origins: Origins | None = None) -> None:
+        super().__post_init__(origins)
         # The short spellings (bf16, fp8) name the same storage: one value from here on, so
         # validate() only checks and the manifest records one name.
         self.hidden_dtype = HIDDEN_DTYPE_ALIASES.get(self.hidden_dtype, self.hidden_dtype)
@@ -134,7 +136,7 @@ class GenerateConfig(SamplingOptions):
 
 
 @dataclass
-class PrepareConfig:
+class PrepareConfig(Configured):
     target: str = opt("", "Hugging Face model folder: its tokenizer, chat template and config.json (the weights are not read: a folder without them will do).")
     data: list[str] = opt(help="Conversation data: .jsonl/.json/.parquet files, folders, globs, or a `datasets` save_to_disk folder; repeat for several.", factory=list)
     out: str = opt("", "Output folder: OUT/train/ and OUT/eval/ (Parquet parts, each folder committed in its manifest.json).")

@@ -14,6 +14,7 @@ import math
 import re
 import sys
 import tomllib
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -109,10 +110,40 @@ class Recipe(dict):
     written: dict[str, str] = {}  # field name -> the key as the file spells it (an earlier name, dashes)
 
 
+@dataclass(frozen=True)
+class Origins:
+    """Where a config's values came from, for messages about them (`where`, `also`): the recipe
+    file and the key it spells each of its values under. Values typed on the command line, and
+    defaults, have no entry: a message names them by their flag."""
+
+    recipe: Path | None = None
+    keys: dict[str, str] = field(default_factory=dict)  # field name -> the key as the recipe spells it
+
+    def of(self, name: str) -> str | None:
+        return f"--config {self.recipe}: key {self.keys[name]!r}" if name in self.keys else None
+
+    def without(self, names) -> "Origins":
+        """These origins, less the values `names` (set anew, by the program: named by their flags)."""
+        return Origins(self.recipe, {k: v for k, v in self.keys.items() if k not in names})
+
+
+@dataclass
+class Configured:
+    """The base of every command's config: built knowing where its values came from (`merge` and
+    `replaced` pass `origins`). `origins` is a constructor argument only, not a field: not an
+    option, not in `dataclasses.asdict`, so never in a checkpoint's saved settings."""
+
+    origins: InitVar[Origins | None] = None
+
+    def __post_init__(self, origins: Origins | None) -> None:
+        self._origins = origins or Origins()
+
+
 def where(cfg, name: str) -> str:
     """How an option got its value, for a message about it: the recipe key and file it was read
     from (`merge` records them), else its flag (the one the user typed, or would type)."""
-    origin = getattr(cfg, "_origins", {}).get(name)
+    origins = getattr(cfg, "_origins", None)
+    origin = origins.of(name) if origins is not None else None
     if origin:
         return origin
     fields = {f.name: f for f in dataclasses.fields(cfg)} if dataclasses.is_dataclass(cfg) else {}
@@ -123,16 +154,16 @@ def also(cfg, name: str) -> str:
     """`where`, for a second option named in a message about a first: a recipe key without its
     file again ("key 'block_size'"), a flag as typed."""
     origin = where(cfg, name)
-    recipe = f"--config {getattr(cfg, '_recipe', None)}: "
+    origins = getattr(cfg, "_origins", None)
+    recipe = f"--config {origins.recipe if origins is not None else None}: "
     return origin[len(recipe):] if origin.startswith(recipe) else origin
 
 
 def replaced(cfg, **changes):
     """dataclasses.replace that keeps where the unchanged values came from (`where`)."""
-    new = dataclasses.replace(cfg, **changes)
-    new._origins = {k: v for k, v in getattr(cfg, "_origins", {}).items() if k not in changes}
-    new._recipe = getattr(cfg, "_recipe", None)
-    return new
+    if not isinstance(cfg, Configured):
+        return dataclasses.replace(cfg, **changes)
+    return dataclasses.replace(cfg, origins=cfg._origins.without(changes), **changes)
 
 
 def _integer(cfg, name: str) -> int | None:
@@ -307,10 +338,8 @@ def merge(cls: type, recipe: dict[str, Any], cli_given: dict[str, Any]):
     """Defaults < recipe < values given on the command line. The config remembers which values
     came from the recipe (`where` names their key and file in a message about them)."""
     values = {**recipe, **cli_given}
-    cfg = cls(**values)
     path = getattr(recipe, "path", None)
-    if path is not None:
-        keys = getattr(recipe, "written", {})
-        cfg._recipe = path  # `also` names a key without this file again
-        cfg._origins = {k: f"--config {path}: key {keys.get(k, k)!r}" for k in recipe if k not in cli_given}
-    return cfg
+    if path is None or not issubclass(cls, Configured):  # a plain dataclass: messages name flags only
+        return cls(**values)
+    keys = getattr(recipe, "written", {})
+    return cls(**values, origins=Origins(path, {k: keys.get(k, k) for k in recipe if k not in cli_given}))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dflash_offline.options import check_at_least, check_number, opt
+from dflash_offline.options import Configured, check_at_least, check_number, opt
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class SamplingOptions:
+class SamplingOptions(Configured):
     """The sampling options `generate` and `eval` share, declared once (their command-line options
     are built from these fields, listed after each command's own)."""
 

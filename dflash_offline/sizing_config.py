@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_offline.config import ExtractConfig, check_distinct_layers
-from dflash_offline.options import check_at_least, check_positive, opt
+from dflash_offline.options import Configured, check_at_least, check_positive, opt
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.train.config import TrainConfig
 
@@ -15,7 +15,7 @@ _E, _T = ExtractConfig(), TrainConfig()  # the stages' defaults: one source of t
 
 
 @dataclass
-class PlanConfig:
+class PlanConfig(Configured):
     """`plan`: what extract would write (its target, data, layers, top-k, max length) and what
     training would read; the GPU counts only divide the estimated hours."""
     target: str = opt("", "Hugging Face model folder (config.json + *.safetensors).")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_offline.options import also, check_at_least, check_choices, check_number, check_positive, opt, where
+from dflash_offline.options import (Configured, also, check_at_least, check_choices, check_number, check_positive, opt,
+                                    where)
 from dflash_offline.runtime.errors import UserError
 
 
@@ -140,7 +141,7 @@ class ReportOptions:
 
 @dataclass
 class TrainConfig(ReportOptions, HeldOutOptions, CheckpointOptions, OptimizerOptions, LossOptions, DrafterOptions,
-                  DataOptions, RunOptions):
+                  DataOptions, RunOptions, Configured):
     """`train`'s options, one component each (a torchtitan-style config per part), composed as
     bases of one flat dataclass: the command line, the recipes and a checkpoint's saved settings
     keep their flat names (`--lr`, `lr = ...`, `config.lr`), and a part of the code that needs one
