@@ -133,7 +133,7 @@ def _train_segment(run: _Run, seg: Segment) -> bool:
     for s in range(span.start, span.end):
         if prof is not None:
             prof.before(st.step + 1)
-        result = optimizer_step(t, st, it, seg, s, source.lr(seg, s))
+        result = optimizer_step(t, st, it, source.lr(seg, s))
         st.step += 1
         fault_point("train-step")
         heartbeat(phase="train", step=st.step, total_steps=t.plan.total_steps)

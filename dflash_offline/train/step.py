@@ -14,7 +14,6 @@ from typing import NamedTuple
 
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.logs import heartbeat
-from dflash_offline.train.follow import Segment
 from dflash_offline.train.outcomes import TrainingDiverged, diverged_message
 from dflash_offline.train.trainer import LoopState, Trainer
 
@@ -64,9 +63,9 @@ class StepResult(NamedTuple):
     t_data: float  # seconds it waited for its micro-batches
 
 
-def optimizer_step(t: Trainer, st: LoopState, it, seg: Segment, s: int, lr_now: float | None) -> StepResult:
-    """Step `st.step + 1`, the `s`-th of its segment, at learning rate `lr_now` where the data
-    source sets it (--follow: over the plan's tokens) and the LambdaLR's where it is None: raises
+def optimizer_step(t: Trainer, st: LoopState, it, lr_now: float | None) -> StepResult:
+    """Step `st.step + 1` over the next micro-batches of `it`, at learning rate `lr_now` where the
+    data source sets it (--follow: over the plan's tokens) and the LambdaLR's where it is None: raises
     TrainingDiverged (on every rank at once) instead of applying a non-finite loss or gradient."""
     import torch
     import torch.distributed as dist
