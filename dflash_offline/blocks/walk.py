@@ -216,7 +216,7 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
     import torch
 
     from dflash_offline.cache.reader import CacheReader
-    from dflash_offline.blocks.packing import build_row, loss_weights, pack_rows
+    from dflash_offline.blocks.packing import loss_weights, pack_rows
 
     t0 = time.time()
     if anchors_per_row < 1 or batch_rows < 1:
@@ -234,29 +234,14 @@ def walk_acceptance(cache: str, drafter, device, max_samples: int | None = None,
                 batch_rows=batch_rows, loss_chunk_tokens=loss_chunk_tokens)
     was_training = drafter.training
     drafter.to(w.device).eval()  # in place (a Module): the walker holds the same module
-    cfg, B, off = w.cfg, w.B, w.off
-    weights = loss_weights(B, 1.0, off)  # DSpark: every slot drafts, slot j the token at p + 1 + j
+    weights = loss_weights(w.B, 1.0, w.off)  # DSpark: every slot drafts, slot j the token at p + 1 + j
     rng = np.random.default_rng(0)
     pending: list[tuple[int, dict]] = []  # (context row, arrays of one block of anchors)
     try:
         with torch.no_grad():
             for packed in pack_rows(lengths, np.arange(len(refs)), S):
-                bits, scale, ids, lms, spans = w.read_row(refs, packed, S)
-                row = build_row(ids, lms, S, S, B, cfg.mask_token_id, weights, rng, label_offset=off)
-                r = len(w.ctx_rows)
-                w.ctx_rows.append(_ContextRow(spans, row.loss_mask, np.zeros(S, np.int64)))
-                n_cand = int(row.anchor_valid.sum())
-                per_block = {k: getattr(row, k).reshape(S, B) for k in ("block_ids", "block_positions", "labels", "weights")}
-                for lo in range(0, n_cand, w.A):
-                    hi = min(lo + w.A, n_cand)
-                    part = {"bits": bits.reshape(S, -1), "doc_ids": row.doc_ids, "positions": row.positions,
-                            "anchors": _pad(row.anchors[lo:hi], w.A, 0),
-                            "anchor_valid": _pad(row.anchor_valid[lo:hi], w.A, False)}
-                    if w.fp8:
-                        part["scale"] = scale
-                    for k, v in per_block.items():
-                        part[k] = _pad(v[lo:hi], w.A, cfg.mask_token_id if k == "block_ids" else 0).reshape(-1)
-                    pending.append((r, part))
+                for block in w.anchor_blocks(refs, packed, S, weights, rng):
+                    pending.append(block)
                     if len(pending) == batch_rows:
                         w.forward(pending)
                         pending = []
@@ -321,6 +306,29 @@ class _Walker:
             spans.append((s, at, keep))
             at += keep
         return bits, scale, ids, lms, spans
+
+    def anchor_blocks(self, refs: list[_Sample], packed, S: int, weights, rng):
+        """One context row of packed samples: its candidate anchors, `A` at a time, each group with
+        the row's context -> (context row index, the arrays of one forward row)."""
+        from dflash_offline.blocks.packing import build_row
+
+        cfg, B, off = self.cfg, self.B, self.off
+        bits, scale, ids, lms, spans = self.read_row(refs, packed, S)
+        row = build_row(ids, lms, S, S, B, cfg.mask_token_id, weights, rng, label_offset=off)
+        r = len(self.ctx_rows)
+        self.ctx_rows.append(_ContextRow(spans, row.loss_mask, np.zeros(S, np.int64)))
+        n_cand = int(row.anchor_valid.sum())
+        per_block = {k: getattr(row, k).reshape(S, B) for k in ("block_ids", "block_positions", "labels", "weights")}
+        for lo in range(0, n_cand, self.A):
+            hi = min(lo + self.A, n_cand)
+            part = {"bits": bits.reshape(S, -1), "doc_ids": row.doc_ids, "positions": row.positions,
+                    "anchors": _pad(row.anchors[lo:hi], self.A, 0),
+                    "anchor_valid": _pad(row.anchor_valid[lo:hi], self.A, False)}
+            if self.fp8:
+                part["scale"] = scale
+            for k, v in per_block.items():
+                part[k] = _pad(v[lo:hi], self.A, cfg.mask_token_id if k == "block_ids" else 0).reshape(-1)
+            yield r, part
 
     def forward(self, batch: list[tuple[int, dict]]) -> None:
         """Score one batch of anchor blocks: each anchor's accepted run, and the per-slot counts."""

@@ -76,30 +76,34 @@ def _malformed(m: dict) -> str | None:
     another program's file), or None: named in one line rather than met as a KeyError deep in a
     reader, or as a value shown or used as if it were right (a path out of the cache, ids no
     shard holds)."""
-    is_int = _is_int
-
-    def ints(d, keys) -> bool:
-        return isinstance(d, dict) and all(is_int(d.get(k)) for k in keys)
-
-    def count(d: dict, key: str, section: str, least: int = 0) -> str | None:
-        """`section.key`, when present, is an integer >= least."""
-        if key in d and (not is_int(d[key]) or d[key] < least):
-            return f"{section}{key} is {describe(d[key])}, not an integer >= {least}"
-        return None
-
     if m["status"] not in STATUSES:
         return f"status is {describe(m['status'])}, not " + " or ".join(f'"{s}"' for s in STATUSES)
     # An empty target or capture is a synthetic cache's (benchmarks, tests); a filled one is read.
     if not isinstance(m["target"], dict):
         return "target is not an object"
-    if m["target"] and (not ints(m["target"], ("num_layers", "hidden_size", "vocab_size"))
+    if m["target"] and (not _ints(m["target"], ("num_layers", "hidden_size", "vocab_size"))
                         or not isinstance(m["target"].get("model_type"), str)):
         return "target lacks a model_type and integer num_layers, hidden_size and vocab_size"
     if not isinstance(m["capture"], dict):
         return "capture is not an object"
-    capture = m["capture"]
+    return _capture_problem(m["capture"]) or _counts_problem(m) or _lists_problem(m)
+
+
+def _ints(d, keys) -> bool:
+    return isinstance(d, dict) and all(_is_int(d.get(k)) for k in keys)
+
+
+def _count(d: dict, key: str, section: str, least: int = 0) -> str | None:
+    """`section.key`, when present, is an integer >= least."""
+    if key in d and (not _is_int(d[key]) or d[key] < least):
+        return f"{section}{key} is {describe(d[key])}, not an integer >= {least}"
+    return None
+
+
+def _capture_problem(capture: dict) -> str | None:
+    """What is wrong with the manifest's capture: its layer ids, dtype, top-k and length."""
     ids = capture.get("layer_ids")
-    if "layer_ids" in capture and (not isinstance(ids, list) or not ids or not all(is_int(i) for i in ids)):
+    if "layer_ids" in capture and (not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids)):
         return f"capture.layer_ids is not a list of integers (it holds {json.dumps(ids)})"
     if ids and (ids[0] < 0 or any(b <= a for a, b in zip(ids, ids[1:]))):
         return f"capture.layer_ids is not a list of increasing layer numbers >= 0 (it holds {describe(ids)})"
@@ -110,24 +114,31 @@ def _malformed(m: dict) -> str | None:
     if "hidden_dtype" in capture and capture["hidden_dtype"] not in HIDDEN_DTYPES:
         return (f"capture.hidden_dtype is {describe(capture['hidden_dtype'])}, not "
                 + " or ".join(f'"{d}"' for d in HIDDEN_DTYPES))
-    problem = count(capture, "topk", "capture.") or (capture.get("max_len") is not None
-                                                     and count(capture, "max_len", "capture.", 1))
-    if problem:
-        return problem
-    if not ints(m["plan"], ("num_shards",)):
+    return _count(capture, "topk", "capture.") or (capture.get("max_len") is not None
+                                                   and _count(capture, "max_len", "capture.", 1)) or None
+
+
+def _counts_problem(m: dict) -> str | None:
+    """What is wrong with the plan's and totals' counts and the byte budget."""
+    if not _ints(m["plan"], ("num_shards",)):
         return "plan.num_shards is not an integer"
-    problem = count(m["plan"], "num_shards", "plan.") or count(m["plan"], "tokens", "plan.")
+    problem = _count(m["plan"], "num_shards", "plan.") or _count(m["plan"], "tokens", "plan.")
     if problem:
         return problem
-    if not ints(m["totals"], ("samples", "tokens", "bytes")):
+    if not _ints(m["totals"], ("samples", "tokens", "bytes")):
         return "totals lacks integer samples, tokens and bytes"
     for k in ("samples", "tokens", "bytes"):
-        problem = count(m["totals"], k, "totals.")
-        if problem:
+        if problem := _count(m["totals"], k, "totals."):
             return problem
     for key in ("budget_bytes", "max_shard_bytes"):
-        if m.get(key) is not None and (problem := count(m, key, "")):
+        if m.get(key) is not None and (problem := _count(m, key, "")):
             return problem
+    return None
+
+
+def _lists_problem(m: dict) -> str | None:
+    """What is wrong with the shard lists (committed, released, releasing), the reservations and
+    the consumers."""
     for key in ("shards", "released"):
         entries = m.get(key, [])
         if not isinstance(entries, list):
@@ -146,7 +157,7 @@ def _malformed(m: dict) -> str | None:
     if not isinstance(releasing, list) or not all(isinstance(n, str) and SHARD_NAME.fullmatch(n) for n in releasing):
         return f"releasing is not a list of shard names (it holds {describe(releasing)})"
     reserved = m.get("reserved") or {}
-    if not isinstance(reserved, dict) or not all(is_int(b) and b >= 0 for b in reserved.values()):
+    if not isinstance(reserved, dict) or not all(_is_int(b) and b >= 0 for b in reserved.values()):
         return f"reserved is not an object of shard names and byte counts (it holds {describe(reserved)})"
     consumers = m.get("consumers") or {}
     if not isinstance(consumers, dict) or not all(isinstance(c, dict) and isinstance(c.get("finished"), list)

@@ -209,34 +209,9 @@ def run(cfg: EvalConfig) -> dict:
     if cfg.prompts:
         _decode_all(cfg, drafters, device, report)
     if cfg.cache:
-        claim_heartbeat()
-        report["cache"] = str(cfg.cache)
-        for i, (path, d) in enumerate(drafters):
-            walk = walk_acceptance(cfg.cache, d, device, cfg.max_samples, batch_rows=cfg.walk_batch_rows,
-                                   option=where(cfg, "cache"))
-            log.info("cache walk for %s: tau %.3f pooled, %.3f per-prompt mean, over %d rounds of %d samples (%.1fs)",
-                     path, walk["tau_pooled"], walk["tau_per_prompt_mean"], walk["rounds"], walk["samples"],
-                     walk["seconds"])
-            report["drafters"][i]["cache_walk"] = walk
-            t0 = time.time()
-            est = cache_acceptance(cfg.cache, d, device, cfg.seq_len, cfg.num_anchors, cfg.max_rows,
-                                   option=where(cfg, "cache"))
-            log.info("cache estimate for %s: tau %.3f over %d random blocks (%.1fs)", path, est["tau"], est["blocks"],
-                     time.time() - t0)
-            report["drafters"][i]["cache_estimate"] = est
-            if cfg.parity:
-                from dflash_offline.evaluate.parity import check_parity
-
-                report["drafters"][i]["parity"] = check_parity(cfg.target, d, cfg.cache, cfg.parity, device, cfg.dtype)
+        _cache_figures(cfg, drafters, device, report)
     if cfg.implied_for and cfg.prompts:
-        shape = find_shape(cfg.implied_for)
-        for (_, d), e in zip(drafters, report["drafters"]):
-            if d.cfg.method == "dspark":  # the ceilings are timed for DFlash's B-token verify blocks
-                log.info("--implied-for: not for a DSpark drafter (its rounds verify B + 1 tokens)")
-                continue
-            if e.get("tau", float("nan")) >= 1:
-                e["implied"] = {"shape": shape.name, "speedup": implied_speedup(min(e["tau"], shape.block_size), shape),
-                                "line": format_implied(e["tau"], shape, d.cfg.block_size)}
+        _implied(cfg, drafters, report)
     print(format_report(report), flush=True)
     if cfg.json_path:
         tmp = Path(f"{cfg.json_path}.tmp-{os.getpid()}")
@@ -249,11 +224,10 @@ def run(cfg: EvalConfig) -> dict:
 def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     # Here, not at the top: the command's log opens before torch is imported (cli.py; tests/test_layout.py).
     from dflash_offline.evaluate.decoders import Decoders
-    from dflash_offline.evaluate.speculative import Decoded, load_target_for_decoding, summarize, tokens_per_s
+    from dflash_offline.evaluate.speculative import load_target_for_decoding
 
     if cfg.batch_size is None:
         cfg = replaced(cfg, batch_size=GPU_BATCH_SIZE if device.startswith("cuda") else 1)
-    from tqdm import tqdm
 
     said = partial(where, cfg)
     ids, prompts, eos, turn_warning, reference = _read_inputs(cfg)
@@ -283,62 +257,121 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
                    "sampling": dataclasses.asdict(sampling)})
     log.info("decoder: %s; %s", decoders.describe,
              "greedy" if sampling.greedy else f"sampling {dataclasses.asdict(sampling)}")
-    # Also in the log, every tenth of the prompts: a long decode without a progress bar
-    # (--no-progress, a batch job) still shows how far it got.
-    every = max(1, len(prompts) // 10)
     if baseline:
-        # The target alone through the same decoder and batches: a like-for-like speed-up.
-        bar = tqdm(total=len(prompts), desc="target alone", unit="prompt", disable=not cfg.progress)
-        done_alone: list[Decoded] = []
-
-        def alone_progress(new: list[Decoded]) -> None:
-            done_alone.extend(new)
-            bar.update(len(new))
-            if len(done_alone) % every < len(new) or len(done_alone) == len(prompts):
-                log.info("target alone: %d/%d prompts, %.1f tokens/s", len(done_alone), len(prompts),
-                         tokens_per_s(done_alone))
-
-        with batch_fits(cfg, device):
-            runs = decoders.target_alone(prompts, ids, alone_progress)
-        bar.close()
-        report["baseline"] = {k: v for k, v in summarize(runs, 2).items() if k in ("tokens", "seconds", "tokens_per_s", "target_forwards")}
-        if reference is None and sampling.greedy:
-            reference = [r.tokens for r in runs]
-        elif reference is not None:
-            # Both given: a baseline that differs from the reference says the reference is not this
-            # target's greedy decode in this dtype, rather than the drafter path being wrong.
-            report["baseline"]["mismatched_reference_ids"] = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference))
-                                                              if r.tokens != ref]
+        reference = _decode_baseline(cfg, decoders, prompts, ids, report, reference, sampling.greedy)
     for i, (path, drafter) in enumerate(drafters):
-        bar = tqdm(total=len(prompts), desc=f"speculative {Path(path).name}", unit="prompt", disable=not cfg.progress)
-        done: list[Decoded] = []
+        _decode_drafter(cfg, decoders, path, drafter, prompts, ids, report["drafters"][i], report, reference, tok)
 
-        def progress(new: list[Decoded]) -> None:
-            done.extend(new)
-            tau = sum(sum(r.committed) for r in done) / max(1, sum(len(r.committed) for r in done))
-            bar.update(len(new))
-            bar.set_postfix_str(f"tau {tau:.2f}")
-            if len(done) % every < len(new) or len(done) == len(prompts):
-                log.info("speculative %s: %d/%d prompts, tau so far %.3f", path, len(done), len(prompts), tau)
 
-        with batch_fits(cfg, device):
-            runs = decoders.speculative(drafter, prompts, ids, progress)
-        bar.close()
-        e = report["drafters"][i]
-        e.update(summarize(runs, drafter.cfg.block_size + drafter.cfg.label_offset))  # DSpark drafts B a round
-        e["accepted_per_prompt"] = [r.accepted for r in runs]  # each round's accepted drafts, in prompt_ids' order
-        e["committed_per_prompt"] = [r.committed for r in runs]  # each round's committed new tokens
-        show_decoded(tok, path, ids, prompts, runs, cfg.show)  # --show N: where the drafter was right, as text
-        if "baseline" in report:
-            e["speedup"] = e["tokens_per_s"] / report["baseline"]["tokens_per_s"]
-        if reference is not None:
-            bad = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference)) if r.tokens != ref]
-            e["lossless"] = not bad
-            e["mismatched_prompt_ids"] = bad
-            if bad:
-                log.error("%s: %d of %d outputs differ from the target's greedy decode%s (ids %s)", path, len(bad),
-                          len(runs), f" in {cfg.reference}" if cfg.reference else "", bad[:10])
-        log.info("%s: tau %.3f over %d rounds, %.1f tokens/s", path, e["tau"], e["rounds"], e["tokens_per_s"])
+def _every(prompts: list) -> int:
+    """Also in the log, every tenth of the prompts: a long decode without a progress bar
+    (--no-progress, a batch job) still shows how far it got."""
+    return max(1, len(prompts) // 10)
+
+
+def _decode_baseline(cfg: EvalConfig, decoders, prompts, ids, report: dict, reference, greedy: bool):
+    """The target alone through the same decoder and batches: a like-for-like speed-up. Returns the
+    reference the drafters are checked against (its outputs, when greedy and none was given)."""
+    from tqdm import tqdm
+
+    from dflash_offline.evaluate.speculative import Decoded, summarize, tokens_per_s
+
+    every = _every(prompts)
+    bar = tqdm(total=len(prompts), desc="target alone", unit="prompt", disable=not cfg.progress)
+    done_alone: list[Decoded] = []
+
+    def alone_progress(new: list[Decoded]) -> None:
+        done_alone.extend(new)
+        bar.update(len(new))
+        if len(done_alone) % every < len(new) or len(done_alone) == len(prompts):
+            log.info("target alone: %d/%d prompts, %.1f tokens/s", len(done_alone), len(prompts),
+                     tokens_per_s(done_alone))
+
+    with batch_fits(cfg, decoders.device):
+        runs = decoders.target_alone(prompts, ids, alone_progress)
+    bar.close()
+    report["baseline"] = {k: v for k, v in summarize(runs, 2).items() if k in ("tokens", "seconds", "tokens_per_s", "target_forwards")}
+    if reference is None and greedy:
+        return [r.tokens for r in runs]
+    if reference is not None:
+        # Both given: a baseline that differs from the reference says the reference is not this
+        # target's greedy decode in this dtype, rather than the drafter path being wrong.
+        report["baseline"]["mismatched_reference_ids"] = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference))
+                                                          if r.tokens != ref]
+    return reference
+
+
+def _decode_drafter(cfg: EvalConfig, decoders, path, drafter, prompts, ids, e: dict, report: dict, reference,
+                    tok) -> None:
+    """One drafter's speculative decode of every prompt, its figures into its report entry `e`."""
+    from tqdm import tqdm
+
+    from dflash_offline.evaluate.speculative import Decoded, summarize
+
+    every = _every(prompts)
+    bar = tqdm(total=len(prompts), desc=f"speculative {Path(path).name}", unit="prompt", disable=not cfg.progress)
+    done: list[Decoded] = []
+
+    def progress(new: list[Decoded]) -> None:
+        done.extend(new)
+        tau = sum(sum(r.committed) for r in done) / max(1, sum(len(r.committed) for r in done))
+        bar.update(len(new))
+        bar.set_postfix_str(f"tau {tau:.2f}")
+        if len(done) % every < len(new) or len(done) == len(prompts):
+            log.info("speculative %s: %d/%d prompts, tau so far %.3f", path, len(done), len(prompts), tau)
+
+    with batch_fits(cfg, decoders.device):
+        runs = decoders.speculative(drafter, prompts, ids, progress)
+    bar.close()
+    e.update(summarize(runs, drafter.cfg.block_size + drafter.cfg.label_offset))  # DSpark drafts B a round
+    e["accepted_per_prompt"] = [r.accepted for r in runs]  # each round's accepted drafts, in prompt_ids' order
+    e["committed_per_prompt"] = [r.committed for r in runs]  # each round's committed new tokens
+    show_decoded(tok, path, ids, prompts, runs, cfg.show)  # --show N: where the drafter was right, as text
+    if "baseline" in report:
+        e["speedup"] = e["tokens_per_s"] / report["baseline"]["tokens_per_s"]
+    if reference is not None:
+        bad = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference)) if r.tokens != ref]
+        e["lossless"] = not bad
+        e["mismatched_prompt_ids"] = bad
+        if bad:
+            log.error("%s: %d of %d outputs differ from the target's greedy decode%s (ids %s)", path, len(bad),
+                      len(runs), f" in {cfg.reference}" if cfg.reference else "", bad[:10])
+    log.info("%s: tau %.3f over %d rounds, %.1f tokens/s", path, e["tau"], e["rounds"], e["tokens_per_s"])
+
+
+def _cache_figures(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
+    """The cache's figures for each drafter: the walk, the random-block estimate, --parity."""
+    claim_heartbeat()
+    report["cache"] = str(cfg.cache)
+    for i, (path, d) in enumerate(drafters):
+        walk = walk_acceptance(cfg.cache, d, device, cfg.max_samples, batch_rows=cfg.walk_batch_rows,
+                               option=where(cfg, "cache"))
+        log.info("cache walk for %s: tau %.3f pooled, %.3f per-prompt mean, over %d rounds of %d samples (%.1fs)",
+                 path, walk["tau_pooled"], walk["tau_per_prompt_mean"], walk["rounds"], walk["samples"],
+                 walk["seconds"])
+        report["drafters"][i]["cache_walk"] = walk
+        t0 = time.time()
+        est = cache_acceptance(cfg.cache, d, device, cfg.seq_len, cfg.num_anchors, cfg.max_rows,
+                               option=where(cfg, "cache"))
+        log.info("cache estimate for %s: tau %.3f over %d random blocks (%.1fs)", path, est["tau"], est["blocks"],
+                 time.time() - t0)
+        report["drafters"][i]["cache_estimate"] = est
+        if cfg.parity:
+            from dflash_offline.evaluate.parity import check_parity
+
+            report["drafters"][i]["parity"] = check_parity(cfg.target, d, cfg.cache, cfg.parity, device, cfg.dtype)
+
+
+def _implied(cfg: EvalConfig, drafters, report: dict) -> None:
+    """--implied-for: the speed-up each decoded tau implies at a named shape's measured kernel times."""
+    shape = find_shape(cfg.implied_for)
+    for (_, d), e in zip(drafters, report["drafters"]):
+        if d.cfg.method == "dspark":  # the ceilings are timed for DFlash's B-token verify blocks
+            log.info("--implied-for: not for a DSpark drafter (its rounds verify B + 1 tokens)")
+            continue
+        if e.get("tau", float("nan")) >= 1:
+            e["implied"] = {"shape": shape.name, "speedup": implied_speedup(min(e["tau"], shape.block_size), shape),
+                            "line": format_implied(e["tau"], shape, d.cfg.block_size)}
 
 
 class EvalInputs(NamedTuple):

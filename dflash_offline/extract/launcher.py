@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,7 +57,17 @@ def worker_device(devices: list[str], launch: Launch | None, rank: int) -> str:
     return "cpu" if all(d == "cpu" for d in devices) else f"cuda:{launch.local_rank}"
 
 
-def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
+class Preflight(NamedTuple):
+    """What preflight hands the launcher: the workers' job, the manifest this run wants, the
+    devices, and the tokens still to extract (the bar's total)."""
+
+    job: Job
+    wanted: dict
+    devices: list[str]
+    todo_tokens: int
+
+
+def preflight(cfg: ExtractConfig, loc, launch: Launch | None) -> Preflight:
     """All checks that need no weights. Raises UserError; writes nothing to the cache."""
     from dflash_offline.rows import reader as data
 
@@ -83,41 +94,72 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
     # import of transformers: those refusals come first and fast), before the existing cache is
     # compared with this run (a broken target is the cause to name, not the mismatch it makes).
     target.check_weights(info, info.num_target_layers if cfg.topk > 0 else max(layer_ids) + 1, cfg.topk > 0)
+    shards, wanted = _planned_manifest(cfg, info, source, layer_ids, compute_dtype)
+    tl = np.minimum(source.lengths, cfg.max_len)
+    tokens_of = [int(tl[rows].sum()) for rows in shards]
+    committed = _committed_before(cfg, loc, launch, wanted)
+    todo_tokens = sum(t for j, t in enumerate(tokens_of) if shard_name(j) not in committed)
+    bpt = bytes_per_token(len(layer_ids), info.hidden_size, cfg.topk, cfg.hidden_dtype)
+    shard_bytes = _check_room(cfg, loc, tokens_of, todo_tokens, bpt)
+    # Warnings only once the run is accepted: a refused run prints one line.
+    truncated = int((source.lengths > cfg.max_len).sum())
+    if truncated:
+        log.warning("%d of %d samples are longer than --max-len %d and are truncated", truncated, source.rows, cfg.max_len)
+    warning = target.check_kernels(info, devices)
+    if warning:
+        log.warning(warning)
+    log.info("plan: %d shards, %d tokens (%d to do), %.2f GB estimated (%d bytes/token), layers %s, topk %d",
+             len(shards), sum(tokens_of), todo_tokens, sum(tokens_of) * bpt / 1e9, bpt, layer_ids, cfg.topk)
+    job = Job(
+        cfg=cfg, target_path=str(info.path), layer_ids=layer_ids, hidden_size=info.hidden_size,
+        source=source.state(), shards=shards, compute_dtype=compute_dtype, shard_bytes=shard_bytes,
+    )
+    return Preflight(job, wanted, devices, todo_tokens)
+
+
+def _planned_manifest(cfg: ExtractConfig, info, source, layer_ids: list[int], compute_dtype: str):
+    """The shards (row lists, every pass after another) and the manifest this run wants."""
     # make_plan's passes, built once and kept apart for the manifest's shards_per_pass.
     per_pass = [pass_plan(source.lengths, cfg.max_len, cfg.shard_tokens, cfg.sort_window, p) for p in range(cfg.passes)]
     shards = [s for plan in per_pass for s in plan]
     tl = np.minimum(source.lengths, cfg.max_len)
-    tokens_of = [int(tl[rows].sum()) for rows in shards]
-    total_tokens = sum(tokens_of)
-    truncated = int((source.lengths > cfg.max_len).sum())
     wanted = new_manifest(
         target=info.manifest_entry(),
         capture={"layer_ids": layer_ids, "topk": cfg.topk, "hidden_dtype": cfg.hidden_dtype, "max_len": cfg.max_len,
                  "compute_dtype": compute_dtype},
         source=source.manifest_entry(),
         plan={"shard_tokens": cfg.shard_tokens, "sort_window": cfg.sort_window, "num_shards": len(shards),
-              "tokens": total_tokens,
+              "tokens": sum(int(tl[rows].sum()) for rows in shards),
               **({"passes": cfg.passes, "shards_per_pass": [len(plan) for plan in per_pass]} if cfg.passes > 1 else {})},
     )
-
     chat = chat_settings_of([p for p in cfg.data if os.path.isdir(p)])
     if chat is not None:  # how the text was rendered (prepare's record): travels on to the export
         wanted["chat"] = {k: v for k, v in chat.items() if k != "template"}
+    return shards, wanted
+
+
+def _committed_before(cfg: ExtractConfig, loc, launch: Launch | None, wanted: dict) -> set[str]:
+    """The shards an earlier run on this cache committed (none for a new cache, or for an earlier
+    attempt that committed nothing under other settings, which this run replaces)."""
     existing = ManifestStore(loc).read()
-    if existing is not None:
-        try:
-            check_compatible(existing, wanted, loc.url("manifest.json"))
-        except UserError as e:
-            if not binds_nothing(existing):
-                raise
-            if launch is not None:  # no run lock under torchrun: another job may be starting there
-                raise UserError(f"{e}; no shard is committed there yet: delete {loc.url('manifest.json')} (an "
-                                "earlier attempt's) to start anew with this run's settings") from None
-            existing = None  # an earlier attempt that committed nothing: replaced once the run lock is held
-    committed = committed_names(existing) if existing else set()
-    todo_tokens = sum(t for j, t in enumerate(tokens_of) if shard_name(j) not in committed)
-    bpt = bytes_per_token(len(layer_ids), info.hidden_size, cfg.topk, cfg.hidden_dtype)
-    need, whole = todo_tokens * bpt, total_tokens * bpt
+    if existing is None:
+        return set()
+    try:
+        check_compatible(existing, wanted, loc.url("manifest.json"))
+    except UserError as e:
+        if not binds_nothing(existing):
+            raise
+        if launch is not None:  # no run lock under torchrun: another job may be starting there
+            raise UserError(f"{e}; no shard is committed there yet: delete {loc.url('manifest.json')} (an "
+                            "earlier attempt's) to start anew with this run's settings") from None
+        return set()  # an earlier attempt that committed nothing: replaced once the run lock is held
+    return committed_names(existing)
+
+
+def _check_room(cfg: ExtractConfig, loc, tokens_of: list[int], todo_tokens: int, bpt: int) -> list[int]:
+    """Refuses a run whose shard cannot fit --max-bytes or whose data cannot fit the free space.
+    Returns each shard's reserved bytes (the budget's unit)."""
+    need, whole = todo_tokens * bpt, sum(tokens_of) * bpt
     shard_bytes = [reserved_bytes(t, bpt, cfg.chunk_tokens) for t in tokens_of]
     if cfg.max_bytes is not None:
         if max(shard_bytes) > cfg.max_bytes:
@@ -138,19 +180,7 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None):
             + ("" if cfg.max_bytes is None or need <= cfg.max_bytes else ", bounded by --max-bytes")
             + f") but {loc.path()} has {human_bytes(free)} free; free space or choose another --cache"
         )
-    # Warnings only once the run is accepted: a refused run prints one line.
-    if truncated:
-        log.warning("%d of %d samples are longer than --max-len %d and are truncated", truncated, source.rows, cfg.max_len)
-    warning = target.check_kernels(info, devices)
-    if warning:
-        log.warning(warning)
-    log.info("plan: %d shards, %d tokens (%d to do), %.2f GB estimated (%d bytes/token), layers %s, topk %d",
-             len(shards), total_tokens, todo_tokens, whole / 1e9, bpt, layer_ids, cfg.topk)
-    job = Job(
-        cfg=cfg, target_path=str(info.path), layer_ids=layer_ids, hidden_size=info.hidden_size,
-        source=source.state(), shards=shards, compute_dtype=compute_dtype, shard_bytes=shard_bytes,
-    )
-    return job, wanted, devices, todo_tokens
+    return shard_bytes
 
 
 def run(cfg: ExtractConfig) -> dict:

@@ -65,11 +65,9 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     store = ManifestStore(loc)
     committed = committed_names(store.read())
     mine = [j for j in range(len(job.shards)) if j % world == rank and shard_name(j) not in committed]
-    # Debris of an interrupted run: this worker's uncommitted shard folders, finished or not.
-    for j in range(rank, len(job.shards), world):
-        if shard_name(j) not in committed:
-            loc.rmtree(tmp_shard_rel(shard_name(j)))
-            loc.rmtree(shard_rel(shard_name(j)))
+    for j in mine:  # debris of an interrupted run: this worker's uncommitted shard folders, finished or not
+        loc.rmtree(tmp_shard_rel(shard_name(j)))
+        loc.rmtree(shard_rel(shard_name(j)))
     # Reservations this worker made before it was killed (their debris is gone now): rewritten anew.
     store.drop_reservations({shard_name(j) for j in mine})
     log.info("worker %d/%d on %s: %d shards to write (%d already committed in all)", rank, world, device,
@@ -93,32 +91,12 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     n, H, k = len(job.layer_ids), job.hidden_size, cfg.topk
     cuda = device.startswith("cuda")
 
-    bar = None
-    if show_bar:
-        from tqdm import tqdm
-
-        own = sum(int(np.minimum(job.source["lengths"][job.shards[j]], cfg.max_len).sum()) for j in mine)
-        bar = tqdm(total=own, unit="tok", unit_scale=True, desc=f"extract (rank {rank} of {world})", dynamic_ncols=True)
-    written = [0]
-
-    def on_progress(tokens: int, nbytes: int) -> None:
-        if progress is not None:
-            progress.put(Progress(tokens, nbytes))
-        if bar is not None:
-            written[0] += nbytes
-            bar.update(tokens)
-            bar.set_postfix_str(f"{written[0] / 1e9:.2f} GB written")
-
+    own = sum(int(np.minimum(job.source["lengths"][job.shards[j]], cfg.max_len).sum()) for j in mine)
+    shown = _Shown(progress, show_bar, own, f"extract (rank {rank} of {world})")
     sink = make_sink(cfg, dict(cache_layers=n, hidden_size=H, topk=k, chunk_tokens=cfg.chunk_tokens,
                                layer_ids=job.layer_ids, hidden_dtype=cfg.hidden_dtype), cuda,
-                     log_folder(cfg, loc), f"extract-rank{rank}", on_progress)
-
-    def on_pause(paused: bool, used: int, why: str) -> None:
-        if progress is not None:
-            progress.put(Paused(paused, used, why))
-        if bar is not None:
-            bar.set_postfix_str(f"paused: {why}" if paused else f"{written[0] / 1e9:.2f} GB written")
-
+                     log_folder(cfg, loc), f"extract-rank{rank}", shown.on_progress)
+    on_pause = shown.on_pause
     left = [0]
 
     def admitted():
@@ -136,14 +114,43 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
     try:
         stats = run_shards(model, capture, cfg, admitted(), sink, device)
     finally:
-        if bar is not None:
-            bar.close()
+        shown.close()
     dt = time.time() - t_start
     log.info("worker %d done: %d tokens in %.1fs (%.0f tokens/s); padding %.1f%% of the %d tokens the forward ran; "
              "writers busy %.0f%% of the time", rank, stats["tokens"], dt, stats["tokens"] / max(dt, 1e-9),
              100 * stats["padding_fraction"], stats["forward_tokens"],
              100 * sink.stats["writer_busy_s"] / max(dt * len(sink.procs), 1e-9))
     return left[0]
+
+
+class _Shown:
+    """Where a worker's progress goes: the launcher's queue, and this process's own bar under
+    torchrun (rank 0: no launcher draws one)."""
+
+    def __init__(self, queue, show_bar: bool, tokens: int, desc: str):
+        self.queue, self.written, self.bar = queue, 0, None
+        if show_bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc=desc, dynamic_ncols=True)
+
+    def on_progress(self, tokens: int, nbytes: int) -> None:
+        if self.queue is not None:
+            self.queue.put(Progress(tokens, nbytes))
+        if self.bar is not None:
+            self.written += nbytes
+            self.bar.update(tokens)
+            self.bar.set_postfix_str(f"{self.written / 1e9:.2f} GB written")
+
+    def on_pause(self, paused: bool, used: int, why: str) -> None:
+        if self.queue is not None:
+            self.queue.put(Paused(paused, used, why))
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"paused: {why}" if paused else f"{self.written / 1e9:.2f} GB written")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def wait_for_budget(store, j: int, nbytes: int, budget: int, on_pause, poll_s: float = 0.5) -> bool:
@@ -226,19 +233,8 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
             sink.begin(j, sum(s[1].shape[0] for s in samples))
             for a, b in make_batches([s[1].shape[0] for s in samples], cfg.batch_tokens):
                 batch = samples[a:b]
-                lens = [s[1].shape[0] for s in batch]
-                S, B = max(lens), len(batch)
-                ids_np = np.zeros((B, S), np.int64)
-                mask_np = np.zeros((B, S), np.int64)
-                flat = np.concatenate([r * S + np.arange(t) for r, t in enumerate(lens)])
-                for r, (_, ids, _) in enumerate(batch):
-                    ids_np[r, : ids.shape[0]] = ids
-                    mask_np[r, : ids.shape[0]] = 1
-                # Right padding: causal attention and the causal conv / delta-rule recurrence of
-                # Gated DeltaNet never let a padded position influence an earlier real one.
-                input_ids = torch.from_numpy(ids_np).to(device, non_blocking=True)
-                attn = torch.from_numpy(mask_np).to(device, non_blocking=True)
-                index = torch.from_numpy(flat).to(device, non_blocking=True)
+                input_ids, attn, index = _batch_tensors(batch, device)
+                B, S = input_ids.shape
                 hidden, tids, tlp = forward_batch(model, capture, input_ids, attn, index, k, cfg.logits_chunk_tokens)
                 scale = None
                 if fp8:  # quantised here, on the device: the host and the writer see 8-bit values only
@@ -247,31 +243,7 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
                     bits = hidden.to(torch.bfloat16).view(torch.uint16)
                 N = hidden.shape[0]
                 slot, seq = sink.acquire()  # blocks while the writers hold every slot
-                host = sink.views(slot)
-                if cuda:
-                    copy_stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(copy_stream):
-                        host["hidden"][:N].copy_(bits, non_blocking=True)
-                        if scale is not None:
-                            host["scale"][:N].copy_(scale, non_blocking=True)
-                        if k > 0:
-                            host["ids"][:N].copy_(tids, non_blocking=True)
-                            host["lp"][:N].copy_(tlp, non_blocking=True)
-                        # Last on the same stream: the writer starts once it reads seq here.
-                        dev_flag.fill_(seq)
-                        host["flag"].copy_(dev_flag, non_blocking=True)
-                    for t in (bits, scale, tids, tlp):
-                        if t is not None:  # not reused by the allocator before the copy stream is done
-                            t.record_stream(copy_stream)
-                else:
-                    host["hidden"][:N].copy_(bits)
-                    if scale is not None:
-                        host["scale"][:N].copy_(scale)
-                    if k > 0:
-                        host["ids"][:N].copy_(tids)
-                        host["lp"][:N].copy_(tlp)
-                    host["flag"][0] = seq
-                del host
+                _to_host(sink.views(slot), seq, bits, scale, tids, tlp, copy_stream, dev_flag)
                 sink.batch(slot, batch, N, seq)
                 tokens_done += N
                 forward_tokens += B * S
@@ -284,3 +256,49 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
         raise
     return {"tokens": tokens_done, "forward_tokens": forward_tokens,
             "padding_fraction": 1 - tokens_done / max(forward_tokens, 1)}
+
+
+def _batch_tensors(batch, device: str):
+    """A batch's ids and attention mask, right-padded to its longest sample, and the flat index of
+    its real positions (row * S + t), on the device."""
+    import torch
+
+    lens = [s[1].shape[0] for s in batch]
+    S, B = max(lens), len(batch)
+    ids_np = np.zeros((B, S), np.int64)
+    mask_np = np.zeros((B, S), np.int64)
+    flat = np.concatenate([r * S + np.arange(t) for r, t in enumerate(lens)])
+    for r, (_, ids, _) in enumerate(batch):
+        ids_np[r, : ids.shape[0]] = ids
+        mask_np[r, : ids.shape[0]] = 1
+    # Right padding: causal attention and the causal conv / delta-rule recurrence of
+    # Gated DeltaNet never let a padded position influence an earlier real one.
+    return (torch.from_numpy(ids_np).to(device, non_blocking=True),
+            torch.from_numpy(mask_np).to(device, non_blocking=True),
+            torch.from_numpy(flat).to(device, non_blocking=True))
+
+
+def _to_host(host: dict, seq: int, bits, scale, tids, tlp, copy_stream, dev_flag) -> None:
+    """A batch's outputs into its shared host slot, then the slot's flag set to `seq` (the writer
+    starts once it reads it). On CUDA the copies run on `copy_stream` and overlap the next forward."""
+    import torch
+
+    N = bits.shape[0]
+    outputs = [("hidden", bits), ("scale", scale), ("ids", tids), ("lp", tlp)]
+    if copy_stream is None:
+        for name, t in outputs:
+            if t is not None:
+                host[name][:N].copy_(t)
+        host["flag"][0] = seq
+        return
+    copy_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(copy_stream):
+        for name, t in outputs:
+            if t is not None:
+                host[name][:N].copy_(t, non_blocking=True)
+        # Last on the same stream: the writer starts once it reads seq here.
+        dev_flag.fill_(seq)
+        host["flag"].copy_(dev_flag, non_blocking=True)
+    for _, t in outputs:
+        if t is not None:  # not reused by the allocator before the copy stream is done
+            t.record_stream(copy_stream)

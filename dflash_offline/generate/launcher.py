@@ -406,35 +406,10 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
                 log.info("stop requested: %d of this worker's parts not started (%s first)", len(mine) - i,
                          parts.part_name(j))
                 return len(mine) - i
-            rows, name = job.chunks[j], parts.part_name(j)
             if chat is not None:
-                written = 0
-
-                def on_batch(n_turns, n_new, res):  # conversations count once all their turns are written
-                    nonlocal written
-                    written += n_turns
-                    tracker.completed(turns=n_turns)
-                    writer.batch_done(name)
-
-                entry = chat.part(folder, name, rows, decoder, on_batch, continuous)
-                entry["ids"] = id_ranges(entry.pop("row_ids"))
-                writer.prompts_done += len(rows)
-                # Turns not written (a conversation cut short) leave the bound.
-                tracker.completed(prompts=len(rows), bound=-(int(job.turns[rows].sum()) - written) * cfg.max_new_tokens)
-                tracker.flush()
-                writer.commit(entry)
-                continue
-            prompts, ids = _part_prompts(job, reader, src, j)
-            new: list[list[int] | None] = [None] * len(rows)
-            eos_end = [False] * len(rows)
-            for batch in make_batches(np.asarray([len(p) for p in prompts]), job.rows_per_batch):
-                res = decoder.decode([prompts[k] for k in batch], [ids[k] for k in batch])
-                for k, toks, ended in zip(batch, res.tokens, res.ended_by_eos):
-                    new[k], eos_end[k] = toks, ended
-                log.info("batch of %d prompts: %d new tokens in %.2fs (prefill %.2fs, %d steps)", len(batch),
-                         sum(len(t) for t in res.tokens), res.seconds, res.prefill_s, res.steps)
-                writer.prompts_ended(name, len(batch), flush=True)
-            writer.write(name, ids, prompts, new, eos_end)
+                _write_chat_part(job, chat, j, decoder, continuous, tracker, writer)
+            else:
+                _write_padded_part(job, reader, src, j, decoder, writer)
     finally:
         tracker.flush()
         if bar is not None:
@@ -443,6 +418,42 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
         log.info("worker %d: %d prompts, %d new tokens in %.1fs (%.0f new tokens/s)", rank, writer.prompts_done,
                  tracker.tokens, dt, tracker.tokens / max(dt, 1e-9))
     return 0
+
+
+def _write_chat_part(job: Job, chat, j: int, decoder, continuous, tracker: Tracker, writer: PartWriter) -> None:
+    """Part j of a conversation input: every turn of its conversations, then its commit."""
+    rows, name = job.chunks[j], parts.part_name(j)
+    written = 0
+
+    def on_batch(n_turns, n_new, res):  # conversations count once all their turns are written
+        nonlocal written
+        written += n_turns
+        tracker.completed(turns=n_turns)
+        writer.batch_done(name)
+
+    entry = chat.part(writer.folder, name, rows, decoder, on_batch, continuous)
+    entry["ids"] = id_ranges(entry.pop("row_ids"))
+    writer.prompts_done += len(rows)
+    # Turns not written (a conversation cut short) leave the bound.
+    tracker.completed(prompts=len(rows), bound=-(int(job.turns[rows].sum()) - written) * job.cfg.max_new_tokens)
+    tracker.flush()
+    writer.commit(entry)
+
+
+def _write_padded_part(job: Job, reader, src, j: int, decoder, writer: PartWriter) -> None:
+    """Part j of a prompt input through the padded decoder, batch by batch, then its commit."""
+    rows, name = job.chunks[j], parts.part_name(j)
+    prompts, ids = _part_prompts(job, reader, src, j)
+    new: list[list[int] | None] = [None] * len(rows)
+    eos_end = [False] * len(rows)
+    for batch in make_batches(np.asarray([len(p) for p in prompts]), job.rows_per_batch):
+        res = decoder.decode([prompts[k] for k in batch], [ids[k] for k in batch])
+        for k, toks, ended in zip(batch, res.tokens, res.ended_by_eos):
+            new[k], eos_end[k] = toks, ended
+        log.info("batch of %d prompts: %d new tokens in %.2fs (prefill %.2fs, %d steps)", len(batch),
+                 sum(len(t) for t in res.tokens), res.seconds, res.prefill_s, res.steps)
+        writer.prompts_ended(name, len(batch), flush=True)
+    writer.write(name, ids, prompts, new, eos_end)
 
 
 def _decoders(job: Job, cfg: GenerateConfig, model):

@@ -70,15 +70,7 @@ def run(cfg: PrepareConfig) -> dict:
     heartbeat(phase="preflight")
     # Only the tokenizer, the chat template and config.json are read: a folder without weights will do.
     info = read_target(cfg.target, where(cfg, "target"), weights=False)
-    tokenizer = load_chat_tokenizer(cfg.target, where(cfg, "target"))
-    # Lengths are prepare's to judge (--max-len, the target's context), after tokenizing: transformers'
-    # "longer than the specified maximum sequence length" warning would name rows dropped anyway.
-    tokenizer.model_max_length = int(1e30)  # transformers' own "no limit" value (VERY_LARGE_INTEGER)
-    top = max(tokenizer.get_vocab().values(), default=-1)  # its largest id: added tokens may leave gaps
-    if top >= info.vocab_size:  # ids past the embedding: another model's tokenizer
-        raise UserError(f"{where(cfg, 'target')} {cfg.target}: its tokenizer has token ids up to {top} "
-                        f"({tokenizer.convert_ids_to_tokens(top)!r}) but the model's vocabulary is {info.vocab_size}; "
-                        "the folder mixes a tokenizer and a model that do not belong together")
+    tokenizer = _tokenizer(cfg, info)
     heartbeat(phase="read")
     records = list(read_records(cfg.data, cfg.format, where(cfg, "data"), limit=cfg.max_records))
     if not records:
@@ -98,19 +90,8 @@ def run(cfg: PrepareConfig) -> dict:
     heartbeat(phase="render")
     chunks = {s: [sel.splits[s][a:a + cfg.chunk_records] for a in range(0, len(sel.splits[s]), cfg.chunk_records)]
               for s in SPLITS}
-    settings = {"responses": cfg.responses, "train_turns": cfg.train_turns, "format": cfg.format,
-                "eval_fraction": cfg.eval_fraction, "max_len": cfg.max_len, "truncate": cfg.truncate,
-                "dedup": cfg.dedup, "drop_unanswered": cfg.drop_unanswered, "max_records": cfg.max_records}
-    source = output.source_entry(cfg.data)
+    wanted = _wanted(cfg, info, sel, chunks, tmpl)
     stores = {s: output.PreparedStore(out / s) for s in SPLITS}
-    wanted = {s: output.new_manifest(
-        kind="completions" if cfg.responses == "keep" else "prompts", target=info.manifest_entry(),
-        chat=dict(tmpl.settings.manifest_entry(), template=tmpl.template) if tmpl else None, settings=settings,
-        source=source,
-        plan={"split": s, "chunk_records": cfg.chunk_records, "num_parts": len(chunks[s]),
-              "conversations": len(sel.splits[s])},
-        counts={"records_read": sel.read, "dropped": dict(sel.dropped), "cut_off_files": sel.cut_off})
-        for s in SPLITS}
     for s in SPLITS:  # another run's output is refused before the rendering, not after it
         stores[s].check(wanted[s])
     committed = {s: stores[s].committed_names() for s in SPLITS}
@@ -146,6 +127,36 @@ def run(cfg: PrepareConfig) -> dict:
     fresh = any(t is not None for sp in SPLITS for t in tables[sp])
     _report(manifests, sel, out, time.time() - t0, cfg, info, fresh)
     return manifests
+
+
+def _tokenizer(cfg: PrepareConfig, info):
+    """The target's tokenizer (its chat template's), refused if it names ids past the model's vocabulary."""
+    tokenizer = load_chat_tokenizer(cfg.target, where(cfg, "target"))
+    # Lengths are prepare's to judge (--max-len, the target's context), after tokenizing: transformers'
+    # "longer than the specified maximum sequence length" warning would name rows dropped anyway.
+    tokenizer.model_max_length = int(1e30)  # transformers' own "no limit" value (VERY_LARGE_INTEGER)
+    top = max(tokenizer.get_vocab().values(), default=-1)  # its largest id: added tokens may leave gaps
+    if top >= info.vocab_size:  # ids past the embedding: another model's tokenizer
+        raise UserError(f"{where(cfg, 'target')} {cfg.target}: its tokenizer has token ids up to {top} "
+                        f"({tokenizer.convert_ids_to_tokens(top)!r}) but the model's vocabulary is {info.vocab_size}; "
+                        "the folder mixes a tokenizer and a model that do not belong together")
+    return tokenizer
+
+
+def _wanted(cfg: PrepareConfig, info, sel, chunks: dict, tmpl) -> dict:
+    """Each split's manifest as this run would write it (compared with an earlier run's first)."""
+    settings = {"responses": cfg.responses, "train_turns": cfg.train_turns, "format": cfg.format,
+                "eval_fraction": cfg.eval_fraction, "max_len": cfg.max_len, "truncate": cfg.truncate,
+                "dedup": cfg.dedup, "drop_unanswered": cfg.drop_unanswered, "max_records": cfg.max_records}
+    source = output.source_entry(cfg.data)
+    return {s: output.new_manifest(
+        kind="completions" if cfg.responses == "keep" else "prompts", target=info.manifest_entry(),
+        chat=dict(tmpl.settings.manifest_entry(), template=tmpl.template) if tmpl else None, settings=settings,
+        source=source,
+        plan={"split": s, "chunk_records": cfg.chunk_records, "num_parts": len(chunks[s]),
+              "conversations": len(sel.splits[s])},
+        counts={"records_read": sel.read, "dropped": dict(sel.dropped), "cut_off_files": sel.cut_off})
+        for s in SPLITS}
 
 
 def _render(cfg: PrepareConfig, sel, chunks: dict, committed: dict, tmpl, limits, tokenizer) -> dict[str, list]:

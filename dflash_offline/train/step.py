@@ -70,14 +70,12 @@ def optimizer_step(t: Trainer, st: LoopState, it, lr_now: float | None) -> StepR
     import torch
     import torch.distributed as dist
 
-    from dflash_offline.drafter import masks
-    from dflash_offline.blocks.loss import block_loss, block_metrics
+    from dflash_offline.blocks.loss import block_metrics
     from dflash_offline.train.profiling import phase
 
-    cfg, world, rank, device, cuda = t.cfg, t.world, t.rank, t.device, t.cuda
+    world, device = t.world, t.device
     accum, B = t.plan.accum, t.plan.drafter.block_size  # the drafter config owns the block size
     first_slot = 1 - t.drafter.cfg.label_offset  # the first drafted slot: DFlash's 1, DSpark's 0
-    three_terms = t.cfg.distribution_loss  # DSpark's loss (for DFlash: --tv-weight above 0)
     t0 = time.perf_counter()
     with phase("data"):
         micro = [next(it) for _ in range(accum)]  # all micro-batches first: the step's weight sum
@@ -95,68 +93,92 @@ def optimizer_step(t: Trainer, st: LoopState, it, lr_now: float | None) -> StepR
     step_m = None
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i, mb in enumerate(micro):
-        last = i == accum - 1
-        ctx = t.model.no_sync() if (world > 1 and not last) else nullcontext()
-        # The process's first micro-batch compiles the flex kernels (forward, backward):
-        # its phases are timed (with GPU syncs, this once) so a slow start says where it is.
-        phases = _PhaseTimer(cuda, log, rank) if st.first_micro else None
-        if st.first_micro:
-            heartbeat(phase="first step: compile" if cuda and cfg.attention != "sdpa" else "first step")
-            fault_point("compile")  # the first micro-batch compiles the flex kernels (GPU)
-        st.first_micro = False
-        with ctx:
-            with phase("mask"):
-                if cuda and cfg.attention != "sdpa":
-                    mask = masks.flex_block_mask(mb.doc_ids, mb.anchors, mb.anchor_valid, B)
-                else:
-                    mask = masks.dense_mask(mb.doc_ids, mb.anchors, mb.anchor_valid, B)
-            _mark(phases, "mask")
-            with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=t.bf16):
-                with phase("forward"):
-                    h = t.model(mb.target_hidden, mb.block_ids, mb.ctx_positions, mb.block_positions,
-                                mask)
-                _mark(phases, "forward")
-                with phase("loss"):
-                    if three_terms:
-                        ls, correct = _dspark_loss(t, h, mb, B)
-                    else:
-                        ls, correct = block_loss(h, t.drafter.lm_head.weight, mb.labels, mb.weights,
-                                                 t.loss_chunk, cfg.loss_impl, soft_ids=mb.soft_ids,
-                                                 soft_logprobs=mb.soft_logprobs, soft_weight=cfg.kd_weight,
-                                                 dpace_alpha=cfg.dpace_alpha if cfg.loss_weights == "dpace" else None,
-                                                 block_size=B, compiled=t.compile_loss and cfg.loss_impl == "fused")
-                _mark(phases, "loss")
-            with phase("backward"):
-                (ls.double() * scale).float().backward()
-            _mark(phases, "backward")
-        if phases is not None:
-            phases.report()
+        # DDP all-reduces the gradients once, on the step's last micro-batch.
+        sync = world == 1 or i == accum - 1
+        with (nullcontext() if sync else t.model.no_sync()):
+            ls, correct = _forward_backward(t, st, mb, scale)
         with phase("metrics"):
             loss_sum += ls.detach().double()
             mm = block_metrics(correct, mb.weights, mb.anchor_valid, B, first_slot=first_slot)
             step_m = mm if step_m is None else {k: step_m[k] + mm[k] for k in mm}
     with phase("optimizer"):
-        gnorm = torch.nn.utils.clip_grad_norm_(t.params, cfg.clip)
-        # Metrics and the finiteness check: one all-reduce of a small vector, one sync with the GPU a
-        # step on every rank, before the optimizer step: a non-finite loss or gradient is never applied.
-        bad_loss = torch.zeros(world, dtype=torch.float64, device=device)
-        bad_loss[rank] = (~torch.isfinite(loss_sum)).double()  # whose loss (summed: every rank sees all)
-        bad_grad = (~torch.isfinite(gnorm)).double()  # the gradient, averaged over ranks
-        vec = StepSums.pack(loss_sum, step_m, bad_loss, bad_grad)
-        if world > 1:
-            dist.all_reduce(vec)
-        sums = StepSums.unpack(vec.cpu().numpy(), B, world)
-        if sums.diverged:  # the same on every rank: all stop here, none waits for another
-            raise TrainingDiverged(diverged_message(sums.nonfinite_loss, float(gnorm), st.step + 1, t.out,
-                                                    st.last_ckpt))
-        if lr_now is not None:
-            for group in t.opt.param_groups:
-                group["lr"] = lr_now
-        t.opt.step()
-        t.sched.step()
-        t.opt.zero_grad(set_to_none=True)
+        sums, gnorm = _checked_update(t, st, loss_sum, step_m, lr_now)
     return StepResult(sums=sums, wsum=wsum, gnorm=gnorm, trained_tokens=head[1],
                       lr=lr_now if lr_now is not None else t.sched.get_last_lr()[0], t0=t0, t_data=t_data)
+
+
+def _forward_backward(t: Trainer, st: LoopState, mb, scale):
+    """One micro-batch: mask, forward, loss, backward. Returns its loss (weighted sum) and its
+    per-position top-1 hits."""
+    import torch
+
+    from dflash_offline.drafter import masks
+    from dflash_offline.blocks.loss import block_loss
+    from dflash_offline.train.profiling import phase
+
+    cfg, cuda, B = t.cfg, t.cuda, t.plan.drafter.block_size
+    # The process's first micro-batch compiles the flex kernels (forward, backward):
+    # its phases are timed (with GPU syncs, this once) so a slow start says where it is.
+    phases = _PhaseTimer(cuda, log, t.rank) if st.first_micro else None
+    if st.first_micro:
+        heartbeat(phase="first step: compile" if cuda and cfg.attention != "sdpa" else "first step")
+        fault_point("compile")  # the first micro-batch compiles the flex kernels (GPU)
+    st.first_micro = False
+    with phase("mask"):
+        if cuda and cfg.attention != "sdpa":
+            mask = masks.flex_block_mask(mb.doc_ids, mb.anchors, mb.anchor_valid, B)
+        else:
+            mask = masks.dense_mask(mb.doc_ids, mb.anchors, mb.anchor_valid, B)
+    _mark(phases, "mask")
+    with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16, enabled=t.bf16):
+        with phase("forward"):
+            h = t.model(mb.target_hidden, mb.block_ids, mb.ctx_positions, mb.block_positions, mask)
+        _mark(phases, "forward")
+        with phase("loss"):
+            if t.cfg.distribution_loss:  # DSpark's three terms (for DFlash: --tv-weight above 0)
+                ls, correct = _dspark_loss(t, h, mb, B)
+            else:
+                ls, correct = block_loss(h, t.drafter.lm_head.weight, mb.labels, mb.weights,
+                                         t.loss_chunk, cfg.loss_impl, soft_ids=mb.soft_ids,
+                                         soft_logprobs=mb.soft_logprobs, soft_weight=cfg.kd_weight,
+                                         dpace_alpha=cfg.dpace_alpha if cfg.loss_weights == "dpace" else None,
+                                         block_size=B, compiled=t.compile_loss and cfg.loss_impl == "fused")
+        _mark(phases, "loss")
+    with phase("backward"):
+        (ls.double() * scale).float().backward()
+    _mark(phases, "backward")
+    if phases is not None:
+        phases.report()
+    return ls, correct
+
+
+def _checked_update(t: Trainer, st: LoopState, loss_sum, step_m: dict, lr_now: float | None):
+    """Clip, the step's one all-reduce of metrics and finiteness, then AdamW and the schedule.
+    Returns the step's sums over ranks and the gradient norm before clipping."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank, device = t.world, t.rank, t.device
+    gnorm = torch.nn.utils.clip_grad_norm_(t.params, t.cfg.clip)
+    # Metrics and the finiteness check: one all-reduce of a small vector, one sync with the GPU a
+    # step on every rank, before the optimizer step: a non-finite loss or gradient is never applied.
+    bad_loss = torch.zeros(world, dtype=torch.float64, device=device)
+    bad_loss[rank] = (~torch.isfinite(loss_sum)).double()  # whose loss (summed: every rank sees all)
+    bad_grad = (~torch.isfinite(gnorm)).double()  # the gradient, averaged over ranks
+    vec = StepSums.pack(loss_sum, step_m, bad_loss, bad_grad)
+    if world > 1:
+        dist.all_reduce(vec)
+    sums = StepSums.unpack(vec.cpu().numpy(), t.plan.drafter.block_size, world)
+    if sums.diverged:  # the same on every rank: all stop here, none waits for another
+        raise TrainingDiverged(diverged_message(sums.nonfinite_loss, float(gnorm), st.step + 1, t.out,
+                                                st.last_ckpt))
+    if lr_now is not None:
+        for group in t.opt.param_groups:
+            group["lr"] = lr_now
+    t.opt.step()
+    t.sched.step()
+    t.opt.zero_grad(set_to_none=True)
+    return sums, gnorm
 
 
 @dataclass
