@@ -51,6 +51,9 @@ PRESETS = {
     # (--kd-weight) and D-PACE weights (exp(-k/gamma) slot weights); p_target is the cache's top-32.
     "dspark": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay"],
     "dspark-gated": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay", "--markov-head", "gated"],
+    # DFlash with DSpark's distribution term (no heads; exported as plain DFlash): the lever for
+    # sampled acceptance that keeps the served method.
+    "tv": ["--kd-weight", "0", "--loss-weights", "decay", "--tv-weight", "0.9"],
     "dspark-ce": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay", "--ce-weight", "1",
                   "--tv-weight", "0"],
 }
