@@ -19,7 +19,8 @@ from dflash_offline.train.config import TrainConfig
 from dflash_offline.options import (as_flag, cli_fields, flag_of, load_recipe, merge, parse_int_list, parse_size,
                                     under_current_names)
 from dflash_offline.runtime.errors import UserError
-from dflash_offline.runtime.logs import claim_heartbeat, current_log, finish_heartbeat, keep_early_log, record_failure
+from dflash_offline.runtime.logs import (claim_heartbeat, current_log, finish_heartbeat, in_early_log, keep_early_log,
+                                        record_failure)
 from dflash_offline.runtime.signals import Stopped
 
 
@@ -387,9 +388,10 @@ def entry() -> None:
         sys.exit(2)
     except PermissionError as e:
         # A file or folder this user may not read or write (a model folder, a manifest): the path
-        # and the fix in one line; the traceback is in the process log.
+        # and the fix in one line; the traceback is in the process log once the run has started
+        # (before that, a user's mistake in a path, refused as any other: nothing is left behind).
         record_failure(e)
-        log_path = keep_early_log() or current_log()
+        log_path = None if in_early_log() else current_log()
         click.echo(f"error: {e.filename if e.filename else e}: permission denied; give this user access to it, or "
                    "choose another path" + (f" (traceback in {log_path})" if log_path else ""), err=True)
         sys.exit(2)

@@ -21,6 +21,10 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
                         "step-N/ checkpoints)")
     require_kind(dest, "--to", True, "a new or empty folder, or an earlier export")
     dest = dest or str(run / "export")
+    inside = [p for p in Path(dest).absolute().parents if p.parent == run.absolute() and p.name.startswith(CHECKPOINT_PREFIX)]
+    if inside:  # train owns its checkpoint folders (and prunes them)
+        raise UserError(f"--to {dest}: inside the checkpoint folder {inside[0]}, which train writes and prunes; "
+                        f"export beside it (the default is {run / 'export'})")
     check_export_dest(Path(dest).absolute())  # before the checkpoint is read
     steps = list_checkpoints(run)
     if not steps:

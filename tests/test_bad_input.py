@@ -315,6 +315,43 @@ def other_data_content(s: Setup) -> Bad:
     return Bad(opts={"data": [f]}, expect=["source.files"])
 
 
+def max_len_cuts_every_completion(s: Setup) -> Bad:
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(2, VOCAB, size=30).tolist() for _ in range(4)]
+    masks = [[0] * 20 + [1] * 10 for _ in range(4)]  # every completion starts at position 20
+    f = write_parquet(s.tmp / "long-prompts.parquet", input_ids=ilist(ids), loss_mask=ilist(masks, pa.int8()))
+    return Bad(opts={"data": [f], "max-len": "16"},
+               expect=["--max-len 16", "cuts every row's completion away", "position 20"])
+
+
+def rows_past_the_target_context(s: Setup) -> Bad:
+    ids, masks = good_rows(4)
+    ids[2] = np.random.default_rng(1).integers(2, VOCAB, size=1100).tolist()  # tiny targets: 1024 positions
+    masks[2] = [0] * 100 + [1] * 1000
+    f = write_parquet(s.tmp / "past-context.parquet", input_ids=ilist(ids), loss_mask=ilist(masks, pa.int8()))
+    return Bad(opts={"data": [f], "max-len": "2048", "batch-tokens": "2048"},
+               expect=["1 rows are longer than the target's context (1024 positions", "1100 tokens",
+                       "past-context.parquet row 2", "--max-len 1024"])
+
+
+def generated_by_another_target(s: Setup) -> Bad:
+    """A generate folder (its manifest, written as generate writes it) whose completions another
+    model wrote: the target's weights fingerprint differs."""
+    from dflash_offline.rows.parts import FORMAT, VERSION
+
+    ids, masks = good_rows(4)
+    d = s.tmp / "generated"
+    write_parquet(d / "part-00000.parquet", input_ids=ilist(ids), loss_mask=ilist(masks, pa.int8()),
+                  id=pa.array(range(4), pa.int64()))
+    (d / "manifest.json").write_text(json.dumps({
+        "format": FORMAT, "version": VERSION, "status": "complete", "chat": None,
+        "target": {"path": "/models/another", "model_type": "qwen3", "vocab_size": VOCAB,
+                   "weights_fingerprint": "0" * 64},
+        "plan": {"num_parts": 1}, "parts": [{"name": "part-00000", "file": "part-00000.parquet"}]}))
+    return Bad(opts={"data": [d]}, expect=["--data", "generated", "another model wrote", "/models/another",
+                                           "*.parquet"])
+
+
 # (id, build, also run against a fresh cache, marks)
 CASES = [
     ("missing-input_ids", missing_input_ids, True, ()),
@@ -335,6 +372,9 @@ CASES = [
     ("prompt_len-beyond-row", prompt_len_too_long, True, ()),
     ("negative-row-id", negative_row_id, True,
      ()),
+    ("max-len-cuts-every-completion", max_len_cuts_every_completion, True, ()),
+    ("rows-past-the-target-context", rows_past_the_target_context, True, ()),
+    ("generated-by-another-target", generated_by_another_target, True, ()),
     ("target-without-config", target_without_config, True, ()),
     ("target-without-safetensors", target_without_weights, True, ()),
     ("target-zero-decoder-layers", target_zero_layers, True, ()),
@@ -546,6 +586,22 @@ def test_over_long_rows_are_truncated_with_one_warning(tiny_dense, tiny_data, tm
     assert max(got.values()) == 64 and len(got) == len(lengths)
 
 
+def test_rows_whose_completion_max_len_cuts_away_are_counted(tiny_dense, tmp_path):
+    """Rows cut by --max-len before their completion starts are kept (their prompts are context),
+    and the warning says how many keep nothing to train on."""
+    from conftest import extract_args
+
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(2, VOCAB, size=n).tolist() for n in (30, 30, 12, 12)]
+    masks = [[0] * 20 + [1] * 10, [0] * 20 + [1] * 10, [0] * 6 + [1] * 6, [0] * 6 + [1] * 6]
+    f = write_parquet(tmp_path / "mixed.parquet", input_ids=ilist(ids), loss_mask=ilist(masks, pa.int8()))
+    r = run_cli(extract_args(tiny_dense, f, tmp_path / "cache", "--max-len", "16"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "warning: 2 of 4 samples are longer than --max-len 16 and are truncated; 2 of them keep no token to train "
+        "on (their completions start past it)"]
+
+
 TRAIN_OPTS = ["--seq-len", "128", "--num-anchors", "8", "--block-size", "8", "--global-batch-tokens", "128",
               "--drafter-layers", "1", "--loader-workers", "0", "--no-progress", "--epochs", "1"]
 
@@ -571,9 +627,17 @@ def train_mask_token_out_of_vocab(s: Setup, out: Path) -> tuple[list, Bad]:
     return ["--out", out, "--mask-token-id", str(VOCAB)], Bad(expect=["--mask-token-id", str(VOCAB)])
 
 
+def train_step_rounded_then_too_big(s: Setup, out: Path) -> tuple[list, Bad]:
+    # --global-batch-tokens is rounded to whole rows (a warning) and then needs more rows than the
+    # cache has (the refusal): the refusal is the one line.
+    return (["--out", out, "--mask-token-id", "1", "--global-batch-tokens", "100000"],
+            Bad(expect=["fewer than one step needs"]))
+
+
 @pytest.mark.parametrize("build", [train_no_mask_token, train_other_target, train_out_unwritable,
-                                   train_mask_token_out_of_vocab],
-                         ids=["no-mask-token", "cache-from-other-target", "out-unwritable", "mask-token-out-of-vocab"])
+                                   train_mask_token_out_of_vocab, train_step_rounded_then_too_big],
+                         ids=["no-mask-token", "cache-from-other-target", "out-unwritable", "mask-token-out-of-vocab",
+                              "step-rounded-then-too-big"])
 def test_train_bad_input_is_refused(build, tiny_dense, valid_cache, tmp_path, request):
     out = tmp_path / "run"
     extra, bad = build(Setup(tmp=tmp_path, fx=request.getfixturevalue), out)

@@ -293,3 +293,35 @@ def test_export_of_a_run_folder_that_does_not_exist(tmp_path):
     assert line == (f"error: --run {tmp_path}/no-such-run: no such folder; give a training run folder (the --out of "
                     "train, with step-N/ checkpoints)"), line
     assert not (tmp_path / "no-such-run").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. export --to inside a checkpoint folder; pruning leaves what train did not write
+
+
+def test_export_into_a_checkpoint_folder_is_refused(tmp_path):
+    run = tmp_path / "run"
+    (run / "step-5").mkdir(parents=True)
+    line = _one_line(run_cli(["export", "--run", run, "--to", run / "step-5" / "mine"]))
+    assert line == (f"error: --to {run}/step-5/mine: inside the checkpoint folder {run}/step-5, which train writes and "
+                    f"prunes; export beside it (the default is {run}/export)"), line
+    assert sorted(p.name for p in (run / "step-5").iterdir()) == []
+
+
+def test_pruning_keeps_a_checkpoint_folder_that_holds_a_users_files(tmp_path, caplog):
+    from dflash_offline.runs.checkpoint import CHECKPOINT_FILES, remove_checkpoint
+
+    for step, extra in ((1, None), (2, "NOTES.md")):
+        ck = tmp_path / f"step-{step}"
+        ck.mkdir()
+        for name in CHECKPOINT_FILES:
+            (ck / name).write_bytes(b"x")
+        if extra:
+            (ck / extra).write_text("mine")
+    with caplog.at_level("WARNING"):
+        remove_checkpoint(tmp_path / "step-1")
+        remove_checkpoint(tmp_path / "step-2")
+    assert not (tmp_path / "step-1").exists()
+    assert sorted(p.name for p in (tmp_path / "step-2").iterdir()) == sorted([*CHECKPOINT_FILES, "NOTES.md"])
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert f"kept {tmp_path}/step-2" in msg and "NOTES.md, which train did not write" in msg, msg

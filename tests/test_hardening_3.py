@@ -372,8 +372,8 @@ def test_eval_refuses_zero_prompts_and_another_targets_cache(tiny_dense, arith_c
 
 
 def test_training_on_all_zero_loss_masks_is_refused(tiny_dense, tmp_path):
-    """extract refuses input with nothing to train on; a cache whose cut (--max-len) left nothing
-    to train on is refused by train."""
+    """extract refuses input with nothing to train on, and a --max-len whose cut leaves nothing to
+    train on, before any work (train refuses such a cache too, for one made elsewhere)."""
     from dflash_offline.tiny import make_tiny_data
 
     data = make_tiny_data(tmp_path / "d.parquet", rows=8, min_len=40, max_len=80)
@@ -385,14 +385,12 @@ def test_training_on_all_zero_loss_masks_is_refused(tiny_dense, tmp_path):
     assert not (tmp_path / "refused" / "manifest.json").exists()
     last = pa.array([[0] * (len(m) - 1) + [1] for m in t.column("loss_mask").to_pylist()], t.schema.field("loss_mask").type)
     pq.write_table(t.set_column(t.column_names.index("loss_mask"), "loss_mask", last), data)
+    first = min(len(m) - 1 for m in t.column("loss_mask").to_pylist())
     cache = tmp_path / "cache"
-    r = run_cli(extract_args(tiny_dense, data, cache, "--max-len", "32"))  # the cut drops every trained token
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = tmp_path / "run"
-    msg = _one_line(run_cli(["train", "--target", tiny_dense, "--cache", cache, "--out", out, "--devices", "cpu", *TRAIN]),
-                    2, "error: ")
-    assert "every loss_mask value is 0" in msg
-    assert not (out / "export").exists()
+    msg = _one_line(run_cli(extract_args(tiny_dense, data, cache, "--max-len", "32")), 2, "error: ")
+    assert msg == (f"error: --max-len 32 cuts every row's completion away (the earliest starts at position {first}): "
+                   "nothing would be left to train on; raise --max-len past the prompts"), msg
+    assert not (cache / "manifest.json").exists()
 
 
 def test_targets_transformers_cannot_build_as_a_decoder_are_one_line(tiny_dense, tiny_data, tmp_path):

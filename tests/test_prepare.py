@@ -278,3 +278,30 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(chat_target, tmp_path, p
     r = _prepare(chat_target, data, out, *args)
     assert r.returncode == 0, r.stderr[-2000:]
     assert _digest(out) == _digest(tmp_path / "straight")
+
+
+def test_text_the_tokenizer_cannot_read_is_refused(tiny_dense, tmp_path):
+    """A word-level tokenizer that knows none of the data's words renders it as its unknown token:
+    prepare refuses in one line (the wrong --target), and writes nothing."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_dense, target)
+    words = ["[UNK]", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "\n"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = (_chat.TEMPLATES / "chatml.jinja").read_text()
+    fast.save_pretrained(target)
+    data = _chat.write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"some words here {k}", "response": "and more words"}
+                                                    for k in range(6)])
+    out = tmp_path / "out"
+    r = _prepare(target, data, out, "--responses", "keep")
+    assert r.returncode == 2, r.stderr[-2000:]
+    (line,) = r.stderr.strip().splitlines()
+    assert "the tokenizer's unknown token '[UNK]' (id 0)" in line and "cannot read this text" in line, line
+    assert not (out / "train").exists() and not (out / "eval").exists()

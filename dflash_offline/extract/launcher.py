@@ -31,7 +31,7 @@ from dflash_offline.config import ExtractConfig
 from dflash_offline.extract.messages import Paused, Progress
 from dflash_offline.extract.plan import Job, bytes_per_token, pass_plan, reserved_bytes
 from dflash_offline.extract.worker import log_folder, worker_entry, worker_run
-from dflash_offline.rows.parts import chat_settings_of
+from dflash_offline.rows.parts import chat_settings_of, check_made_for
 from dflash_offline.runtime.errors import UserError, no_room_reason
 from dflash_offline.runtime.launch import (Launch, check_devices_exist, join_ranks, parse_devices,
                                            resolve_compute_dtype, torchrun_launch)
@@ -90,6 +90,8 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None) -> Preflight:
     log.info("input: %d files, %d rows, %d tokens (scanned in %.1fs)", len(source.files), source.rows,
              int(source.lengths.sum()), time.time() - t0)
     data.require_trained(source, f"{where(cfg, 'data')} {' '.join(map(str, cfg.data))}")
+    check_made_for(cfg.data, info, where(cfg, "data"), where(cfg, "target"))
+    cut_away = _check_lengths(cfg, info, source)
     # After the options, devices and data (building the model on the meta device costs seconds, the
     # import of transformers: those refusals come first and fast), before the existing cache is
     # compared with this run (a broken target is the cause to name, not the mismatch it makes).
@@ -104,7 +106,9 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None) -> Preflight:
     # Warnings only once the run is accepted: a refused run prints one line.
     truncated = int((source.lengths > cfg.max_len).sum())
     if truncated:
-        log.warning("%d of %d samples are longer than --max-len %d and are truncated", truncated, source.rows, cfg.max_len)
+        log.warning("%d of %d samples are longer than --max-len %d and are truncated%s", truncated, source.rows,
+                    cfg.max_len, f"; {cut_away} of them keep no token to train on (their completions start past it)"
+                    if cut_away else "")
     warning = target.check_kernels(info, devices)
     if warning:
         log.warning(warning)
@@ -115,6 +119,32 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None) -> Preflight:
         source=source.state(), shards=shards, compute_dtype=compute_dtype, shard_bytes=shard_bytes,
     )
     return Preflight(job, wanted, devices, todo_tokens)
+
+
+def _check_lengths(cfg: ExtractConfig, info, source) -> int:
+    """Refuses rows longer than the target's context that --max-len does not cut (the target never
+    saw such positions: its states there are not what serving sees), and a --max-len that cuts every
+    completion away. Returns how many rows with a completion keep none of it."""
+    ctx = info.max_positions
+    if ctx is not None and cfg.max_len > ctx:
+        over = np.flatnonzero(source.lengths > ctx)
+        if over.size:
+            r = int(over[np.argmax(source.lengths[over])])
+            fi, fr = source.file_of_row(r)
+            raise UserError(f"{where(cfg, 'data')}: {over.size} rows are longer than the target's context ({ctx} positions, "
+                            f"max_position_embeddings; the longest has {int(source.lengths[r])} tokens: "
+                            f"{source.files[fi].path} row {fr}); give {where(cfg, 'max_len')} {ctx} (or less) to cut them "
+                            "there")
+    first = source.first_trained
+    if first is None:
+        return 0
+    has = first < source.lengths  # rows with a completion
+    kept = has & (first < cfg.max_len)
+    if has.any() and not kept.any():
+        raise UserError(f"{where(cfg, 'max_len')} {cfg.max_len} cuts every row's completion away (the earliest starts at "
+                        f"position {int(first[has].min())}): nothing would be left to train on; raise "
+                        f"{where(cfg, 'max_len')} past the prompts")
+    return int((has & ~kept).sum())
 
 
 def _planned_manifest(cfg: ExtractConfig, info, source, layer_ids: list[int], compute_dtype: str):

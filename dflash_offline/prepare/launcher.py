@@ -104,6 +104,9 @@ def run(cfg: PrepareConfig) -> dict:
                         + ("the chat template refused them: fix it or give another with --chat-template"
                            if any(str(why).startswith("template refused") for why in dropped) else
                            "check --format, --max-len and --responses"))
+    unknown = _unknown_tokens(cfg, tables, tokenizer)
+    if unknown:
+        log.warning(unknown)
     if cfg.max_len is not None and info.max_positions is not None and cfg.max_len > info.max_positions:
         # Asked for, so said rather than refused (after the refusals: a warning never precedes an error line).
         log.warning("%s %d exceeds the target's context (%d positions, max_position_embeddings): rows past it are "
@@ -157,6 +160,27 @@ def _wanted(cfg: PrepareConfig, info, sel, chunks: dict, tmpl) -> dict:
               "conversations": len(sel.splits[s])},
         counts={"records_read": sel.read, "dropped": dict(sel.dropped), "cut_off_files": sel.cut_off})
         for s in SPLITS}
+
+
+def _unknown_tokens(cfg: PrepareConfig, tables: dict, tokenizer) -> str | None:
+    """Text this tokenizer cannot read comes out as its unknown token: refused when that is half the
+    tokens or more (another model's tokenizer, or the wrong --target), a warning line from 1%."""
+    import pyarrow.compute as pc
+
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return None
+    flat = [pc.list_flatten(t.table.column("input_ids")) for s in SPLITS for t in tables[s] if t is not None]
+    total = sum(len(f) for f in flat)
+    count = sum(int(pc.sum(pc.equal(f, unk)).as_py() or 0) for f in flat)
+    if not total or count < total / 100:
+        return None
+    what = (f"{count} of the {total} tokens rendered ({100 * count / total:.0f}%) are the tokenizer's unknown token "
+            f"{tokenizer.convert_ids_to_tokens(unk)!r} (id {unk})")
+    if count * 2 >= total:
+        raise UserError(f"{where(cfg, 'data')}: {what}: {where(cfg, 'target')} {cfg.target}'s tokenizer cannot read this "
+                        "text; give the model the data is for as --target")
+    return f"{what}: text this tokenizer cannot read"
 
 
 def _render(cfg: PrepareConfig, sel, chunks: dict, committed: dict, tmpl, limits, tokenizer) -> dict[str, list]:

@@ -97,6 +97,24 @@ def chat_settings_of(paths) -> dict | None:
     return values[0] if values else None
 
 
+def check_made_for(paths, info, option: str, target_option: str) -> None:
+    """Refuses `generate` folders among `paths` whose completions another model wrote (their
+    weights differ from `info`, read_target's): a drafter trained on them learns that model's text,
+    not this target's. Parquet files given directly are not checked: that is how another model's
+    text is used on purpose. (A `prepare` folder records the target whose tokenizer rendered it; a
+    sibling model with the same tokenizer reads it as well, so it is not refused.)"""
+    for p in paths:
+        m = read_manifest(p) if Path(p).is_dir() else None
+        if m is None or m.get("format") != FORMAT:
+            continue
+        made = m.get("target") or {}
+        if made.get("weights_fingerprint") not in (None, info.weights_fingerprint):
+            raise UserError(f"{option} {p} holds completions another model wrote ({made.get('path')}: its weights differ "
+                            f"from {target_option} {info.path}): a drafter trained on them learns that model's text; "
+                            f"generate them with this target, or give the folder's part files (*.parquet) to use "
+                            "them on purpose")
+
+
 def new_manifest(target: dict, settings: dict, source: dict, plan: dict, chat: dict | None = None) -> dict:
     return {"format": FORMAT, "version": VERSION, "status": "generating", "target": target, "settings": settings,
             "source": source, "plan": plan, "chat": chat, "parts": [],

@@ -67,6 +67,7 @@ class Source:
     lengths: np.ndarray  # int64 [rows], untruncated token counts
     max_token: int
     trained_tokens: int = -1  # tokens with loss_mask 1 (prompt_len: past the prompt), untruncated; -1: not counted
+    first_trained: np.ndarray | None = None  # int64 [rows]: each row's first trained position (its length if none)
 
     @property
     def rows(self) -> int:
@@ -193,9 +194,9 @@ def _checked_tokens(path, ids_col, base: int, vocab_size: int) -> tuple[np.ndarr
     return lens, hi
 
 
-def _checked_mask(path, mask_col: str, mask, lens: np.ndarray, base: int) -> int:
+def _checked_mask(path, mask_col: str, mask, lens: np.ndarray, base: int) -> tuple[int, np.ndarray]:
     """A row group's loss_mask (0/1 per token, as long as its row) or prompt_len (within its row)
-    checked; -> the tokens it trains."""
+    checked; -> the tokens it trains, and each row's first trained position (its length if none)."""
     if mask.null_count:
         r = base + int(np.flatnonzero(mask.is_null().to_numpy(zero_copy_only=False))[0])
         raise UserError(f"{path}: row {r}: {mask_col} is null")
@@ -207,7 +208,7 @@ def _checked_mask(path, mask_col: str, mask, lens: np.ndarray, base: int) -> int
             raise UserError(
                 f"{path}: row {base + r}: prompt_len {int(pl[r])} is outside [0, {int(lens[r])}] (the row's length)"
             )
-        return int((lens - pl).sum())
+        return int((lens - pl).sum()), pl.astype(np.int64)
     mlens = pc.list_value_length(mask).to_numpy(zero_copy_only=False)
     diff = np.flatnonzero(mlens != lens)
     if diff.size:
@@ -223,7 +224,14 @@ def _checked_mask(path, mask_col: str, mask, lens: np.ndarray, base: int) -> int
         if bad.size:
             row = int(np.searchsorted(np.cumsum(lens), int(bad[0]), side="right"))
             raise UserError(f"{path}: row {base + row}: loss_mask holds {int(mvals[bad[0]])}; only 0 and 1 are allowed")
-    return int(pc.sum(pc.cast(mflat, pa.int64())).as_py() or 0)
+    ones = np.flatnonzero(np.asarray(mflat.to_numpy(zero_copy_only=False), dtype=bool))
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    first = lens.astype(np.int64).copy()
+    if ones.size:
+        row_of = np.searchsorted(starts, ones, side="right") - 1
+        rows, at = np.unique(row_of, return_index=True)  # each row's first 1 (ones are in order)
+        first[rows] = ones[at] - starts[rows]
+    return int(ones.size), first
 
 
 def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: bool = True) -> Source:
@@ -232,7 +240,7 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
     files = resolve_files(paths, option)
     out_files: list[SourceFile] = []
     ids_all, lens_all = [], []
-    max_token, trained = -1, 0
+    max_token, trained, firsts = -1, 0, []
     positional: set[int] = set()  # files without an id column (their rows' ids are global positions)
     offset = 0
     for path in files:
@@ -260,7 +268,9 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
             lens, hi = _checked_tokens(path, tab.column("input_ids").combine_chunks(), base, vocab_size)
             max_token = max(max_token, hi)
             if mask_col:
-                trained += _checked_mask(path, mask_col, tab.column(mask_col).combine_chunks(), lens, base)
+                got, first = _checked_mask(path, mask_col, tab.column(mask_col).combine_chunks(), lens, base)
+                trained += got
+                firsts.append(first)
             if has_id:
                 ids_all.append(ids_as_int64(str(path), tab.column("id"), base))
             else:
@@ -298,7 +308,8 @@ def scan(paths: list[str], vocab_size: int, option: str = "--data", need_mask: b
         fi, fr = src.file_of_row(r)
         raise UserError(f"{out_files[fi].path}: row {fr}: id {int(ids[r])} is negative; ids must be >= 0")
     return Source(files=out_files, ids=ids, lengths=lengths, max_token=max_token,
-                  trained_tokens=trained if need_mask else -1)
+                  trained_tokens=trained if need_mask else -1,
+                  first_trained=np.concatenate(firsts) if need_mask and firsts else None)
 
 
 def require_trained(source: Source, label: str) -> None:

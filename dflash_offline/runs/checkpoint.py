@@ -9,6 +9,7 @@ Imports no torch at module level: the launcher's preflight and `status` read che
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import zipfile
@@ -22,7 +23,10 @@ from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.paths import ordinary_mode
 from dflash_offline.runtime.units import human_bytes
 
+log = logging.getLogger("dflash.train")
 CHECKPOINT_PREFIX = "step-"
+# What train writes in a checkpoint folder (step-N/): all that pruning deletes.
+CHECKPOINT_FILES = ("state.json", "drafter.safetensors", "trainer.pt")
 
 
 @dataclass
@@ -127,11 +131,25 @@ def save_checkpoint(out: Path, step: int, drafter, opt, sched, state: Checkpoint
     os.replace(tmp, final)
     fault_point("checkpoint-saved")
     for old in list_checkpoints(out)[:-keep]:
-        shutil.rmtree(out / f"{CHECKPOINT_PREFIX}{old}", ignore_errors=True)
+        remove_checkpoint(out / f"{CHECKPOINT_PREFIX}{old}")
     return final
 
 
-CHECKPOINT_FILES = ("state.json", "drafter.safetensors", "trainer.pt")
+def remove_checkpoint(ck: Path) -> None:
+    """Prune an old checkpoint (--keep-checkpoints). One that holds anything train did not write
+    (notes, an export) is kept whole, with a warning: its files are the user's to delete."""
+    try:
+        others = sorted(p.name for p in ck.iterdir() if p.name not in CHECKPOINT_FILES)
+    except FileNotFoundError:
+        return
+    if others:
+        log.warning("kept %s (--keep-checkpoints would prune it): it also holds %s, which train did not write; "
+                    "delete the folder yourself once you no longer need them", ck,
+                    ", ".join(others[:5]) + (" ..." if len(others) > 5 else ""))
+        return
+    shutil.rmtree(ck, ignore_errors=True)
+
+
 
 
 def checkpoint_damage(ck: Path, files: tuple[str, ...] = CHECKPOINT_FILES, config_problem=None) -> str | None:

@@ -192,6 +192,12 @@ def keep_early_log() -> str | None:
     return str(_early.folder / f"{_early.name}.log")
 
 
+def in_early_log() -> bool:
+    """Whether this process's log is still the early one (its preflight has not passed): a
+    refusal then leaves nothing behind."""
+    return _early is not None and _early.pid == os.getpid()
+
+
 def _drop_early_log() -> None:
     """At exit: an early log that no error line names (a refusal, a stop) is deleted."""
     early = _early

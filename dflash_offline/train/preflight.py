@@ -33,17 +33,23 @@ from dflash_offline.targets.folder import read_target
 log = logging.getLogger("dflash.train")
 
 
-def step_accumulation(cfg: TrainConfig, world: int) -> int:
-    """Micro-batches per rank and step; said on the terminal when that rounds --global-batch-tokens
+def step_accumulation(cfg: TrainConfig, world: int, warnings: list[str]) -> int:
+    """Micro-batches per rank and step; a line for `warnings` when that rounds --global-batch-tokens
     (a step is whole rows of --seq-len on every rank)."""
     from dflash_offline.blocks.packing import accumulation
 
     accum = accumulation(cfg.global_batch_tokens, cfg.seq_len, world)
     if accum * world * cfg.seq_len != cfg.global_batch_tokens:
-        log.warning("%s %d is not a multiple of %d rank(s) x %s %d: each step takes %d tokens (%d micro-batches "
-                    "per rank)", where(cfg, "global_batch_tokens"), cfg.global_batch_tokens, world,
-                    also(cfg, "seq_len"), cfg.seq_len, accum * world * cfg.seq_len, accum)
+        warnings.append(f"{where(cfg, 'global_batch_tokens')} {cfg.global_batch_tokens} is not a multiple of {world} "
+                        f"rank(s) x {also(cfg, 'seq_len')} {cfg.seq_len}: each step takes "
+                        f"{accum * world * cfg.seq_len} tokens ({accum} micro-batches per rank)")
     return accum
+
+
+def _say(warnings: list[str]) -> None:
+    """The preflight's warnings, once every refusal has had its turn: a refused run prints one line."""
+    for line in warnings:
+        log.warning("%s", line)
 
 
 def preflight(cfg: TrainConfig) -> TrainPlan:
@@ -87,10 +93,11 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
                         "data whose loss_mask marks the tokens to learn (e.g. 1 on the completions)")
     layer_ids, columns = layer_choice(cfg, v)
     _check_row_memory(cfg, len(layer_ids) * v.hidden_size)
-    topk = _check_soft_targets(cfg, v)
+    warnings: list[str] = []
+    topk = _check_soft_targets(cfg, v, warnings)
     dcfg = _drafter_config(cfg, layer_ids, v)
     world = _world(devices)
-    accum = step_accumulation(cfg, world)
+    accum = step_accumulation(cfg, world, warnings)
     # Rows per epoch vary a little with the order; every epoch runs as many steps as the
     # shortest one has, so a step never meets a missing row.
     rows = min(len(pack_pieces(table.pieces, epoch_order(len(refs), cfg.seed, e), cfg.seq_len)) for e in range(cfg.epochs))
@@ -115,9 +122,8 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
         _check_eval_cache(cfg, layer_ids, v)
     # Every sample fits: split and truncate make the same rows, so either resumes the other.
     check_resume(cfg, plan.cache_fingerprint, moot=() if table.long.long else ("long_samples",))
-    said = table.long.line(where(cfg, "seq_len"), also(cfg, "seq_len"), also(cfg, "long_samples"))
-    if said:  # after the refusals: a warning never precedes a run's error line
-        log.warning("%s", said)
+    long_line = table.long.line(where(cfg, "seq_len"), also(cfg, "seq_len"), also(cfg, "long_samples"))
+    _say(warnings + ([long_line] if long_line else []))  # after the refusals: a warning never precedes an error line
     return plan
 
 
@@ -200,14 +206,14 @@ def layer_choice(cfg: TrainConfig, v: ManifestView) -> tuple[list[int], list[int
     return [captured[k] for k in cols], cols
 
 
-def _check_soft_targets(cfg: TrainConfig, v: ManifestView) -> int:
+def _check_soft_targets(cfg: TrainConfig, v: ManifestView, warnings: list[str]) -> int:
     """Top-k entries the loss reads: 0 without --kd-weight; the cache must hold them with it.
     DSpark reads them for p_target where the cache has them (without: one-hot, with a warning)."""
     if cfg.distribution_loss:
         if v.topk == 0 and cfg.resolved_tv_weight:
-            log.warning("the cache %s holds no top-k (extracted with --topk 0): the L1 term compares the drafter "
-                        "with the data token alone (p_target one-hot); extract with --topk 32 for the target's "
-                        "distribution", cfg.cache)
+            warnings.append(f"the cache {cfg.cache} holds no top-k (extracted with --topk 0): the L1 term compares the "
+                            "drafter with the data token alone (p_target one-hot); extract with --topk 32 for the "
+                            "target's distribution")
         return v.topk
     if cfg.kd_weight == 0:
         return 0
@@ -258,12 +264,13 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
                         f"{budget // biggest} of its {v.num_shards} shards; without --stream nothing is "
                         "released and both stages would wait forever: add --stream")
     layer_ids, columns = layer_choice(cfg, v)
-    topk = _check_soft_targets(cfg, v)
+    warnings: list[str] = []
+    topk = _check_soft_targets(cfg, v, warnings)
     dcfg = _drafter_config(cfg, layer_ids, v)
     if cfg.eval_cache:
         _check_eval_cache(cfg, layer_ids, v)
     world = _world(devices)
-    accum = step_accumulation(cfg, world)
+    accum = step_accumulation(cfg, world, warnings)
     # An estimate for the progress bar and the log: windows pack separately and fill their last
     # step with empty rows, so a run takes more steps. The learning rate follows the tokens
     # trained, not this count (`schedule.lr_at`).
@@ -285,6 +292,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     check_resume(cfg, plan.cache_fingerprint, moot=("long_samples",) if fits else ())
     # Last, under the manifest's lock: two trainers started at once cannot both pass as the only one.
     store.register_consumer(mine, cfg.stream)
+    _say(warnings)
     return plan
 
 
