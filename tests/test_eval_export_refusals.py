@@ -325,3 +325,22 @@ def test_pruning_keeps_a_checkpoint_folder_that_holds_a_users_files(tmp_path, ca
     assert sorted(p.name for p in (tmp_path / "step-2").iterdir()) == sorted([*CHECKPOINT_FILES, "NOTES.md"])
     (msg,) = [r.getMessage() for r in caplog.records]
     assert f"kept {tmp_path}/step-2" in msg and "NOTES.md, which train did not write" in msg, msg
+
+
+def test_a_cache_with_nothing_to_walk_leaves_no_log_folder(tiny_dense, export, tmp_path):
+    """eval --cache on a cache whose completions are one token each: one line, and no log folder
+    (./dflash-logs for a drafter outside a run) left behind."""
+    from conftest import extract_args
+
+    rows = [[5 + k, 40 + 3 * k, 7, 90 + k, 11, 12] for k in range(4)]
+    data = tmp_path / "one-token.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array(rows, pa.list_(pa.int32())),
+                             "loss_mask": pa.array([[0] * 5 + [1]] * 4, pa.list_(pa.int8()))}), data)
+    cache = tmp_path / "cache"
+    assert run_cli(extract_args(tiny_dense, data, cache)).returncode == 0
+    cwd = tmp_path / "here"
+    cwd.mkdir()
+    line = _one_line(run_cli(["eval", "--target", tiny_dense, "--drafter", export, "--cache", cache, "--device", "cpu",
+                              "--no-progress"], cwd=cwd))
+    assert "no sample with a completion of two tokens or more to walk" in line, line
+    assert list(cwd.iterdir()) == []

@@ -341,11 +341,13 @@ def _decode_drafter(cfg: EvalConfig, decoders, path, drafter, prompts, ids, e: d
 
 def _cache_figures(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     """The cache's figures for each drafter: the walk, the random-block estimate, --parity."""
-    claim_heartbeat()
     report["cache"] = str(cfg.cache)
     for i, (path, d) in enumerate(drafters):
         walk = walk_acceptance(cfg.cache, d, device, cfg.max_samples, batch_rows=cfg.walk_batch_rows,
                                option=where(cfg, "cache"))
+        # After the first walk: a cache with nothing to walk is refused in one line, and a refusal
+        # leaves no log folder behind (the walk reads the samples that say so).
+        claim_heartbeat()
         log.info("cache walk for %s: tau %.3f pooled, %.3f per-prompt mean, over %d rounds of %d samples (%.1fs)",
                  path, walk["tau_pooled"], walk["tau_per_prompt_mean"], walk["rounds"], walk["samples"],
                  walk["seconds"])
