@@ -50,6 +50,8 @@ PRESETS = {
     # DSpark (drafter/dspark.py) on the same cache: its loss replaces the recipe's distillation
     # (--kd-weight) and D-PACE weights (exp(-k/gamma) slot weights); p_target is the cache's top-32.
     "dspark": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay"],
+    # The same with each chunk of its three-term loss compiled (train --compile-loss).
+    "dspark-cl": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay", "--compile-loss"],
     "dspark-gated": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay", "--markov-head", "gated"],
     # DFlash with DSpark's distribution term (no heads; exported as plain DFlash): the lever for
     # sampled acceptance that keeps the served method.

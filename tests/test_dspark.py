@@ -350,3 +350,32 @@ def test_dspark_cuda_graphs_equal_eager(dspark_fitted, kind):
     assert [r.accepted for r in runs[True]] == [r.accepted for r in runs[False]]
     for a, b in zip(runs[True], runs[False]):
         np.testing.assert_allclose(a.confidence, b.confidence, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_loss_equals_the_eager_one():
+    """`compiled=True` (train --compile-loss): each full chunk one compiled graph, the short last
+    chunk eager; the eager loss, hits and gradients (hidden states, both heads), and no recompile
+    on a second call."""
+    from dflash_offline.blocks import dspark_loss as module
+    from dflash_offline.drafter.masks import count_recompiles
+
+    markov, conf, head = make("vanilla", True)
+    markov, conf, head = markov.float(), conf.float(), head.float()
+    hidden, labels, prev, weights, ids, lp, _ = batch(Q=5 * B)
+    hidden, weights = hidden.float(), weights.float()
+    out = {}
+    for compiled in (False, True):
+        h = hidden.clone().requires_grad_()
+        r = dspark_loss(h, head, markov, conf, prev, labels, weights, ids, lp, chunk_tokens=16, compiled=compiled)
+        params = [h, *markov.parameters(), *conf.parameters()]
+        out[compiled] = (r.total.detach(), r.correct, r.survival, torch.autograd.grad(r.total * 0.37, params))
+    assert module._compiled_chunk is not None, "the compiled chunk was not used"
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[True][1], out[False][1])
+    torch.testing.assert_close(out[True][2], out[False][2], rtol=1e-5, atol=1e-5)
+    for a, b in zip(out[True][3], out[False][3]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    before = count_recompiles()  # 40 slots in chunks of 16: the last 8 ran eagerly
+    dspark_loss(hidden.clone().requires_grad_(), head, markov, conf, prev, labels, weights, ids, lp, chunk_tokens=16,
+                compiled=True).total.backward()
+    assert count_recompiles() == before

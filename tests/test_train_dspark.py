@@ -190,7 +190,6 @@ def test_dflash_with_the_l1_term_learns_and_stays_dflash(topk_cache, tiny_dense,
     (["--loss-weights", "dpace"], "--loss-weights"),
     (["--markov-rank", "0"], "--markov-rank"),
     (["--tv-weight", "-1"], "--tv-weight"),
-    (["--compile-loss"], "--compile-loss"),
 ])
 def test_refusals(topk_cache, tiny_dense, tmp_path, extra, says):
     r = train(tiny_dense, topk_cache, tmp_path / "run", *extra)

@@ -17,7 +17,9 @@ holds that state); a cache without top-k (--topk 0) gives a one-hot p_target (th
 TV = 1 - p(label).
 
 Chunks of `chunk_tokens` slots run under activation checkpointing: one [chunk, vocab] block of
-logits is alive at a time, recomputed in the backward.
+logits is alive at a time, recomputed in the backward. With `compiled` (train --compile-loss) each
+full chunk runs as one compiled graph (Inductor fuses the passes over its logits: the softmax, the
+gathers, the L1), compiled once for the chunk length; a short last chunk runs eagerly.
 """
 
 from __future__ import annotations
@@ -83,11 +85,22 @@ def _chunk(h, head_weight, markov: MarkovHead, conf: ConfidenceHead | None, prev
     return total, z.argmax(-1) == y, stats
 
 
+_compiled_chunk = None
+
+
+def _fast_chunk():
+    """`_chunk` compiled once per process (static shapes: a chunk's slots and the vocabulary)."""
+    global _compiled_chunk
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_chunk, dynamic=False)
+    return _compiled_chunk
+
+
 def dspark_loss(hidden: torch.Tensor, head_weight: torch.Tensor, markov: MarkovHead | None,
                 confidence: ConfidenceHead | None,
                 prev: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, soft_ids: torch.Tensor | None = None,
                 soft_logprobs: torch.Tensor | None = None, loss_weights: LossWeights = LossWeights(),
-                chunk_tokens: int = 4096) -> DSparkLoss:
+                chunk_tokens: int = 4096, compiled: bool = False) -> DSparkLoss:
     """hidden [R, Q, H]; prev (x_{k-1}), labels, weights [R, Q]; soft_ids / soft_logprobs [R, Q, k]
     the target's top-k for each slot (None: one-hot p_target). markov None: no Markov bias (DFlash's
     slots with the L1 term; `prev` is then not read, and there is no confidence head)."""
@@ -112,7 +125,9 @@ def dspark_loss(hidden: torch.Tensor, head_weight: torch.Tensor, markov: MarkovH
         sl = slice(a, a + chunk_tokens)
         args = (h[sl], head_weight, markov, confidence, x[sl], y[sl], w[sl],
                 *((None, None, None) if ids is None else (ids[sl], t[sl], rest[sl])), loss_weights)
-        s, c, st = checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args)
+        # A short last chunk runs eagerly: a second shape would be a recompile every run.
+        fn = _fast_chunk() if compiled and args[0].shape[0] == min(chunk_tokens, h.shape[0]) else _chunk
+        s, c, st = checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)
         total = total + s
         stats = stats + st.detach()
         correct.append(c.detach())
