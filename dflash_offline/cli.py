@@ -225,7 +225,10 @@ def train(ctx: click.Context, config_file, **options) -> None:
 @click.option("--run", "run_dir", required=True, help="A training run folder (OUT of `train`).")
 @click.option("--step", type=int, help="Checkpoint step to export.  [default: the latest]")
 @click.option("--to", "dest", help="Export folder.  [default: RUN/export]")
-def export(run_dir: str, step: int | None, dest: str | None) -> None:
+@click.option("--target", "target_dir", help="The target the run trained against, where it is now (a DSpark export "
+              "carries its embedding and LM head; checked against the run's record of its weights).  [default: the "
+              "run's --target]")
+def export(run_dir: str, step: int | None, dest: str | None, target_dir: str | None) -> None:
     """Write a checkpoint's drafter as config.json + model.safetensors in the reference DFlash layout.
 
     Checked here: the export loads into the reference implementation (PyPI dflash==0.1.0,
@@ -233,7 +236,7 @@ def export(run_dir: str, step: int | None, dest: str | None) -> None:
     vLLM's and SGLang's DFlash loaders read, but no serving engine was run (docs/serving.md)."""
     from dflash_offline import export as export_mod  # start-up: a command imports its own stage only
 
-    path = export_mod.export_checkpoint(run_dir, step, dest)
+    path = export_mod.export_checkpoint(run_dir, step, dest, target_dir)
     click.echo(f"exported {path}")
 
 

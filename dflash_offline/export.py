@@ -8,10 +8,12 @@ from dflash_offline.runs.checkpoint import (CHECKPOINT_PREFIX, CheckpointState, 
                                             list_checkpoints, load_checkpoint)
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.paths import require_kind
+from dflash_offline.targets.folder import read_target
 from dflash_offline.train.resume import config_problem
 
 
-def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = None) -> Path:
+def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = None,
+                      target_dir: str | None = None) -> Path:
     from dflash_offline.drafter.export import check_export_dest, export_drafter
 
     run = Path(run_dir)
@@ -45,9 +47,22 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
     if drafter.cfg.method == "dspark":
         # DSpark's export carries the target's embedding and LM head (SGLang loads every
         # parameter from it): read them from the target the run trained against.
-        target = (CheckpointState.read(ck).config or {}).get("target")
+        target = target_dir or (CheckpointState.read(ck).config or {}).get("target")
         if not target or not Path(target).is_dir():
             raise UserError(f"{ck}: a DSpark export carries the target's embedding and LM head, but the run's target "
-                            f"{target!r} is not a folder here; export where the target is")
-        drafter.load_frozen_from_target(target)
+                            f"{target!r} is not a folder here; give its folder with --target")
+        option = "--target" if target_dir else "the run's target"
+        _check_trained_against(drafter, target, option)
+        drafter.load_frozen_from_target(target, option)
     return export_drafter(drafter, dest)
+
+
+def _check_trained_against(drafter, target: str, option: str) -> None:
+    """The target folder holds the weights the run trained against (its fingerprint as the run
+    recorded it): another model's embedding and LM head would be exported under this run's name."""
+    info = read_target(target, option)
+    want = (drafter.cfg.target or {}).get("weights_fingerprint")
+    if want is not None and info.weights_fingerprint != want:
+        raise UserError(f"{option} {target}: its weights are not the ones the run trained against (fingerprint "
+                        f"{info.weights_fingerprint}, the run's {want}); a DSpark export carries the target's "
+                        "embedding and LM head: give the target the run trained against with --target")

@@ -179,8 +179,14 @@ def test_distillation_trains_and_needs_top_k_in_the_cache(layer_caches, tiny_den
 def test_held_out_walk_keeps_the_best_drafter(layer_caches, tiny_dense, tmp_path):
     superset, subset = layer_caches
     out = tmp_path / "run"
-    r = _train(tiny_dense, subset, out, "--eval-cache", subset, "--eval-every", "2", "--eval-samples", "8")
+    # The subset as the held-out cache of a run on the superset's layers 2 and 4: extracted from the
+    # same input, so said in a warning (the training cache itself is refused).
+    r = _train(tiny_dense, subset, tmp_path / "same", "--eval-cache", subset)
+    assert r.returncode == 2 and "is the training cache" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = _train(tiny_dense, superset, out, "--target-layers", "2,4", "--eval-cache", subset, "--eval-every", "2",
+               "--eval-samples", "8")
     assert r.returncode == 0, r.stderr
+    assert "was extracted from the same input as --cache" in r.stderr
     lines = [json.loads(x) for x in (out / "heldout.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [2, 4]
     best = json.loads((out / "best.json").read_text())

@@ -58,8 +58,9 @@ def test_dspark_learns_and_exports_deepspec_layout(topk_cache, tiny_dense, tmp_p
     assert len(m[-1]["acc"]) == 8  # every slot drafts, slot 0 (the anchor's next token) first
     # the tiny target's weights are random: its top-8 (the L1 term's p_target) is noise beside the
     # arithmetic data, so the test asks the data of the cross-entropy alone
+    held = extract_arith_cache(tiny_dense, tmp_path / "held", rows=24, topk=8)  # rows of another input file
     r = train(tiny_dense, topk_cache, tmp_path / "ce", "--epochs", "4", "--ce-weight", "1", "--tv-weight", "0",
-              "--eval-cache", str(topk_cache), "--eval-every", "30")
+              "--eval-cache", str(held), "--eval-every", "30")
     assert r.returncode == 0, r.stderr[-3000:]
     ce = metrics(tmp_path / "ce")
     # the held-out walk scores DSpark blocks (8 drafts a round) and picks the best checkpoint
@@ -137,6 +138,22 @@ def test_dspark_learns_and_exports_deepspec_layout(topk_cache, tiny_dense, tmp_p
     again = load_st(str(tmp_path / "again" / "model.safetensors"))
     target = load_st(str(next(tiny_dense.glob("*.safetensors"))))
     assert torch.equal(again["embed_tokens.weight"], target["model.embed_tokens.weight"].to(torch.bfloat16))
+    # ... of the target the run trained against: another model of the same shapes is refused, the
+    # same target moved elsewhere is read from --target
+    import shutil
+
+    from dflash_offline.tiny import make_tiny_target
+
+    other = make_tiny_target(tmp_path / "other", kind="qwen3", seed=5)
+    r = run_cli(["export", "--run", str(out), "--to", str(tmp_path / "ex-other"), "--target", str(other)])
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+    assert f"--target {other}: its weights are not the ones the run trained against" in r.stderr, r.stderr
+    assert not (tmp_path / "ex-other").exists()
+    moved = tmp_path / "moved"
+    shutil.copytree(tiny_dense, moved)
+    r = run_cli(["export", "--run", str(out), "--to", str(tmp_path / "ex-moved"), "--target", str(moved)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert load_st(str(tmp_path / "ex-moved" / "model.safetensors")).keys() == again.keys()
 
 
 def test_two_gloo_ranks_equal_one_process(straight):

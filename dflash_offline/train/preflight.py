@@ -119,7 +119,7 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
              layer_ids, list(v.layer_ids), plan.lr, " (auto)" if cfg.lr is None else "", cfg.num_anchors,
              cfg.anchors_per_sample or "one draw", cfg.kd_weight)
     if cfg.eval_cache:
-        _check_eval_cache(cfg, layer_ids, v)
+        _check_eval_cache(cfg, layer_ids, v, m, warnings)
     # Every sample fits: split and truncate make the same rows, so either resumes the other.
     check_resume(cfg, plan.cache_fingerprint, moot=() if table.long.long else ("long_samples",))
     long_line = table.long.line(where(cfg, "seq_len"), also(cfg, "seq_len"), also(cfg, "long_samples"))
@@ -268,7 +268,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     topk = _check_soft_targets(cfg, v, warnings)
     dcfg = _drafter_config(cfg, layer_ids, v)
     if cfg.eval_cache:
-        _check_eval_cache(cfg, layer_ids, v)
+        _check_eval_cache(cfg, layer_ids, v, m, warnings)
     world = _world(devices)
     accum = step_accumulation(cfg, world, warnings)
     # An estimate for the progress bar and the log: windows pack separately and fill their last
@@ -296,8 +296,9 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     return plan
 
 
-def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], v: ManifestView) -> None:
-    """--eval-cache, before any process starts: complete, from the same target, with the layers."""
+def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], v: ManifestView, m: dict, warnings: list[str]) -> None:
+    """--eval-cache, before any process starts: complete, from the same target, with the layers,
+    and not the training cache (a line for `warnings` when it was extracted from the same input)."""
     from dflash_offline.cache.reader import cache_reader, checked_shards
 
     try:
@@ -323,6 +324,14 @@ def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], v: ManifestView) -
     if missing:
         raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} holds layers {list(held_v.layer_ids)}, not {missing} "
                         "that the drafter reads; extract it with the training cache's layers")
+    same_input = held.get("source") == m.get("source")
+    if Path(cfg.eval_cache).resolve() == Path(cfg.cache).resolve() or (same_input and held.get("capture") == m.get("capture")):
+        raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} is the training cache ({also(cfg, 'cache')} "
+                        f"{cfg.cache}): the held-out estimate and best/ would be chosen on training data; extract the "
+                        "target's completions of held-out prompts into a cache of their own")
+    if same_input:
+        warnings.append(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} was extracted from the same input as "
+                        f"{also(cfg, 'cache')} {cfg.cache}: its estimate measures the training data, not held-out data")
     # Its shards now, not at the first held-out evaluation hours into the run.
     for _ in checked_shards(cache_reader(cfg.eval_cache, where(cfg, "eval_cache")),
                              f"{where(cfg, 'eval_cache')} {cfg.eval_cache}", cfg.verify):
