@@ -127,9 +127,6 @@ class GenerateConfig(SamplingOptions):
         if self.samples_per_prompt > 1 and self.temperature == 0:
             raise UserError(f"{where(self, 'samples_per_prompt')} {self.samples_per_prompt} needs sampling: greedy "
                             "completions of one prompt are all equal; give --temperature > 0, or leave the option out")
-        if self.top_p < 1 and self.temperature == 0:
-            raise UserError(f"{where(self, 'top_p')} {self.top_p} applies to sampling, but --temperature is 0 "
-                            "(greedy); give --temperature > 0 to sample, or leave --top-p out")
         if self.eos_token_ids is not None and any(i < 0 for i in self.eos_token_ids):
             raise UserError(f"{where(self, 'eos_token_ids')} {self.eos_token_ids}: token ids are >= 0; give the "
                             "target's end-of-sequence ids, or leave the option out to read them from the target")

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dflash_offline.options import Configured, check_at_least, check_number, opt
+from dflash_offline.options import Configured, check_at_least, check_number, opt, where
+from dflash_offline.runtime.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +50,12 @@ class SamplingOptions(Configured):
         check_number(self, "top_p", 0, 1, open_low=True, must="in (0, 1]",
                      why="the probability mass of the tokens sampling keeps")
         check_at_least(self, "seed", 0, "it keys the sampling noise")
+        if self.temperature == 0:  # greedy: a filter of the sampled distribution would be ignored
+            for name, off in (("top_p", 1.0), ("top_k", 0)):
+                value = getattr(self, name, off)
+                if value != off:
+                    raise UserError(f"{where(self, name)} {value} applies to sampling, but --temperature is 0 "
+                                    f"(greedy); give --temperature > 0 to sample, or leave {where(self, name)} out")
 
 
 @dataclass(frozen=True)

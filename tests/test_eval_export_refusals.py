@@ -344,3 +344,46 @@ def test_a_cache_with_nothing_to_walk_leaves_no_log_folder(tiny_dense, export, t
                               "--no-progress"], cwd=cwd))
     assert "no sample with a completion of two tokens or more to walk" in line, line
     assert list(cwd.iterdir()) == []
+
+
+def test_a_sampled_reference_is_refused_by_name(tiny_dense, export, generated, tmp_path):
+    """A reference that generate sampled (its manifest says so) is not the target's greedy decode:
+    refused in one line naming it, rather than the drafter reported as not lossless."""
+    prompts, _ = generated
+    sampled = tmp_path / "sampled.parquet"
+    r = run_cli(["generate", "--target", tiny_dense, "--prompts", prompts, "--out", sampled, "--max-new-tokens", MAX_NEW,
+                 "--temperature", "1.5", "--ignore-eos", "--no-progress"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    for given in (sampled, tmp_path / "sampled.parquet.parts"):
+        line = _one_line(run_cli(["eval", "--target", tiny_dense, "--drafter", export, "--prompts", prompts,
+                                  "--reference", given, "--max-new-tokens", MAX_NEW, "--no-progress"]))
+        assert line.startswith(f"error: --reference {given} was sampled (generate --temperature 1.5, its manifest "
+                               "says)"), line
+
+
+def test_eval_of_an_unfinished_cache_is_refused(tiny_dense, export, valid_cache, tmp_path):
+    """A cache whose extraction stopped part way (its manifest: extracting, fewer shards than
+    planned): refused in one line, not an estimate over part of the data."""
+    cache = tmp_path / "cache"
+    shutil.copytree(valid_cache, cache)
+    m = json.loads((cache / "manifest.json").read_text())
+    m["status"] = "extracting"
+    dropped = m["shards"].pop()
+    for k in ("samples", "tokens", "bytes"):
+        m["totals"][k] -= dropped[k]
+    (cache / "manifest.json").write_text(json.dumps(m))
+    line = _one_line(run_cli(["eval", "--target", tiny_dense, "--drafter", export, "--cache", cache, "--no-progress"]))
+    assert line == (f"error: --cache {cache}: extraction is not complete ({len(m['shards'])}/{m['plan']['num_shards']} "
+                    "shards committed); run the same extract command again to finish it first"), line
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--prompts", "P", "--top-k", "5"], "--top-k 5 applies to sampling, but --temperature is 0 (greedy)"),
+    (["--prompts", "P", "--top-p", "0.5"], "--top-p 0.5 applies to sampling, but --temperature is 0 (greedy)"),
+    (["--cache", "C", "--temperature", "0.7"], "--temperature 0.7 samples the decoding of --prompts"),
+], ids=["top-k-greedy", "top-p-greedy", "temperature-cache-only"])
+def test_sampling_options_that_would_be_ignored_are_refused(tiny_dense, export, generated, valid_cache, extra, says):
+    prompts, _ = generated
+    args = [{"P": prompts, "C": valid_cache}.get(a, a) for a in extra]
+    line = _one_line(run_cli(["eval", "--target", tiny_dense, "--drafter", export, *args, "--no-progress"]))
+    assert says in line, line

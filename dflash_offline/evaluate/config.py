@@ -67,6 +67,9 @@ class EvalConfig(SamplingOptions):
         check_positive(self, "max_new_tokens", "seq_len", "num_anchors", "walk_batch_rows", "batch_size",
                        "max_prompts", "max_rows", "max_samples")
         self.check_sampling()
+        if self.temperature > 0 and not self.prompts:
+            raise UserError(f"eval: {where(self, 'temperature')} {self.temperature} samples the decoding of --prompts; "
+                            "the --cache estimate is greedy: give --prompts, or leave the sampling options out")
         if self.temperature > 0 and self.reference:
             raise UserError("eval: --reference holds greedy completions, checked token for token; sampled outputs "
                             "(--temperature > 0) cannot be: drop one of them")

@@ -228,8 +228,17 @@ def _prompt_parts(option: str, path: str, rows: list, masks: list) -> list:
     return out
 
 
+def _sampled_at(path: str) -> float | None:
+    """The temperature a generate output was sampled at (its manifest's record: the folder's own,
+    or `x.parquet.parts/` beside a merged `x.parquet`), None when greedy or not recorded."""
+    p = Path(path)
+    m = read_manifest(p) if p.is_dir() else read_manifest(p.with_name(p.name + ".parts")) if p.suffix == ".parquet" else None
+    t = ((m or {}).get("settings") or {}).get("temperature")
+    return t if isinstance(t, (int, float)) and t > 0 else None
+
+
 def read_reference(path: str, ids: list[int], prompts: list[list[int]], max_new: int, eos: set[int],
-                   said: Said = AS_FLAGS, *, vocab_size: int | None = None) -> list[list[int]]:
+                   said: Said = AS_FLAGS, *, vocab_size: int | None = None, greedy: bool = True) -> list[list[int]]:
     """The output the target's greedy decode would give for each prompt, from a Parquet file of
     its greedy completions, or a generate output folder (input contract: `id`, `input_ids` =
     prompt + completion, `loss_mask` 0 on the prompt and 1 on the completion; `dflash-offline
@@ -242,6 +251,10 @@ def read_reference(path: str, ids: list[int], prompts: list[list[int]], max_new:
 
     option = said("reference")
     fix = f"give the target's greedy completions of these prompts ({said('prompts')}; dflash-offline generate)"
+    sampled = _sampled_at(path)
+    if greedy and sampled:  # its own record says it: the drafter would be blamed for the sampling
+        raise UserError(f"{option} {path} was sampled (generate --temperature {sampled}, its manifest says): the check "
+                        f"compares with the target's greedy decode; {fix} at --temperature 0 (the default)")
     table = _read_table(option, path, ("id", "input_ids", "loss_mask"), fix)
     for name in ("input_ids", "loss_mask"):  # the types first: a wrong one would be a TypeError below
         t = table.schema.field(name).type

@@ -131,6 +131,10 @@ def _check_cache_target(cfg: EvalConfig) -> None:
         raise UserError(f"{option} {cache}: unreadable manifest ({type(e).__name__}: {e})") from None
     if m is None:
         raise UserError(f"{option} {cache}: no cache there (no manifest.json); extract the held-out completions into it")
+    if m.get("status") != "complete":  # an estimate over part of the data would pass for the whole
+        done, planned = len(m.get("shards") or []), (m.get("plan") or {}).get("num_shards", "?")
+        raise UserError(f"{option} {cache}: extraction is not complete ({done}/{planned} shards committed); run the "
+                        "same extract command again to finish it first")
     info = read_target(target, where(cfg, "target"))
     if m.get("target", {}).get("weights_fingerprint") != info.weights_fingerprint:
         raise UserError(f"{option} {cache} was extracted from another target than {where(cfg, 'target')} {target}; give the cache "
@@ -397,8 +401,8 @@ def _read_inputs(cfg: EvalConfig) -> EvalInputs:
                         f"({tinfo.max_positions} positions); lower the new tokens or leave out the longest prompts")
     eos, turn_warning = chat_stop_ids(cfg.prompts, cfg.target, set() if cfg.ignore_eos else eos_ids(cfg.target),
                                       f"{where(cfg, 'max_new_tokens')} {cfg.max_new_tokens}")
-    reference = (read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos, said, vocab_size=tinfo.vocab_size)
-                 if cfg.reference else None)
+    reference = (read_reference(cfg.reference, ids, prompts, cfg.max_new_tokens, eos, said, vocab_size=tinfo.vocab_size,
+                                greedy=cfg.temperature == 0) if cfg.reference else None)
     return EvalInputs(ids, prompts, eos, turn_warning, reference)
 
 
