@@ -105,6 +105,9 @@ def test_refused_reruns_and_eval_leave_a_finished_run_finished(straight_run, ari
     # A rerun with another setting: refused by the checkpoint's settings.
     r = run_cli([*again, "--seed", "1"])
     _one_line(r, 2, f"error: {out}/step-12 was made with seed = 0, this run has 1")
+    # ... or with another start for its layers (which the checkpoint would record as its own).
+    r = run_cli([*again, "--init-layers", "0,1"])
+    _one_line(r, 2, f"error: {out}/step-12 was made with init_layers = unset (its default rule), this run has [0, 1]")
     # The same rerun while the run holds its folder (as a running one does).
     fd = Location(str(out)).try_run_lock()
     assert fd is not None

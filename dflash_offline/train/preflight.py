@@ -324,6 +324,10 @@ def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], v: ManifestView, m
     if missing:
         raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} holds layers {list(held_v.layer_ids)}, not {missing} "
                         "that the drafter reads; extract it with the training cache's layers")
+    # Its shards now, not at the first held-out evaluation hours into the run.
+    for _ in checked_shards(cache_reader(cfg.eval_cache, where(cfg, "eval_cache")),
+                             f"{where(cfg, 'eval_cache')} {cfg.eval_cache}", cfg.verify):
+        pass
     same_input = held.get("source") == m.get("source")
     if Path(cfg.eval_cache).resolve() == Path(cfg.cache).resolve() or (same_input and held.get("capture") == m.get("capture")):
         raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} is the training cache ({also(cfg, 'cache')} "
@@ -332,9 +336,5 @@ def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], v: ManifestView, m
     if same_input:
         warnings.append(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} was extracted from the same input as "
                         f"{also(cfg, 'cache')} {cfg.cache}: its estimate measures the training data, not held-out data")
-    # Its shards now, not at the first held-out evaluation hours into the run.
-    for _ in checked_shards(cache_reader(cfg.eval_cache, where(cfg, "eval_cache")),
-                             f"{where(cfg, 'eval_cache')} {cfg.eval_cache}", cfg.verify):
-        pass
 
 
