@@ -17,7 +17,7 @@ from pathlib import Path
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore, committed_names, edited_problem, occupancy
 from dflash_offline.cache.manifest_check import FORMAT
-from dflash_offline.rows.parts import PREPARED_FORMAT, read_manifest
+from dflash_offline.rows.parts import PREPARED_FORMAT, damaged_parts, read_manifest
 from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, checkpoint_damage, damaged_checkpoint, list_checkpoints
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.logs import last_error, processes
@@ -118,7 +118,7 @@ def generate_status(path: str) -> GenerateStatus:
     return GenerateStatus(
         path=str(path), status=m["status"], verdict=_verdict(m["status"], procs, "generating", "generate"),
         parts_committed=len(m["parts"]), parts_planned=m["plan"]["num_parts"], totals=m["totals"],
-        merged=m.get("merged"), debris=debris, processes=procs,
+        merged=m.get("merged"), debris=debris, damaged=damaged_parts(folder, m), processes=procs,
         last_error=last_error(logs, "generate-") if logs.is_dir() else None)
 
 
@@ -201,7 +201,7 @@ def prepare_status(path: str) -> PrepareStatus:
         out[s] = {"path": str(f), "kind": m.get("kind"), "status": m["status"], "parts_committed": len(m["parts"]),
                   "parts_planned": m["plan"]["num_parts"],
                   "totals": {k: m["totals"].get(k, 0) for k in PREPARE_TOTALS},
-                  "debris": sorted(on_disk - {p["file"] for p in m["parts"]})}
+                  "debris": sorted(on_disk - {p["file"] for p in m["parts"]}), "damaged": damaged_parts(f, m)}
     return PrepareStatus(path=str(path), status=status, verdict=verdict, splits=out, records_read=records,
                          dropped=dict(dropped.most_common()), processes=procs,
                          last_error=last_error(logs, "prepare") if logs is not None else None)

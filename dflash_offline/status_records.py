@@ -96,6 +96,7 @@ class GenerateStatus(_Record):
     totals: dict  # rows, new_tokens, ended_by_eos
     merged: object  # the merged file's record, or None
     debris: list  # uncommitted part files
+    damaged: list  # committed parts missing, or not the size committed
     processes: list
     last_error: dict | None
 
@@ -107,6 +108,9 @@ class GenerateStatus(_Record):
         if self.debris:
             lines.append(f"  {len(self.debris)} uncommitted part file(s) (removed when generation resumes): "
                          + ", ".join(self.debris[:4]))
+        if self.damaged:
+            lines.append(f"  DAMAGED: {'; '.join(self.damaged[:3])}; extract refuses this folder: restore the parts "
+                         "from a copy, or generate into a new --out")
         return lines
 
 
@@ -134,6 +138,9 @@ class PrepareStatus(_Record):
             if sp["debris"]:
                 lines.append(f"  {len(sp['debris'])} uncommitted part file(s) in {split} (removed when preparation "
                              "resumes): " + ", ".join(sp["debris"][:4]))
+            if sp.get("damaged"):
+                lines.append(f"  DAMAGED {split}: {'; '.join(sp['damaged'][:3])}; restore the parts from a copy, or "
+                             "prepare into a new --out")
         if self.records_read is not None:
             lines.append(f"  {self.records_read} records read; dropped: {dropped_text(Counter(self.dropped))}")
         return lines

@@ -387,3 +387,30 @@ def test_sampling_options_that_would_be_ignored_are_refused(tiny_dense, export, 
     args = [{"P": prompts, "C": valid_cache}.get(a, a) for a in extra]
     line = _one_line(run_cli(["eval", "--target", tiny_dense, "--drafter", export, *args, "--no-progress"]))
     assert says in line, line
+
+
+def test_a_generate_output_whose_committed_part_is_gone_or_changed(tiny_dense, generated, tmp_path):
+    """status says DAMAGED, generate does not call it complete, extract refuses it in one line; a part
+    whose bytes are not the ones committed (its sha256) is refused by extract too."""
+    prompts, gen = generated
+    gone = _copied(gen, tmp_path)
+    (gone / "part-00001.parquet").unlink()
+    st = run_cli(["status", gone])
+    assert st.returncode == 0 and "DAMAGED: committed part part-00001.parquet is missing" in st.stdout, st.stdout
+    line = _one_line(run_cli(["generate", "--target", tiny_dense, "--prompts", prompts, "--out", gone,
+                              "--max-new-tokens", MAX_NEW, "--chunk-prompts", "2", "--ignore-eos", "--no-progress"]))
+    assert line == (f"error: --out {gone}: committed part part-00001.parquet is missing; the output is damaged: "
+                    "restore the part from a copy, or generate into a new --out"), line
+    line = _one_line(run_cli(["extract", "--target", tiny_dense, "--data", gone, "--cache", tmp_path / "c1",
+                              "--devices", "cpu", "--no-progress"]))
+    assert line.startswith(f"error: --data {gone}: committed part part-00001.parquet is missing; the folder is "
+                           "damaged"), line
+    changed = _copied(gen, tmp_path / "changed")
+    m = json.loads((changed / "manifest.json").read_text())
+    m["parts"][0]["sha256"] = "0" * 64  # as if the file had been replaced by one of the same size
+    (changed / "manifest.json").write_text(json.dumps(m))
+    line = _one_line(run_cli(["extract", "--target", tiny_dense, "--data", changed, "--cache", tmp_path / "c2",
+                              "--devices", "cpu", "--no-progress"]))
+    assert line.startswith(f"error: --data {changed / 'part-00000.parquet'}: not the part its folder's manifest.json "
+                           "committed"), line
+    assert not (tmp_path / "c1" / "manifest.json").exists() and not (tmp_path / "c2" / "manifest.json").exists()

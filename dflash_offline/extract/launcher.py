@@ -31,7 +31,7 @@ from dflash_offline.config import ExtractConfig
 from dflash_offline.extract.messages import Paused, Progress
 from dflash_offline.extract.plan import Job, bytes_per_token, pass_plan, reserved_bytes
 from dflash_offline.extract.worker import log_folder, worker_entry, worker_run
-from dflash_offline.rows.parts import chat_settings_of, check_made_for
+from dflash_offline.rows.parts import chat_settings_of, check_made_for, check_part_folders, check_part_hashes
 from dflash_offline.runtime.errors import UserError, no_room_reason
 from dflash_offline.runtime.launch import (Launch, check_devices_exist, join_ranks, parse_devices,
                                            resolve_compute_dtype, torchrun_launch)
@@ -86,11 +86,13 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None) -> Preflight:
     compute_dtype = resolve_compute_dtype(cfg.compute_dtype, devices, launch,
                                           (where(cfg, "devices"), where(cfg, "compute_dtype")))
     t0 = time.time()
+    check_part_folders(cfg.data, where(cfg, "data"))
     source = data.scan(cfg.data, info.vocab_size, where(cfg, "data"))
     log.info("input: %d files, %d rows, %d tokens (scanned in %.1fs)", len(source.files), source.rows,
              int(source.lengths.sum()), time.time() - t0)
     data.require_trained(source, f"{where(cfg, 'data')} {' '.join(map(str, cfg.data))}")
     check_made_for(cfg.data, info, where(cfg, "data"), where(cfg, "target"))
+    check_part_hashes(source, where(cfg, "data"))
     cut_away = _check_lengths(cfg, info, source)
     # After the options, devices and data (building the model on the meta device costs seconds, the
     # import of transformers: those refusals come first and fast), before the existing cache is

@@ -34,7 +34,7 @@ from dflash_offline.generate.progress import Bar, Todo, Tracker, todo_of, turns_
 from dflash_offline.generate.writing import PartWriter, stream_parts
 from dflash_offline.options import also, where as origin
 from dflash_offline.rows import parts
-from dflash_offline.rows.parts import write_parquet_atomic
+from dflash_offline.rows.parts import check_part_folders, check_part_hashes, write_parquet_atomic
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.launch import (Launch, check_devices_exist, join_ranks, parse_devices,
@@ -91,7 +91,9 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
         check_devices_exist(devices, origin(cfg, "devices"))
     compute_dtype = resolve_compute_dtype(cfg.compute_dtype, devices, launch,
                                           (origin(cfg, "devices"), origin(cfg, "compute_dtype")))
+    check_part_folders(cfg.prompts, origin(cfg, "prompts"))
     source = data.scan(cfg.prompts, info.vocab_size, option=origin(cfg, "prompts"), need_mask=False)
+    check_part_hashes(source, origin(cfg, "prompts"))
     chat = conversation_settings(cfg.prompts, source)
     lengths = _plan_lengths(cfg, source, info, chat)
     copies = cfg.samples_per_prompt
@@ -261,6 +263,10 @@ def run(cfg: GenerateConfig) -> dict:
     if launch is None:
         store.replace_unbound(wanted)
     manifest = store.init_or_check(wanted)
+    damaged = parts.damaged_parts(folder, manifest)
+    if damaged:  # committed data never changes: a run never writes a committed part again
+        raise UserError(f"{origin(cfg, 'out')} {cfg.out}: {damaged[0]}; the output is damaged: restore the part from "
+                        "a copy, or generate into a new --out")
     if manifest["status"] == "complete":
         _finish(store, merged, launch)
         t = manifest["totals"]

@@ -80,6 +80,36 @@ def listed_parts(folder: str | Path) -> list[Path] | None:
     return [Path(folder) / p["file"] for p in m["parts"]]
 
 
+def check_part_folders(paths, option: str) -> None:
+    """Refuses generate and prepare folders among `paths` whose committed parts are gone or changed
+    size (committed data never changes), before they are read: one line with the way out."""
+    for folder in paths:
+        m = read_manifest(folder) if Path(folder).is_dir() else None
+        damaged = damaged_parts(folder, m) if m is not None else []
+        if damaged:
+            cmd = "prepare" if m.get("format") == PREPARED_FORMAT else "generate"
+            raise UserError(f"{option} {folder}: {damaged[0]}" + (f" (and {len(damaged) - 1} more)" if len(damaged) > 1
+                                                                  else "")
+                            + f"; the folder is damaged: restore the part from a copy, or run `dflash-offline {cmd}` "
+                            "again into a new --out")
+
+
+def damaged_parts(folder: str | Path, m: dict) -> list[str]:
+    """The committed parts of a part folder whose file is missing or not the size its manifest
+    recorded (a stat each: cheap), each as a phrase."""
+    out = []
+    for p in m.get("parts") or []:
+        f = Path(folder) / p["file"]
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            out.append(f"committed part {p['file']} is missing")
+            continue
+        if isinstance(p.get("bytes"), int) and size != p["bytes"]:
+            out.append(f"committed part {p['file']} is {size} bytes, its manifest recorded {p['bytes']}")
+    return out
+
+
 def chat_settings_of(paths) -> dict | None:
     """The chat settings recorded by `prepare` (and carried by `generate`) in the manifests of the
     part folders among `paths`: None when none records any. Folders that disagree are refused:
@@ -95,6 +125,23 @@ def chat_settings_of(paths) -> dict | None:
         raise UserError(f"{a} and {b} were rendered with different chat settings (template, thinking or system "
                         "prompt): give inputs prepared one way")
     return values[0] if values else None
+
+
+def check_part_hashes(source, option: str) -> None:
+    """The parts of generate and prepare folders among the scanned input are the files their
+    manifests committed: each file's sha256 (the scan computed it) against the manifest's record."""
+    recorded = {}
+    for folder in {f.path.parent for f in source.files}:
+        m = read_manifest(folder)
+        for p in (m or {}).get("parts") or []:
+            if isinstance(p.get("sha256"), str):
+                recorded[Path(folder) / p["file"]] = p["sha256"]
+    for f in source.files:
+        want = recorded.get(Path(f.path))
+        if want is not None and f.sha256 != want:
+            raise UserError(f"{option} {f.path}: not the part its folder's manifest.json committed (its sha256 "
+                            "differs): committed data never changes; restore the part from a copy, or make the "
+                            "folder again into a new --out")
 
 
 def check_made_for(paths, info, option: str, target_option: str) -> None:
