@@ -8,6 +8,7 @@ import dataclasses
 import json
 import socket
 import sys
+from pathlib import Path
 
 import click
 
@@ -236,8 +237,9 @@ def export(run_dir: str, step: int | None, dest: str | None, target_dir: str | N
     vLLM's and SGLang's DFlash loaders read, but no serving engine was run (docs/serving.md)."""
     from dflash_offline import export as export_mod  # start-up: a command imports its own stage only
 
+    earlier = dest is not None and (Path(dest) / "config.json").is_file()  # an earlier export, replaced (said)
     path = export_mod.export_checkpoint(run_dir, step, dest, target_dir)
-    click.echo(f"exported {path}")
+    click.echo(f"exported {path}" + (" (it replaced the export that was there)" if earlier else ""))
 
 
 @main.command(name="eval")

@@ -154,6 +154,8 @@ def test_dspark_learns_and_exports_deepspec_layout(topk_cache, tiny_dense, tmp_p
     r = run_cli(["export", "--run", str(out), "--to", str(tmp_path / "ex-moved"), "--target", str(moved)])
     assert r.returncode == 0, r.stderr[-2000:]
     assert load_st(str(tmp_path / "ex-moved" / "model.safetensors")).keys() == again.keys()
+    r = run_cli(["export", "--run", str(out), "--to", str(tmp_path / "ex-moved"), "--target", str(moved)])
+    assert r.returncode == 0 and "(it replaced the export that was there)" in r.stdout, r.stdout + r.stderr
 
 
 def test_two_gloo_ranks_equal_one_process(straight):
