@@ -127,3 +127,15 @@ def test_eval_checks_its_cache_shards_before_decoding(d):
                  "--no-progress"])
     assert _one_line(r).startswith(f"error: --cache {d / 'cache'}: shard shard-000001 is listed in manifest.json but "
                                    "missing on storage"), r.stderr
+
+
+def test_a_cut_chunk_file_is_named_before_training(d, tmp_path):
+    """A chunk file cut short (every chunk of a raw + CRC32C array has one known size): named when
+    the preflight opens its shard, not by the training step that first reads it."""
+    chunk = sorted((d / "cache" / "shards").glob("*.zarr/hidden/c/*/0/0"))[-1]
+    size = chunk.stat().st_size
+    with open(chunk, "r+b") as f:
+        f.truncate(size // 2)
+    msg = _one_line(_train(d, out=tmp_path / "new"))
+    assert f"chunk file c/{chunk.parent.parent.name}/0/0 of {size // 2} bytes, expected {size} (truncated?)" in msg, msg
+    assert not (tmp_path / "new" / "step-3").exists()
