@@ -98,7 +98,7 @@ class GenerateConfig(SamplingOptions):
     batch_tokens: int = opt(262144, "Budget of one decoding batch: rows x (longest prompt + max new tokens).")  # cache positions
     # 64 on the CPU: a part of 2048 prompts would decode there for hours before its commit, and a batch
     # (at most a part) of 64 rows loses little speed.
-    chunk_prompts: int | None = opt(None, "Prompts per part file, the unit of commit and resume.", default_text="2048 on GPUs, 64 on the CPU; a resumed output keeps its own")
+    chunk_prompts: int | None = opt(None, "Rows per part file, the unit of commit and resume (prompts, each --samples-per-prompt times: 4 with 2 samples is 2 prompts).", default_text="2048 on GPUs, 64 on the CPU; a resumed output keeps its own")
     # float32 reproduces the target's fp32 greedy decode.
     compute_dtype: str = opt("auto", "Target dtype; auto = bf16 on GPU, fp32 on CPU.", choices=('auto', 'bfloat16', 'float16', 'float32'))
     # continuous: slots over the static decoder's buffers (generate/continuous.py); a conversation's next

@@ -69,9 +69,11 @@ def check_compatible(existing: dict, wanted: dict, where: str, *, fmt: str = FOR
                                 f"has other bytes (sha256 {str(fa[k]['sha256'])[:12]}... then, "
                                 f"{str(fb[k]['sha256'])[:12]}... now); {how_to_fix}")
         if a != b:
+            # An absent value is a setting left at its default (a manifest records only those set).
+            shown = [("unset (its default)" if v is None else describe(v)) for v in (a, b)]
             raise UserError(
-                f"{where}: the {what} was made with {section}.{key} = {describe(a)} but this run has "
-                f"{describe(b)}; {how_to_fix}"
+                f"{where}: the {what} was made with {section}.{key} = {shown[0]} but this run has "
+                f"{shown[1]}; {how_to_fix}"
             )
 
 
