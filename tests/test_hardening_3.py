@@ -391,6 +391,37 @@ def test_training_on_all_zero_loss_masks_is_refused(tiny_dense, tmp_path):
     assert msg == (f"error: --max-len 32 cuts every row's completion away (the earliest starts at position {first}): "
                    "nothing would be left to train on; raise --max-len past the prompts"), msg
     assert not (cache / "manifest.json").exists()
+    # A cache with nothing to train on that extract did not make (written here with the project's
+    # writer, for this target): train refuses it before any work.
+    import numpy as np
+
+    from dflash_offline.cache.location import Location
+    from dflash_offline.cache.manifest import ManifestStore, new_manifest
+    from dflash_offline.cache.shards import publish_shard, tmp_shard_rel
+    from dflash_offline.cache.writer import ShardLayout, ShardWriter
+    from dflash_offline.targets.folder import read_target
+
+    info = read_target(str(tiny_dense))
+    zero = tmp_path / "zero-cache"
+    loc = Location(str(zero))
+    store = ManifestStore(loc)
+    store.init_or_check(new_manifest(
+        target=info.manifest_entry(), capture={"layer_ids": [1, 2], "topk": 0, "hidden_dtype": "bfloat16", "max_len": 64},
+        source={"files": [], "rows": 4}, plan={"shard_tokens": 0, "sort_window": 0, "num_shards": 1}))
+    loc.makedirs("shards")
+    w = ShardWriter(loc, tmp_shard_rel("shard-000000"), ShardLayout(tokens=4 * 40, cache_layers=2,
+                                                                     hidden_size=info.hidden_size, topk=0,
+                                                                     chunk_tokens=64, layer_ids=[1, 2]))
+    rng = np.random.default_rng(0)
+    for sid in range(4):
+        w.append(sid, rng.integers(2, 500, 40).astype(np.int32), np.zeros(40, np.uint8),
+                 rng.integers(0, 2 ** 14, (40, 2, info.hidden_size)).astype(np.uint16), None, None)
+    publish_shard(store, w.close("shard-000000"))
+    out = tmp_path / "run"
+    msg = _one_line(run_cli(["train", "--target", tiny_dense, "--cache", zero, "--out", out, "--devices", "cpu", *TRAIN]),
+                    2, "error: ")
+    assert "every loss_mask value is 0" in msg, msg
+    assert not (out / "export").exists()
 
 
 def test_targets_transformers_cannot_build_as_a_decoder_are_one_line(tiny_dense, tiny_data, tmp_path):
