@@ -17,7 +17,7 @@ from pathlib import Path
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore, committed_names, edited_problem, occupancy
 from dflash_offline.cache.manifest_check import FORMAT
-from dflash_offline.rows.parts import PREPARED_FORMAT, damaged_parts, read_manifest
+from dflash_offline.rows.parts import PREPARED_FORMAT, damaged_parts, parts_folder, read_manifest
 from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, checkpoint_damage, damaged_checkpoint, list_checkpoints
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.logs import last_error, processes
@@ -106,9 +106,7 @@ def _read_part_manifest(folder: Path, totals: tuple[str, ...], fix: str) -> dict
 
 def generate_status(path: str) -> GenerateStatus:
     """A `generate` output folder: parts committed of those planned, its processes, the last error."""
-    folder = Path(path)
-    if folder.suffix == ".parquet":  # the merged file: its parts and logs are beside it
-        folder = folder.with_name(folder.name + ".parts")
+    folder = parts_folder(path)  # a merged file: its parts and logs are beside it
     m = _read_part_manifest(folder, ("rows", "new_tokens", "ended_by_eos"),
                             "restore it from a copy, or generate into a new --out")
     logs = folder / "logs"
@@ -349,7 +347,7 @@ def folder_hint(path: str, command: str) -> str | None:
 def _kind(path: str) -> str | None:
     """What `status` reads PATH as: "generate", "prepare", "cache", "run", or None (none of them)."""
     p = Path(path)
-    if _is_generated(p) or (p.suffix == ".parquet" and _is_generated(p.with_name(p.name + ".parts"))):
+    if _is_generated(p) or _is_generated(parts_folder(p)):
         return "generate"
     if "://" not in str(path) and _prepared_splits(p):
         return "prepare"

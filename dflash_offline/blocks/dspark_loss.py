@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash_offline.blocks.loss import compiled_once
 from dflash_offline.drafter.dspark import ConfidenceHead, MarkovHead
 
 
@@ -85,17 +86,6 @@ def _chunk(h, head_weight, markov: MarkovHead, conf: ConfidenceHead | None, prev
     return total, z.argmax(-1) == y, stats
 
 
-_compiled_chunk = None
-
-
-def _fast_chunk():
-    """`_chunk` compiled once per process (static shapes: a chunk's slots and the vocabulary)."""
-    global _compiled_chunk
-    if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(_chunk, dynamic=False)
-    return _compiled_chunk
-
-
 def dspark_loss(hidden: torch.Tensor, head_weight: torch.Tensor, markov: MarkovHead | None,
                 confidence: ConfidenceHead | None,
                 prev: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, soft_ids: torch.Tensor | None = None,
@@ -126,7 +116,7 @@ def dspark_loss(hidden: torch.Tensor, head_weight: torch.Tensor, markov: MarkovH
         args = (h[sl], head_weight, markov, confidence, x[sl], y[sl], w[sl],
                 *((None, None, None) if ids is None else (ids[sl], t[sl], rest[sl])), loss_weights)
         # A short last chunk runs eagerly: a second shape would be a recompile every run.
-        fn = _fast_chunk() if compiled and args[0].shape[0] == min(chunk_tokens, h.shape[0]) else _chunk
+        fn = compiled_once(_chunk) if compiled and args[0].shape[0] == min(chunk_tokens, h.shape[0]) else _chunk
         s, c, st = checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)
         total = total + s
         stats = stats + st.detach()

@@ -122,7 +122,8 @@ def _head_grad(logits, lse, y, w, dtype: torch.dtype, ids=None, ps=None, alpha: 
 _compiled: dict = {}
 
 
-def _fast(fn):
+def compiled_once(fn):
+    """`fn` compiled once per process (static shapes), shared by the losses' chunk passes."""
     if fn not in _compiled:
         _compiled[fn] = torch.compile(fn, dynamic=False)
     return _compiled[fn]
@@ -155,7 +156,7 @@ class _FusedHeadCE(torch.autograd.Function):
                 fast = compiled and logits.shape[0] == min(chunk_tokens, h.shape[0])
                 if not fast:
                     logits = logits.float()  # the eager passes below work on (and in place of) this copy
-                lse, hard_t, correct[sl] = (_fast(_head_stats) if fast else _head_stats)(logits, y)
+                lse, hard_t, correct[sl] = (compiled_once(_head_stats) if fast else _head_stats)(logits, y)
                 if dpace is not None:
                     q = (hard_t - lse).exp()  # the drafter's probability of the slot's token
                     w = dpace_weights(q.view(-1, block_size), (w != 0).view(-1, block_size), dpace).view(-1)
@@ -168,8 +169,8 @@ class _FusedHeadCE(torch.autograd.Function):
                 else:
                     total += ((lse - hard_t) * w).sum()
                 if need_grad and fast:
-                    p = (_fast(_head_grad)(logits, lse, y, w, dt, ids, ps, alpha) if soft
-                         else _fast(_head_grad)(logits, lse, y, w, dt))
+                    p = (compiled_once(_head_grad)(logits, lse, y, w, dt, ids, ps, alpha) if soft
+                         else compiled_once(_head_grad)(logits, lse, y, w, dt))
                     grad_h[sl] = p @ w_mm
                 elif need_grad:
                     # d(w x CE)/dlogits = w x (softmax - onehot), built in place of the logits.

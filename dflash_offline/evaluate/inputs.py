@@ -14,7 +14,8 @@ from pathlib import Path
 
 from dflash_offline.chat.template import ChatTemplate, differences, turn_stop
 from dflash_offline.evaluate.config import AS_FLAGS, Said
-from dflash_offline.rows.parts import PREPARED_FORMAT, chat_settings_of, listed_parts, read_manifest
+from dflash_offline.rows.parts import (PREPARED_FORMAT, chat_settings_of, damaged_fix, listed_parts, parts_folder,
+                                       read_manifest)
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.paths import require_kind
 from dflash_offline.rows.reader import ids_as_int64, is_int_list
@@ -75,9 +76,7 @@ def _read_parts(option: str, path: str, parts: list[Path], columns: tuple[str, .
     part file (and row); ids as int64 in every part (a part of uint64 ids beside int64 ones)."""
     import pyarrow as pa
 
-    cmd = "prepare" if (read_manifest(path) or {}).get("format") == PREPARED_FORMAT else "generate"
-    damaged = (f"the folder is damaged: restore the part from a copy, or run `dflash-offline {cmd}` again into a "
-               "new --out")
+    damaged = damaged_fix(read_manifest(path))
     tables = []
     for f in parts:
         where = f"{option} {path}: {f.name}"
@@ -231,8 +230,8 @@ def _prompt_parts(option: str, path: str, rows: list, masks: list) -> list:
 def _sampled_at(path: str) -> float | None:
     """The temperature a generate output was sampled at (its manifest's record: the folder's own,
     or `x.parquet.parts/` beside a merged `x.parquet`), None when greedy or not recorded."""
-    p = Path(path)
-    m = read_manifest(p) if p.is_dir() else read_manifest(p.with_name(p.name + ".parts")) if p.suffix == ".parquet" else None
+    folder = Path(path) if Path(path).is_dir() else parts_folder(path)
+    m = read_manifest(folder) if folder.is_dir() else None
     t = ((m or {}).get("settings") or {}).get("temperature")
     return t if isinstance(t, (int, float)) and t > 0 else None
 

@@ -39,6 +39,7 @@ from dflash_offline.evaluate.inputs import (check_prompts_path, check_reference_
 from dflash_offline.blocks.walk import cache_acceptance, walk_acceptance
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore
+from dflash_offline.cache.view import ManifestView
 from dflash_offline.evaluate.ceiling import find_shape, format_implied, implied_speedup
 from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, checkpoint_before, checkpoint_damage, load_checkpoint
 from dflash_offline.runs.folder import is_run_folder
@@ -131,10 +132,10 @@ def _check_cache_target(cfg: EvalConfig) -> None:
         raise UserError(f"{option} {cache}: unreadable manifest ({type(e).__name__}: {e})") from None
     if m is None:
         raise UserError(f"{option} {cache}: no cache there (no manifest.json); extract the held-out completions into it")
-    if m.get("status") != "complete":  # an estimate over part of the data would pass for the whole
-        done, planned = len(m.get("shards") or []), (m.get("plan") or {}).get("num_shards", "?")
-        raise UserError(f"{option} {cache}: extraction is not complete ({done}/{planned} shards committed); run the "
-                        "same extract command again to finish it first")
+    v = ManifestView.of(m)
+    if v.status != "complete":  # an estimate over part of the data would pass for the whole
+        raise UserError(f"{option} {cache}: extraction is not complete ({v.shards_committed}/{v.num_shards} shards "
+                        "committed); run the same extract command again to finish it first")
     info = read_target(target, where(cfg, "target"))
     if m.get("target", {}).get("weights_fingerprint") != info.weights_fingerprint:
         raise UserError(f"{option} {cache} was extracted from another target than {where(cfg, 'target')} {target}; give the cache "

@@ -98,9 +98,7 @@ def preflight(cfg: ExtractConfig, loc, launch: Launch | None) -> Preflight:
     # import of transformers: those refusals come first and fast), before the existing cache is
     # compared with this run (a broken target is the cause to name, not the mismatch it makes).
     target.check_weights(info, info.num_target_layers if cfg.topk > 0 else max(layer_ids) + 1, cfg.topk > 0)
-    shards, wanted = _planned_manifest(cfg, info, source, layer_ids, compute_dtype)
-    tl = np.minimum(source.lengths, cfg.max_len)
-    tokens_of = [int(tl[rows].sum()) for rows in shards]
+    shards, tokens_of, wanted = _planned_manifest(cfg, info, source, layer_ids, compute_dtype)
     committed = _committed_before(cfg, loc, launch, wanted)
     todo_tokens = sum(t for j, t in enumerate(tokens_of) if shard_name(j) not in committed)
     bpt = bytes_per_token(len(layer_ids), info.hidden_size, cfg.topk, cfg.hidden_dtype)
@@ -150,24 +148,26 @@ def _check_lengths(cfg: ExtractConfig, info, source) -> int:
 
 
 def _planned_manifest(cfg: ExtractConfig, info, source, layer_ids: list[int], compute_dtype: str):
-    """The shards (row lists, every pass after another) and the manifest this run wants."""
+    """The shards (row lists, every pass after another), their tokens after --max-len, and the
+    manifest this run wants."""
     # make_plan's passes, built once and kept apart for the manifest's shards_per_pass.
     per_pass = [pass_plan(source.lengths, cfg.max_len, cfg.shard_tokens, cfg.sort_window, p) for p in range(cfg.passes)]
     shards = [s for plan in per_pass for s in plan]
     tl = np.minimum(source.lengths, cfg.max_len)
+    tokens_of = [int(tl[rows].sum()) for rows in shards]
     wanted = new_manifest(
         target=info.manifest_entry(),
         capture={"layer_ids": layer_ids, "topk": cfg.topk, "hidden_dtype": cfg.hidden_dtype, "max_len": cfg.max_len,
                  "compute_dtype": compute_dtype},
         source=source.manifest_entry(),
         plan={"shard_tokens": cfg.shard_tokens, "sort_window": cfg.sort_window, "num_shards": len(shards),
-              "tokens": sum(int(tl[rows].sum()) for rows in shards),
+              "tokens": sum(tokens_of),
               **({"passes": cfg.passes, "shards_per_pass": [len(plan) for plan in per_pass]} if cfg.passes > 1 else {})},
     )
     chat = chat_settings_of([p for p in cfg.data if os.path.isdir(p)])
     if chat is not None:  # how the text was rendered (prepare's record): travels on to the export
         wanted["chat"] = {k: v for k, v in chat.items() if k != "template"}
-    return shards, wanted
+    return shards, tokens_of, wanted
 
 
 def _committed_before(cfg: ExtractConfig, loc, launch: Launch | None, wanted: dict) -> set[str]:

@@ -54,10 +54,8 @@ log = logging.getLogger("dflash.generate")
 def output_folder(out: str) -> tuple[Path, Path | None]:
     """(folder of parts and manifest, the single merged file or None). `--out x.parquet` keeps its
     parts in `x.parquet.parts/` and merges them into `x.parquet` once all are committed."""
-    p = Path(out)
-    if p.suffix == ".parquet":
-        return p.with_name(p.name + ".parts"), p
-    return p, None
+    folder = parts.parts_folder(out)
+    return folder, (Path(out) if folder != Path(out) else None)
 
 
 OWN_ENTRIES = {"logs", ".run.lock", ".manifest.lock"}

@@ -55,6 +55,13 @@ def part_name(j: int) -> str:
     return f"part-{j:05d}"
 
 
+def parts_folder(path: str | Path) -> Path:
+    """The folder of a generate output's parts and manifest: `path` itself, or for a merged
+    `x.parquet` (generate --out x.parquet) its `x.parquet.parts/` beside it."""
+    p = Path(path)
+    return p.with_name(p.name + ".parts") if p.suffix == ".parquet" else p
+
+
 def read_manifest(folder: str | Path) -> dict | None:
     """The output manifest of a generate folder; None when the folder holds no manifest of ours."""
     path = Path(folder) / MANIFEST
@@ -87,11 +94,14 @@ def check_part_folders(paths, option: str) -> None:
         m = read_manifest(folder) if Path(folder).is_dir() else None
         damaged = damaged_parts(folder, m) if m is not None else []
         if damaged:
-            cmd = "prepare" if m.get("format") == PREPARED_FORMAT else "generate"
-            raise UserError(f"{option} {folder}: {damaged[0]}" + (f" (and {len(damaged) - 1} more)" if len(damaged) > 1
-                                                                  else "")
-                            + f"; the folder is damaged: restore the part from a copy, or run `dflash-offline {cmd}` "
-                            "again into a new --out")
+            more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+            raise UserError(f"{option} {folder}: {damaged[0]}{more}; {damaged_fix(m)}")
+
+
+def damaged_fix(m: dict | None) -> str:
+    """The way out of a part folder whose committed parts are damaged (`m`: its manifest)."""
+    cmd = "prepare" if (m or {}).get("format") == PREPARED_FORMAT else "generate"
+    return f"the folder is damaged: restore the part from a copy, or run `dflash-offline {cmd}` again into a new --out"
 
 
 def damaged_parts(folder: str | Path, m: dict) -> list[str]:

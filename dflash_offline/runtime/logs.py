@@ -186,7 +186,7 @@ def _move_early_log() -> None:
 def keep_early_log() -> str | None:
     """The early log's path when this process's log has not reached its destination (a crash
     before its preflight passed), kept at exit for the error line that names it; else None."""
-    if _early is None or _early.pid != os.getpid():
+    if not in_early_log():
         return None
     _early.keep = True
     return str(_early.folder / f"{_early.name}.log")
