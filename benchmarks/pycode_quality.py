@@ -56,6 +56,8 @@ PRESETS = {
     # DFlash with DSpark's distribution term (no heads; exported as plain DFlash): the lever for
     # sampled acceptance that keeps the served method.
     "tv": ["--kd-weight", "0", "--loss-weights", "decay", "--tv-weight", "0.9"],
+    # The same with the recipe's D-PACE slot weights in place of the decay.
+    "tv-dpace": ["--kd-weight", "0", "--tv-weight", "0.9"],
     "dspark-ce": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay", "--ce-weight", "1",
                   "--tv-weight", "0"],
 }
@@ -96,17 +98,37 @@ def wait(procs: dict[str, subprocess.Popen], logs: dict[str, Path], reported=lam
 
 
 def parse_variants(text: str) -> dict[str, list[str]]:
-    """'default,kd' (presets) or 'name=--opt v --opt2 w;name2=...' (explicit options)."""
+    """'default,kd' (presets) or 'name=--opt v --opt2 w;name2=...' (explicit options). A name ending in
+    @tT (`tv@t1`, `default@t0`) trains on fresh completions sampled at temperature T (0: greedy)
+    instead of --fresh-temperature's: the board then makes and extracts one training set per
+    temperature, so data and objective compare side by side in one run."""
     out = {}
     for item in [t for t in text.split(";" if "=" in text else ",") if t.strip()]:
         if "=" in item:
             name, opts = item.split("=", 1)
             out[name.strip()] = shlex.split(opts)
-        elif item.strip() in PRESETS:
-            out[item.strip()] = PRESETS[item.strip()]
+        elif item.strip().split("@")[0] in PRESETS:
+            out[item.strip()] = PRESETS[item.strip().split("@")[0]]
         else:
             raise SystemExit(f"--variants: unknown preset {item!r}; presets: {', '.join(PRESETS)}, or NAME=OPTIONS")
     return out
+
+
+def data_temperature(variant: str, default: float) -> float:
+    """The fresh data's temperature a variant trains on: its @tT suffix, else --fresh-temperature."""
+    if "@" not in variant:
+        return default
+    tag = variant.split("@", 1)[1]
+    try:
+        if not tag.startswith("t"):
+            raise ValueError
+        return float(tag[1:])
+    except ValueError:
+        raise SystemExit(f"--variants: {variant!r}: the suffix after @ is tT, T the data's temperature (tv@t1)")
+
+
+def cache_tag(temperature: float) -> str:
+    return "greedy" if temperature == 0 else f"t{temperature:g}"
 
 
 def prompt_slices(prompts: Path, n: int, jobs: int, work: Path) -> list[Path]:
@@ -217,31 +239,43 @@ def main() -> int:
         (res / "pycode.json").write_text(json.dumps(summary, indent=1) + "\n")
 
     t_start = time.time()
-    data = [train_rows]
+    # One training set per data temperature the variants name (the first is --fresh-temperature's).
+    temps = list(dict.fromkeys([args.fresh_temperature, *(data_temperature(v, args.fresh_temperature) for v in variants)]))
+    if len(temps) > 1 and args.fresh == 0:
+        raise SystemExit("--variants: a variant's @tT names fresh data at temperature T, and --fresh is 0")
+    train_cache = {t: work / ("cache-train" if t == args.fresh_temperature else f"cache-train-{cache_tag(t)}")
+                   for t in temps}
+    data = {t: [train_rows] for t in temps}
     if args.fresh > 0:
         import pyarrow.parquet as pq
 
         sel = work / "fresh-prompts.parquet"
         pq.write_table(pq.read_table(fresh_prompts).slice(0, args.fresh), sel)
         t0 = time.time()
-        gen = cli("generate", "--target", target, "--prompts", sel, "--out", work / "fresh.parquet", "--devices",
-                  args.device, "--max-new-tokens", 384 if not args.smoke else 32, "--compute-dtype", args.gen_dtype,
-                  "--batch-tokens", args.gen_batch_tokens,
-                  *(["--temperature", args.fresh_temperature, "--seed", "0"] if args.fresh_temperature > 0 else []),
-                  *(["--samples-per-prompt", args.fresh_samples] if args.fresh_samples > 1 else []),
-                  "--no-progress", log=res / "generate.log")
-        wait({"generate": gen}, {"generate": res / "generate.log"})
+        for t in temps:
+            name = "generate" if t == args.fresh_temperature else f"generate-{cache_tag(t)}"
+            out = work / ("fresh.parquet" if t == args.fresh_temperature else f"fresh-{cache_tag(t)}.parquet")
+            gen = cli("generate", "--target", target, "--prompts", sel, "--out", out, "--devices",
+                      args.device, "--max-new-tokens", 384 if not args.smoke else 32, "--compute-dtype", args.gen_dtype,
+                      "--batch-tokens", args.gen_batch_tokens,
+                      *(["--temperature", t, "--seed", "0"] if t > 0 else []),
+                      *(["--samples-per-prompt", args.fresh_samples] if args.fresh_samples > 1 and t > 0 else []),
+                      "--no-progress", log=res / f"{name}.log")
+            wait({name: gen}, {name: res / f"{name}.log"})
+            data[t].append(out)
         summary["phases_s"]["generate"] = time.time() - t0
-        data.append(work / "fresh.parquet")
     ext = ["--devices", args.device, "--capture-layers", args.capture, "--max-len", "512", "--compute-dtype", "float32",
            "--no-progress", "--writers", "2" if not args.smoke else "1"]
     t0 = time.time()
-    logs = {"extract-train": res / "extract-train.log", "extract-eval": res / "extract-eval.log"}
-    procs = {"extract-train": cli("extract", "--target", target, *[a for d in data for a in ("--data", d)], "--cache",
-                                  work / "cache-train", "--hidden-dtype", args.hidden_dtype, "--topk", args.topk, *ext,
-                                  log=logs["extract-train"]),
-             "extract-eval": cli("extract", "--target", target, "--data", eval_rows, "--cache", work / "cache-eval",
-                                 "--topk", "0", *ext, log=logs["extract-eval"])}
+    logs, procs = {}, {}
+    for t in temps:
+        name = "extract-train" if t == args.fresh_temperature else f"extract-train-{cache_tag(t)}"
+        logs[name] = res / f"{name}.log"
+        procs[name] = cli("extract", "--target", target, *[a for d in data[t] for a in ("--data", d)], "--cache",
+                          train_cache[t], "--hidden-dtype", args.hidden_dtype, "--topk", args.topk, *ext, log=logs[name])
+    logs["extract-eval"] = res / "extract-eval.log"
+    procs["extract-eval"] = cli("extract", "--target", target, "--data", eval_rows, "--cache", work / "cache-eval",
+                                "--topk", "0", *ext, log=logs["extract-eval"])
     if args.peer_budget:
         logs["extract-peer"] = res / "extract-peer.log"
         procs["extract-peer"] = cli("extract", "--target", target, "--data", train_rows, "--cache", work / "cache-peer",
@@ -250,9 +284,12 @@ def main() -> int:
     took = wait(procs, logs)
     summary["phases_s"]["extract"] = time.time() - t0
     summary["phases_s"]["extract_each"] = took
-    m = json.loads((work / "cache-train" / "manifest.json").read_text())
-    summary["train_cache"] = {**m["totals"], "layer_ids": m["capture"]["layer_ids"], "hidden_dtype": args.hidden_dtype,
-                              "bytes": sum(f.stat().st_size for f in (work / "cache-train").rglob("*") if f.is_file())}
+    summary["train_cache"] = {}
+    for t, path in train_cache.items():
+        m = json.loads((path / "manifest.json").read_text())
+        summary["train_cache"][cache_tag(t)] = {
+            **m["totals"], "layer_ids": m["capture"]["layer_ids"], "hidden_dtype": args.hidden_dtype,
+            "bytes": sum(f.stat().st_size for f in path.rglob("*") if f.is_file())}
     save()
     print(f"data ready after {time.time() - t_start:.0f}s: {summary['train_cache']}", flush=True)
 
@@ -260,7 +297,7 @@ def main() -> int:
     common = ["--target", target, "--devices", args.device, "--eval-cache", work / "cache-eval", *every,
               "--checkpoint-every", "100000", "--keep-checkpoints", "1", "--log-every", "20",
               "--no-progress", *train_args]
-    jobs = {v: ["--cache", work / "cache-train", "--out", work / f"run-{v}", "--epochs", args.epochs, *common, *opts]
+    jobs = {v: ["--cache", train_cache[data_temperature(v, args.fresh_temperature)], "--out", work / f"run-{v}", "--epochs", args.epochs, *common, *opts]
             for v, opts in variants.items()}
     if args.peer_budget:
         jobs["peer-budget"] = ["--cache", work / "cache-peer", "--out", work / "run-peer-budget", "--epochs", peer_epochs,
@@ -276,7 +313,7 @@ def main() -> int:
         took = {}
         for v in order:
             took.update(wait({v: cli("train", *jobs[v], log=logs[v])}, logs))
-            if v == order[0]:
+            if v == order[0] and len(temps) == 1:  # with more training sets, their data phases are in it
                 summary["phases_s"]["train_first"] = took[v]
                 summary["end_to_end_s"] = time.time() - t_start
                 print(f"end to end (generate + extract + train {v}): {summary['end_to_end_s']:.0f}s", flush=True)

@@ -118,6 +118,38 @@ def test_loss_equals_brute_force_slot_by_slot(kind, with_conf, topk):
     assert 0 < float(got.survival) <= float(weights.sum())
 
 
+@pytest.mark.parametrize("kind", ["vanilla", "none"])
+def test_dpace_weights_equal_their_definition_slot_by_slot(kind):
+    """--loss-weights dpace with the three-term loss: each scored slot k of a block weighs
+    sum over scored m >= k of prod over scored i <= m of ((1 - a) q_i + a), q_i the drafter's detached
+    probability of slot i's label under the biased logits, rescaled to the data weights' total."""
+    markov, conf, head = make(kind, kind != "none")
+    hidden, labels, prev, weights, ids, lp, _ = batch()
+    lw, a = LossWeights(0.3, 0.5, 0.7), 0.4
+    hidden.requires_grad_()
+    got = dspark_loss(hidden, head, markov, conf, prev, labels, weights, ids, lp, lw, chunk_tokens=5,
+                      dpace_alpha=a, block_size=B)
+    R, Q = labels.shape
+    d = torch.zeros(R, Q, dtype=torch.float64)
+    with torch.no_grad():
+        for r in range(R):
+            for b0 in range(0, Q, B):
+                scored = [k for k in range(b0, b0 + B) if weights[r, k] != 0]
+                q = {}
+                for k in scored:
+                    z = head @ hidden[r, k]
+                    if markov is not None:
+                        z = z + markov.markov_w2.weight @ markov.markov_w1.weight[prev[r, k]]
+                    q[k] = float(torch.softmax(z, -1)[labels[r, k]])
+                for k in scored:
+                    d[r, k] = sum(math.prod((1 - a) * q[i] + a for i in scored if i <= m) for m in scored if m >= k)
+        d = d * (weights.sum() / d.sum())
+    want = brute(markov, conf, head, hidden, labels, prev, d, ids, lp, lw)
+    torch.testing.assert_close(got.total.double(), want, rtol=2e-5, atol=1e-5)
+    for g, w in zip(torch.autograd.grad(got.total, hidden), torch.autograd.grad(want, hidden)):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5)
+
+
 def test_topk_l1_is_the_l1_with_the_other_tokens_merged():
     markov, _, head = make("vanilla", False)
     hidden, labels, prev, weights, _, _, full = batch(k=6)

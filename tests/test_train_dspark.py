@@ -184,10 +184,11 @@ def test_resume_after_sigkill_equals_straight_run(topk_cache, tiny_dense, straig
 
 
 def test_dflash_with_the_l1_term_learns_and_stays_dflash(topk_cache, tiny_dense, tmp_path):
-    """--method dflash --tv-weight: DFlash's slots and export, its loss with DSpark's L1 term."""
+    """--method dflash --tv-weight: DFlash's slots and export, its loss with DSpark's L1 term (here with
+    D-PACE slot weights, the DFlash recipe's)."""
     out = tmp_path / "run"
     r = run_cli(["train", "--target", str(tiny_dense), "--cache", str(topk_cache), "--out", str(out), *TRAIN,
-                 "--tv-weight", "0.5", "--epochs", "3"], timeout=600)
+                 "--tv-weight", "0.5", "--epochs", "3", "--loss-weights", "dpace"], timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     m = metrics(out)
     assert len(m[-1]["acc"]) == 7 and m[-1]["loss"] < m[0]["loss"]
@@ -206,7 +207,6 @@ def test_dflash_with_the_l1_term_learns_and_stays_dflash(topk_cache, tiny_dense,
 
 @pytest.mark.parametrize("extra,says", [
     (["--kd-weight", "0.5"], "--kd-weight"),
-    (["--loss-weights", "dpace"], "--loss-weights"),
     (["--markov-rank", "0"], "--markov-rank"),
     (["--tv-weight", "-1"], "--tv-weight"),
 ])

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash_offline.blocks.loss import compiled_once
+from dflash_offline.blocks.loss import compiled_once, dpace_weights
 from dflash_offline.drafter.dspark import ConfidenceHead, MarkovHead
 
 
@@ -90,10 +90,16 @@ def dspark_loss(hidden: torch.Tensor, head_weight: torch.Tensor, markov: MarkovH
                 confidence: ConfidenceHead | None,
                 prev: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, soft_ids: torch.Tensor | None = None,
                 soft_logprobs: torch.Tensor | None = None, loss_weights: LossWeights = LossWeights(),
-                chunk_tokens: int = 4096, compiled: bool = False) -> DSparkLoss:
+                chunk_tokens: int = 4096, compiled: bool = False, dpace_alpha: float | None = None,
+                block_size: int | None = None) -> DSparkLoss:
     """hidden [R, Q, H]; prev (x_{k-1}), labels, weights [R, Q]; soft_ids / soft_logprobs [R, Q, k]
     the target's top-k for each slot (None: one-hot p_target). markov None: no Markov bias (DFlash's
-    slots with the L1 term; `prev` is then not read, and there is no confidence head)."""
+    slots with the L1 term; `prev` is then not read, and there is no confidence head).
+
+    With `dpace_alpha` and `block_size` B (Q a multiple of B), `weights` say only which slots are
+    scored and their total, and each scored slot weighs its D-PACE weight (blocks/loss.py), from the
+    drafter's detached probability of the slot's label under the biased logits, rescaled to that
+    total: the slot weighting DFlash's default uses, for the three-term loss."""
     if markov is None and confidence is not None:
         raise ValueError("dspark_loss: the confidence head reads the Markov head's embedding")
     if not (hidden.shape[:2] == labels.shape == weights.shape == prev.shape):
@@ -103,6 +109,11 @@ def dspark_loss(hidden: torch.Tensor, head_weight: torch.Tensor, markov: MarkovH
         raise ValueError("dspark_loss: soft_ids and soft_logprobs come together")
     h = hidden.reshape(-1, hidden.shape[-1])
     x, y, w = prev.reshape(-1), labels.reshape(-1), weights.reshape(-1).float()
+    if dpace_alpha is not None:
+        if not block_size or labels.shape[1] % block_size:
+            raise ValueError(f"dspark_loss: D-PACE needs block_size dividing the {labels.shape[1]} slots of a row, "
+                             f"got {block_size!r}")
+        w = _dpace(h, head_weight, markov, x, y, w, chunk_tokens, dpace_alpha, block_size)
     ids = t = rest = None
     if soft_ids is not None:
         k = soft_ids.shape[-1]
@@ -122,3 +133,19 @@ def dspark_loss(hidden: torch.Tensor, head_weight: torch.Tensor, markov: MarkovH
         stats = stats + st.detach()
         correct.append(c.detach())
     return DSparkLoss(total, torch.cat(correct).view_as(labels), stats[0], stats[1])
+
+
+def _dpace(h, head_weight, markov, x, y, w, chunk_tokens, alpha, block_size):
+    """D-PACE weights for the slots (a no-grad pass over the biased logits: q = p(label))."""
+    with torch.no_grad():
+        q = []
+        for a in range(0, h.shape[0], chunk_tokens):
+            sl = slice(a, a + chunk_tokens)
+            hw = head_weight if h.dtype == head_weight.dtype or torch.is_autocast_enabled(h.device.type) \
+                else head_weight.to(h.dtype)
+            z = F.linear(h[sl], hw).float()
+            if markov is not None:
+                z = z + markov.bias(markov.code(h[sl], x[sl])[1])
+            q.append(torch.log_softmax(z, -1).gather(-1, y[sl, None]).squeeze(-1).exp())
+        d = dpace_weights(torch.cat(q).view(-1, block_size), (w != 0).view(-1, block_size), alpha).view(-1)
+        return d * (w.sum() / d.sum().clamp_min(torch.finfo(torch.float32).tiny))

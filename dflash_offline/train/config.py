@@ -204,11 +204,8 @@ class TrainConfig(ReportOptions, HeldOutOptions, CheckpointOptions, OptimizerOpt
         if self.method == "dspark" and not self.confidence_head and self.bce_weight != TrainConfig.bce_weight:
             raise UserError(f"{where(self, 'bce_weight')} weighs the confidence head's loss, and "
                             f"{also(self, 'confidence_head')} leaves the head out: leave one of them out")
-        if self.distribution_loss:  # blocks/dspark_loss.py: no D-PACE weights, no soft labels
+        if self.distribution_loss:  # blocks/dspark_loss.py: no soft labels (the L1 term reads the top-k itself)
             why = f"{also(self, 'method')} dspark" if self.method == "dspark" else f"{also(self, 'tv_weight')} above 0"
-            if self.loss_weights != "decay":
-                raise UserError(f"{where(self, 'loss_weights')} {self.loss_weights}: the loss with the L1 term weighs "
-                                f"its slots by exp(-k/gamma) (decay); leave it out with {why}")
             if self.kd_weight:
                 raise UserError(f"{where(self, 'kd_weight')} mixes the top-k into the cross-entropy's target; the L1 "
                                 f"term (--tv-weight) matches the top-k itself: leave it out with {why}")

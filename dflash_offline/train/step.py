@@ -260,7 +260,8 @@ def _dspark_loss(t: Trainer, h, mb, B: int):
     prev = previous_tokens(mb.block_ids, mb.labels, B) if d.markov_head is not None else mb.labels
     r = dspark_loss(h, d.lm_head.weight, d.markov_head, d.confidence_head, prev, mb.labels, mb.weights, mb.soft_ids,
                     mb.soft_logprobs, LossWeights(cfg.resolved_ce_weight, cfg.resolved_tv_weight, cfg.bce_weight),
-                    t.loss_chunk, compiled=t.compile_loss)
+                    t.loss_chunk, compiled=t.compile_loss,
+                    dpace_alpha=cfg.dpace_alpha if cfg.loss_weights == "dpace" else None, block_size=B)
     return r.total, r.correct
 
 

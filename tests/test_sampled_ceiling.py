@@ -1,0 +1,37 @@
+"""benchmarks/sampled_ceiling.py's best blind draft (the distribution with the most expected
+acceptance against a set of conditionals) against a brute-force search over a grid of the simplex."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from pathlib import Path
+
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "sampled_ceiling.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("sampled_ceiling", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_l1_draft_is_the_best_draft_on_a_grid():
+    mod = _module()
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 3, 7):
+        p = torch.softmax(torch.randn(n, 3, generator=gen, dtype=torch.float64) * 2, -1)
+        q = mod.l1_draft(p)
+        assert torch.all(q >= 0) and abs(float(q.sum()) - 1) < 1e-12
+        best = max(float(mod.acceptance(p, torch.tensor([a, b, 1 - a - b], dtype=torch.float64)).mean())
+                   for a, b in ((i / 200, j / 200) for i, j in itertools.product(range(201), repeat=2) if i + j <= 200))
+        got = float(mod.acceptance(p, q).mean())
+        # the grid's best is within its step of the optimum and never above it
+        assert best - 1e-12 <= got <= best + 2 * 3 / 200
+        mean = float(mod.acceptance(p, p.mean(0)).mean())
+        assert got >= mean - 1e-12  # the mean of the conditionals is one candidate
+    one = torch.tensor([[0.2, 0.5, 0.3]], dtype=torch.float64)
+    assert torch.allclose(mod.l1_draft(one), one)  # one conditional: the draft is that distribution
