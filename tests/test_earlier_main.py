@@ -148,3 +148,23 @@ def test_earlier_recipes_load(capsys):
                 (isinstance(got, list) and list(got) == list(value)), (path, key, got, value)
         written = capsys.readouterr().err
         assert all(f"key {k!r}" in written for k in raw if k in renamed(cls)), (path, written)
+
+
+def test_no_option_of_the_main_before_the_redesign_is_lost():
+    """Every flag each command took at 3cd1203 (before the config split into components and the
+    renames of that step; tests/data/flags-3cd1203.json, read from that commit's click commands)
+    is still taken: the redesign's --help diff only adds, regroups and rewords."""
+    import click
+
+    from dflash_offline import cli
+
+    earlier = json.loads((Path(__file__).parent / "data" / "flags-3cd1203.json").read_text())
+    lost = []
+    for name, flags in earlier.items():
+        cmd = cli.main.commands.get(name)
+        if cmd is None:
+            lost.append(name)
+            continue
+        now = {o for p in cmd.params if isinstance(p, click.Option) for o in (*p.opts, *p.secondary_opts)}
+        lost += [f"{name} {f}" for f in flags if f not in now]
+    assert not lost, lost
