@@ -4,8 +4,8 @@ on the target alone, with no drafter trained.
 When decoding samples at temperature T, a drafted token at slot k is kept with probability
 min(1, p_k / q_k), so a slot survives with probability 1 - TV(p_k, q_k) = sum_v min(p_k, q_k). A DFlash
 drafter drafts slot k without the tokens sampled at slots 1..k-1, while the target's p_k depends on
-them: its q_k can only be one distribution for all of them. That costs acceptance no training can win
-back, and this script measures it. At positions along sampled continuations of held-out prompts
+them: its q_k can only be one distribution for all of them. That costs acceptance that training
+cannot win back, and this script measures it. At positions along sampled continuations of held-out prompts
 (the last token of each context plays the round's bonus token), it samples N continuations of the
 block from the target and keeps every conditional p_{i,k}, then builds the two best blind drafts:
 
@@ -19,9 +19,9 @@ Both are drafts a perfect parallel drafter could output (functions of the contex
 equals the target's, so it always survives). Each is then decoded for real: S draft blocks drawn
 from it, the target run on each, the rejection rule applied slot by slot; a round commits its kept
 drafts plus one token, counted as the reference counts tau (pooled over rounds). DSpark's Markov
-head sees the previous drafted token, so its ceiling is higher than this one; a trained drafter's
-tau sits below it. With N samples the l1 draft fits its own samples a little (an optimistic bias
-that shrinks with N), and decoding it on fresh draws removes most of that.
+head sees the previous drafted token, so its ceiling is higher than this one. The drafts are fitted
+to their N samples, so their acceptance on those samples (`slot_acceptance_on_samples` in the
+output) is optimistic; the decoded rounds draw fresh tokens and give each draft's own tau.
 
     python benchmarks/sampled_ceiling.py --target ../shared/fixtures/pycode/target \\
         --prompts ../shared/fixtures/pycode/prompts-eval.parquet --prompts-used 50 --device cpu \\
