@@ -199,6 +199,9 @@ def main() -> int:
     ap.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts decoded (0: walk estimate only)")
     ap.add_argument("--sampled-temperature", type=float, default=1.0,
                     help="also decode the held-out prompts sampling at this temperature (0 = greedy only)")
+    ap.add_argument("--also-temperatures", default="",
+                    help="more sampled decodes after --sampled-temperature's, comma-separated (0.6: each stored as "
+                         "decode_t0.6; benchmarks/sampled_ceiling.py gives the ceiling to compare with)")
     ap.add_argument("--max-new-tokens", type=int, default=384)
     ap.add_argument("--eval-jobs", type=int, default=1, help="decoding processes per drafter (prompt slices)")
     ap.add_argument("--eval-batch-size", type=int, default=256,
@@ -339,8 +342,9 @@ def main() -> int:
         # Greedy, checked token for token against the fixture's completions; then sampled (speculative
         # sampling's rule: exact in distribution, so no token check), same prompts, seed 0.
         kinds = [("decode", ["--reference", eval_rows])]
-        if args.sampled_temperature > 0:
-            kinds.append(("decode_sampled", ["--temperature", args.sampled_temperature, "--seed", "0", "--no-baseline"]))
+        sampled = {"decode_sampled": args.sampled_temperature} if args.sampled_temperature > 0 else {}
+        sampled.update({f"decode_t{float(t):g}": float(t) for t in args.also_temperatures.split(",") if t.strip()})
+        kinds += [(k, ["--temperature", t, "--seed", "0", "--no-baseline"]) for k, t in sampled.items()]
         for v in order:  # one drafter at a time: its slices share the device
             for kind, extra in kinds:
                 t0 = time.time()
@@ -356,11 +360,11 @@ def main() -> int:
                 wait(procs, logs, reported=lambda n: (work / f"{n}.json").exists())
                 d = merge_decode([json.loads((work / f"{n}.json").read_text()) for n in names])
                 d["seconds"] = time.time() - t0
-                if kind == "decode_sampled":
-                    d["lossless"], d["temperature"] = None, args.sampled_temperature  # exact in distribution
+                if kind != "decode":
+                    d["lossless"], d["temperature"] = None, sampled[kind]  # exact in distribution
                 summary["variants"][v][kind] = d
                 save()
-                print(f"{v} ({'greedy' if kind == 'decode' else f'temperature {args.sampled_temperature}'}): decoding "
+                print(f"{v} ({'greedy' if kind == 'decode' else f'temperature {sampled[kind]}'}): decoding "
                       f"tau {d['tau_pooled']:.3f} pooled, {d['tau_per_prompt_mean'] or float('nan'):.3f} per-prompt "
                       f"mean, lossless {d['lossless']} ({d['seconds']:.0f}s)", flush=True)
     summary["total_s"] = time.time() - t_start
@@ -387,6 +391,11 @@ def report(summary: dict) -> str:
                      f"{b['tau_per_prompt_mean']:>11.3f} {b['tau_all_anchors']:>10.3f} "
                      f"{d.get('tau_pooled', float('nan')):>13.3f} {dp if dp is not None else float('nan'):>13.3f} "
                      f"{str(d.get('lossless', '-')):>8} {ds.get('tau_pooled', float('nan')):>8.3f}")
+    for v, r in summary["variants"].items():  # --also-temperatures
+        extra = [f"T = {d['temperature']:g} tau {d['tau_pooled']:.3f} pooled, {d['tau_per_prompt_mean']:.3f} per-prompt"
+                 for k, d in r.items() if k.startswith("decode_t")]
+        if extra:
+            lines.append(f"{v}: " + "; ".join(extra))
     return "\n".join(lines)
 
 
