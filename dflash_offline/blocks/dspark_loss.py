@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash_offline.blocks.loss import compiled_once, dpace_weights
+from dflash_offline.blocks.loss import compiled_once, dpace_slot_weights, head_logits
 from dflash_offline.drafter.dspark import ConfidenceHead, MarkovHead
 
 
@@ -57,15 +57,19 @@ def target_probs(soft_ids: torch.Tensor, soft_logprobs: torch.Tensor, scored: to
     return torch.where(scored[:, None], soft_ids.long(), 0), t, rest
 
 
+def _biased_logits(h, head_weight, markov: MarkovHead | None, prev):
+    """(float32 logits with the Markov bias, W1[prev] for the confidence head); without a Markov head
+    (DFlash with the L1 term: nor a confidence head) the head's logits and None."""
+    z = head_logits(h, head_weight)
+    if markov is None:
+        return z, None
+    e, code = markov.code(h, prev)
+    return z + markov.bias(code), e
+
+
 def _chunk(h, head_weight, markov: MarkovHead, conf: ConfidenceHead | None, prev, y, w, ids, t, rest,
            lw: LossWeights):
-    if h.dtype != head_weight.dtype and not torch.is_autocast_enabled(h.device.type):
-        head_weight = head_weight.to(h.dtype)
-    z = F.linear(h, head_weight).float()
-    e = None
-    if markov is not None:  # DFlash with the L1 term has no Markov head (nor a confidence head)
-        e, code = markov.code(h, prev)
-        z = z + markov.bias(code)
+    z, e = _biased_logits(h, head_weight, markov, prev)
     logp = torch.log_softmax(z, -1)
     p = logp.exp()
     ce = -logp.gather(-1, y[:, None]).squeeze(-1)
@@ -113,7 +117,8 @@ def dspark_loss(hidden: torch.Tensor, head_weight: torch.Tensor, markov: MarkovH
         if not block_size or labels.shape[1] % block_size:
             raise ValueError(f"dspark_loss: D-PACE needs block_size dividing the {labels.shape[1]} slots of a row, "
                              f"got {block_size!r}")
-        w = _dpace(h, head_weight, markov, x, y, w, chunk_tokens, dpace_alpha, block_size)
+        w = dpace_slot_weights(lambda sl: _biased_logits(h[sl], head_weight, markov, x[sl])[0], y, w, chunk_tokens,
+                               dpace_alpha, block_size)
     ids = t = rest = None
     if soft_ids is not None:
         k = soft_ids.shape[-1]
@@ -134,18 +139,3 @@ def dspark_loss(hidden: torch.Tensor, head_weight: torch.Tensor, markov: MarkovH
         correct.append(c.detach())
     return DSparkLoss(total, torch.cat(correct).view_as(labels), stats[0], stats[1])
 
-
-def _dpace(h, head_weight, markov, x, y, w, chunk_tokens, alpha, block_size):
-    """D-PACE weights for the slots (a no-grad pass over the biased logits: q = p(label))."""
-    with torch.no_grad():
-        q = []
-        for a in range(0, h.shape[0], chunk_tokens):
-            sl = slice(a, a + chunk_tokens)
-            hw = head_weight if h.dtype == head_weight.dtype or torch.is_autocast_enabled(h.device.type) \
-                else head_weight.to(h.dtype)
-            z = F.linear(h[sl], hw).float()
-            if markov is not None:
-                z = z + markov.bias(markov.code(h[sl], x[sl])[1])
-            q.append(torch.log_softmax(z, -1).gather(-1, y[sl, None]).squeeze(-1).exp())
-        d = dpace_weights(torch.cat(q).view(-1, block_size), (w != 0).view(-1, block_size), alpha).view(-1)
-        return d * (w.sum() / d.sum().clamp_min(torch.finfo(torch.float32).tiny))

@@ -45,7 +45,7 @@ def _matmul_dtype(h: torch.Tensor, head_weight: torch.Tensor) -> torch.dtype:
     return h.dtype
 
 
-def _head_logits(h: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+def head_logits(h: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
     """float32 logits through the frozen head (autograd-visible: the checkpointed paths' forward).
     Without autocast (the CPU fp32 path) the head, kept in the checkpoint's dtype, is cast to h's."""
     if h.dtype != head_weight.dtype and not torch.is_autocast_enabled(h.device.type):
@@ -54,7 +54,7 @@ def _head_logits(h: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_loss(h: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
-    logits = _head_logits(h, head_weight)
+    logits = head_logits(h, head_weight)
     ce = F.cross_entropy(logits, labels, reduction="none")
     correct = logits.argmax(-1) == labels
     return (ce * weights).sum(), correct
@@ -90,7 +90,7 @@ def _chunk_soft_loss(h: torch.Tensor, head_weight: torch.Tensor, labels: torch.T
                      ids: torch.Tensor, p: torch.Tensor, alpha: float):
     # The reference for the soft target: F.cross_entropy for the hard share, the top-k dot product
     # for the soft share; autograd makes (1 - alpha)(softmax - onehot) + alpha(softmax - p).
-    logits = _head_logits(h, head_weight)
+    logits = head_logits(h, head_weight)
     ce = F.cross_entropy(logits, labels, reduction="none")
     soft = torch.logsumexp(logits, dim=-1) - (p * logits.gather(1, ids)).sum(-1)
     correct = logits.argmax(-1) == labels
@@ -274,7 +274,8 @@ def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Te
         return total, correct.view_as(labels)
     if dpace_alpha is not None:
         # The reference path: the weights from a no-grad pass over the logits, then the plain loss.
-        w = _dpace_reference_weights(h, head_weight, y, w, chunk_tokens, dpace_alpha, block_size)
+        w = dpace_slot_weights(lambda sl: head_logits(h[sl], head_weight), y, w, chunk_tokens, dpace_alpha,
+                               block_size)
     total = hidden.new_zeros((), dtype=torch.float32)
     correct = []
     for a in range(0, h.shape[0], chunk_tokens):
@@ -295,12 +296,15 @@ def block_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Te
     return total, torch.cat(correct).view_as(labels)
 
 
-def _dpace_reference_weights(h, head_weight, y, w, chunk_tokens, alpha, block_size):
+def dpace_slot_weights(logits_of, y, w, chunk_tokens: int, alpha: float, block_size: int) -> torch.Tensor:
+    """D-PACE weights of every slot from a no-grad pass over the chunks' logits (`logits_of(slice)`:
+    q = the drafter's probability of the slot's label), rescaled to the data weights' total: the
+    reference path here, and DSpark's three-term loss with its Markov-biased logits."""
     with torch.no_grad():
         q = []
-        for a in range(0, h.shape[0], chunk_tokens):
+        for a in range(0, y.shape[0], chunk_tokens):
             sl = slice(a, a + chunk_tokens)
-            q.append((-F.cross_entropy(_head_logits(h[sl], head_weight), y[sl], reduction="none")).exp())
+            q.append((-F.cross_entropy(logits_of(sl), y[sl], reduction="none")).exp())
         d = dpace_weights(torch.cat(q).view(-1, block_size), (w != 0).view(-1, block_size), alpha).view(-1)
         return d * (w.float().sum() / d.sum().clamp_min(torch.finfo(torch.float32).tiny))
 
