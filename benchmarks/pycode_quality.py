@@ -107,8 +107,8 @@ def parse_variants(text: str) -> dict[str, list[str]]:
         if "=" in item:
             name, opts = item.split("=", 1)
             out[name.strip()] = shlex.split(opts)
-        elif item.strip().split("@")[0] in PRESETS:
-            out[item.strip()] = PRESETS[item.strip().split("@")[0]]
+        elif (preset := item.strip().split("@")[0]) in PRESETS:
+            out[item.strip()] = PRESETS[preset]
         else:
             raise SystemExit(f"--variants: unknown preset {item!r}; presets: {', '.join(PRESETS)}, or NAME=OPTIONS")
     return out
@@ -243,11 +243,15 @@ def main() -> int:
 
     t_start = time.time()
     # One training set per data temperature the variants name (the first is --fresh-temperature's).
-    temps = list(dict.fromkeys([args.fresh_temperature, *(data_temperature(v, args.fresh_temperature) for v in variants)]))
+    data_of = {v: data_temperature(v, args.fresh_temperature) for v in variants}
+    temps = list(dict.fromkeys([args.fresh_temperature, *data_of.values()]))
     if len(temps) > 1 and args.fresh == 0:
         raise SystemExit("--variants: a variant's @tT names fresh data at temperature T, and --fresh is 0")
-    train_cache = {t: work / ("cache-train" if t == args.fresh_temperature else f"cache-train-{cache_tag(t)}")
-                   for t in temps}
+
+    def named(base: str, t: float) -> str:  # the main set keeps the names of a board with one set
+        return base if t == args.fresh_temperature else f"{base}-{cache_tag(t)}"
+
+    train_cache = {t: work / named("cache-train", t) for t in temps}
     data = {t: [train_rows] for t in temps}
     if args.fresh > 0:
         import pyarrow.parquet as pq
@@ -256,8 +260,7 @@ def main() -> int:
         pq.write_table(pq.read_table(fresh_prompts).slice(0, args.fresh), sel)
         t0 = time.time()
         for t in temps:
-            name = "generate" if t == args.fresh_temperature else f"generate-{cache_tag(t)}"
-            out = work / ("fresh.parquet" if t == args.fresh_temperature else f"fresh-{cache_tag(t)}.parquet")
+            name, out = named("generate", t), work / f"{named('fresh', t)}.parquet"
             gen = cli("generate", "--target", target, "--prompts", sel, "--out", out, "--devices",
                       args.device, "--max-new-tokens", 384 if not args.smoke else 32, "--compute-dtype", args.gen_dtype,
                       "--batch-tokens", args.gen_batch_tokens,
@@ -272,7 +275,7 @@ def main() -> int:
     t0 = time.time()
     logs, procs = {}, {}
     for t in temps:
-        name = "extract-train" if t == args.fresh_temperature else f"extract-train-{cache_tag(t)}"
+        name = named("extract-train", t)
         logs[name] = res / f"{name}.log"
         procs[name] = cli("extract", "--target", target, *[a for d in data[t] for a in ("--data", d)], "--cache",
                           train_cache[t], "--hidden-dtype", args.hidden_dtype, "--topk", args.topk, *ext, log=logs[name])
@@ -300,7 +303,7 @@ def main() -> int:
     common = ["--target", target, "--devices", args.device, "--eval-cache", work / "cache-eval", *every,
               "--checkpoint-every", "100000", "--keep-checkpoints", "1", "--log-every", "20",
               "--no-progress", *train_args]
-    jobs = {v: ["--cache", train_cache[data_temperature(v, args.fresh_temperature)], "--out", work / f"run-{v}", "--epochs", args.epochs, *common, *opts]
+    jobs = {v: ["--cache", train_cache[data_of[v]], "--out", work / f"run-{v}", "--epochs", args.epochs, *common, *opts]
             for v, opts in variants.items()}
     if args.peer_budget:
         jobs["peer-budget"] = ["--cache", work / "cache-peer", "--out", work / "run-peer-budget", "--epochs", peer_epochs,

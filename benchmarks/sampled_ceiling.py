@@ -108,20 +108,23 @@ def decode_rounds(model, context, q, rounds: int, temperature: float, gen):
     return torch.cumprod(kept, 1).sum(1)
 
 
-def trajectory(model, prompt, length: int, temperature: float, gen, eos: set[int]):
-    """One sampled continuation of `prompt` (a list of ids), cut at a stop token."""
+def trajectory(model, prompt, length: int, temperature: float, gen, eos: set[int], ks: tuple[int, ...]):
+    """One sampled continuation of `prompt` (a list of ids), cut at a stop token, and for each of its
+    tokens the probability mass of the target's top-k for every k in `ks` [tokens, len(ks)]."""
     import torch
 
     ids = torch.tensor([prompt], device=model.device)
     out = model(ids, use_cache=True)
-    got = []
+    got, mass = [], []
     for _ in range(length):
-        t = torch.multinomial(probs(out.logits[:, -1], temperature), 1, generator=gen)
+        p = probs(out.logits[:, -1], temperature)
+        t = torch.multinomial(p, 1, generator=gen)
         if int(t) in eos:
             break
         got.append(int(t))
+        mass.append(p[0].topk(max(ks)).values.cumsum(-1)[[k - 1 for k in ks]])
         out = model(t, past_key_values=out.past_key_values, use_cache=True)
-    return got
+    return got, torch.stack(mass) if mass else torch.zeros(0, len(ks))
 
 
 def main() -> None:
@@ -158,12 +161,10 @@ def main() -> None:
     used, ks, mass = 0, (8, 32, 128, 512), []
     with torch.inference_mode():
         for n, prompt in enumerate(prompts):
-            lead = trajectory(model, prompt, max(positions), args.temperature, gen, eos)
-            # How much of the target's distribution a top-k cache holds along the sampled continuation:
-            # a drafter trained on the k ids and one bucket for the rest knows nothing of the rest.
-            top = probs(model(torch.tensor([prompt + lead], device=dev)).logits[0, len(prompt) - 1:-1],
-                        args.temperature).topk(max(ks), dim=-1).values.cumsum(-1)
-            mass.append(top[:, [k - 1 for k in ks]].cpu())
+            # The mass: how much of the target's distribution a top-k cache holds along the continuation
+            # (a drafter trained on the k ids and one bucket for the rest knows nothing of the rest).
+            lead, lead_mass = trajectory(model, prompt, max(positions), args.temperature, gen, eos, ks)
+            mass.append(lead_mass.cpu())
             for at in (a for a in positions if a <= len(lead)):
                 context = torch.tensor([prompt + lead[:at]], device=dev)
                 p, _ = sample_block(model, context, args.samples, slots, args.temperature, gen)
