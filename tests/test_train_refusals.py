@@ -75,6 +75,15 @@ def test_a_held_out_cache_is_checked_shard_by_shard_before_training(d, tmp_path)
     assert not (tmp_path / "new" / "step-3").exists()
 
 
+def test_the_training_cache_as_held_out_is_refused_before_its_shards_are_read(d, tmp_path):
+    """The same folder given twice: the line names the mistake, not a damaged shard found an epoch
+    scan later (the shard is gone, so any read of it would fail first)."""
+    shutil.rmtree(d / "cache" / "shards" / "shard-000001.zarr")
+    msg = _one_line(_train(d, "--eval-cache", d / "cache", out=tmp_path / "new"))
+    assert msg.startswith(f"error: --eval-cache {d / 'cache'} is the training cache (--cache {d / 'cache'})"), msg
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_held_out_cache_with_edited_widths_is_refused(d, tmp_path):
     held = Path(shutil.copytree(d / "cache", tmp_path / "held"))
     _edit_json(held / "manifest.json", lambda m: m["target"].update(hidden_size=64))

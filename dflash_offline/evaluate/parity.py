@@ -5,7 +5,7 @@ that must agree for a drafter that is trained and served on the same computation
 
   every anchor   1 + accepted drafts, averaged over every anchor of the completions: what the
                  training metric `tau` (teacher-forced blocks at random anchors) estimates;
-  walk           decoding's rounds picked out of those anchors (train.walk.walk_acceptance);
+  walk           decoding's rounds picked out of those anchors (blocks.walk.walk_acceptance);
   decoding       real greedy speculative decoding of the same prompts against the target, with
                  as many new tokens as the completions hold, checked token for token against them.
 

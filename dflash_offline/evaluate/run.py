@@ -8,7 +8,7 @@
    against the target alone through the same decoder in one run. With `--reference` the outputs
    are checked against given greedy completions instead (the target-alone decode costs as much as
    the speculative one), and no speed-up is measured.
-2. **Acceptance from the cache** (`--cache`; train.walk), without running the target: the
+2. **Acceptance from the cache** (`--cache`; blocks.walk), without running the target: the
    *walk* over the blocks decoding would draft, and *random anchors* as in training; with
    `--parity`, both checked against real decoding of the same samples (evaluate.parity).
 

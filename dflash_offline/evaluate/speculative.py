@@ -7,7 +7,7 @@ length. A hybrid target's Gated DeltaNet state cannot be cut back, so it is rest
 snapshot taken before the verify forward and advanced over the committed tokens by one more
 forward (`TargetSession`). `greedy_decode`, the target alone, gives the output a speculative
 decode must equal (lossless) and the speed it is measured against. The batched decoder
-(evaluate.batched) and the cache walk (train.walk) mirror these rounds.
+(evaluate.batched) and the cache walk (blocks.walk) mirror these rounds.
 
 tau = new tokens committed by verify rounds / verify rounds (the reference's rule, `summarize`).
 """

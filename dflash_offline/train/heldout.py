@@ -18,7 +18,7 @@ log = logging.getLogger("dflash.train")
 
 
 class HeldOut:
-    """The walk estimate of decoding tau on a held-out cache (train.walk.walk_acceptance), measured
+    """The walk estimate of decoding tau on a held-out cache (blocks.walk.walk_acceptance), measured
     by rank 0 while the other ranks wait; the best drafter so far is exported to OUT/best/ and
     described in OUT/best.json (written after the export: a best.json always names a complete
     best/). Every measurement is a line of OUT/heldout.jsonl."""

@@ -61,6 +61,8 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     cfg.validate()
     require_kind(cfg.cache, where(cfg, "cache"), True, "the cache folder extract wrote (the one with manifest.json)")
     require_kind(cfg.eval_cache, where(cfg, "eval_cache"), True, "a held-out cache folder (the one with manifest.json)")
+    if cfg.eval_cache and Path(cfg.eval_cache).resolve() == Path(cfg.cache).resolve():
+        _refuse_training_cache_as_held_out(cfg)  # the same folder: before its shards are read (a copy: below)
     for dest in (EXPORT, BEST):  # the run ends writing them: refused now, not after the training
         check_export_dest(Path(cfg.out).absolute() / dest)
     devices = parse_devices(cfg.devices, where(cfg, "devices"))
@@ -325,16 +327,18 @@ def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], v: ManifestView, m
         raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} holds layers {list(held_v.layer_ids)}, not {missing} "
                         "that the drafter reads; extract it with the training cache's layers")
     # Its shards now, not at the first held-out evaluation hours into the run.
-    for _ in checked_shards(cache_reader(cfg.eval_cache, where(cfg, "eval_cache")),
-                             f"{where(cfg, 'eval_cache')} {cfg.eval_cache}", cfg.verify):
-        pass
+    checked = checked_shards(cache_reader(cfg.eval_cache, where(cfg, "eval_cache")),
+                             f"{where(cfg, 'eval_cache')} {cfg.eval_cache}", cfg.verify)
+    sum(1 for _ in checked)  # read to the end: each shard is checked as it is yielded
     same_input = held.get("source") == m.get("source")
-    if Path(cfg.eval_cache).resolve() == Path(cfg.cache).resolve() or (same_input and held.get("capture") == m.get("capture")):
-        raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} is the training cache ({also(cfg, 'cache')} "
-                        f"{cfg.cache}): the held-out estimate and best/ would be chosen on training data; extract the "
-                        "target's completions of held-out prompts into a cache of their own")
+    if same_input and held.get("capture") == m.get("capture"):  # a copy of the training cache
+        _refuse_training_cache_as_held_out(cfg)
     if same_input:
         warnings.append(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} was extracted from the same input as "
                         f"{also(cfg, 'cache')} {cfg.cache}: its estimate measures the training data, not held-out data")
 
 
+def _refuse_training_cache_as_held_out(cfg: TrainConfig) -> None:
+    raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} is the training cache ({also(cfg, 'cache')} "
+                    f"{cfg.cache}): the held-out estimate and best/ would be chosen on training data; extract the "
+                    "target's completions of held-out prompts into a cache of their own")

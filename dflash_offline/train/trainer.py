@@ -40,7 +40,7 @@ class Trainer:
     opt: object  # AdamW
     sched: object  # LambdaLR (epochs; with --follow the loop sets each step's lr itself)
     loss_chunk: int
-    compile_loss: bool  # the loss's element-wise passes as compiled kernels (train.loss)
+    compile_loss: bool  # the loss's element-wise passes as compiled kernels (blocks.loss)
     ctrl: object  # the group that agrees on stopping: gloo, so the check never syncs with the GPU
 
     @property
