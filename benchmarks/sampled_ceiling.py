@@ -15,7 +15,11 @@ block from the target and keeps every conditional p_{i,k}, then builds the two b
   median, made to sum to one by water-filling), which maximises sum_v min(p_{i,k}, q_k) on average:
   what DSpark's L1 term trains towards.
 
-Both are drafts a perfect parallel drafter could output (functions of the context alone; slot 1's
+With `--sharpen 0.5,0.7`, also mean^(1/t) renormalised ("sharp0.5", ...): the mean draft sampled at a
+draft temperature t below the target's, what a drafter trained towards the mean (cross-entropy) can
+output at decode time with no training (`eval --draft-temperature`).
+
+All are drafts a perfect parallel drafter could output (functions of the context alone; slot 1's
 equals the target's, so it always survives). Each is then decoded for real: S draft blocks drawn
 from it, the target run on each, the rejection rule applied slot by slot; a round commits its kept
 drafts plus one token, counted as the reference counts tau (pooled over rounds). DSpark's Markov
@@ -138,6 +142,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64, help="N: continuations sampled to build each blind draft")
     ap.add_argument("--rounds", type=int, default=64, help="S: verify rounds decoded per position and draft")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--sharpen", default="", help="draft temperatures t < 1 applied to the mean draft (comma-separated)")
+    ap.add_argument("--sharpen-from", type=int, default=1, help="the first slot --sharpen applies to (1 = all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu or a CUDA index")
     ap.add_argument("--out", required=True)
@@ -156,8 +162,10 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(dev).eval()
     eos, slots, t0 = set(eos_ids(args.target)), args.block_size - 1, time.time()
     positions = [int(x) for x in args.positions.split(",")]
-    accept = {"mean": torch.zeros(slots), "l1": torch.zeros(slots)}  # per slot, summed over positions
-    kept = {"mean": [], "l1": []}
+    sharp = [float(t) for t in args.sharpen.split(",") if t.strip()]
+    names = ["mean", "l1", *(f"sharp{t:g}" for t in sharp)]
+    accept = {name: torch.zeros(slots) for name in names}  # per slot, summed over positions
+    kept: dict[str, list] = {name: [] for name in names}
     used, ks, mass = 0, (8, 32, 128, 512), []
     with torch.inference_mode():
         for n, prompt in enumerate(prompts):
@@ -168,7 +176,12 @@ def main() -> None:
             for at in (a for a in positions if a <= len(lead)):
                 context = torch.tensor([prompt + lead[:at]], device=dev)
                 p, _ = sample_block(model, context, args.samples, slots, args.temperature, gen)
-                drafts = {"mean": p.mean(0), "l1": torch.stack([l1_draft(p[:, k]) for k in range(slots)])}
+                mean = p.mean(0)
+                drafts = {"mean": mean, "l1": torch.stack([l1_draft(p[:, k]) for k in range(slots)])}
+                for t in sharp:
+                    w = mean.clamp_min(1e-30) ** (1.0 / t)
+                    w = torch.cat([mean[:args.sharpen_from - 1], w[args.sharpen_from - 1:]])
+                    drafts[f"sharp{t:g}"] = w / w.sum(-1, keepdim=True)
                 for name, q in drafts.items():
                     accept[name] += acceptance(p, q[None]).mean(0).cpu()
                     kept[name].append(decode_rounds(model, context, q, args.rounds, args.temperature, gen).cpu())
@@ -181,12 +194,12 @@ def main() -> None:
            "topk_mass": dict(zip(map(str, ks), torch.cat(mass).mean(0).tolist()))}
     print("mean top-k mass along the continuations: "
           + ", ".join(f"top-{k} {m:.3f}" for k, m in res["topk_mass"].items()), flush=True)
-    for name in ("mean", "l1"):
+    for name in names:
         k = torch.cat(kept[name]).float()
         survive = [(k >= j + 1).float().mean().item() for j in range(slots)]
         res[name] = {"tau": 1 + k.mean().item(), "survival": survive,
                      "slot_acceptance_on_samples": (accept[name] / max(used, 1)).tolist()}
-        print(f"{name:>4}: tau {res[name]['tau']:.3f} (pooled over {len(k)} rounds); survival "
+        print(f"{name:>9}: tau {res[name]['tau']:.3f} (pooled over {len(k)} rounds); survival "
               + " ".join(f"{s:.2f}" for s in survive[:8]) + " ...", flush=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
 
