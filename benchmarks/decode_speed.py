@@ -31,6 +31,7 @@ Part 2 (--ceiling), what a tau is worth on a big target: a named target shape (-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -392,6 +393,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny random targets and drafters")
     ap.add_argument("--tiny-kind", default="qwen3", choices=("qwen3", "qwen3_5"),
                     help="--tiny's target: dense Qwen3 or a Qwen3.5 hybrid (Gated DeltaNet)")
+    ap.add_argument("--tiny-method", default="dflash", choices=("dflash", "dspark"),
+                    help="--tiny's drafter: DFlash, or DSpark with its Markov and confidence heads")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = "cpu" if args.tiny or args.device == "cpu" else f"cuda:{args.device}"
@@ -412,7 +415,10 @@ def main() -> int:
         tmp = Path(tempfile.mkdtemp(prefix="decode-speed-"))
         args.target = str(make_tiny_target(tmp / "target", kind=args.tiny_kind))
         args.prompts = str(make_tiny_data(tmp / "prompts.parquet", rows=6, min_len=4, max_len=20))
-        d = DFlashDrafter(DrafterConfig.from_target(args.target, [1, 3], block_size=4, drafter_layers=1, mask_token_id=1))
+        dcfg = DrafterConfig.from_target(args.target, [1, 3], block_size=4, drafter_layers=1, mask_token_id=1)
+        if args.tiny_method == "dspark":  # the heads as DeepSpec's layout holds them, small
+            dcfg = dataclasses.replace(dcfg, method="dspark", markov_rank=8, confidence_head=True)
+        d = DFlashDrafter(dcfg)
         args.drafter = [str(export_drafter(d, str(tmp / "drafter")))]
         args.dtype, args.max_new_tokens, args.batch1_prompts, args.batch_size = "float32", 12, 2, 4
         args.ignore_eos = True

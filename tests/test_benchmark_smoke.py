@@ -48,10 +48,11 @@ def test_train_throughput_smoke(tmp_path):
     assert res["steps"] == 5 and res["attention_pairs_per_row"] > 0
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-def test_decode_speed_smoke(tmp_path, kind):
+@pytest.mark.parametrize("kind,method", [("qwen3", "dflash"), ("qwen3_5", "dflash"), ("qwen3", "dspark")])
+def test_decode_speed_smoke(tmp_path, kind, method):
     out = tmp_path / "d.json"
-    _run(["benchmarks/decode_speed.py", "--tiny", "--tiny-kind", kind, "--out", str(out)], tmp_path)
+    _run(["benchmarks/decode_speed.py", "--tiny", "--tiny-kind", kind, "--tiny-method", method, "--out", str(out)],
+         tmp_path)
     res = json.loads(out.read_text())["pycode"]
     (d,) = res["drafters"]
     # fp32: speculative decoding gives the target alone's tokens, one at a time and batched
