@@ -257,3 +257,26 @@ def test_every_declared_choice_is_checked_for_recipes(name, tmp_path):
             merge(cls, load_recipe(recipe, cls), REQUIRED[name]).validate()
         msg = str(e.value)
         assert msg.startswith(f"--config {recipe}: key '{f.name}' 'bogus': choose ") and all(c in msg for c in f.metadata["choices"]), msg
+
+
+def test_every_train_option_belongs_to_one_component_with_its_own_checks():
+    """TrainConfig is its components composed (train/config.py PARTS): each field is declared in
+    exactly one of them, and each component checks its own fields (`check`), so a bad value is
+    refused by the part that owns it, before the checks that span parts."""
+    from dflash_offline.runtime.errors import UserError
+    from dflash_offline.train.config import PARTS
+
+    owners: dict[str, list[str]] = {}
+    for part in PARTS:
+        for f in dataclasses.fields(part):
+            owners.setdefault(f.name, []).append(part.__name__)
+        assert "check" in vars(part), f"{part.__name__} has no checks of its own"
+    fields = {f.name for f in dataclasses.fields(TrainConfig) if f.init and not f.name.startswith("_")}
+    assert fields == set(owners), fields ^ set(owners)
+    assert all(len(o) == 1 for o in owners.values()), {k: o for k, o in owners.items() if len(o) > 1}
+    cfg = TrainConfig(cache="c", target="t", out="o", seq_len=8, block_size=16)
+    with pytest.raises(UserError, match="--seq-len must exceed --block-size"):
+        cfg.validate()  # two parts' fields: the check that spans them
+    cfg = TrainConfig(cache="c", target="t", out="o", eval_every=5)
+    with pytest.raises(UserError, match="--eval-every sets how often --eval-cache is measured"):
+        cfg.validate()

@@ -175,10 +175,11 @@ def fitted(targets):
 
 def test_every_decoder_is_one_interface(fitted):
     """`Decoders.decoder` hands back each kind eval can run (the static decoder, transformers' KV
-    batches, one prompt at a time) behind one interface, `decode_all`, and each decodes the hybrid
+    batches, one prompt at a time, whole sequences re-run) behind one interface, `decode_all`, and each decodes the hybrid
     target alone and with the drafter to the same greedy tokens: what a new decoder must do to
     join them (docs/architecture.md, "A decoder")."""
-    from dflash_offline.evaluate.decoders import Decoder, Decoders, KVBatched, OneAtATime
+    from dflash_offline.evaluate.batched import BatchDFlashProposer
+    from dflash_offline.evaluate.decoders import Decoder, Decoders, KVBatched, OneAtATime, Rerun
 
     model, drafter, prompts = fitted["qwen3_5"]
     keys = list(range(len(prompts)))
@@ -192,6 +193,11 @@ def test_every_decoder_is_one_interface(fitted):
             got = [r.tokens for r in dec.decode_all(prompts, keys, lambda runs: None)]
             want = want or got
             assert got == want, (choice, batch, d is None)
+    # The fourth kind, whole sequences re-run each round, is what Decoders picks for batches of a
+    # sliding-window target; built directly here, it answers the same call with the same tokens.
+    rerun: Decoder = Rerun(model, BatchDFlashProposer(drafter, "cpu", "float32"), list(drafter.cfg.target_layer_ids),
+                           MAX_NEW, set(), 2)
+    assert [r.tokens for r in rerun.decode_all(prompts, keys, lambda runs: None)] == want
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_5"])

@@ -47,12 +47,12 @@ def cache_layer_columns(manifest: dict, drafter_cfg, cache: str, option: str = "
     return None if want == have else [have.index(i) for i in want]
 
 
-def _select_layers(target_hidden, columns: list[int] | None, cache_layers: int):
-    """[R, S, n*H] with all captured layers -> [R, S, len(columns)*H] with the drafter's."""
-    if columns is None:
+def _select_layers(target_hidden, layer_columns: list[int] | None, cache_layers: int):
+    """[R, S, n*H] with all captured layers -> [R, S, len(layer_columns)*H] with the drafter's."""
+    if layer_columns is None:
         return target_hidden
     R, S, width = target_hidden.shape
-    return target_hidden.view(R, S, cache_layers, width // cache_layers)[:, :, columns].reshape(R, S, -1)
+    return target_hidden.view(R, S, cache_layers, width // cache_layers)[:, :, layer_columns].reshape(R, S, -1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
     reader = CacheReader(cache)
     m = reader.manifest
     cfg = drafter.cfg
-    columns = cache_layer_columns(m, cfg, cache, option)
+    layer_columns = cache_layer_columns(m, cfg, cache, option)
     view = ManifestView.of(m)
     n_cached = len(view.layer_ids)
     # Samples longer than a row are split as training's default splits them (blocks/pieces.py).
@@ -101,7 +101,7 @@ def cache_acceptance(cache: str, drafter, device: str, seq_len: int, num_anchors
             build = masks.flex_block_mask if cuda else masks.dense_mask
             for mb in make_loader(stream, 0, 1, pin=False):
                 mb = mb.on(device)
-                hidden = _select_layers(mb.target_hidden, columns, n_cached)
+                hidden = _select_layers(mb.target_hidden, layer_columns, n_cached)
                 mask = build(mb.doc_ids, mb.anchors, mb.anchor_valid, B)
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
                     h = drafter(hidden, mb.block_ids, mb.ctx_positions, mb.block_positions, mask)
@@ -266,7 +266,7 @@ class _Walker:
         self.cfg = drafter.cfg
         self.B, self.off = self.cfg.block_size, self.cfg.label_offset
         self.A, self.batch_rows, self.loss_chunk_tokens = A, batch_rows, loss_chunk_tokens
-        self.columns = cache_layer_columns(reader.manifest, self.cfg, cache, option)
+        self.layer_columns = cache_layer_columns(reader.manifest, self.cfg, cache, option)
         self.fp8 = ManifestView.of(reader.manifest).hidden_dtype == FP8
         self.build = masks.flex_block_mask if self.cuda else masks.dense_mask
         self.ctx_rows: list[_ContextRow] = []
@@ -284,9 +284,9 @@ class _Walker:
         except Exception as e:  # never score (or skip) unreadable data silently
             raise RuntimeError(f"cache {self.cache}: shard {shard}, sample id {sid} is unreadable "
                                f"({type(e).__name__}: {e}); check the cache with `dflash-offline verify`") from None
-        if self.columns is not None:
-            bits = bits[:, self.columns]
-            scale = scale[:, self.columns] if self.fp8 else None
+        if self.layer_columns is not None:
+            bits = bits[:, self.layer_columns]
+            scale = scale[:, self.layer_columns] if self.fp8 else None
         return ids.astype(np.int64), lm, bits, scale
 
     def read_row(self, refs: list[_Sample], packed, S: int):

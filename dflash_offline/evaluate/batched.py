@@ -75,10 +75,10 @@ class BatchDFlashProposer:
         return logits.argmax(-1)
 
 
-def _target_forward(model, ids: torch.Tensor, layer_ids: list[int], starts: torch.Tensor, width: int):
+def _target_forward(model, ids: torch.Tensor, target_layers: list[int], starts: torch.Tensor, width: int):
     """One forward of right-padded rows: (features [R, T, n*H] by position, logits [R, width, V]
     of the `width` positions from each row's start)."""
-    with RawLayerOutputs(model, layer_ids) as raw:  # raw layer outputs, as extraction stores them
+    with RawLayerOutputs(model, target_layers) as raw:  # raw layer outputs, as extraction stores them
         out = model.model(input_ids=ids, use_cache=False)
     feats = raw.features()
     idx = starts[:, None] + torch.arange(width, device=ids.device)
@@ -87,7 +87,7 @@ def _target_forward(model, ids: torch.Tensor, layer_ids: list[int], starts: torc
 
 
 @torch.inference_mode()
-def decode_batch(model, proposer: BatchProposer, layer_ids: list[int], prompts: list[list[int]], max_new: int,
+def decode_batch(model, proposer: BatchProposer, target_layers: list[int], prompts: list[list[int]], max_new: int,
                  eos: set[int], pad_id: int = 0) -> list[Decoded]:
     """Greedy speculative decoding of `prompts` together; per prompt as speculative_decode."""
     t0 = time.perf_counter()
@@ -99,7 +99,7 @@ def decode_batch(model, proposer: BatchProposer, layer_ids: list[int], prompts: 
     for r, p in enumerate(prompts):
         ids[r, :len(p)] = torch.tensor(p)
     lens = torch.tensor([len(p) for p in prompts], device=dev)
-    feats, logits = _target_forward(model, ids.to(dev), layer_ids, lens - 1, 1)
+    feats, logits = _target_forward(model, ids.to(dev), target_layers, lens - 1, 1)
     first = logits[:, 0].argmax(-1).tolist()
     seqs = [list(p) + [t] for p, t in zip(prompts, first)]
     # Committed tokens by position (pad beyond each row's length), copied to the device per round.
@@ -124,7 +124,7 @@ def decode_batch(model, proposer: BatchProposer, layer_ids: list[int], prompts: 
         # The drafts follow each row's anchor (position ctx_len): scatter them there.
         dpos = ctx_len[:, None] + 1 + torch.arange(B - 1, device=dev)
         ids.scatter_(1, dpos, draft)
-        feats, logits = _target_forward(model, ids, layer_ids, ctx_len, B)
+        feats, logits = _target_forward(model, ids, target_layers, ctx_len, B)
         acc, nxt = verify_greedy(draft, logits, limit)
         d_host, n_host, a_host = draft.tolist(), nxt.tolist(), acc.tolist()
         still = []
@@ -145,9 +145,9 @@ def decode_batch(model, proposer: BatchProposer, layer_ids: list[int], prompts: 
     return [Decoded(outs[r], accepted[r], seconds, forwards[r], committed[r]) for r in range(n)]
 
 
-def batched_speculative_decode(model, proposer: BatchProposer, layer_ids: list[int], prompts: list[list[int]],
+def batched_speculative_decode(model, proposer: BatchProposer, target_layers: list[int], prompts: list[list[int]],
                                max_new: int, eos: set[int], batch_size: int, on_batch=None) -> list[Decoded]:
     """All prompts in batches of `batch_size`, grouped by length (less padding); results in input order."""
     return in_length_batches(prompts, batch_size,
-                             lambda part: decode_batch(model, proposer, layer_ids, [prompts[i] for i in part], max_new, eos),
+                             lambda part: decode_batch(model, proposer, target_layers, [prompts[i] for i in part], max_new, eos),
                              on_batch)

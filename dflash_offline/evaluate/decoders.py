@@ -75,10 +75,10 @@ class Decoders:
     def _rows(self, n: int) -> int:
         return max(1, min(self.batch_size, n))
 
-    def _session(self, layer_ids) -> TargetSession:
-        key = tuple(layer_ids)
+    def _session(self, target_layers) -> TargetSession:
+        key = tuple(target_layers)
         if key not in self._sessions:
-            self._sessions[key] = TargetSession(self.model, list(layer_ids))
+            self._sessions[key] = TargetSession(self.model, list(target_layers))
         return self._sessions[key]
 
     def decoder(self, drafter, n_prompts: int) -> Decoder:
@@ -86,7 +86,7 @@ class Decoders:
         alone (None): every kind answers `decode_all` the same way."""
         import torch
 
-        layers = drafter.cfg.target_layer_ids if drafter is not None else []
+        target_layers = drafter.cfg.target_layer_ids if drafter is not None else []
         if self.static:
             from dflash_offline.evaluate.graphed import StaticDecoder
 
@@ -97,15 +97,15 @@ class Decoders:
         if self.batch_size > 1 and self.kv_reason is None:
             proposer = (kv_batch.NoDrafts() if drafter is None
                         else kv_batch.KVBatchDFlashProposer(drafter, self.device, self.dtype))
-            return KVBatched(self.model, proposer, layers, self.max_new, self.eos, self.batch_size, self.sampling)
+            return KVBatched(self.model, proposer, target_layers, self.max_new, self.eos, self.batch_size, self.sampling)
         if self.batch_size > 1 and drafter is not None:
             from dflash_offline.evaluate.batched import BatchDFlashProposer
 
-            return Rerun(self.model, BatchDFlashProposer(drafter, self.device, self.dtype), layers, self.max_new,
+            return Rerun(self.model, BatchDFlashProposer(drafter, self.device, self.dtype), target_layers, self.max_new,
                          self.eos, self.batch_size)
         # One prompt at a time (also the target alone where batches would re-run whole sequences).
         proposer = DFlashProposer(drafter, self.device, self.dtype) if drafter is not None else None
-        return OneAtATime(self._session(layers), proposer, self.max_new, self.eos, self.sampling)
+        return OneAtATime(self._session(target_layers), proposer, self.max_new, self.eos, self.sampling)
 
     def target_alone(self, prompts: list[list[int]], keys: list[int], on_batch) -> list[Decoded]:
         return self.decoder(None, len(prompts)).decode_all(prompts, keys, on_batch)
@@ -146,13 +146,13 @@ class KVBatched:
     """transformers' KV caches, many prompts per forward, with per-row recurrent-state rollback
     (evaluate.kv_batch); the target alone with `kv_batch.NoDrafts`."""
 
-    def __init__(self, model, proposer, layers: list[int], max_new: int, eos: set[int], batch_size: int,
+    def __init__(self, model, proposer, target_layers: list[int], max_new: int, eos: set[int], batch_size: int,
                  sampling: Sampling):
-        self.model, self.proposer, self.layers = model, proposer, layers
+        self.model, self.proposer, self.target_layers = model, proposer, target_layers
         self.max_new, self.eos, self.batch_size, self.sampling = max_new, eos, batch_size, sampling
 
     def decode_all(self, prompts: list[list[int]], keys: list[int], on_batch) -> list[Decoded]:
-        return kv_batch.kv_batched_decode(self.model, self.proposer, self.layers, prompts, self.max_new, self.eos,
+        return kv_batch.kv_batched_decode(self.model, self.proposer, self.target_layers, prompts, self.max_new, self.eos,
                                           self.batch_size, on_batch, self.sampling, keys)
 
 
@@ -160,12 +160,12 @@ class Rerun:
     """Whole sequences re-run each round, many prompts per forward (evaluate.batched): sliding-window
     targets, greedy only (Decoders refuses a temperature first), so the keys are not used."""
 
-    def __init__(self, model, proposer, layers: list[int], max_new: int, eos: set[int], batch_size: int):
-        self.model, self.proposer, self.layers = model, proposer, layers
+    def __init__(self, model, proposer, target_layers: list[int], max_new: int, eos: set[int], batch_size: int):
+        self.model, self.proposer, self.target_layers = model, proposer, target_layers
         self.max_new, self.eos, self.batch_size = max_new, eos, batch_size
 
     def decode_all(self, prompts: list[list[int]], keys: list[int], on_batch) -> list[Decoded]:
         from dflash_offline.evaluate.batched import batched_speculative_decode
 
-        return batched_speculative_decode(self.model, self.proposer, self.layers, prompts, self.max_new, self.eos,
+        return batched_speculative_decode(self.model, self.proposer, self.target_layers, prompts, self.max_new, self.eos,
                                           self.batch_size, on_batch)

@@ -83,8 +83,8 @@ class StaticDecoder:
         # not eval's.
         self._step = torch.compile(self._round) if compile else self._round
         with torch.inference_mode():
-            layer_ids = list(drafter.cfg.target_layer_ids) if drafter is not None else []
-            self.target = StaticTarget(model, layer_ids, rows, self.capacity)
+            target_layers = list(drafter.cfg.target_layer_ids) if drafter is not None else []
+            self.target = StaticTarget(model, target_layers, rows, self.capacity)
             self.drafter = DrafterBuffers(drafter, rows, self.capacity) if drafter is not None else None
             z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
             self.anchor, self.pos, self.n_out, self.rounds, self.seeded = z(rows), z(rows), z(rows), z(rows), z(rows)

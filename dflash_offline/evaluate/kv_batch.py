@@ -158,7 +158,7 @@ class SlotCache:
     """The target's cache for a batch: keys/values by slot with each row's slot mask (module
     docstring), and for a hybrid target each row's recurrent state, rolled back by `commit`."""
 
-    def __init__(self, model, layer_ids: list[int]):
+    def __init__(self, model, target_layers: list[int]):
         from transformers import DynamicCache
 
         from dflash_offline.targets.attention import cache_argument, use_grouped_attention
@@ -169,7 +169,7 @@ class SlotCache:
         # Grouped-query attention without a copy of the cache per query head (generate's decoder
         # does the same; the scores are SDPA's).
         use_grouped_attention(model)
-        self.model, self.layer_ids = model, list(layer_ids)
+        self.model, self.target_layers = model, list(target_layers)
         self.cache = DynamicCache(config=model.config)
         self.cache_arg = cache_argument(model)
         self.recurrent = families.recurrent(model.config)
@@ -177,7 +177,7 @@ class SlotCache:
         self._snapshot: list[dict] | None = None  # speculative.snapshot_states before the last forward
 
     def _run(self, cache, ids, positions, mask, features: bool):
-        with RawLayerOutputs(self.model, self.layer_ids if features else []) as raw:
+        with RawLayerOutputs(self.model, self.target_layers if features else []) as raw:
             out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=mask.long(), use_cache=True,
                                    **{self.cache_arg: cache})
         return out.last_hidden_state, (raw.features() if features else None)
@@ -288,7 +288,7 @@ class SlotCache:
 
 
 @torch.inference_mode()
-def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prompts: list[list[int]],
+def decode_batch_kv(model, proposer: KVBatchProposer, target_layers: list[int], prompts: list[list[int]],
                     max_new: int, eos: set[int], pad_id: int = 0, sampling: Sampling = Sampling(),
                     keys: list[int] | None = None) -> list[Decoded]:
     """Speculative decoding of `prompts` together; per prompt as speculative_decode (greedy or
@@ -296,7 +296,7 @@ def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prom
     t0 = time.perf_counter()
     dev = next(model.parameters()).device
     B, n = proposer.block_size, len(prompts)
-    target = SlotCache(model, layer_ids)
+    target = SlotCache(model, target_layers)
     P = max(len(p) for p in prompts)
     # Left padding: a Gated DeltaNet's state stays exactly zero over masked (zeroed) inputs until
     # a row's first token, and every row's last prompt token sits in the last slot.
@@ -361,12 +361,12 @@ def decode_batch_kv(model, proposer: KVBatchProposer, layer_ids: list[int], prom
     return [Decoded(outs[r], accepted[r], seconds, forwards[r], committed_log[r]) for r in range(n)]
 
 
-def kv_batched_decode(model, proposer: KVBatchProposer, layer_ids: list[int], prompts: list[list[int]],
+def kv_batched_decode(model, proposer: KVBatchProposer, target_layers: list[int], prompts: list[list[int]],
                       max_new: int, eos: set[int], batch_size: int, on_batch=None, sampling: Sampling = Sampling(),
                       keys: list[int] | None = None) -> list[Decoded]:
     """All prompts in batches of `batch_size`, grouped by length (less padding); results in input
     order; keys: each prompt's sampling key (default its index)."""
     keys = list(range(len(prompts))) if keys is None else list(keys)
     return in_length_batches(prompts, batch_size, lambda part: decode_batch_kv(
-        model, proposer, layer_ids, [prompts[i] for i in part], max_new, eos, sampling=sampling,
+        model, proposer, target_layers, [prompts[i] for i in part], max_new, eos, sampling=sampling,
         keys=[keys[i] for i in part]), on_batch)

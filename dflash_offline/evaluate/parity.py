@@ -50,7 +50,7 @@ def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str
     cfg = drafter.cfg
     walk = walk_acceptance(cache, drafter, device, max_samples=samples, per_sample=True)
     reader = CacheReader(cache)
-    columns = cache_layer_columns(reader.manifest, cfg, cache) or list(range(len(cfg.target_layer_ids)))
+    layer_columns = cache_layer_columns(reader.manifest, cfg, cache) or list(range(len(cfg.target_layer_ids)))
     model, _ = load_target_for_decoding(target_dir, device, dtype)
     session = TargetSession(model, cfg.target_layer_ids)
     proposer = DFlashProposer(drafter, device, dtype)
@@ -67,7 +67,7 @@ def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str
         same_rounds += out.accepted == entry["accepted"]
         # The features the target gives now against those the cache stores, per layer.
         live = session.start(ids)[1].float().cpu().numpy().reshape(len(ids), len(cfg.target_layer_ids), -1)
-        stored = s.hidden[:, columns]
+        stored = s.hidden[:, layer_columns]
         feat_err.append(np.linalg.norm(live - stored, axis=(0, 2)) / np.maximum(np.linalg.norm(stored, axis=(0, 2)), 1e-12))
     dec = summarize(runs, cfg.block_size)
     err = np.max(np.stack(feat_err), axis=0)

@@ -38,12 +38,12 @@ class TargetSession:
     from the snapshot taken before that forward and run again over the kept tokens.
     """
 
-    def __init__(self, model, layer_ids: list[int]):
+    def __init__(self, model, target_layers: list[int]):
         import torch
 
         self.torch = torch
         self.model = model
-        self.layer_ids = list(layer_ids)
+        self.target_layers = list(target_layers)
         self.device = next(model.parameters()).device
         from dflash_offline.targets.attention import cache_argument
 
@@ -93,7 +93,7 @@ class TargetSession:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         # The layers' raw outputs, as extraction stores them (not `hidden_states`, whose last entry
         # is after the final norm).
-        with torch.inference_mode(), RawLayerOutputs(self.model, self.layer_ids if features else []) as raw:
+        with torch.inference_mode(), RawLayerOutputs(self.model, self.target_layers if features else []) as raw:
             out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: self.cache})
         self.forwards += 1
         logits = out.logits[0].float()

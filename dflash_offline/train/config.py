@@ -19,6 +19,11 @@ class RunOptions:
     out: str = opt("", "Run folder: step-N/ checkpoints, metrics.jsonl, logs/, export/. Re-run to resume.")  # also TensorBoard events
     devices: str = opt("cpu", "GPU indices like 5,6,7 (one DDP process each, NCCL), or cpu / cpu,cpu (gloo).")
 
+    def check(self) -> None:
+        for name in ("cache", "target", "out"):
+            if not getattr(self, name):
+                raise UserError(f"train: --{name} is required (or set `{name}` in --config)")
+
 
 @dataclass
 class DataOptions:
@@ -46,6 +51,23 @@ class DataOptions:
     stream: bool = opt(False, "With --follow: delete each shard once a checkpoint is past its last use.")
     follow_window: int = opt(4, "Shards shuffled and packed together with --follow.", resume=True)  # the budget must hold a window's shards
 
+    def check(self) -> None:
+        check_positive(self, "num_anchors", "seq_len", "global_batch_tokens", "epochs", "follow_window", "prefetch")
+        # A row's capacity beyond its positions is masked padding; beyond the default as well, a typo
+        # that would allocate (anchors x block) tables of that size.
+        if self.num_anchors > max(self.seq_len, DataOptions.num_anchors):
+            raise UserError(f"{where(self, 'num_anchors')} {self.num_anchors} exceeds {also(self, 'seq_len')} "
+                            f"{self.seq_len}: each anchor is a distinct position of a row; lower the first")
+        check_at_least(self, "anchors_per_sample", 0, "0 = one draw per row")
+        check_at_least(self, "loader_workers", 0, "0 = read in the training process")
+        check_at_least(self, "seed", 0, "it seeds numpy's generators, which take no negative seed")
+        if self.stream and not self.follow:
+            raise UserError(f"{where(self, 'stream')} needs {also(self, 'follow')} (it releases shards of a cache that extraction is "
+                            "still filling)")
+        if self.follow and self.epochs != 1:
+            raise UserError(f"{where(self, 'follow')} consumes every committed shard once, so {where(self, 'epochs')} "
+                            f"must be 1 (got {self.epochs}); for several epochs extract with --passes N")
+
 
 @dataclass
 class DrafterOptions:
@@ -65,6 +87,18 @@ class DrafterOptions:
     markov_rank: int = opt(256, "With --method dspark: the Markov head's rank.", resume=True)
     markov_head: str = opt("vanilla", "With --method dspark: vanilla (the kind vLLM and SGLang load) or gated (a sigmoid gate from the slot's hidden state).", choices=("vanilla", "gated"), resume=True)
     confidence_head: bool = opt(True, "With --method dspark: train the confidence head (the probability each slot survives; engines use it to cut a block short).", resume=True)
+
+    def check(self) -> None:
+        check_positive(self, "drafter_layers", "block_size")
+        if self.block_size < 2:
+            raise UserError(f"{where(self, 'block_size')} must be at least 2 (slot 0 is the anchor, slots 1.. are "
+                            f"drafted), got {self.block_size}")
+        check_at_least(self, "mask_token_id", 0, "a token id of the target's vocabulary")
+        if self.method == "dspark":
+            check_positive(self, "markov_rank")
+        ids = self.target_layers
+        if ids is not None and (not ids or len(set(ids)) != len(ids)):
+            raise UserError(f"{where(self, 'target_layers')} {ids}: give distinct layer ids the cache holds")
 
 
 @dataclass
@@ -91,6 +125,15 @@ class LossOptions:
     # it on); off by default until its effect on the small pycode drafter's end-to-end run is measured.
     compile_loss: bool = opt(False, "Compile the loss's element-wise passes over each chunk's logits (fused kernels reading the matmul's dtype); -8.8% step time at the 27B drafter's shape. With the L1 term (DSpark, --tv-weight) each chunk of the three-term loss is one compiled graph.")
 
+    def check(self) -> None:
+        check_positive(self, "loss_chunk_tokens")
+        check_number(self, "gamma", 0, open_low=True, must="positive",
+                     why="slot k weighs exp(-(k-1)/gamma): 0 divides by zero, a negative value weighs the far slots most")
+        check_number(self, "kd_weight", 0, 1, must="in [0, 1]", why="the top-k distribution's share of the target")
+        check_number(self, "dpace_alpha", 0, 1, must="in [0, 1]", why="the smoothing a in (1 - a) x q + a")
+        for name in ("ce_weight", "tv_weight", "bce_weight"):
+            check_number(self, name, 0, open_high=True, must=">= 0 and finite", why="a weight of the loss's terms")
+
 
 @dataclass
 class OptimizerOptions:
@@ -107,6 +150,15 @@ class OptimizerOptions:
     # flex_attention takes a BlockMask; the CPU has no flex backward; the dense mask costs O(Q x KV) memory.
     attention: str = opt("auto", "auto = compiled flex on GPU, SDPA + dense mask on CPU; sdpa = the dense baseline on GPU too.", choices=('auto', 'sdpa'))
 
+    def check(self) -> None:
+        check_number(self, "lr", 0, open_low=True, open_high=True, must="positive and finite")
+        check_number(self, "clip", 0, open_low=True, must="positive (inf = no clipping)",
+                     why="the largest gradient norm a step applies: 0 makes no update, a negative one reverses it")
+        check_number(self, "warmup_ratio", 0, 1, open_high=True, must="in [0, 1)",
+                     why="the share of all steps the learning rate warms up over")
+        check_number(self, "weight_decay", 0, open_high=True, must=">= 0 and finite",
+                     why="AdamW shrinks each weight by lr x weight decay per step; a negative one grows them")
+
 
 @dataclass
 class CheckpointOptions:
@@ -118,6 +170,9 @@ class CheckpointOptions:
     final_checkpoint: bool = True
     """Write a checkpoint and the export when the run ends (benchmarks turn it off)."""
 
+    def check(self) -> None:
+        check_positive(self, "checkpoint_every", "keep_checkpoints", "max_steps")
+
 
 @dataclass
 class HeldOutOptions:
@@ -128,6 +183,12 @@ class HeldOutOptions:
     eval_every: int | None = opt(None, "Steps between held-out evaluations.", default_text="--checkpoint-every")
     eval_samples: int = opt(200, "Held-out samples per evaluation.")  # the cache's first ones
 
+    def check(self) -> None:
+        check_positive(self, "eval_every", "eval_samples")
+        if self.eval_every is not None and not self.eval_cache:
+            raise UserError(f"{where(self, 'eval_every')} sets how often --eval-cache is measured; give --eval-cache "
+                            "CACHE (a held-out cache of the target's own completions) or leave it out")
+
 
 @dataclass
 class ReportOptions:
@@ -137,6 +198,15 @@ class ReportOptions:
     # Writes a trace and a table.
     profile_steps: int = opt(0, "Profile N optimizer steps (torch.profiler) after the first five: where a step's time goes, in OUT/profile/; 0 = off.")
     progress: bool = opt(True, "Progress bar.")
+
+    def check(self) -> None:
+        check_positive(self, "log_every")
+        check_at_least(self, "profile_steps", 0, "0 = off")
+
+
+# The components in their command-line order; TrainConfig.validate runs each one's checks.
+PARTS = (RunOptions, DataOptions, DrafterOptions, LossOptions, OptimizerOptions, CheckpointOptions, HeldOutOptions,
+         ReportOptions)
 
 
 @dataclass
@@ -152,46 +222,16 @@ class TrainConfig(ReportOptions, HeldOutOptions, CheckpointOptions, OptimizerOpt
         return self.loss_chunk_tokens or auto_loss_chunk(vocab_size)
 
     def validate(self) -> None:
-        for name in ("cache", "target", "out"):
-            if not getattr(self, name):
-                raise UserError(f"train: --{name} is required (or set `{name}` in --config)")
-        check_positive(self, "drafter_layers", "block_size", "num_anchors", "seq_len", "global_batch_tokens", "epochs",
-                       "checkpoint_every", "keep_checkpoints", "log_every", "loss_chunk_tokens", "follow_window",
-                       "prefetch", "max_steps", "eval_every", "eval_samples")
-        if self.block_size < 2:
-            raise UserError(f"{where(self, 'block_size')} must be at least 2 (slot 0 is the anchor, slots 1.. are "
-                            f"drafted), got {self.block_size}")
+        """Each component's own checks (`check`, called through its class: the bases share the
+        name), then the checks that span components."""
+        for part in PARTS:
+            part.check(self)
+        check_choices(self)
         if self.seq_len <= self.block_size:
             raise UserError(f"{where(self, 'seq_len')} must exceed {also(self, 'block_size')} ({self.block_size}), "
                             f"got {self.seq_len}: a row must hold an anchor and its drafted tokens; raise the first "
                             "or lower the second")
-        # A row's capacity beyond its positions is masked padding; beyond the default as well, a typo
-        # that would allocate (anchors x block) tables of that size.
-        if self.num_anchors > max(self.seq_len, TrainConfig.num_anchors):
-            raise UserError(f"{where(self, 'num_anchors')} {self.num_anchors} exceeds {also(self, 'seq_len')} "
-                            f"{self.seq_len}: each anchor is a distinct position of a row; lower the first")
-        check_at_least(self, "anchors_per_sample", 0, "0 = one draw per row")
-        check_at_least(self, "profile_steps", 0, "0 = off")
-        check_at_least(self, "loader_workers", 0, "0 = read in the training process")
-        check_at_least(self, "seed", 0, "it seeds numpy's generators, which take no negative seed")
-        check_at_least(self, "mask_token_id", 0, "a token id of the target's vocabulary")
-        check_number(self, "gamma", 0, open_low=True, must="positive",
-                     why="slot k weighs exp(-(k-1)/gamma): 0 divides by zero, a negative value weighs the far slots most")
-        check_number(self, "lr", 0, open_low=True, open_high=True, must="positive and finite")
-        check_number(self, "clip", 0, open_low=True, must="positive (inf = no clipping)",
-                     why="the largest gradient norm a step applies: 0 makes no update, a negative one reverses it")
-        check_number(self, "warmup_ratio", 0, 1, open_high=True, must="in [0, 1)",
-                     why="the share of all steps the learning rate warms up over")
-        check_number(self, "weight_decay", 0, open_high=True, must=">= 0 and finite",
-                     why="AdamW shrinks each weight by lr x weight decay per step; a negative one grows them")
-        check_number(self, "kd_weight", 0, 1, must="in [0, 1]", why="the top-k distribution's share of the target")
-        check_number(self, "dpace_alpha", 0, 1, must="in [0, 1]", why="the smoothing a in (1 - a) x q + a")
-        check_choices(self)
-        for name in ("ce_weight", "tv_weight", "bce_weight"):
-            check_number(self, name, 0, open_high=True, must=">= 0 and finite", why="a weight of the loss's terms")
-        if self.method == "dspark":
-            check_positive(self, "markov_rank")
-        else:  # a DSpark-only option set away from its default would be ignored: say so instead
+        if self.method != "dspark":  # a DSpark-only option set away from its default would be ignored: say so instead
             heads = [n for n in ("markov_rank", "markov_head", "confidence_head", "bce_weight")
                      if getattr(self, n) != getattr(TrainConfig, n)]
             if heads:
@@ -204,23 +244,10 @@ class TrainConfig(ReportOptions, HeldOutOptions, CheckpointOptions, OptimizerOpt
         if self.method == "dspark" and not self.confidence_head and self.bce_weight != TrainConfig.bce_weight:
             raise UserError(f"{where(self, 'bce_weight')} weighs the confidence head's loss, and "
                             f"{also(self, 'confidence_head')} leaves the head out: leave one of them out")
-        if self.distribution_loss:  # blocks/dspark_loss.py: no soft labels (the L1 term reads the top-k itself)
+        if self.distribution_loss and self.kd_weight:  # blocks/dspark_loss.py: the L1 term reads the top-k itself
             why = f"{also(self, 'method')} dspark" if self.method == "dspark" else f"{also(self, 'tv_weight')} above 0"
-            if self.kd_weight:
-                raise UserError(f"{where(self, 'kd_weight')} mixes the top-k into the cross-entropy's target; the L1 "
-                                f"term (--tv-weight) matches the top-k itself: leave it out with {why}")
-        if self.eval_every is not None and not self.eval_cache:
-            raise UserError(f"{where(self, 'eval_every')} sets how often --eval-cache is measured; give --eval-cache "
-                            "CACHE (a held-out cache of the target's own completions) or leave it out")
-        if self.stream and not self.follow:
-            raise UserError(f"{where(self, 'stream')} needs {also(self, 'follow')} (it releases shards of a cache that extraction is "
-                            "still filling)")
-        if self.follow and self.epochs != 1:
-            raise UserError(f"{where(self, 'follow')} consumes every committed shard once, so {where(self, 'epochs')} "
-                            f"must be 1 (got {self.epochs}); for several epochs extract with --passes N")
-        ids = self.target_layers
-        if ids is not None and (not ids or len(set(ids)) != len(ids)):
-            raise UserError(f"{where(self, 'target_layers')} {ids}: give distinct layer ids the cache holds")
+            raise UserError(f"{where(self, 'kd_weight')} mixes the top-k into the cross-entropy's target; the L1 "
+                            f"term (--tv-weight) matches the top-k itself: leave it out with {why}")
 
     def resolved_lr(self, hidden_size: int) -> float:
         return self.lr if self.lr is not None else auto_lr(hidden_size)

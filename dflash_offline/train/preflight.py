@@ -93,11 +93,11 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     if not scored:
         raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: every loss_mask value is 0, so no token would be trained on; extract "
                         "data whose loss_mask marks the tokens to learn (e.g. 1 on the completions)")
-    layer_ids, columns = layer_choice(cfg, v)
-    _check_row_memory(cfg, len(layer_ids) * v.hidden_size)
+    target_layers, layer_columns = layer_choice(cfg, v)
+    _check_row_memory(cfg, len(target_layers) * v.hidden_size)
     warnings: list[str] = []
     topk = _check_soft_targets(cfg, v, warnings)
-    dcfg = _drafter_config(cfg, layer_ids, v)
+    dcfg = _drafter_config(cfg, target_layers, v)
     world = _world(devices)
     accum = step_accumulation(cfg, world, warnings)
     # Rows per epoch vary a little with the order; every epoch runs as many steps as the
@@ -110,7 +110,7 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     plan = TrainPlan(
         devices=devices, world=world, accum=accum, total_steps=spe * cfg.epochs, drafter=dcfg,
         cache_fingerprint=manifest_fingerprint(m), hidden_size=v.hidden_size,
-        target_layer_count=len(layer_ids), cache_layers=len(v.layer_ids), layer_columns=columns,
+        target_layer_count=len(target_layers), cache_layers=len(v.layer_ids), layer_columns=layer_columns,
         topk=topk, hidden_dtype=v.hidden_dtype, lr=cfg.resolved_lr(v.hidden_size),
         epochs=EpochPlan(refs=refs, lengths=table.lengths, pieces=table.pieces, rows_per_epoch=rows,
                          steps_per_epoch=spe),
@@ -118,10 +118,10 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     log.info("plan: %d rows/epoch, %d ranks x %d micro-batches of %d tokens per step, %d steps/epoch, %d steps total",
              rows, world, accum, cfg.seq_len, spe, plan.total_steps)
     log.info("recipe: layers %s of the cache's %s, lr %.3g%s, %d anchors per row, %s per sample, kd weight %g",
-             layer_ids, list(v.layer_ids), plan.lr, " (auto)" if cfg.lr is None else "", cfg.num_anchors,
+             target_layers, list(v.layer_ids), plan.lr, " (auto)" if cfg.lr is None else "", cfg.num_anchors,
              cfg.anchors_per_sample or "one draw", cfg.kd_weight)
     if cfg.eval_cache:
-        _check_eval_cache(cfg, layer_ids, v, m, warnings)
+        _check_eval_cache(cfg, target_layers, v, m, warnings)
     # Every sample fits: split and truncate make the same rows, so either resumes the other.
     check_resume(cfg, plan.cache_fingerprint, moot=() if table.long.long else ("long_samples",))
     long_line = table.long.line(where(cfg, "seq_len"), also(cfg, "seq_len"), also(cfg, "long_samples"))
@@ -173,13 +173,13 @@ def _check_cache_target(cfg: TrainConfig, v: ManifestView) -> None:
                         "version cannot read (bfloat16, float8_e4m3fn); re-extract with --hidden-dtype bfloat16 or fp8")
 
 
-def _drafter_config(cfg: TrainConfig, layer_ids: list[int], v: ManifestView):
+def _drafter_config(cfg: TrainConfig, target_layers: list[int], v: ManifestView):
     """The drafter's config (DrafterConfig) from the target and the options (its mask token and the
     --init-layers start checked against the target: shapes only, no tensor loaded), with the
     cache's chat settings."""
     from dflash_offline.drafter.model import read_layer_tensors
 
-    dcfg = DrafterConfig.from_target(cfg.target, layer_ids, block_size=cfg.block_size,
+    dcfg = DrafterConfig.from_target(cfg.target, target_layers, block_size=cfg.block_size,
                                      drafter_layers=cfg.drafter_layers, mask_token_id=cfg.mask_token_id,
                                      mask_flag=where(cfg, "mask_token_id"))
     dcfg.chat = v.chat  # how the training text was rendered: carried into the export
@@ -265,12 +265,12 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
         raise UserError(f"{where(cfg, 'cache')} {cfg.cache} has a budget ({budget / 1e6:.1f} MB) that holds about "
                         f"{budget // biggest} of its {v.num_shards} shards; without --stream nothing is "
                         "released and both stages would wait forever: add --stream")
-    layer_ids, columns = layer_choice(cfg, v)
+    target_layers, layer_columns = layer_choice(cfg, v)
     warnings: list[str] = []
     topk = _check_soft_targets(cfg, v, warnings)
-    dcfg = _drafter_config(cfg, layer_ids, v)
+    dcfg = _drafter_config(cfg, target_layers, v)
     if cfg.eval_cache:
-        _check_eval_cache(cfg, layer_ids, v, m, warnings)
+        _check_eval_cache(cfg, target_layers, v, m, warnings)
     world = _world(devices)
     accum = step_accumulation(cfg, world, warnings)
     # An estimate for the progress bar and the log: windows pack separately and fill their last
@@ -280,7 +280,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     plan = TrainPlan(
         devices=devices, world=world, accum=accum, total_steps=total, drafter=dcfg,
         cache_fingerprint=follow_fingerprint(m), hidden_size=v.hidden_size,
-        target_layer_count=len(layer_ids), cache_layers=len(v.layer_ids), layer_columns=columns,
+        target_layer_count=len(target_layers), cache_layers=len(v.layer_ids), layer_columns=layer_columns,
         topk=topk, hidden_dtype=v.hidden_dtype, lr=cfg.resolved_lr(v.hidden_size),
         follow=FollowPlan(num_shards=v.num_shards, consumer=mine, plan_tokens=int(tokens)),
     )
@@ -298,7 +298,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
     return plan
 
 
-def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], v: ManifestView, m: dict, warnings: list[str]) -> None:
+def _check_eval_cache(cfg: TrainConfig, target_layers: list[int], v: ManifestView, m: dict, warnings: list[str]) -> None:
     """--eval-cache, before any process starts: complete, from the same target, with the layers,
     and not the training cache (a line for `warnings` when it was extracted from the same input)."""
     from dflash_offline.cache.reader import cache_reader, checked_shards
@@ -322,7 +322,7 @@ def _check_eval_cache(cfg: TrainConfig, layer_ids: list[int], v: ManifestView, m
         raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache}: its manifest says hidden_size {held_v.hidden_size} "
                         f"and vocab_size {held_v.vocab_size}, the target's are {v.hidden_size} and {v.vocab_size}; the "
                         "manifest is damaged: re-extract the held-out cache")
-    missing = [i for i in layer_ids if i not in held_v.layer_ids]
+    missing = [i for i in target_layers if i not in held_v.layer_ids]
     if missing:
         raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} holds layers {list(held_v.layer_ids)}, not {missing} "
                         "that the drafter reads; extract it with the training cache's layers")
