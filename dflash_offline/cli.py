@@ -206,7 +206,7 @@ def extract(ctx: click.Context, config_file, **options) -> None:
     naming the field.
     """
     cfg = _config(ctx, ExtractConfig, config_file, options)
-    from dflash_offline.extract import launcher as stage
+    from dflash_offline.extract import launcher as stage  # start-up: a command imports its own stage only
 
     stage.run(cfg)
 
@@ -250,7 +250,7 @@ def eval_(ctx: click.Context, config_file, **options) -> None:
     slot, tokens/s vs the target alone, output checked equal to its greedy decode), and/or the
     estimate from a held-out cache."""
     cfg = _config(ctx, EvalConfig, config_file, options)
-    from dflash_offline.evaluate import run as evaluate
+    from dflash_offline.evaluate import run as evaluate  # start-up: a command imports its own stage only
 
     report = evaluate.run(cfg)
     # A check that failed (outputs not equal to the target's, estimates that disagree) fails the
@@ -268,7 +268,7 @@ def plan(ctx: click.Context, config_file, as_json: bool, **options) -> None:
     budget, and estimated hours per stage. Reads config, headers and input rows; loads no weights.
 
     `--config stages/<deployment>/extract.toml` sizes what that recipe would extract."""
-    from dflash_offline.sizing import make_plan, report
+    from dflash_offline.sizing import make_plan, report  # start-up: a command imports its own stage only
 
     # Extract's recipe names the same target, data, layers and cache; its other keys mean nothing here.
     p = make_plan(_config(ctx, PlanConfig, config_file, options, ignore=ExtractConfig))
@@ -283,7 +283,7 @@ def plan(ctx: click.Context, config_file, as_json: bool, **options) -> None:
 @click.argument("cache")
 def verify(cache: str) -> None:
     """Check every committed shard of CACHE against its checksum (reads the whole cache)."""
-    from dflash_offline.inspect import verify_cache
+    from dflash_offline.inspect import verify_cache  # start-up: a command imports its own stage only
 
     code = verify_cache(cache)
     if code:  # damaged shards: the exit status says so (after the report)
@@ -303,7 +303,7 @@ def inspect(cache: str, sample_id: int | None, stats: bool, max_tokens: int, as_
             color: bool | None) -> None:
     """Summary of a cache: manifest, shards, per-layer statistics and outlier channels (no torch);
     for a folder holding caches (the demo's --out), of each of them."""
-    from dflash_offline.inspect import inspect_command
+    from dflash_offline.inspect import inspect_command  # start-up: a command imports its own stage only
 
     inspect_command(cache, sample_id, stats, max_tokens, as_text, tokenizer, color)
 
@@ -331,7 +331,7 @@ def generate(ctx: click.Context, config_file, **options) -> None:
     same command again resumes, and a different target or setting is refused, naming the field.
     """
     cfg = _config(ctx, GenerateConfig, config_file, options)
-    from dflash_offline.generate import launcher as stage
+    from dflash_offline.generate import launcher as stage  # start-up: a command imports its own stage only
 
     stage.run(cfg)
 
