@@ -311,11 +311,62 @@ def main() -> int:
                                "--global-batch-tokens", "16384" if not args.smoke else "1024",
                                *variants[next(iter(variants))]]
     order = list(jobs)
+    slices = prompt_slices(eval_prompts, args.eval_prompts, args.eval_jobs, work) if args.eval_prompts > 0 else []
+    summary["decode_processes"] = len(slices)
+    # Greedy, checked token for token against the fixture's completions; then sampled (speculative
+    # sampling's rule: exact in distribution, so no token check), same prompts, seed 0.
+    kinds = [("decode", ["--reference", eval_rows])]
+    sampled = {"decode_sampled": args.sampled_temperature} if args.sampled_temperature > 0 else {}
+    sampled.update({f"decode_t{float(t):g}": float(t) for t in args.also_temperatures.split(",") if t.strip()})
+    kinds += [(k, ["--temperature", t, "--seed", "0", "--no-baseline"]) for k, t in sampled.items()]
+
+    def record(v: str, train_s: float) -> None:
+        run = work / f"run-{v}"
+        mt = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        held = [json.loads(x) for x in (run / "heldout.jsonl").read_text().splitlines()]
+        steady = mt[3:] or mt
+        summary["variants"][v] = {
+            "options": train_args + (variants.get(v) or variants[next(iter(variants))]), "steps": len(mt), "train_s": train_s,
+            "step_time_s": sum(r["step_time"] for r in steady) / len(steady), "loss_last": mt[-1]["loss"],
+            "tau_train_last": mt[-1]["tau"], "tokens": mt[-1]["tokens"],
+            "walk": [{k: h[k] for k in ("step", "tau_pooled", "tau_per_prompt_mean", "tau_all_anchors", "train_s")
+                      if k in h} for h in held],
+            "best": json.loads((run / "best.json").read_text()),
+        }
+        save()
+
+    def decode(v: str) -> None:  # one drafter at a time: its slices share the device
+        for kind, extra in kinds if slices else []:
+            t0 = time.time()
+            names = [f"eval-{v}-{kind}-{j}" for j in range(len(slices))]
+            logs = {n: res / f"{n}.log" for n in names}
+            for n in names:  # a report left by an earlier run must not pass for this run's
+                (work / f"{n}.json").unlink(missing_ok=True)
+            procs = {n: cli("eval", "--target", target, "--drafter", work / f"run-{v}" / "best", "--prompts", sl,
+                            *extra, "--max-new-tokens", args.max_new_tokens, "--device",
+                            args.eval_device or args.device, "--dtype", "float32", "--batch-size",
+                            args.eval_batch_size, "--json", work / f"{n}.json", "--no-progress", log=logs[n])
+                     for n, sl in zip(names, slices)}
+            wait(procs, logs, reported=lambda n: (work / f"{n}.json").exists())
+            d = merge_decode([json.loads((work / f"{n}.json").read_text()) for n in names])
+            d["seconds"] = time.time() - t0
+            if kind != "decode":
+                d["lossless"], d["temperature"] = None, sampled[kind]  # exact in distribution
+            summary["variants"][v][kind] = d
+            save()
+            print(f"{v} ({'greedy' if kind == 'decode' else f'temperature {sampled[kind]}'}): decoding "
+                  f"tau {d['tau_pooled']:.3f} pooled, {d['tau_per_prompt_mean'] or float('nan'):.3f} per-prompt "
+                  f"mean, lossless {d['lossless']} ({d['seconds']:.0f}s)", flush=True)
+
     logs = {v: res / f"train-{v}.log" for v in order}
     t_train = time.time()
     if args.concurrent:
         took = wait({v: cli("train", *jobs[v], log=logs[v]) for v in order}, logs)
-    else:
+        for v in order:
+            record(v, took[v])
+        for v in order:
+            decode(v)
+    else:  # each drafter decoded as soon as it is trained: its figures are in before the next one trains
         took = {}
         for v in order:
             took.update(wait({v: cli("train", *jobs[v], log=logs[v])}, logs))
@@ -323,53 +374,10 @@ def main() -> int:
                 summary["phases_s"]["train_first"] = took[v]
                 summary["end_to_end_s"] = time.time() - t_start
                 print(f"end to end (generate + extract + train {v}): {summary['end_to_end_s']:.0f}s", flush=True)
+            record(v, took[v])
+            decode(v)
     summary["phases_s"]["train_each"] = took
-    summary["phases_s"]["train_all"] = time.time() - t_train
-    for v in order:
-        run = work / f"run-{v}"
-        mt = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        held = [json.loads(x) for x in (run / "heldout.jsonl").read_text().splitlines()]
-        steady = mt[3:] or mt
-        summary["variants"][v] = {
-            "options": train_args + (variants.get(v) or variants[next(iter(variants))]), "steps": len(mt), "train_s": took[v],
-            "step_time_s": sum(r["step_time"] for r in steady) / len(steady), "loss_last": mt[-1]["loss"],
-            "tau_train_last": mt[-1]["tau"], "tokens": mt[-1]["tokens"],
-            "walk": [{k: h[k] for k in ("step", "tau_pooled", "tau_per_prompt_mean", "tau_all_anchors", "train_s")
-                      if k in h} for h in held],
-            "best": json.loads((run / "best.json").read_text()),
-        }
-    save()
-    if args.eval_prompts > 0:
-        slices = prompt_slices(eval_prompts, args.eval_prompts, args.eval_jobs, work)
-        summary["decode_processes"] = len(slices)
-        # Greedy, checked token for token against the fixture's completions; then sampled (speculative
-        # sampling's rule: exact in distribution, so no token check), same prompts, seed 0.
-        kinds = [("decode", ["--reference", eval_rows])]
-        sampled = {"decode_sampled": args.sampled_temperature} if args.sampled_temperature > 0 else {}
-        sampled.update({f"decode_t{float(t):g}": float(t) for t in args.also_temperatures.split(",") if t.strip()})
-        kinds += [(k, ["--temperature", t, "--seed", "0", "--no-baseline"]) for k, t in sampled.items()]
-        for v in order:  # one drafter at a time: its slices share the device
-            for kind, extra in kinds:
-                t0 = time.time()
-                names = [f"eval-{v}-{kind}-{j}" for j in range(len(slices))]
-                logs = {n: res / f"{n}.log" for n in names}
-                for n in names:  # a report left by an earlier run must not pass for this run's
-                    (work / f"{n}.json").unlink(missing_ok=True)
-                procs = {n: cli("eval", "--target", target, "--drafter", work / f"run-{v}" / "best", "--prompts", sl,
-                                *extra, "--max-new-tokens", args.max_new_tokens, "--device",
-                                args.eval_device or args.device, "--dtype", "float32", "--batch-size",
-                                args.eval_batch_size, "--json", work / f"{n}.json", "--no-progress", log=logs[n])
-                         for n, sl in zip(names, slices)}
-                wait(procs, logs, reported=lambda n: (work / f"{n}.json").exists())
-                d = merge_decode([json.loads((work / f"{n}.json").read_text()) for n in names])
-                d["seconds"] = time.time() - t0
-                if kind != "decode":
-                    d["lossless"], d["temperature"] = None, sampled[kind]  # exact in distribution
-                summary["variants"][v][kind] = d
-                save()
-                print(f"{v} ({'greedy' if kind == 'decode' else f'temperature {sampled[kind]}'}): decoding "
-                      f"tau {d['tau_pooled']:.3f} pooled, {d['tau_per_prompt_mean'] or float('nan'):.3f} per-prompt "
-                      f"mean, lossless {d['lossless']} ({d['seconds']:.0f}s)", flush=True)
+    summary["phases_s"]["train_all"] = time.time() - t_train  # the decodes in between included when sequential
     summary["total_s"] = time.time() - t_start
     save()
     table = report(summary)
