@@ -153,13 +153,19 @@ def merge_decode(reports: list[dict]) -> dict:
     rounds = sum(d["rounds"] for d in ds)
     slots = len(ds[0]["accept_rate"])
     per_prompt = [t for d in ds for t in d.get("tau_per_prompt", [])]
-    return {"prompts": sum(r["num_prompts"] for r in reports), "rounds": rounds,
+    out = {"prompts": sum(r["num_prompts"] for r in reports), "rounds": rounds,
             "tokens": sum(d["tokens"] for d in ds), "tau_pooled": sum(d["tau"] * d["rounds"] for d in ds) / rounds,
             "tau_per_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None,
             "accept_rate": [sum(d["accept_rate"][j] * d["rounds"] for d in ds) / rounds for j in range(slots)],
             "lossless": all(d.get("lossless") is True for d in ds),
             "mismatched_prompt_ids": [i for d in ds for i in d.get("mismatched_prompt_ids", [])],
             "device": reports[0]["device"], "torch": reports[0]["torch"]}
+    if all("confidence" in d for d in ds):  # a DSpark drafter's confidence head: its calibration per slot
+        n = [sum(d["confidence"]["verified"][j] for d in ds) for j in range(len(ds[0]["confidence"]["verified"]))]
+        out["confidence"] = {key: [sum(d["confidence"][key][j] * d["confidence"]["verified"][j] for d in ds) / max(n[j], 1)
+                                   for j in range(len(n))] for key in ("predicted", "observed")}
+        out["confidence"]["verified"] = n
+    return out
 
 
 def main() -> int:
@@ -407,6 +413,12 @@ def report(summary: dict) -> str:
                  for k, d in r.items() if k.startswith("decode_t")]
         if extra:
             lines.append(f"{v}: " + "; ".join(extra))
+    for v, r in summary["variants"].items():  # DSpark: the confidence head's predicted / observed survival
+        for k, d in r.items():
+            if k.startswith("decode") and "confidence" in d:
+                c = d["confidence"]
+                lines.append(f"{v} {k}: confidence predicted/observed, slots 1-4: " + " ".join(
+                    f"{p:.2f}/{o:.2f}" for p, o in list(zip(c["predicted"], c["observed"]))[:4]))
     return "\n".join(lines)
 
 
