@@ -60,6 +60,16 @@ def l1_draft(p):
     return torch.zeros(n * v, dtype=p.dtype, device=p.device).index_add_(0, order, amount).view(n, v).sum(0)
 
 
+def sharpened(q, t: float, first_slot: int = 1):
+    """q [slots, V] at draft temperature t (q^(1/t) renormalised) from slot `first_slot` (1-based)
+    on; the slots before it unchanged."""
+    import torch
+
+    w = q.clamp_min(1e-30) ** (1.0 / t)
+    w = torch.cat([q[:first_slot - 1], w[first_slot - 1:]])
+    return w / w.sum(-1, keepdim=True)
+
+
 def acceptance(p, q):
     """sum_v min(p, q) per row: the probability a token drafted from q survives the rejection rule."""
     import torch
@@ -179,9 +189,7 @@ def main() -> None:
                 mean = p.mean(0)
                 drafts = {"mean": mean, "l1": torch.stack([l1_draft(p[:, k]) for k in range(slots)])}
                 for t in sharp:
-                    w = mean.clamp_min(1e-30) ** (1.0 / t)
-                    w = torch.cat([mean[:args.sharpen_from - 1], w[args.sharpen_from - 1:]])
-                    drafts[f"sharp{t:g}"] = w / w.sum(-1, keepdim=True)
+                    drafts[f"sharp{t:g}"] = sharpened(mean, t, args.sharpen_from)
                 for name, q in drafts.items():
                     accept[name] += acceptance(p, q[None]).mean(0).cpu()
                     kept[name].append(decode_rounds(model, context, q, args.rounds, args.temperature, gen).cpu())

@@ -35,3 +35,14 @@ def test_l1_draft_is_the_best_draft_on_a_grid():
         assert got >= mean - 1e-12  # the mean of the conditionals is one candidate
     one = torch.tensor([[0.2, 0.5, 0.3]], dtype=torch.float64)
     assert torch.allclose(mod.l1_draft(one), one)  # one conditional: the draft is that distribution
+
+
+def test_a_sharpened_draft_keeps_its_mode_and_the_slots_before_its_first():
+    mod = _module()
+    gen = torch.Generator().manual_seed(1)
+    q = torch.softmax(torch.randn(4, 9, generator=gen, dtype=torch.float64), -1)
+    assert torch.allclose(mod.sharpened(q, 1.0), q)  # t = 1: the draft itself
+    s = mod.sharpened(q, 0.5, first_slot=2)
+    assert torch.allclose(s.sum(-1), torch.ones(4, dtype=torch.float64)) and torch.equal(s[0], q[0])
+    assert torch.allclose(s[1:], (q[1:] ** 2) / (q[1:] ** 2).sum(-1, keepdim=True))
+    assert torch.equal(s.argmax(-1), q.argmax(-1)) and torch.all(s.max(-1).values[1:] >= q.max(-1).values[1:])
