@@ -19,7 +19,12 @@ With `--sharpen 0.5,0.7`, also mean^(1/t) renormalised ("sharp0.5", ...): the me
 draft temperature t below the target's, what a drafter trained towards the mean (cross-entropy) can
 output at decode time with no training (`eval --draft-temperature`).
 
-All are drafts a perfect parallel drafter could output (functions of the context alone; slot 1's
+With `--markov`, also the two drafts given the previous drafted token ("markov-mean", "markov-l1"):
+slot k's q is the mean (or the l1 draft) of the conditionals of the samples whose token at slot k - 1
+is the one just drafted, what DSpark's Markov head can see; fitted on the N samples, so an estimate
+from below (a drafted token few samples drew gets a noisy draft).
+
+All but the Markov drafts are drafts a perfect parallel drafter could output (functions of the context alone; slot 1's
 equals the target's, so it always survives). Each is then decoded for real: S draft blocks drawn
 from it, the target run on each, the rejection rule applied slot by slot; a round commits its kept
 drafts plus one token, counted as the reference counts tau (pooled over rounds). DSpark's Markov
@@ -101,14 +106,19 @@ def sample_block(model, context, n: int, slots: int, temperature: float, gen):
     return torch.stack(p, 1), torch.cat(tokens, 1)
 
 
-def decode_rounds(model, context, q, rounds: int, temperature: float, gen):
+def decode_rounds(model, context, q, rounds: int, temperature: float, gen, drawn=None):
     """`rounds` real verify rounds of a blind draft q [slots, V] after `context`: draft every slot from
     q, run the target over the block, keep slot k with probability min(1, p_k / q_k) until the first
-    rejection. Returns the drafts kept per round [rounds]."""
+    rejection. `drawn` (drafts [rounds, slots], q of each [rounds, slots]) replaces the draws from q
+    (the Markov draft's). Returns the drafts kept per round [rounds]."""
     import torch
 
-    slots = q.shape[0]
-    drafts = torch.stack([torch.multinomial(q[k], rounds, replacement=True, generator=gen) for k in range(slots)], 1)
+    if drawn is None:
+        slots = q.shape[0]
+        drafts = torch.stack([torch.multinomial(q[k], rounds, replacement=True, generator=gen) for k in range(slots)], 1)
+        qk = q[torch.arange(slots)[None], drafts]
+    else:
+        drafts, qk = drawn
     out = model(context, use_cache=True)
     cache = out.past_key_values
     cache.batch_repeat_interleave(rounds)
@@ -116,10 +126,32 @@ def decode_rounds(model, context, q, rounds: int, temperature: float, gen):
     rest = probs(model(drafts[:, :-1], past_key_values=cache, use_cache=True).logits, temperature)
     p = torch.cat([first[:, None], rest], 1)  # [rounds, slots, V]: p_k given the drafts before slot k
     pk = p.gather(2, drafts[..., None])[..., 0]
-    qk = q[torch.arange(slots)[None], drafts]
     u = torch.rand(pk.shape, generator=gen, device=pk.device)
     kept = (u * qk < pk).int()
     return torch.cumprod(kept, 1).sum(1)
+
+
+def markov_draw(p, tokens, rounds: int, gen, fit):
+    """Drafts [rounds, slots] from a Markov draft, and q of each: slot 1 from fit(p[:, 0]); slot k from
+    fit of the conditionals of the samples whose token at slot k - 1 is the one just drafted (all N
+    samples when none is). What a drafter that sees the previous drafted token could reach
+    (DSpark's Markov head), estimated from the N samples (a small group makes it noisy, not better)."""
+    import torch
+
+    slots = p.shape[1]
+    drafts = torch.zeros(rounds, slots, dtype=torch.long, device=p.device)
+    qk = torch.zeros(rounds, slots, dtype=p.dtype, device=p.device)
+    q = fit(p[:, 0]).expand(rounds, -1)
+    for k in range(slots):
+        if k > 0:
+            prev, q = drafts[:, k - 1], torch.empty(rounds, p.shape[-1], dtype=p.dtype, device=p.device)
+            whole = fit(p[:, k])
+            for x in prev.unique():
+                group = tokens[:, k - 1] == x
+                q[prev == x] = fit(p[group, k]) if group.any() else whole
+        drafts[:, k] = torch.multinomial(q, 1, generator=gen)[:, 0]
+        qk[:, k] = q.gather(1, drafts[:, k:k + 1])[:, 0]
+    return drafts, qk
 
 
 def trajectory(model, prompt, length: int, temperature: float, gen, eos: set[int], ks: tuple[int, ...]):
@@ -154,6 +186,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--sharpen", default="", help="draft temperatures t < 1 applied to the mean draft (comma-separated)")
     ap.add_argument("--sharpen-from", type=int, default=1, help="the first slot --sharpen applies to (1 = all)")
+    ap.add_argument("--markov", action="store_true",
+                    help="also the Markov drafts (markov-mean, markov-l1): each slot's draft given the token drafted "
+                         "before it, fitted on the samples that drew that token (DSpark's head sees it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu or a CUDA index")
     ap.add_argument("--out", required=True)
@@ -173,7 +208,8 @@ def main() -> None:
     eos, slots, t0 = set(eos_ids(args.target)), args.block_size - 1, time.time()
     positions = [int(x) for x in args.positions.split(",")]
     sharp = [float(t) for t in args.sharpen.split(",") if t.strip()]
-    names = ["mean", "l1", *(f"sharp{t:g}" for t in sharp)]
+    markov = {"markov-mean": lambda c: c.mean(0), "markov-l1": l1_draft} if args.markov else {}
+    names = ["mean", "l1", *(f"sharp{t:g}" for t in sharp), *markov]
     accept = {name: torch.zeros(slots) for name in names}  # per slot, summed over positions
     kept: dict[str, list] = {name: [] for name in names}
     used, ks, mass = 0, (8, 32, 128, 512), []
@@ -185,7 +221,7 @@ def main() -> None:
             mass.append(lead_mass.cpu())
             for at in (a for a in positions if a <= len(lead)):
                 context = torch.tensor([prompt + lead[:at]], device=dev)
-                p, _ = sample_block(model, context, args.samples, slots, args.temperature, gen)
+                p, tokens = sample_block(model, context, args.samples, slots, args.temperature, gen)
                 mean = p.mean(0)
                 drafts = {"mean": mean, "l1": torch.stack([l1_draft(p[:, k]) for k in range(slots)])}
                 for t in sharp:
@@ -193,6 +229,10 @@ def main() -> None:
                 for name, q in drafts.items():
                     accept[name] += acceptance(p, q[None]).mean(0).cpu()
                     kept[name].append(decode_rounds(model, context, q, args.rounds, args.temperature, gen).cpu())
+                for name, fit in markov.items():
+                    drawn = markov_draw(p, tokens, args.rounds, gen, fit)
+                    kept[name].append(decode_rounds(model, context, None, args.rounds, args.temperature, gen,
+                                                    drawn).cpu())
                 used += 1
             print(f"prompt {n + 1}/{len(prompts)}: {used} positions, {time.time() - t0:.0f} s", flush=True)
     res = {"positions": used, "samples": args.samples, "rounds_per_position": args.rounds,
@@ -205,8 +245,9 @@ def main() -> None:
     for name in names:
         k = torch.cat(kept[name]).float()
         survive = [(k >= j + 1).float().mean().item() for j in range(slots)]
-        res[name] = {"tau": 1 + k.mean().item(), "survival": survive,
-                     "slot_acceptance_on_samples": (accept[name] / max(used, 1)).tolist()}
+        res[name] = {"tau": 1 + k.mean().item(), "survival": survive}
+        if name not in markov:  # a Markov draft has no one q per slot to score on the samples
+            res[name]["slot_acceptance_on_samples"] = (accept[name] / max(used, 1)).tolist()
         print(f"{name:>9}: tau {res[name]['tau']:.3f} (pooled over {len(k)} rounds); survival "
               + " ".join(f"{s:.2f}" for s in survive[:8]) + " ...", flush=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

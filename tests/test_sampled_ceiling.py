@@ -46,3 +46,23 @@ def test_a_sharpened_draft_keeps_its_mode_and_the_slots_before_its_first():
     assert torch.allclose(s.sum(-1), torch.ones(4, dtype=torch.float64)) and torch.equal(s[0], q[0])
     assert torch.allclose(s[1:], (q[1:] ** 2) / (q[1:] ** 2).sum(-1, keepdim=True))
     assert torch.equal(s.argmax(-1), q.argmax(-1)) and torch.all(s.max(-1).values[1:] >= q.max(-1).values[1:])
+
+
+def test_a_markov_draft_follows_the_samples_that_drew_the_previous_token():
+    """Slot 2's draft is fitted on the samples whose slot-1 token is the one just drafted, and on all
+    of them when none drew it; each draft's q is the probability its own distribution gave it."""
+    mod = _module()
+    eye = torch.eye(3, dtype=torch.float64)
+    first = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    # sample 0 drew token 0 at slot 1 and then sees token 2 for sure; sample 1 drew 1 and sees 0
+    p = torch.stack([torch.stack([first, eye[2]]), torch.stack([first, eye[0]])])
+    tokens = torch.tensor([[0, 2], [1, 0]])
+    drafts, qk = mod.markov_draw(p, tokens, 4000, torch.Generator().manual_seed(0), lambda c: c.mean(0))
+    x1, x2 = drafts[:, 0], drafts[:, 1]
+    assert torch.all(x2[x1 == 0] == 2) and torch.all(x2[x1 == 1] == 0)
+    assert torch.all(qk[x1 < 2, 1] == 1.0)
+    none = x1 == 2  # no sample drew it: the mean of both conditionals, tokens 0 and 2 at 0.5 each
+    assert none.any() and set(x2[none].tolist()) == {0, 2} and torch.all(qk[none, 1] == 0.5)
+    assert torch.allclose(qk[:, 0], first[x1])
+    share = torch.bincount(x1, minlength=3).double() / len(x1)
+    assert torch.allclose(share, first, atol=0.03)
