@@ -200,6 +200,16 @@ def tree_digest(path, exclude=("logs",)) -> dict[str, str]:
     return out
 
 
+def benchmark_module(name: str):
+    """A script of benchmarks/ loaded as a module, for tests of its pure parts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def extract_args(target, data, cache, *extra) -> list[str]:
     """`extract` arguments for the tiny setup with the small, fast options."""
     datas = data if isinstance(data, (list, tuple)) else [data]

@@ -6,7 +6,6 @@ and the completions written by the project's `generate`. Uses the pycode fixture
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_tree
+from conftest import benchmark_module, run_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "hybrid_fixture.py"
@@ -151,9 +150,7 @@ def test_early_stop_restores_the_checkpoint_before_the_best_and_decays(made, tmp
 
 
 def test_schedule():
-    spec = importlib.util.spec_from_file_location("hybrid_fixture", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = benchmark_module("hybrid_fixture")
     s = mod.Schedule(peak=1.0, warmup=4, patience=2, back=2, decay=4)
     assert [s.lr(k) for k in (0, 3, 50)] == [0.25, 1.0, 1.0]
     assert [s.evaluated(k, loss) for k, loss in ((2, 3.0), (4, 2.0), (6, 2.5))] == [None, None, None]

@@ -3,20 +3,15 @@ acceptance against a set of conditionals) against a brute-force search over a gr
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "sampled_ceiling.py"
+from conftest import benchmark_module
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("sampled_ceiling", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("sampled_ceiling")
 
 
 def test_l1_draft_is_the_best_draft_on_a_grid():

@@ -1,0 +1,51 @@
+"""benchmarks/pycode_quality.py's pure parts: how a drafter's decode figures over prompt slices
+merge into one (pooled as the reference counts tau), and how a variant names its data."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import benchmark_module
+
+
+def _module():
+    return benchmark_module("pycode_quality")
+
+
+def _slice(rounds, committed, accepted, per_prompt, lossless=True, confidence=None):
+    d = {"rounds": rounds, "tokens": committed, "tau": committed / rounds, "tau_per_prompt": per_prompt,
+         "accept_rate": [sum(a >= j for a in accepted) / rounds for j in (1, 2)], "lossless": lossless}
+    if confidence is not None:
+        d["confidence"] = confidence
+    return {"num_prompts": len(per_prompt), "device": "cpu", "torch": "x", "drafters": [d]}
+
+
+def test_slices_merge_as_one_decode_of_all_prompts():
+    """Two slices give the figures one decode of all their rounds gives: tau pooled over every
+    round, the per-slot share over every round, the per-prompt mean over every prompt; lossless only
+    if each slice is; a DSpark calibration weighted by the slots each slice verified."""
+    mod = _module()
+    a = _slice(4, 10, [2, 1, 0, 1], [3.0, 2.0],
+               confidence={"predicted": [0.8, 0.6], "observed": [0.7, 0.5], "verified": [4, 3]})
+    b = _slice(2, 8, [2, 2], [4.0], lossless=False,
+               confidence={"predicted": [0.5, 0.4], "observed": [1.0, 1.0], "verified": [2, 2]})
+    m = mod.merge_decode([a, b])
+    assert m["prompts"] == 3 and m["rounds"] == 6 and m["tokens"] == 18
+    assert m["tau_pooled"] == pytest.approx(18 / 6)
+    assert m["tau_per_prompt_mean"] == pytest.approx(3.0)
+    accepted = [2, 1, 0, 1, 2, 2]
+    assert m["accept_rate"] == pytest.approx([sum(x >= j for x in accepted) / 6 for j in (1, 2)])
+    assert m["lossless"] is False
+    assert m["confidence"]["verified"] == [6, 5]
+    assert m["confidence"]["predicted"] == pytest.approx([(0.8 * 4 + 0.5 * 2) / 6, (0.6 * 3 + 0.4 * 2) / 5])
+    assert m["confidence"]["observed"] == pytest.approx([(0.7 * 4 + 2) / 6, (0.5 * 3 + 2) / 5])
+    assert "confidence" not in mod.merge_decode([_slice(1, 2, [1], [2.0])])  # DFlash: none
+
+
+def test_a_variant_names_the_temperature_of_its_data():
+    mod = _module()
+    assert mod.data_temperature("dspark-cl", 1.0) == 1.0
+    assert mod.data_temperature("default@t0", 1.0) == 0.0
+    assert mod.data_temperature("tv@t0.6", 0.0) == 0.6
+    with pytest.raises(SystemExit, match="the suffix after @ is tT"):
+        mod.data_temperature("tv@hot", 1.0)
