@@ -277,6 +277,8 @@ def test_every_train_option_belongs_to_one_component_with_its_own_checks():
     cfg = TrainConfig(cache="c", target="t", out="o", seq_len=8, block_size=16)
     with pytest.raises(UserError, match="--seq-len must exceed --block-size"):
         cfg.validate()  # two parts' fields: the check that spans them
+    with pytest.raises(UserError, match="--seq-len must exceed --block-size"):
+        cfg.check()  # the composed config's check is all of them, not its first base's
     cfg = TrainConfig(cache="c", target="t", out="o", eval_every=5)
     with pytest.raises(UserError, match="--eval-every sets how often --eval-cache is measured"):
         cfg.validate()

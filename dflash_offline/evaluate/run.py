@@ -145,15 +145,14 @@ def _check_cache_target(cfg: EvalConfig) -> None:
 def _check_cache_layers(cfg: EvalConfig, drafters) -> None:
     """Every drafter reads layers --cache holds, and its shards are there, checked before any
     prompt decodes (the cache walk runs after the decoding)."""
-    from dflash_offline.cache.reader import cache_reader, checked_shards
+    from dflash_offline.cache.reader import cache_reader, check_shards
     from dflash_offline.blocks.walk import cache_layer_columns
 
     reader = cache_reader(cfg.cache, where(cfg, "cache"))
     for _, d in drafters:
         cache_layer_columns(reader.manifest, d.cfg, cfg.cache, where(cfg, "cache"))
     # Its shards too (there and opening), as training checks its caches: not a crash mid-walk.
-    for _ in checked_shards(reader, f"{where(cfg, 'cache')} {cfg.cache}", "quick"):
-        pass
+    check_shards(reader, f"{where(cfg, 'cache')} {cfg.cache}", "quick")
 
 
 def log_folder(cfg: EvalConfig) -> Path:

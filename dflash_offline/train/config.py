@@ -221,6 +221,10 @@ class TrainConfig(ReportOptions, HeldOutOptions, CheckpointOptions, OptimizerOpt
     def resolved_loss_chunk(self, vocab_size: int) -> int:
         return self.loss_chunk_tokens or auto_loss_chunk(vocab_size)
 
+    def check(self) -> None:
+        """All of them: without this, `check` would be the first base's (ReportOptions') alone."""
+        self.validate()
+
     def validate(self) -> None:
         """Each component's own checks (`check`, called through its class: the bases share the
         name), then the checks that span components."""

@@ -301,7 +301,7 @@ def _preflight_follow(cfg: TrainConfig, devices: list[str]) -> TrainPlan:
 def _check_eval_cache(cfg: TrainConfig, target_layers: list[int], v: ManifestView, m: dict, warnings: list[str]) -> None:
     """--eval-cache, before any process starts: complete, from the same target, with the layers,
     and not the training cache (a line for `warnings` when it was extracted from the same input)."""
-    from dflash_offline.cache.reader import cache_reader, checked_shards
+    from dflash_offline.cache.reader import cache_reader, check_shards
 
     try:
         held = ManifestStore(Location(cfg.eval_cache, where(cfg, "eval_cache"))).read_committed()  # an edited one: before training
@@ -327,9 +327,8 @@ def _check_eval_cache(cfg: TrainConfig, target_layers: list[int], v: ManifestVie
         raise UserError(f"{where(cfg, 'eval_cache')} {cfg.eval_cache} holds layers {list(held_v.layer_ids)}, not {missing} "
                         "that the drafter reads; extract it with the training cache's layers")
     # Its shards now, not at the first held-out evaluation hours into the run.
-    checked = checked_shards(cache_reader(cfg.eval_cache, where(cfg, "eval_cache")),
-                             f"{where(cfg, 'eval_cache')} {cfg.eval_cache}", cfg.verify)
-    sum(1 for _ in checked)  # read to the end: each shard is checked as it is yielded
+    check_shards(cache_reader(cfg.eval_cache, where(cfg, "eval_cache")), f"{where(cfg, 'eval_cache')} {cfg.eval_cache}",
+                 cfg.verify)
     same_input = held.get("source") == m.get("source")
     if same_input and held.get("capture") == m.get("capture"):  # a copy of the training cache
         _refuse_training_cache_as_held_out(cfg)
