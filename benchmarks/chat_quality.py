@@ -13,7 +13,7 @@ process), timed:
   2. `generate --turns all`: the target rewrites every assistant turn of both, turn by turn;
   3. `extract`: a training cache of the regenerated training conversations (layers 1-6, top-32,
      fp8) and a held-out cache of the regenerated held-out ones (train's --eval-cache walk estimate);
-  4. `train`: stages/pycode/train.toml's recipe scaled to this data (--train-args);
+  4. `train`: stages/pycode-dflash/train.toml's recipe scaled to this data (--train-args);
   5. `eval --prompts`: lossless speculative decoding of the held-out conversations' first turns
      (the prepared eval prompt folder) against the target, decoding tau pooled over rounds and the
      mean of the per-prompt taus, from eval's JSON report.

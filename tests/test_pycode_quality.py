@@ -45,7 +45,19 @@ def test_slices_merge_as_one_decode_of_all_prompts():
 def test_a_variant_names_the_temperature_of_its_data():
     mod = _module()
     assert mod.data_temperature("dspark-cl", 1.0) == 1.0
-    assert mod.data_temperature("default@t0", 1.0) == 0.0
+    assert mod.data_temperature("dflash@t0", 1.0) == 0.0
     assert mod.data_temperature("tv@t0.6", 0.0) == 0.6
     with pytest.raises(SystemExit, match="the suffix after @ is tT"):
         mod.data_temperature("tv@hot", 1.0)
+
+
+def test_the_dflash_recipe_keeps_its_earlier_preset_name(capsys):
+    """`default` named the DFlash recipe before DSpark became the fixture's default: the commands in
+    docs/benchmarks.md still run, under their own name, with a note on stderr."""
+    mod = _module()
+    got = mod.parse_variants("dspark-cl,default@t0")
+    assert got == {"dspark-cl": mod.PRESETS["dspark-cl"], "default@t0": mod.PRESETS["dflash"]}
+    assert "'default' is now named 'dflash'" in capsys.readouterr().err
+    assert mod.parse_variants("dflash") == {"dflash": []}
+    with pytest.raises(SystemExit, match="unknown preset"):
+        mod.parse_variants("defaults")
