@@ -234,3 +234,38 @@ def test_follow_says_on_the_terminal_when_extraction_is_gone(tiny_dense, tiny_da
         except subprocess.TimeoutExpired:
             kill_tree(p.pid)
             raise
+
+
+def test_a_follow_checkpoint_place_is_typed_and_reads_back_as_written():
+    """state.json's "follow" is a FollowPosition in the code and the same JSON object on disk as
+    before it was typed; a later version's extra key is ignored, an epochs place has no follow."""
+    from dflash_offline.runs.checkpoint import CheckpointState, FollowPosition, Place
+
+    at = FollowPosition(window=3, window_start=120, tokens_before=40960)
+    state = CheckpointState(step=130, cache_fingerprint="f", config={}, drafter={}, **Place(follow=at)._asdict())
+    on_disk = json.loads(json.dumps(state.to_json()))
+    assert on_disk["follow"] == {"window": 3, "window_start": 120, "tokens_before": 40960}
+    assert "epoch" not in on_disk and "step_in_epoch" not in on_disk
+    back = CheckpointState.from_json({**on_disk, "follow": {**on_disk["follow"], "later": 1}})
+    assert back.follow == at and back == state
+    epochs = CheckpointState.from_json(CheckpointState(step=4, cache_fingerprint="f", config={}, drafter={},
+                                                       **Place(epoch=1, step_in_epoch=0)._asdict()).to_json())
+    assert epochs.follow is None and (epochs.epoch, epochs.step_in_epoch) == (1, 0)
+
+
+def test_the_follow_schedule_sets_each_step_rate_from_its_place():
+    """TokenSchedule: warm-up then cosine over the plan's tokens, set before the step (LambdaLR's
+    step() after it changes nothing), with no state of its own in a checkpoint."""
+    import torch
+
+    from dflash_offline.train.schedule import TokenSchedule, lr_at
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    sched = TokenSchedule(opt, 1e-3, 0.1)
+    for progress in (0.0, 0.05, 0.1, 0.5, 0.99, 1.3):
+        sched.at(progress)
+        sched.step()
+        assert opt.param_groups[0]["lr"] == sched.get_last_lr()[0] == 1e-3 * lr_at(min(1.0, progress), 0.1)
+    assert sched.state_dict() == {}
+    sched.load_state_dict({"last_epoch": 7, "base_lrs": [1e-3]})  # an earlier main's LambdaLR state: unused
+    assert sched.get_last_lr()[0] == 0.0

@@ -100,13 +100,14 @@ def graph() -> dict[str, set[str]]:
 TOP_FORBIDDEN = {"config": {"extract", "generate", "train", "evaluate", "prepare", "blocks", "runs"}}
 
 
-def test_stages_meet_only_at_the_cache():
+def boundary_crossings(g: dict[str, set[str]]) -> list[str]:
+    """`module imports module` for each import the FORBIDDEN and TOP_FORBIDDEN rules refuse."""
     bad = []
-    for mod, deps in graph().items():
+    for mod, deps in g.items():
         parts = mod.split(".")
         if len(parts) == 2 and parts[1] in TOP_FORBIDDEN:
             bad += [f"{mod} imports {d}" for d in deps if len(d.split(".")) > 1 and d.split(".")[1] in TOP_FORBIDDEN[parts[1]]]
-    for mod, deps in graph().items():
+    for mod, deps in g.items():
         parts = mod.split(".")
         if len(parts) < 3 or parts[1] not in FORBIDDEN:
             continue
@@ -114,7 +115,21 @@ def test_stages_meet_only_at_the_cache():
             dparts = dep.split(".")
             if len(dparts) > 1 and dparts[1] in FORBIDDEN[parts[1]]:
                 bad.append(f"{mod} imports {dep}")
-    assert not bad, "stage boundary crossed:\n" + "\n".join(sorted(bad))
+    return sorted(bad)
+
+
+def test_stages_meet_only_at_the_cache():
+    bad = boundary_crossings(graph())
+    assert not bad, "stage boundary crossed:\n" + "\n".join(bad)
+
+
+def test_the_boundary_rule_refuses_evaluate_standing_on_train():
+    """The rule itself, on a made-up module of evaluate/: its import of train is refused, those of
+    what train and evaluate share (blocks/, runs/) are not."""
+    g = graph()
+    g["dflash_offline.evaluate.probe"] = {"dflash_offline.blocks.walk", "dflash_offline.runs.checkpoint",
+                                          "dflash_offline.train.plan"}
+    assert boundary_crossings(g) == ["dflash_offline.evaluate.probe imports dflash_offline.train.plan"]
 
 
 def test_no_import_circle():
@@ -219,10 +234,22 @@ def test_each_command_logs_before_torch_is_imported():
 def test_no_function_is_over_80_lines():
     """A long function is split into named steps, each a function that says what it does (80 lines,
     docstring included: the longest, train's validate, reads in one screen)."""
-    long = {f"{p.relative_to(ROOT)}:{node.name}": n for p in sorted(PKG.rglob("*.py"))
-            for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and (n := node.end_lineno - node.lineno + 1) > 80}
+    long = {f"{p.relative_to(ROOT)}:{name}": n for p in sorted(PKG.rglob("*.py")) for name, n in long_functions(p.read_text())}
     assert not long, f"functions over 80 lines (split them into named steps): {long}"
+
+
+def long_functions(source: str, limit: int = 80) -> list[tuple[str, int]]:
+    """(name, lines) of each function or method in `source` over `limit` lines, docstring included."""
+    return [(node.name, n) for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (n := node.end_lineno - node.lineno + 1) > limit]
+
+
+def test_the_length_rule_counts_methods_and_nested_functions():
+    body = "".join(f"    x{i} = {i}\n" for i in range(99))
+    src = f"def top():\n{body}\n\nclass C:\n    def short(self):\n        pass\n\n    def m(self):\n" + body.replace("    ", "        ")
+    assert long_functions(src) == [("top", 100), ("m", 100)]
+    assert long_functions(src, limit=100) == []
+    assert long_functions("def f():\n    def g():\n" + body.replace("    ", "        ")) == [("f", 101), ("g", 100)]
 
 
 # Packages whose import costs start-up time (seconds for torch and transformers, a tenth of a second

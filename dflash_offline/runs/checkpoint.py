@@ -15,6 +15,7 @@ import shutil
 import zipfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import NamedTuple
 
 from dflash_offline.cache.location import Location
 from dflash_offline.drafter.config import DrafterConfig
@@ -29,11 +30,30 @@ CHECKPOINT_PREFIX = "step-"
 CHECKPOINT_FILES = ("state.json", "drafter.safetensors", "trainer.pt")
 
 
+@dataclass(frozen=True)
+class FollowPosition:
+    """Where a --follow run goes on from (state.json's "follow"): the next window, its first step,
+    and the tokens of the windows before it (the schedule's place)."""
+
+    window: int = 0
+    window_start: int = 0
+    tokens_before: int = 0
+
+
+class Place(NamedTuple):
+    """Where the data goes on after a checkpoint (the data source says, train/sources.py): the place
+    in the epochs, or (--follow) the next window. Exactly one of the two is set."""
+
+    epoch: int | None = None
+    step_in_epoch: int | None = None
+    follow: FollowPosition | None = None
+
+
 @dataclass
 class CheckpointState:
     """A checkpoint's state.json: its step, the cache it trained on, the run's settings and the
-    drafter's config, and where the data goes on: the place in the epochs, or (--follow) the next
-    window (`train/follow.FollowPosition` as a dict). Exactly one of the two places is set."""
+    drafter's config, and where the data goes on (a Place's fields: the place in the epochs, or
+    with --follow the next window)."""
 
     step: int
     cache_fingerprint: str
@@ -41,7 +61,7 @@ class CheckpointState:
     drafter: dict  # dataclasses.asdict(DrafterConfig); read back through DrafterConfig.from_saved
     epoch: int | None = None
     step_in_epoch: int | None = None
-    follow: dict | None = None
+    follow: FollowPosition | None = None
 
     def to_json(self) -> dict:
         """The file's object: the place that is not set is left out, as before this type existed."""
@@ -51,7 +71,11 @@ class CheckpointState:
     def from_json(cls, d: dict) -> "CheckpointState":
         """From a state.json that checkpoint_damage has read without complaint (keys it does not
         know, from a later version, are ignored)."""
-        return cls(**{f.name: d.get(f.name) for f in fields(cls)})
+        state = cls(**{f.name: d.get(f.name) for f in fields(cls)})
+        if isinstance(state.follow, dict):
+            known = {f.name for f in fields(FollowPosition)}
+            state.follow = FollowPosition(**{k: v for k, v in state.follow.items() if k in known})
+        return state
 
     @classmethod
     def read(cls, ck: Path) -> "CheckpointState":

@@ -269,11 +269,12 @@ class TrainConfig(ReportOptions, HeldOutOptions, CheckpointOptions, OptimizerOpt
         """The three-term loss (blocks/dspark_loss.py): DSpark's, or DFlash's with --tv-weight."""
         return self.method == "dspark" or self.resolved_tv_weight > 0
 
-    @property
-    def resolved_gamma(self) -> float:
+    def resolved_gamma(self, block_size: int) -> float:
+        """--gamma, else the method's for `block_size`: the drafter's (plan.drafter, its owner after
+        preflight), not the command line's."""
         if self.gamma is not None:
             return float(self.gamma)
-        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, 7.0 * self.block_size / 16)
+        return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, 7.0 * block_size / 16)
 
 
 def auto_lr(hidden_size: int) -> float:

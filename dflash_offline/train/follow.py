@@ -18,6 +18,7 @@ from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore, committed_names, occupancy
 from dflash_offline.cache.shards import delete_released, shard_name
 from dflash_offline.options import also, where
+from dflash_offline.runs.checkpoint import FollowPosition
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
@@ -55,16 +56,6 @@ class Segment:
     tokens: int = 0  # follow: the window's tokens, and those of all windows before it (the schedule)
     tokens_before: int = 0
 
-
-
-@dataclass(frozen=True)
-class FollowPosition:
-    """Where a --follow run goes on from (state.json's "follow"): the next window, its first step,
-    and the tokens of the windows before it (the schedule's place)."""
-
-    window: int = 0
-    window_start: int = 0
-    tokens_before: int = 0
 
 
 def extraction_gone(cache: str, fresh_s: float = 120.0) -> str | None:

@@ -133,7 +133,8 @@ def _train_segment(run: _Run, seg: Segment) -> bool:
     for s in range(span.start, span.end):
         if prof is not None:
             prof.before(st.step + 1)
-        result = optimizer_step(t, st, it, source.lr(seg, s))
+        source.before_step(seg, s)
+        result = optimizer_step(t, st, it)
         st.step += 1
         fault_point("train-step")
         heartbeat(phase="train", step=st.step, total_steps=t.plan.total_steps)
@@ -173,7 +174,7 @@ def checkpoint(t: Trainer, st: LoopState, source: Source, seg: Segment, in_seg: 
     if t.rank == 0:
         position = source.position(seg, in_seg, st.step)
         state = CheckpointState(step=st.step, cache_fingerprint=t.plan.cache_fingerprint, config=asdict(t.cfg),
-                                drafter=asdict(t.plan.drafter), **position)
+                                drafter=asdict(t.plan.drafter), **position._asdict())
         save_checkpoint(t.out, st.step, t.drafter, t.opt, t.sched, state, t.cfg.keep_checkpoints)
         log.info("checkpoint step-%d saved", st.step)
         source.after_checkpoint(state)

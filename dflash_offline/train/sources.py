@@ -2,21 +2,19 @@
 (`Epochs`), and windows of shards trained as extraction commits them (`Windows`, --follow).
 
 The loop (loop.py) asks its source for the segments, each segment's rows, the position a
-checkpoint records, the learning rate where the source sets it, and tells it when a segment ends
+checkpoint records, and the schedule's place where the source holds it (--follow), and tells it when a segment ends
 and a checkpoint is written; no other part of the loop asks which mode runs. How windows are
 found, recorded and released is follow.py's.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Callable, Iterable, Iterator, Protocol
 
-from dflash_offline.runs.checkpoint import CheckpointState
+from dflash_offline.runs.checkpoint import CheckpointState, FollowPosition, Place
 from dflash_offline.runs.folder import CONSUMED, truncate_jsonl
 from dflash_offline.runtime.signals import spawning
 from dflash_offline.train.follow import (
-    FollowPosition,
     Segment,
     epoch_segments,
     follow_segments,
@@ -24,7 +22,6 @@ from dflash_offline.train.follow import (
     release_consumed,
 )
 from dflash_offline.train.plan import EpochPlan
-from dflash_offline.train.schedule import lr_at
 from dflash_offline.train.trainer import LoopState, Trainer
 
 
@@ -42,9 +39,8 @@ class Source(Protocol):
     def segment_done(self, seg: Segment) -> None:
         """Every rank, after a segment's last step (or for a segment with no step)."""
 
-    def position(self, seg: Segment, in_seg: int, step: int) -> dict:
-        """What a checkpoint at `step` (`in_seg` steps into `seg`) records of where the run goes on:
-        CheckpointState's fields of this source's place."""
+    def position(self, seg: Segment, in_seg: int, step: int) -> Place:
+        """What a checkpoint at `step` (`in_seg` steps into `seg`) records of where the run goes on."""
 
     def after_checkpoint(self, state: CheckpointState) -> None:
         """Rank 0, once the checkpoint holding `state` is written."""
@@ -52,8 +48,9 @@ class Source(Protocol):
     def checkpoint_at_end(self, stopping: int | None) -> bool:
         """Whether the run's end needs a checkpoint the steps did not write."""
 
-    def lr(self, seg: Segment, s: int) -> float | None:
-        """The learning rate of step `s` of `seg` where the source sets it; None: the LambdaLR's."""
+    def before_step(self, seg: Segment, s: int) -> None:
+        """Before step `s` of `seg`: what the schedule needs from the data (--follow: the step's
+        place in the plan's tokens; the epochs' LambdaLR counts steps itself)."""
 
     def done_text(self, step: int, total: int) -> str:
         """How far the run went, for its last line."""
@@ -81,7 +78,7 @@ def open_rows(t: Trainer, samples: EpochPlan | Segment, spans: list, pad_rows: b
     # after the command line); the layers and widths the cache's.
     spec = RowSpec(seed=cfg.seed, seq_len=cfg.seq_len, num_anchors=cfg.num_anchors,
                    block_size=t.plan.drafter.block_size, mask_token_id=t.plan.drafter.mask_token_id,
-                   gamma=cfg.resolved_gamma, hidden_size=t.plan.hidden_size,
+                   gamma=cfg.resolved_gamma(t.plan.drafter.block_size), hidden_size=t.plan.hidden_size,
                    row_layers=t.plan.target_layer_count, hidden_dtype=t.plan.hidden_dtype,
                    cache_layers=t.plan.cache_layers,
                    layer_columns=None if t.plan.layer_columns is None else tuple(t.plan.layer_columns),
@@ -115,9 +112,9 @@ class Epochs:
     def segment_done(self, seg: Segment) -> None:
         pass
 
-    def position(self, seg: Segment, in_seg: int, step: int) -> dict:
+    def position(self, seg: Segment, in_seg: int, step: int) -> Place:
         spe = self.t.plan.epochs.steps_per_epoch
-        return {"epoch": step // spe, "step_in_epoch": step % spe}
+        return Place(epoch=step // spe, step_in_epoch=step % spe)
 
     def after_checkpoint(self, state: CheckpointState) -> None:
         pass
@@ -125,8 +122,8 @@ class Epochs:
     def checkpoint_at_end(self, stopping: int | None) -> bool:
         return False  # the steps checkpoint the last step and the step a stop was agreed after
 
-    def lr(self, seg: Segment, s: int) -> float | None:
-        return None
+    def before_step(self, seg: Segment, s: int) -> None:
+        pass
 
     def done_text(self, step: int, total: int) -> str:
         done = f"{step}/{total} steps"
@@ -139,14 +136,14 @@ class Epochs:
 class Windows:
     """--follow: windows of `follow_window` shards, each trained once all its shards are committed
     (follow.py); a loader per window, since a window's shards are known only then. The schedule
-    runs over the plan's tokens, not over a step count known in advance, so this source sets each
-    step's learning rate; the run ends at the data's end (or --max-steps)."""
+    runs over the plan's tokens, not over a step count known in advance, so this source gives each
+    step's place to it (schedule.TokenSchedule); the run ends at the data's end (or --max-steps)."""
 
     def __init__(self, t: Trainer, st: LoopState, resumed: CheckpointState | None,
                  checkpoint_now: Callable[[Segment], None], agree_stop: Callable[[], int | None]):
         cfg, plan = t.cfg, t.plan
         self.t, self.stop = t, cfg.max_steps
-        start = FollowPosition(**(resumed.follow or {})) if resumed is not None else FollowPosition()
+        start = resumed.follow if resumed is not None and resumed.follow is not None else FollowPosition()
         if t.rank == 0:  # windows from the resumed one on run again, and are recorded again
             truncate_jsonl(t.out / CONSUMED, lambda r: r["window"] < start.window)
             if resumed is not None:
@@ -164,24 +161,22 @@ class Windows:
         if self.t.rank == 0:
             record_window(self.t.out, seg)
 
-    def position(self, seg: Segment, in_seg: int, step: int) -> dict:
+    def position(self, seg: Segment, in_seg: int, step: int) -> Place:
         done = in_seg >= seg.steps  # at a window's end the next window starts here
         at = FollowPosition(window=seg.key + 1 if done else seg.key, window_start=step if done else seg.base,
                             tokens_before=seg.tokens_before + (seg.tokens if done else 0))
-        return {"follow": asdict(at)}
+        return Place(follow=at)
 
     def after_checkpoint(self, state: CheckpointState) -> None:
-        release_consumed(self.t.cfg, self.t.plan, state.follow["window"])
+        release_consumed(self.t.cfg, self.t.plan, state.follow.window)
 
     def checkpoint_at_end(self, stopping: int | None) -> bool:
         # Stopped while waiting for shards, or the data ended between checkpoints.
         return bool(stopping) or self.t.cfg.final_checkpoint
 
-    def lr(self, seg: Segment, s: int) -> float:
+    def before_step(self, seg: Segment, s: int) -> None:
         # This step's place is the middle of its share of the window's tokens.
-        t = self.t
-        return t.plan.lr * lr_at(min(1.0, (seg.tokens_before + seg.tokens * (s + 0.5) / seg.steps)
-                                     / t.plan.follow.plan_tokens), t.cfg.warmup_ratio)
+        self.t.sched.at((seg.tokens_before + seg.tokens * (s + 0.5) / seg.steps) / self.t.plan.follow.plan_tokens)
 
     def done_text(self, step: int, total: int) -> str:
         return f"{step} steps (about {total} estimated)"

@@ -63,10 +63,10 @@ class StepResult(NamedTuple):
     t_data: float  # seconds it waited for its micro-batches
 
 
-def optimizer_step(t: Trainer, st: LoopState, it, lr_now: float | None) -> StepResult:
-    """Step `st.step + 1` over the next micro-batches of `it`, at learning rate `lr_now` where the
-    data source sets it (--follow: over the plan's tokens) and the LambdaLR's where it is None: raises
-    TrainingDiverged (on every rank at once) instead of applying a non-finite loss or gradient."""
+def optimizer_step(t: Trainer, st: LoopState, it) -> StepResult:
+    """Step `st.step + 1` over the next micro-batches of `it`, at the schedule's rate (`t.sched`):
+    raises TrainingDiverged (on every rank at once) instead of applying a non-finite loss or
+    gradient."""
     import torch
     import torch.distributed as dist
 
@@ -102,9 +102,9 @@ def optimizer_step(t: Trainer, st: LoopState, it, lr_now: float | None) -> StepR
             mm = block_metrics(correct, mb.weights, mb.anchor_valid, B, first_slot=first_slot)
             step_m = mm if step_m is None else {k: step_m[k] + mm[k] for k in mm}
     with phase("optimizer"):
-        sums, gnorm = _checked_update(t, st, loss_sum, step_m, lr_now)
-    return StepResult(sums=sums, wsum=wsum, gnorm=gnorm, trained_tokens=head[1],
-                      lr=lr_now if lr_now is not None else t.sched.get_last_lr()[0], t0=t0, t_data=t_data)
+        sums, gnorm = _checked_update(t, st, loss_sum, step_m)
+    return StepResult(sums=sums, wsum=wsum, gnorm=gnorm, trained_tokens=head[1], lr=t.sched.get_last_lr()[0],
+                      t0=t0, t_data=t_data)
 
 
 def _forward_backward(t: Trainer, st: LoopState, mb, scale):
@@ -152,7 +152,7 @@ def _forward_backward(t: Trainer, st: LoopState, mb, scale):
     return ls, correct
 
 
-def _checked_update(t: Trainer, st: LoopState, loss_sum, step_m: dict, lr_now: float | None):
+def _checked_update(t: Trainer, st: LoopState, loss_sum, step_m: dict):
     """Clip, the step's one all-reduce of metrics and finiteness, then AdamW and the schedule.
     Returns the step's sums over ranks and the gradient norm before clipping."""
     import torch
@@ -172,9 +172,6 @@ def _checked_update(t: Trainer, st: LoopState, loss_sum, step_m: dict, lr_now: f
     if sums.diverged:  # the same on every rank: all stop here, none waits for another
         raise TrainingDiverged(diverged_message(sums.nonfinite_loss, float(gnorm), st.step + 1, t.out,
                                                 st.last_ckpt))
-    if lr_now is not None:
-        for group in t.opt.param_groups:
-            group["lr"] = lr_now
     t.opt.step()
     t.sched.step()
     t.opt.zero_grad(set_to_none=True)

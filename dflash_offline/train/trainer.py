@@ -17,7 +17,7 @@ from dflash_offline.runtime.launch import rendezvous_store, single_thread_comput
 from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.runtime.units import human_count
 from dflash_offline.train.plan import TrainPlan
-from dflash_offline.train.schedule import lr_lambda
+from dflash_offline.train.schedule import TokenSchedule, lr_lambda
 
 log = logging.getLogger("dflash.train")
 
@@ -38,7 +38,7 @@ class Trainer:
     model: object  # the drafter, or its DDP wrapper with more than one rank
     params: list
     opt: object  # AdamW
-    sched: object  # LambdaLR (epochs; with --follow the loop sets each step's lr itself)
+    sched: object  # LambdaLR over the plan's steps (epochs), TokenSchedule over its tokens (--follow)
     loss_chunk: int
     compile_loss: bool  # the loss's element-wise passes as compiled kernels (blocks.loss)
     ctrl: object  # the group that agrees on stopping: gloo, so the check never syncs with the GPU
@@ -116,7 +116,8 @@ def build_trainer(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tr
     params = drafter.trainable_parameters()
     opt = torch.optim.AdamW(params, lr=plan.lr, weight_decay=cfg.weight_decay, fused=cuda)
     warmup = max(1, math.ceil(cfg.warmup_ratio * plan.total_steps))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(plan.total_steps, warmup))
+    sched = (TokenSchedule(opt, plan.lr, cfg.warmup_ratio) if plan.follow is not None
+             else torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(plan.total_steps, warmup)))
     return Trainer(cfg=cfg, plan=plan, rank=rank, world=world, device=device, cuda=cuda, bf16=bf16, out=out,
                    drafter=drafter, model=model, params=params, opt=opt, sched=sched, loss_chunk=loss_chunk,
                    compile_loss=cfg.compile_loss, ctrl=ctrl)
