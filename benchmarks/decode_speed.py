@@ -89,7 +89,8 @@ def part1(args, device: str) -> dict:
     from dflash_offline.evaluate.run import load_drafter, read_prompts
     from dflash_offline.evaluate.speculative import load_target_for_decoding, summarize
     from dflash_offline.generate.continuous import ContinuousDecoder
-    from dflash_offline.generate.decoding import BatchDecoder, Sampling
+    from dflash_offline.generate.decoding import BatchDecoder
+    from dflash_offline.sampling import Sampling
     from dflash_offline.targets.folder import eos_ids, read_target
 
     ids, prompts = read_prompts(args.prompts, read_target(args.target).vocab_size, args.max_prompts)

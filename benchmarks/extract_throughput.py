@@ -133,6 +133,7 @@ def run_shape(args, shape: str, results: dict, save) -> None:
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore, new_manifest
     from dflash_offline.config import ExtractConfig
+    from dflash_offline.extract.messages import ShardShape
     from dflash_offline.extract.plan import make_batches, make_plan
     from dflash_offline.extract.worker import make_sink, run_shards
     from dflash_offline.targets.model import LayerCapture, default_layer_ids, forward_batch
@@ -226,8 +227,8 @@ def run_shape(args, shape: str, results: dict, save) -> None:
                                                  plan={"num_shards": 10**9, "shard_tokens": 0, "sort_window": 0}))
                 loc.makedirs("shards")
                 capture = LayerCapture(model, layer_ids)
-                layout = dict(cache_layers=len(layer_ids), hidden_size=H, topk=topk, chunk_tokens=cfg.chunk_tokens,
-                              layer_ids=layer_ids, hidden_dtype="bfloat16")
+                layout = ShardShape(cache_layers=len(layer_ids), hidden_size=H, topk=topk,
+                                    chunk_tokens=cfg.chunk_tokens, layer_ids=layer_ids, hidden_dtype="bfloat16")
                 written = {"bytes": 0}
 
                 def on_progress(t, nb):

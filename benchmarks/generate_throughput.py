@@ -181,7 +181,8 @@ def shape27b(args) -> dict:
 
     save = save_to(args)
     sys.path.insert(0, str(ROOT))
-    from dflash_offline.generate.decoding import BatchDecoder, Sampling
+    from dflash_offline.generate.decoding import BatchDecoder
+    from dflash_offline.sampling import Sampling
     from dflash_offline.targets.model import route_cpu_tensors_to_torch_kernels
 
     if args.smoke:

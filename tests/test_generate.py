@@ -125,7 +125,8 @@ def test_sampling_is_reproducible_per_prompt(tiny_dense, tmp_path):
 def test_noise_is_splitmix64_and_sampling_follows_the_distribution():
     import torch
 
-    from dflash_offline.generate.decoding import Sampling, choose_tokens, uniform_noise
+    from dflash_offline.generate.decoding import choose_tokens, uniform_noise
+    from dflash_offline.sampling import Sampling
 
     # The noise equals a plain unsigned 64-bit splitmix64 (numpy uint64 arithmetic wraps by definition).
     def mix(x):

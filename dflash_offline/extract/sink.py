@@ -38,7 +38,7 @@ import queue
 import time
 
 from dflash_offline.extract.messages import (Batch, Begin, Close, Closed, End, Free, Progress, Ready, ShardDone,
-                                             WriterError)
+                                             ShardShape, WriterError)
 from dflash_offline.extract.slots import Segment, close_shm, slot_arrays, slot_bytes, slot_views
 from dflash_offline.extract.writer_process import writer_main
 from dflash_offline.runtime.signals import spawning
@@ -59,13 +59,12 @@ class ShardSink:
     the end (raises if a writer failed), `abort()` on the error path.
     """
 
-    def __init__(self, cache: str, layout_kw: dict, *, batch_tokens: int, writers: int, slots: int, pin: bool,
+    def __init__(self, cache: str, shape: ShardShape, *, batch_tokens: int, writers: int, slots: int, pin: bool,
                  log_dir: str, log_name: str, on_progress, discard: bool = False):
         if writers < 1 or slots < 1:
             raise ValueError(f"need at least one writer and one slot (got {writers}, {slots})")
         self.on_progress = on_progress
-        self.arrays = slot_arrays(batch_tokens, layout_kw["cache_layers"], layout_kw["hidden_size"], layout_kw["topk"],
-                                  layout_kw.get("hidden_dtype", "bfloat16"))
+        self.arrays = slot_arrays(batch_tokens, shape.cache_layers, shape.hidden_size, shape.topk, shape.hidden_dtype)
         size = slot_bytes(self.arrays)
         self.log_dir, self.log_name = log_dir, log_name
         self.shms: list[Segment] = []
@@ -94,7 +93,7 @@ class ShardSink:
             with spawning():  # the writers set their own signal dispositions first
                 for w in range(writers):
                     p = ctx.Process(target=writer_main, name=f"{log_name}-writer{w}", daemon=True,
-                                    args=(w, cache, layout_kw, [s.handle for s in self.shms], self.arrays,
+                                    args=(w, cache, shape, [s.handle for s in self.shms], self.arrays,
                                           self.inqs[w], self.outq, log_dir, f"{log_name}-writer{w}", discard))
                     p.start()
                     self.procs.append(p)

@@ -17,7 +17,7 @@ from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore, committed_names
 from dflash_offline.cache.shards import shard_name, shard_rel, tmp_shard_rel
 from dflash_offline.config import ExtractConfig
-from dflash_offline.extract.messages import Paused, Progress
+from dflash_offline.extract.messages import Paused, Progress, ShardShape
 from dflash_offline.extract.plan import Job, make_batches
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.launch import single_thread_compute
@@ -93,8 +93,8 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
 
     own = sum(int(np.minimum(job.source["lengths"][job.shards[j]], cfg.max_len).sum()) for j in mine)
     shown = _Shown(progress, show_bar, own, f"extract (rank {rank} of {world})")
-    sink = make_sink(cfg, dict(cache_layers=n, hidden_size=H, topk=k, chunk_tokens=cfg.chunk_tokens,
-                               layer_ids=job.layer_ids, hidden_dtype=cfg.hidden_dtype), cuda,
+    sink = make_sink(cfg, ShardShape(cache_layers=n, hidden_size=H, topk=k, chunk_tokens=cfg.chunk_tokens,
+                                     layer_ids=job.layer_ids, hidden_dtype=cfg.hidden_dtype), cuda,
                      log_folder(cfg, loc), f"extract-rank{rank}", shown.on_progress)
     on_pause = shown.on_pause
     left = [0]
@@ -195,13 +195,13 @@ def _shard_samples(job: Job, j: int, src, reader, max_len: int) -> list[tuple[in
     return out
 
 
-def make_sink(cfg: ExtractConfig, layout_kw: dict, cuda: bool, log_dir: str, log_name: str, on_progress,
+def make_sink(cfg: ExtractConfig, shape: ShardShape, cuda: bool, log_dir: str, log_name: str, on_progress,
               discard: bool = False):
     """The writer processes and their shared slots: W + 2 on CUDA (one being filled by the copy,
     one queued, W being written), W + 1 on CPU (the copy is synchronous there)."""
     from dflash_offline.extract.sink import ShardSink
 
-    return ShardSink(cfg.cache, layout_kw, batch_tokens=cfg.batch_tokens, writers=cfg.writers,
+    return ShardSink(cfg.cache, shape, batch_tokens=cfg.batch_tokens, writers=cfg.writers,
                      slots=cfg.writers + (2 if cuda else 1), pin=cuda, log_dir=log_dir, log_name=log_name,
                      on_progress=on_progress, discard=discard)
 

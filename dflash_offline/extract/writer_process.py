@@ -19,7 +19,7 @@ from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore
 from dflash_offline.cache.shards import publish_shard, shard_name, tmp_shard_rel
 from dflash_offline.extract.messages import (Batch, Begin, Close, Closed, End, Free, Progress, Ready, ShardDone,
-                                             WriterError)
+                                             ShardShape, WriterError)
 from dflash_offline.extract.slots import Segment, SegmentHandle, close_shm, slot_bytes, slot_views
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.logs import heartbeat, open_process_log, reported_outcome
@@ -49,7 +49,7 @@ def _next_message(inq):
             heartbeat()
 
 
-def writer_main(w: int, cache: str, layout_kw: dict, slot_handles: list[SegmentHandle], arrays, inq, outq,
+def writer_main(w: int, cache: str, shape: ShardShape, slot_handles: list[SegmentHandle], arrays, inq, outq,
                 log_dir: str, log_name: str, discard: bool = False) -> None:
     """Entry of writer process w: log file first, then its loop (numpy and Zarr only)."""
     die_with_parent()
@@ -57,27 +57,27 @@ def writer_main(w: int, cache: str, layout_kw: dict, slot_handles: list[SegmentH
     open_process_log(log_dir, log_name, console=False, claim=True)
     try:
         with reported_outcome():
-            _writer_loop(w, cache, layout_kw, slot_handles, arrays, inq, outq, discard)
+            _writer_loop(w, cache, shape, slot_handles, arrays, inq, outq, discard)
     except BaseException as e:
         log.exception("shard writer %d failed", w)
         outq.put(WriterError(w, f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from None
 
 
-def _writer_loop(w, cache, layout_kw, slot_handles, arrays, inq, outq, discard: bool) -> None:
+def _writer_loop(w, cache, shape, slot_handles, arrays, inq, outq, discard: bool) -> None:
     loc = Location(cache)
     store = ManifestStore(loc)
     shms = [Segment.attach(h) for h in slot_handles]
     try:
-        _write_loop(w, loc, store, shms, arrays, layout_kw, inq, outq, discard)
+        _write_loop(w, loc, store, shms, arrays, shape, inq, outq, discard)
     finally:
         for shm in shms:
             close_shm(shm)
     outq.put(Closed(w))
 
 
-def _write_loop(w, loc, store, shms, arrays, layout_kw, inq, outq, discard: bool) -> None:
-    from dflash_offline.cache.writer import ShardLayout, ShardWriter
+def _write_loop(w, loc, store, shms, arrays, shape, inq, outq, discard: bool) -> None:
+    from dflash_offline.cache.writer import ShardWriter
 
     slots = [slot_views(s.buf, arrays) for s in shms]
     outq.put(Ready(w, os.getpid()))
@@ -99,14 +99,14 @@ def _write_loop(w, loc, store, shms, arrays, layout_kw, inq, outq, discard: bool
         if isinstance(msg, Begin):
             tmp = tmp_shard_rel(shard_name(msg.j))
             loc.rmtree(tmp)
-            writer = ShardWriter(loc, tmp, ShardLayout(tokens=msg.tokens, **layout_kw))
+            writer = ShardWriter(loc, tmp, shape.layout(msg.tokens))
             t_shard, busy = time.time(), 0.0
         elif isinstance(msg, Batch):
             v, N = slots[msg.slot], msg.tokens
             _wait_flag(v["flag"], msg.seq)
             t0 = time.perf_counter()  # busy time starts when the data is there
-            has_k = layout_kw["topk"] > 0
-            fp8 = layout_kw.get("hidden_dtype") == "float8_e4m3fn"
+            has_k = shape.topk > 0
+            fp8 = shape.hidden_dtype == "float8_e4m3fn"
             writer.append_batch(msg.samples, v["hidden"][:N], v["ids"][:N] if has_k else None,
                                 v["lp"][:N] if has_k else None, v["scale"][:N] if fp8 else None)
             outq.put(Free(msg.slot))

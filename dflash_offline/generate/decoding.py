@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_offline.sampling import Sampling, top_p_keep, uniform_noise  # noqa: F401  (Sampling: generate's settings)
+from dflash_offline.sampling import Sampling, top_p_keep, uniform_noise
 from dflash_offline.targets.attention import cache_argument, use_grouped_attention
 
 log = logging.getLogger("dflash.decoding")

@@ -45,6 +45,7 @@ from dflash_offline.runtime.paths import file_sha256
 from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
 from dflash_offline.runtime.supervise import WorkerError, die_with_parent, run_workers, wait_for_other_ranks
 from dflash_offline.runtime.units import human_bytes
+from dflash_offline.sampling import Sampling
 from dflash_offline.targets import model as target
 from dflash_offline.targets.folder import eos_source, read_target
 from dflash_offline.targets.model import load_target
@@ -464,7 +465,7 @@ def _decoders(job: Job, cfg: GenerateConfig, model):
     """(continuous, padded) decoders over the loaded target: the continuous one with --batching
     continuous where the target allows it, the padded one otherwise and for conversations (a turn
     that outgrows the slots goes on in padded rounds); either may be None."""
-    from dflash_offline.generate.decoding import BatchDecoder, Sampling
+    from dflash_offline.generate.decoding import BatchDecoder
 
     # Conversation prompts grow turn by turn: any prompt that fits the context may come.
     longest = job.max_prompt_len if job.chat is None else max(
