@@ -63,6 +63,14 @@ PRESETS = {
     # default recipe (stages/pycode), trained on completions sampled at T = 1.
     "dspark-cl": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay", "--compile-loss"],
     "dspark-gated": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay", "--markov-head", "gated"],
+    # The default recipe's ablations, each behind its switch: the gated Markov head, no confidence
+    # head (its BCE term gone), a Markov head of rank 64.
+    "dspark-cl-gated": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay", "--compile-loss",
+                        "--markov-head", "gated"],
+    "dspark-cl-noconf": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay", "--compile-loss",
+                         "--no-confidence-head"],
+    "dspark-cl-r64": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay", "--compile-loss",
+                      "--markov-rank", "64"],
     # DFlash with DSpark's distribution term (no heads; exported as plain DFlash): the lever for
     # sampled acceptance that keeps the served method.
     "tv": ["--kd-weight", "0", "--loss-weights", "decay", "--tv-weight", "0.9"],
