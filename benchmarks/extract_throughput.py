@@ -133,7 +133,7 @@ def run_shape(args, shape: str, results: dict, save) -> None:
     from dflash_offline.cache.location import Location
     from dflash_offline.cache.manifest import ManifestStore, new_manifest
     from dflash_offline.config import ExtractConfig
-    from dflash_offline.extract.messages import ShardShape
+    from dflash_offline.cache.shards import ShardShape
     from dflash_offline.extract.plan import make_batches, make_plan
     from dflash_offline.extract.worker import make_sink, run_shards
     from dflash_offline.targets.model import LayerCapture, default_layer_ids, forward_batch

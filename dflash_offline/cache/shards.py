@@ -5,13 +5,30 @@ A shard is written under a temporary name (`tmp_shard_rel`) and only a finished 
 its own (`shard_rel`) and listed in the manifest (`publish_shard`): a reader never sees a shard
 folder half-written under a committed name, and a killed writer leaves debris that the next run
 recognises by name and deletes (cache-contract.md).
+
+`ShardShape` is what every shard of one extraction shares; a shard's `writer.ShardLayout` adds
+its token count. It is defined here, not beside the writer, so extract's writer processes receive
+it at their start without importing Zarr before their log is open.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 from dflash_offline.cache.manifest import ManifestStore
 from dflash_offline.runtime.faults import fault_point
+
+
+@dataclass(frozen=True)
+class ShardShape:
+    """What every shard of one extraction shares (module docstring)."""
+
+    cache_layers: int  # layers per token (len(layer_ids))
+    hidden_size: int
+    topk: int
+    chunk_tokens: int
+    layer_ids: list[int]
+    hidden_dtype: str = "bfloat16"
 
 
 def shard_name(j: int) -> str:

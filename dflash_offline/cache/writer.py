@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import google_crc32c
 import numpy as np
@@ -35,6 +35,7 @@ from zarr.codecs import Crc32cCodec
 
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import id_ranges
+from dflash_offline.cache.shards import ShardShape
 
 log = logging.getLogger("dflash.cache")
 
@@ -98,15 +99,15 @@ def _plain_codecs(arr) -> bool:
     return sys.byteorder == "little" and names == ["BytesCodec", "Crc32cCodec"] and ordered
 
 
-@dataclass
-class ShardLayout:
+@dataclass(frozen=True, kw_only=True)
+class ShardLayout(ShardShape):
+    """One shard's layout: the extraction's ShardShape and the shard's token count."""
+
     tokens: int
-    cache_layers: int  # layers per token (len(layer_ids))
-    hidden_size: int
-    topk: int
-    chunk_tokens: int
-    layer_ids: list[int]
-    hidden_dtype: str = "bfloat16"
+
+    @classmethod
+    def of(cls, shape: ShardShape, tokens: int) -> "ShardLayout":
+        return cls(tokens=tokens, **{f.name: getattr(shape, f.name) for f in fields(ShardShape)})
 
 
 class ShardWriter:

@@ -32,24 +32,6 @@ class Paused(NamedTuple):
 # -- worker -> shard writer w ------------------------------------------------------------------
 
 
-class ShardShape(NamedTuple):
-    """What every shard of one extraction shares, given to each writer with its start: a shard's
-    cache/writer.ShardLayout less its token count (`layout(tokens)`)."""
-
-    cache_layers: int  # layers per token (len(layer_ids))
-    hidden_size: int
-    topk: int
-    chunk_tokens: int
-    layer_ids: list[int]
-    hidden_dtype: str = "bfloat16"
-
-    def layout(self, tokens: int):
-        from dflash_offline.cache.writer import ShardLayout  # zarr: only the writer processes need it
-
-        return ShardLayout(tokens=tokens, **self._asdict())
-
-
-
 class Begin(NamedTuple):
     """Shard j starts: `tokens` tokens in all (its arrays are made that long)."""
 

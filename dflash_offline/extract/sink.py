@@ -37,8 +37,9 @@ import os
 import queue
 import time
 
+from dflash_offline.cache.shards import ShardShape
 from dflash_offline.extract.messages import (Batch, Begin, Close, Closed, End, Free, Progress, Ready, ShardDone,
-                                             ShardShape, WriterError)
+                                             WriterError)
 from dflash_offline.extract.slots import Segment, close_shm, slot_arrays, slot_bytes, slot_views
 from dflash_offline.extract.writer_process import writer_main
 from dflash_offline.runtime.signals import spawning

@@ -15,9 +15,9 @@ import numpy as np
 
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore, committed_names
-from dflash_offline.cache.shards import shard_name, shard_rel, tmp_shard_rel
+from dflash_offline.cache.shards import ShardShape, shard_name, shard_rel, tmp_shard_rel
 from dflash_offline.config import ExtractConfig
-from dflash_offline.extract.messages import Paused, Progress, ShardShape
+from dflash_offline.extract.messages import Paused, Progress
 from dflash_offline.extract.plan import Job, make_batches
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.launch import single_thread_compute

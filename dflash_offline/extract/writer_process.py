@@ -17,9 +17,9 @@ import numpy as np
 
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore
-from dflash_offline.cache.shards import publish_shard, shard_name, tmp_shard_rel
+from dflash_offline.cache.shards import ShardShape, publish_shard, shard_name, tmp_shard_rel
 from dflash_offline.extract.messages import (Batch, Begin, Close, Closed, End, Free, Progress, Ready, ShardDone,
-                                             ShardShape, WriterError)
+                                             WriterError)
 from dflash_offline.extract.slots import Segment, SegmentHandle, close_shm, slot_bytes, slot_views
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.logs import heartbeat, open_process_log, reported_outcome
@@ -77,7 +77,7 @@ def _writer_loop(w, cache, shape, slot_handles, arrays, inq, outq, discard: bool
 
 
 def _write_loop(w, loc, store, shms, arrays, shape, inq, outq, discard: bool) -> None:
-    from dflash_offline.cache.writer import ShardWriter
+    from dflash_offline.cache.writer import ShardLayout, ShardWriter
 
     slots = [slot_views(s.buf, arrays) for s in shms]
     outq.put(Ready(w, os.getpid()))
@@ -99,7 +99,7 @@ def _write_loop(w, loc, store, shms, arrays, shape, inq, outq, discard: bool) ->
         if isinstance(msg, Begin):
             tmp = tmp_shard_rel(shard_name(msg.j))
             loc.rmtree(tmp)
-            writer = ShardWriter(loc, tmp, shape.layout(msg.tokens))
+            writer = ShardWriter(loc, tmp, ShardLayout.of(shape, msg.tokens))
             t_shard, busy = time.time(), 0.0
         elif isinstance(msg, Batch):
             v, N = slots[msg.slot], msg.tokens

@@ -2,9 +2,9 @@
 (`Epochs`), and windows of shards trained as extraction commits them (`Windows`, --follow).
 
 The loop (loop.py) asks its source for the segments, each segment's rows, the position a
-checkpoint records, and the schedule's place where the source holds it (--follow), and tells it when a segment ends
-and a checkpoint is written; no other part of the loop asks which mode runs. How windows are
-found, recorded and released is follow.py's.
+checkpoint records, and the schedule's place where the source holds it (--follow), and tells it
+when a segment ends and a checkpoint is written; no other part of the loop asks which mode runs.
+How windows are found, recorded and released is follow.py's.
 """
 
 from __future__ import annotations
