@@ -265,55 +265,96 @@ def shape27b(args) -> dict:
 
 def continuous_steps(model, args, weight_bytes: int, res: dict, save, device: str) -> None:
     """generate's continuous decoder (static buffers, the step one CUDA graph): every slot admitted,
-    then --new steps timed; the bound counts the weights, the attention buffers and the Gated
-    DeltaNet states and windows read and written once per step."""
+    then --new steps timed, for each step in --steps (fused: targets/step.py's compiled pieces, the
+    default; plain: the layers' own modules); the bound counts the weights, the attention buffers
+    and the Gated DeltaNet states and windows read and written once per step."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    for B in [int(b) for b in args.batches.split(",")]:
+        prompts = [torch.randint(2, vocab, (args.prompt,), generator=g).tolist() for _ in range(B)]
+        for step in args.steps.split(","):
+            row = continuous_run(model, args, B, prompts, step, weight_bytes, device)
+            res["runs"].append(row)
+            print(json.dumps(row), flush=True)
+            save(res)
+
+
+def continuous_run(model, args, B: int, prompts: list, step: str, weight_bytes: int, device: str) -> dict:
+    """One batch size and step kind: the timed steps (and, with --profile, where a step's time goes)."""
     import torch
 
     from dflash_offline.generate.continuous import ContinuousDecoder, Request
     from dflash_offline.sampling import Sampling
 
-    g = torch.Generator().manual_seed(1)
-    vocab = model.config.vocab_size
-    for B in [int(b) for b in args.batches.split(",")]:
-        try:
-            torch.cuda.empty_cache() if device == "cuda" else None
-            dec = ContinuousDecoder(model, B, args.prompt, args.new + 1, set(), Sampling(), check_every=args.new,
-                                    stage_rows=min(B, 64))
-            t0 = time.perf_counter()
-            if dec.graphs:
-                with torch.inference_mode():
-                    dec._capture()
-            capture_s = time.perf_counter() - t0
-            requests = [Request(i, torch.randint(2, vocab, (args.prompt,), generator=g).tolist()) for i in range(B)]
+    try:
+        torch.cuda.empty_cache() if device == "cuda" else None
+        dec = ContinuousDecoder(model, B, args.prompt, args.new + 1, set(), Sampling(), check_every=args.new,
+                                stage_rows=min(B, 64), fast_step=step == "fused")
+        t0 = time.perf_counter()
+        if dec.graphs:
             with torch.inference_mode():
-                for a in range(0, B, dec.stage.rows):
-                    dec._admit(list(range(a, min(B, a + dec.stage.rows))), requests[a:a + dec.stage.rows])
-                for _ in range(3):  # warm-up steps
-                    dec._run_step()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(args.new - 3):
-                    dec._run_step()
-                if device == "cuda":
-                    torch.cuda.synchronize()
+                dec._capture()  # (the fused step compiles here, in the warm-up steps before the capture)
+        capture_s = time.perf_counter() - t0
+        requests = [Request(i, p) for i, p in enumerate(prompts)]
+        with torch.inference_mode():
+            for a in range(0, B, dec.stage.rows):
+                dec._admit(list(range(a, min(B, a + dec.stage.rows))), requests[a:a + dec.stage.rows])
+            for _ in range(3):  # warm-up steps
+                dec._run_step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(args.new - 3):
+                dec._run_step()
+            if device == "cuda":
+                torch.cuda.synchronize()
             step_s = (time.perf_counter() - t0) / (args.new - 3)
-        except Exception as e:  # noqa: BLE001 - recorded: a variant that fails must not hide the others
-            res["runs"].append({"batch": B, "decoder": "continuous", "error": f"{type(e).__name__}: {e}"[:500]})
-            save(res)
-            print(f"continuous B={B}: FAILED {e}", flush=True)
-            continue
-        state = sum(t.numel() * t.element_size() for m in dec.target.recurrent for t in m.buffers())
-        kv = sum(t.numel() * t.element_size() for t in dec.target.buffers()) - state
-        bound_s = (weight_bytes + 2 * state + kv) / COPY_BW
-        row = {"batch": B, "decoder": "continuous", "graphs": dec.graphs, "capture_s": capture_s, "prompt": args.prompt,
-               "new": args.new, "step_ms": 1e3 * step_s, "new_tokens_per_s": B / step_s, "state_bytes": state,
-               "kv_bytes": kv, "bound_step_ms": 1e3 * bound_s, "share_of_bandwidth_bound": bound_s / step_s,
-               "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None}
-        res["runs"].append(row)
-        print(json.dumps(row), flush=True)
-        save(res)
-        del dec
+            first = dec.out[:, :4].tolist()  # the first new tokens: the steps must agree on them
+            profile = profile_step(dec, device) if B in args.profile_batches else None
+    except Exception as e:  # noqa: BLE001 - recorded: a variant that fails must not hide the others
+        print(f"continuous B={B} step={step}: FAILED {e}", flush=True)
+        return {"batch": B, "decoder": "continuous", "step": step, "error": f"{type(e).__name__}: {e}"[:500]}
+    state = sum(t.numel() * t.element_size() for m in dec.target.recurrent for t in m.buffers())
+    kv = sum(t.numel() * t.element_size() for t in dec.target.buffers()) - state
+    bound_s = (weight_bytes + 2 * state + kv) / COPY_BW
+    row = {"batch": B, "decoder": "continuous", "step": step, "graphs": dec.graphs, "capture_s": capture_s,
+           "prompt": args.prompt, "new": args.new, "step_ms": 1e3 * step_s, "new_tokens_per_s": B / step_s,
+           "state_bytes": state, "kv_bytes": kv, "bound_step_ms": 1e3 * bound_s,
+           "share_of_bandwidth_bound": bound_s / step_s, "first_tokens": first,
+           "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None}
+    if profile is not None:
+        row["profile"] = profile
+    del dec
+    return row
+
+
+def profile_step(dec, device: str) -> dict:
+    """Kernels of one step, unrolled (the eager step: each kernel launched from Python) and replayed
+    (the CUDA graph): how many, the GPU's busy time, and the ten costliest by name."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, run in (("eager", dec._step), ("graph", dec._run_step)):
+        if device != "cuda":
+            break
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        by_name: dict[str, list] = {}
+        for e in kernels:
+            t = by_name.setdefault(e.name[:90], [0, 0.0])
+            t[0] += 1
+            t[1] += e.device_time / 1e3
+        top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:10]
+        out[name] = {"kernels_per_step": len(kernels) / 3, "busy_ms_per_step": sum(t for _, t in by_name.values()) / 3,
+                     "top": [{"kernel": k, "per_step": n / 3, "ms_per_step": t / 3} for k, (n, t) in top]}
+    return out
 
 
 def main() -> None:
@@ -341,6 +382,11 @@ def main() -> None:
                    help="also generate's continuous decoder (static buffers, a CUDA-graph step)")
     p.add_argument("--padded", action=argparse.BooleanOptionalAction, default=True,
                    help="also generate's padded decoder (transformers' StaticCache)")
+    p.add_argument("--steps", default="fused,plain",
+                   help="the continuous decoder's steps, side by side: fused (targets/step.py, the default) and "
+                        "plain (the layers' own modules)")
+    p.add_argument("--profile-batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[],
+                   help="batch sizes whose continuous steps are also profiled (kernels per step, GPU busy time)")
     for p in sub.choices.values():
         p.add_argument("--results", required=True)
         p.add_argument("--smoke", action="store_true")

@@ -8,7 +8,8 @@ generate's padded decoder, in fp32, on tiny dense and hybrid targets.
 - `run` with `on_finish` queueing follow-up requests (a conversation's next turn) decodes them too;
 - generate's parts stream through the slots: the next part's prompts start before a part's last
   ends (fewer steps than draining the slots at each part's end), the same tokens;
-- on a GPU the step replays as a CUDA graph: the same tokens as the eager step.
+- on a GPU the step replays as a CUDA graph: the same tokens as the eager step, with the step's
+  compiled pieces (targets/step.py) and with the layers' own modules.
 """
 
 from __future__ import annotations
@@ -116,5 +117,7 @@ def test_cuda_graph_step_equals_eager(model):
     prompts, ids = prompts_and_ids()
     want = [r.tokens[0] for r in alone(cuda, prompts, ids, set(), Sampling())]
     for graphs in (True, False):
-        dec = ContinuousDecoder(cuda, 4, max(LENGTHS), MAX_NEW, set(), Sampling(), graphs=graphs, stage_rows=3)
-        assert [g.tokens for g in dec.decode_all(prompts, ids)] == want, graphs
+        for fast_step in (True, False):  # the compiled pieces (targets/step.py) and the layers' modules
+            dec = ContinuousDecoder(cuda, 4, max(LENGTHS), MAX_NEW, set(), Sampling(), graphs=graphs, stage_rows=3,
+                                    fast_step=fast_step)
+            assert [g.tokens for g in dec.decode_all(prompts, ids)] == want, (graphs, fast_step)

@@ -27,7 +27,8 @@ import torch
 
 from dflash_offline.targets import families
 from dflash_offline.targets.attention import grouped_query_attention
-from dflash_offline.targets.recurrent import LINEAR_PARTS, GatedDeltaLayer, kernels_for
+from dflash_offline.targets.recurrent import LINEAR_PARTS, GatedDeltaLayer, advance_state, kernels_for
+from dflash_offline.targets.step import fuse_projections, pieces
 
 _BESIDE_MIXER = {"mlp", "input_layernorm", "post_attention_layernorm"}  # a layer's other children
 _ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
@@ -85,7 +86,7 @@ class StaticTarget:
     """A target over per-row key/value buffers (attention layers) and window/state buffers (Gated
     DeltaNet layers): the module docstring."""
 
-    def __init__(self, model, layer_ids: list[int], rows: int, capacity: int):
+    def __init__(self, model, layer_ids: list[int], rows: int, capacity: int, fast_step: bool = False):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the static decoder cannot run this target: {reason}")
@@ -110,6 +111,20 @@ class StaticTarget:
             if t == families.FULL else GatedDeltaLayer(layer.linear_attn, rows, kernels)
             for layer, t in zip(self.inner.layers, types)]
         self.recurrent = [m for m in self.mixers if isinstance(m, GatedDeltaLayer)]
+        # One-token forwards in a dozen kernels a layer (targets/step.py), compiled on a GPU.
+        self.maps = self.pieces = None
+        if fast_step and self._step_fits(types):
+            self.maps = fuse_projections(self.inner.layers, [t == families.LINEAR for t in types])
+            self.pieces = pieces(compiled=p.device.type == "cuda")
+
+    def _step_fits(self, types: list[str]) -> bool:
+        """Whether targets/step.py's pieces can run these layers: a gate/up MLP, a silu convolution."""
+        for layer, t in zip(self.inner.layers, types):
+            if not all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+                return False
+            if t == families.LINEAR and layer.linear_attn.activation not in ("silu", "swish"):
+                return False
+        return True
 
     def buffers(self) -> list[torch.Tensor]:
         """Every per-row buffer (first dimension: the row)."""
@@ -152,13 +167,18 @@ class StaticTarget:
             q, k = a.q_norm(q), a.k_norm(k)
         q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         v = a.v_proj(h).view(R, T, -1, self.head_dim).transpose(1, 2)
-        where = pos[:, None, :, None].expand(R, self.kv_heads, T, self.head_dim)
-        keys.scatter_(2, where, k.to(keys.dtype))
-        values.scatter_(2, where, v.to(values.dtype))
-        out = grouped_query_attention(q.to(v.dtype), keys, values, mask, self.scale).transpose(1, 2).reshape(R, T, -1)
+        out = self._attention(q, k, v, pos, mask, keys, values)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return a.o_proj(out)
+
+    def _attention(self, q, k, v, pos, mask, keys, values) -> torch.Tensor:
+        """Writes the block's keys and values at their positions, then attends: [R, T, heads * d]."""
+        R, _, T, _ = q.shape
+        where = pos[:, None, :, None].expand(R, self.kv_heads, T, self.head_dim)
+        keys.scatter_(2, where, k.to(keys.dtype))
+        values.scatter_(2, where, v.to(values.dtype))
+        return grouped_query_attention(q.to(v.dtype), keys, values, mask, self.scale).transpose(1, 2).reshape(R, T, -1)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, features: bool, keep: torch.Tensor | None = None,
                 span: int | None = None):
@@ -174,6 +194,8 @@ class StaticTarget:
         rope_pos = pos[None].expand(3, R, T) if hasattr(self.inner.rotary_emb, "mrope_section") else pos
         cos, sin = self.inner.rotary_emb(x, rope_pos)
         mask = causal_by_position(pos, S, self.heads // self.kv_heads)
+        if self.pieces is not None and T == 1 and keep is not None:
+            return self._step(x, pos, keep, features, cos, sin, mask, S)
         captured = {}
         for i, (layer, mixer) in enumerate(zip(self.inner.layers, self.mixers)):
             h = layer.input_layernorm(x)
@@ -182,6 +204,26 @@ class StaticTarget:
             else:
                 x = x + self._attend(layer.self_attn, h, pos, cos, sin, mask, mixer[0][:R, :, :S], mixer[1][:R, :, :S])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if features and i in self.layer_ids:
+                captured[i] = x
+        feats = torch.cat([captured[i] for i in self.layer_ids], -1) if features else None
+        return self.inner.norm(x), feats
+
+    def _step(self, x, pos, keep, features, cos, sin, mask, S):
+        """forward's one-token path through targets/step.py's pieces (the same outputs)."""
+        R, T, _ = x.shape
+        run = self.pieces
+        captured = {}
+        for i, (layer, mixer, maps) in enumerate(zip(self.inner.layers, self.mixers, self.maps)):
+            if isinstance(mixer, GatedDeltaLayer):
+                a = run.linear_in(layer, x, maps, mixer.window[:R], keep)
+                mixer.window[:R].copy_(a.window)
+                out = advance_state(a.q, a.k, a.v, a.g, a.beta, mixer.state[:R], mixer.kernels)
+                x = run.linear_out(layer, x, out, a.z, maps)
+            else:
+                a = run.attn_in(layer, x, maps, cos, sin, self.head_dim, self.gated, self.rope)
+                out = self._attention(a.q, a.k, a.v, pos, mask, mixer[0][:R, :, :S], mixer[1][:R, :, :S])
+                x = run.attn_out(layer, x, out, a.gate, maps)
             if features and i in self.layer_ids:
                 captured[i] = x
         feats = torch.cat([captured[i] for i in self.layer_ids], -1) if features else None
