@@ -122,16 +122,30 @@ class ContinuousDecoder:
         side.wait_stream(torch.cuda.current_stream(self.device))
         saved = self.done.clone()
         with torch.cuda.stream(side):
-            for _ in range(3):
-                self.done.zero_()
-                self.n_out.zero_()
-                self._step()
+            try:
+                self._warm_up()
+            except Exception as e:  # noqa: BLE001 - the compiler's errors have no common type
+                if self.target.pieces is None or not self.target.pieces_compiled:
+                    raise
+                # (the first steps compile the step's pieces: a compiler that fails on this
+                # stack must not stop a run the uncompiled pieces can make, but it is said)
+                log.warning("compiling the step's pieces failed (%s: %s); running them uncompiled, which is "
+                            "slower: report this with your torch and triton versions", type(e).__name__,
+                            str(e).splitlines()[0][:300] if str(e) else "")
+                self.target.use_pieces(compiled=False)
+                self._warm_up()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._step()
         self.done.copy_(saved)
         self._graph = graph
+
+    def _warm_up(self) -> None:
+        for _ in range(3):
+            self.done.zero_()
+            self.n_out.zero_()
+            self._step()
 
     def _admit(self, slots: list[int], requests: list[Request]) -> None:
         """Prefills `requests` in the staging target and moves them into `slots` with their first token."""

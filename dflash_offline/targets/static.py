@@ -113,9 +113,13 @@ class StaticTarget:
         self.recurrent = [m for m in self.mixers if isinstance(m, GatedDeltaLayer)]
         # One-token forwards in a dozen kernels a layer (targets/step.py), compiled on a GPU.
         self.maps = self.pieces = None
+        self.pieces_compiled = False
         if fast_step and self._step_fits(types):
             self.maps = fuse_projections(self.inner.layers, [t == families.LINEAR for t in types])
-            self.pieces = pieces(compiled=p.device.type == "cuda")
+            self.use_pieces(compiled=p.device.type == "cuda")
+
+    def use_pieces(self, compiled: bool) -> None:
+        self.pieces, self.pieces_compiled = pieces(compiled), compiled
 
     def _step_fits(self, types: list[str]) -> bool:
         """Whether targets/step.py's pieces can run these layers: a gate/up MLP, a silu convolution."""
