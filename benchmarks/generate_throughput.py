@@ -26,6 +26,7 @@ measured on the H200).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -289,6 +290,7 @@ def continuous_run(model, args, B: int, prompts: list, step: str, weight_bytes: 
     from dflash_offline.sampling import Sampling
 
     try:
+        gc.collect()  # the previous decoder's buffers and CUDA graph pool go before this one's are made
         torch.cuda.empty_cache() if device == "cuda" else None
         dec = ContinuousDecoder(model, B, args.prompt, args.new + 1, set(), Sampling(), check_every=args.new,
                                 stage_rows=min(B, 64), fast_step=step == "fused")
