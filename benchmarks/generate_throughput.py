@@ -266,8 +266,8 @@ def shape27b(args) -> dict:
 
 def continuous_steps(model, args, weight_bytes: int, res: dict, save, device: str) -> None:
     """generate's continuous decoder (static buffers, the step one CUDA graph): every slot admitted,
-    then --new steps timed, for each step in --steps (fused: targets/step.py's compiled pieces, the
-    default; plain: the layers' own modules); the bound counts the weights, the attention buffers
+    then --new steps timed, for each step in --steps (fused: targets/step.py's compiled pieces;
+    plain: the layers' own modules, generate's step); the bound counts the weights, the attention buffers
     and the Gated DeltaNet states and windows read and written once per step."""
     import torch
 
@@ -385,8 +385,8 @@ def main() -> None:
     p.add_argument("--padded", action=argparse.BooleanOptionalAction, default=True,
                    help="also generate's padded decoder (transformers' StaticCache)")
     p.add_argument("--steps", default="fused,plain",
-                   help="the continuous decoder's steps, side by side: fused (targets/step.py, the default) and "
-                        "plain (the layers' own modules)")
+                   help="the continuous decoder's steps, side by side: fused (targets/step.py's compiled pieces) "
+                        "and plain (the layers' own modules: generate's step)")
     p.add_argument("--profile-batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[],
                    help="batch sizes whose continuous steps are also profiled (kernels per step, GPU busy time)")
     for p in sub.choices.values():

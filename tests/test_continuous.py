@@ -1,7 +1,8 @@
 """Continuous batching (generate/continuous.py) against brute force: every prompt decoded alone by
 generate's padded decoder, in fp32, on tiny dense and hybrid targets.
 
-- slots 1 and 4 over 9 prompts of mixed lengths (a slot is refilled as soon as its prompt
+- slots 1 and 4 over 9 prompts of mixed lengths, the step through the layers' modules and through
+  targets/step.py's pieces (a slot is refilled as soon as its prompt
   ends: by an end-of-sequence token or at --max-new-tokens), read back every step and every
   third step, the staging prefill two prompts at a time: the same tokens, greedy and sampled
   (the keyed noise makes a prompt's sample independent of its slot);
@@ -45,8 +46,9 @@ def alone(model, prompts, ids, eos, sampling):
     return [one.decode([p], [i]) for p, i in zip(prompts, ids)]
 
 
+@pytest.mark.parametrize("fast_step", [False, True], ids=["plain-step", "step-pieces"])
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.9, 0.95, 7)], ids=["greedy", "sampled"])
-def test_continuous_equals_each_prompt_alone(model, sampling):
+def test_continuous_equals_each_prompt_alone(model, sampling, fast_step):
     prompts, ids = prompts_and_ids()
     first = alone(model, prompts, ids, set(), sampling)
     eos = {first[1].tokens[0][5], first[3].tokens[0][11]}
@@ -56,7 +58,7 @@ def test_continuous_equals_each_prompt_alone(model, sampling):
     for rows in (1, 4):
         for check_every in (1, 3):
             dec = ContinuousDecoder(model, rows, max(LENGTHS), MAX_NEW, eos, sampling, check_every=check_every,
-                                    stage_rows=2)
+                                    stage_rows=2, fast_step=fast_step)
             got = dec.decode_all(prompts, ids)
             assert [g.tokens for g in got] == [w.tokens[0] for w in want], (rows, check_every)
             assert [g.ended_by_eos for g in got] == [w.ended_by_eos[0] for w in want]

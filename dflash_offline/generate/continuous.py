@@ -76,7 +76,7 @@ class ContinuousDecoder:
 
     def __init__(self, model, rows: int, max_prompt_len: int, max_new_tokens: int, eos: set[int],
                  sampling: Sampling, graphs: bool | None = None, check_every: int = 4, stage_rows: int = 32,
-                 fast_step: bool = True):
+                 fast_step: bool = False):
         dev = next(model.parameters()).device  # (StaticTarget refuses a target it cannot run)
         self.device, self.rows, self.max_new, self.sampling = dev, rows, max_new_tokens, sampling
         self.max_prompt_len = max_prompt_len
@@ -86,7 +86,8 @@ class ContinuousDecoder:
         self.progress = None  # generate/progress.py's Tracker, told of tokens as they are decoded
         self.eos_ids = set(eos)
         with torch.inference_mode():
-            # fast_step: the step in a dozen kernels a layer (targets/step.py); False: the layers' modules.
+            # fast_step: the step in a dozen kernels a layer (targets/step.py), compiled on a GPU; off
+            # by default until its speed and its equality with the plain step are measured on a GPU.
             self.target = StaticTarget(model, [], rows, max_prompt_len + max_new_tokens, fast_step=fast_step)
             self.stage = StaticTarget(model, [], min(stage_rows, rows), max_prompt_len)
             z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731

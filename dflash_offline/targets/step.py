@@ -1,12 +1,14 @@
-"""The one-token step of a static target in few kernels: what generate's continuous decoder replays.
+"""The one-token step of a static target in few kernels, for generate's continuous decoder
+(`ContinuousDecoder(fast_step=True)`; off by default until it is measured on a GPU against the
+plain step: benchmarks/generate_throughput.py shape27b times both side by side).
 
 A decode step of a large target should cost the bytes it must read (every weight once, the
 recurrent states and the attention cache). Measured at the Qwen3.5-27B shape on one H100, the
 step as the layers' own modules run it cost 35 ms at 32 rows against a bound of 15 ms, although the
-whole step was one CUDA graph: about 55 kernels a layer, most of them elementwise on a few rows
-(norms in six kernels each, four projections where one would do, the Gated DeltaNet gates, the
-convolution window's gather), and each kernel, however small, holds the GPU for a few microseconds.
-64 layers x 55 kernels is ~3,500 of them a step.
+whole step was one CUDA graph. Counted from the code (not yet profiled), a Gated DeltaNet layer
+launches about 55 kernels, most of them elementwise on a few rows (norms in six kernels each, four
+projections where one would do, the gates, the convolution window's gather), and each kernel,
+however small, holds the GPU for a few microseconds: ~3,500 kernels a step over 64 layers.
 
 So the step runs here in four pieces a layer, each compiled once (torch.compile, static shapes)
 and then replayed inside the decoder's CUDA graph:
