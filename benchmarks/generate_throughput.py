@@ -339,9 +339,9 @@ def profile_step(dec, device: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     out = {}
+    if device != "cuda":
+        return out
     for name, run in (("eager", dec._step), ("graph", dec._run_step)):
-        if device != "cuda":
-            break
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):

@@ -138,6 +138,32 @@ def advance_state(q, k, v, g, beta, state: torch.Tensor, kernels) -> torch.Tenso
     return out
 
 
+def gates(m, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's decay g (fp32, log space) and write strength beta from its b and a projections."""
+    return -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias), b.sigmoid()
+
+
+def keep_first(g: torch.Tensor, beta: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """g and beta [R, T, Hv] zeroed past each row's first keep[r] tokens: the state passes them unchanged."""
+    kept = torch.arange(g.shape[1], device=g.device)[None, :] < keep[:, None]  # [R, T]
+    return g * kept[..., None], beta * kept[..., None].to(beta.dtype)
+
+
+def window_ending_at(x: torch.Tensor, keep: torch.Tensor, K: int) -> torch.Tensor:
+    """The K-1 convolution inputs ending at each row's token keep[r]: x [R, K-1+T, C] holds the old
+    window then the block, so they are rows keep[r] .. keep[r] + K-2."""
+    at = keep[:, None] + torch.arange(K - 1, device=x.device)[None, :]
+    return x.gather(1, at[..., None].expand(x.shape[0], K - 1, x.shape[-1]))
+
+
+def gated_output(m, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The recurrence's output [R, T, Hv, dv] through the layer's gated norm (gate z [R, T, Hv*dv])
+    and its output projection."""
+    R, T = out.shape[:2]
+    normed = m.norm(out.to(dtype).reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim)).reshape(R, T, -1)
+    return m.out_proj(normed)
+
+
 class GatedDeltaLayer:
     """One Gated DeltaNet layer of a transformers Qwen3.5 decoder over per-row window and state
     buffers (module docstring): `forward` for a block, `settle` to keep each row's first n tokens."""
@@ -176,29 +202,21 @@ class GatedDeltaLayer:
         q = q.reshape(R, T, -1, m.head_k_dim)
         k = k.reshape(R, T, -1, m.head_k_dim)
         v = v.reshape(R, T, -1, m.head_v_dim)
-        beta = m.in_proj_b(h).sigmoid()
-        g = -m.A_log.float().exp() * F.softplus(m.in_proj_a(h).float() + m.dt_bias)
+        g, beta = gates(m, m.in_proj_b(h), m.in_proj_a(h))
         if keep is None:
             out, _ = recurrence(q, k, v, g, beta, self.state[:R], self.kernels, final=False)
             self._pending = (x, q, k, v, g, beta)
         else:
             out = self._advance(x, q, k, v, g, beta, keep)
-        z = m.in_proj_z(h).reshape(-1, m.head_v_dim)
-        out = m.norm(out.to(h.dtype).reshape(-1, m.head_v_dim), z).reshape(R, T, -1)
-        return m.out_proj(out)
+        return gated_output(m, out, m.in_proj_z(h), h.dtype)
 
     def _advance(self, x, q, k, v, g, beta, keep: torch.Tensor) -> torch.Tensor:
         """Runs the block with g and beta zeroed past each row's keep[r] tokens, writes the final
         state and the window of convolution inputs ending at token keep[r]; -> the block's outputs
         (exact up to token keep[r])."""
-        R, T = g.shape[:2]
-        kept = torch.arange(T, device=g.device)[None, :] < keep[:, None]  # [R, T]
-        out = advance_state(q, k, v, g * kept[..., None], beta * kept[..., None].to(beta.dtype), self.state[:R],
-                            self.kernels)
-        # x holds the old window (K-1 rows) then the block: the inputs ending at token keep[r] are
-        # rows keep[r] .. keep[r] + K-2.
-        at = keep[:, None] + torch.arange(self.K - 1, device=x.device)[None, :]
-        self.window[:R].copy_(x.gather(1, at[..., None].expand(R, self.K - 1, x.shape[-1])))
+        R = g.shape[0]
+        out = advance_state(q, k, v, *keep_first(g, beta, keep), self.state[:R], self.kernels)
+        self.window[:R].copy_(window_ending_at(x, keep, self.K))
         return out
 
     def settle(self, keep: torch.Tensor) -> None:

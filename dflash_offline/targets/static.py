@@ -28,7 +28,7 @@ import torch
 from dflash_offline.targets import families
 from dflash_offline.targets.attention import grouped_query_attention
 from dflash_offline.targets.recurrent import LINEAR_PARTS, GatedDeltaLayer, advance_state, kernels_for
-from dflash_offline.targets.step import fuse_projections, pieces
+from dflash_offline.targets.step import attention_inputs, attention_output, fuse_projections, pieces
 
 _BESIDE_MIXER = {"mlp", "input_layernorm", "post_attention_layernorm"}  # a layer's other children
 _ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
@@ -160,21 +160,8 @@ class StaticTarget:
             m.settle(keep)
 
     def _attend(self, a, h, pos, cos, sin, mask, keys, values) -> torch.Tensor:
-        R, T, _ = h.shape
-        q = a.q_proj(h).view(R, T, -1, self.head_dim * (2 if self.gated else 1))
-        gate = None
-        if self.gated:
-            q, gate = torch.chunk(q, 2, dim=-1)
-            gate = gate.reshape(R, T, -1)
-        k = a.k_proj(h).view(R, T, -1, self.head_dim)
-        if hasattr(a, "q_norm"):
-            q, k = a.q_norm(q), a.k_norm(k)
-        q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        v = a.v_proj(h).view(R, T, -1, self.head_dim).transpose(1, 2)
-        out = self._attention(q, k, v, pos, mask, keys, values)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return a.o_proj(out)
+        at = attention_inputs(a, a.q_proj(h), a.k_proj(h), a.v_proj(h), cos, sin, self.head_dim, self.gated, self.rope)
+        return attention_output(a, self._attention(at.q, at.k, at.v, pos, mask, keys, values), at.gate)
 
     def _attention(self, q, k, v, pos, mask, keys, values) -> torch.Tensor:
         """Writes the block's keys and values at their positions, then attends: [R, T, heads * d]."""
@@ -198,40 +185,38 @@ class StaticTarget:
         rope_pos = pos[None].expand(3, R, T) if hasattr(self.inner.rotary_emb, "mrope_section") else pos
         cos, sin = self.inner.rotary_emb(x, rope_pos)
         mask = causal_by_position(pos, S, self.heads // self.kv_heads)
-        if self.pieces is not None and T == 1 and keep is not None:
-            return self._step(x, pos, keep, features, cos, sin, mask, S)
+        # One-token forwards that move the recurrent state go through targets/step.py's pieces.
+        layer_forward = self._piece_layer if self.pieces is not None and T == 1 and keep is not None \
+            else self._plain_layer
         captured = {}
         for i, (layer, mixer) in enumerate(zip(self.inner.layers, self.mixers)):
-            h = layer.input_layernorm(x)
-            if isinstance(mixer, GatedDeltaLayer):
-                x = x + mixer.forward(h, keep)
-            else:
-                x = x + self._attend(layer.self_attn, h, pos, cos, sin, mask, mixer[0][:R, :, :S], mixer[1][:R, :, :S])
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer_forward(i, layer, mixer, x, pos, keep, cos, sin, mask, S)
             if features and i in self.layer_ids:
                 captured[i] = x
         feats = torch.cat([captured[i] for i in self.layer_ids], -1) if features else None
         return self.inner.norm(x), feats
 
-    def _step(self, x, pos, keep, features, cos, sin, mask, S):
-        """forward's one-token path through targets/step.py's pieces (the same outputs)."""
-        R, T, _ = x.shape
-        run = self.pieces
-        captured = {}
-        for i, (layer, mixer, maps) in enumerate(zip(self.inner.layers, self.mixers, self.maps)):
-            if isinstance(mixer, GatedDeltaLayer):
-                a = run.linear_in(layer, x, maps, mixer.window[:R], keep)
-                mixer.window[:R].copy_(a.window)
-                out = advance_state(a.q, a.k, a.v, a.g, a.beta, mixer.state[:R], mixer.kernels)
-                x = run.linear_out(layer, x, out, a.z, maps)
-            else:
-                a = run.attn_in(layer, x, maps, cos, sin, self.head_dim, self.gated, self.rope)
-                out = self._attention(a.q, a.k, a.v, pos, mask, mixer[0][:R, :, :S], mixer[1][:R, :, :S])
-                x = run.attn_out(layer, x, out, a.gate, maps)
-            if features and i in self.layer_ids:
-                captured[i] = x
-        feats = torch.cat([captured[i] for i in self.layer_ids], -1) if features else None
-        return self.inner.norm(x), feats
+    def _plain_layer(self, i, layer, mixer, x, pos, keep, cos, sin, mask, S) -> torch.Tensor:
+        """Decoder layer i through its own modules: x + mixer(norm(x)), then x + mlp(norm(x))."""
+        R = x.shape[0]
+        h = layer.input_layernorm(x)
+        if isinstance(mixer, GatedDeltaLayer):
+            x = x + mixer.forward(h, keep)
+        else:
+            x = x + self._attend(layer.self_attn, h, pos, cos, sin, mask, mixer[0][:R, :, :S], mixer[1][:R, :, :S])
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _piece_layer(self, i, layer, mixer, x, pos, keep, cos, sin, mask, S) -> torch.Tensor:
+        """Decoder layer i through targets/step.py's pieces (the same output)."""
+        R, run, maps = x.shape[0], self.pieces, self.maps[i]
+        if isinstance(mixer, GatedDeltaLayer):
+            a = run.linear_in(layer, x, maps, mixer.window[:R], keep)
+            mixer.window[:R].copy_(a.window)
+            out = advance_state(a.q, a.k, a.v, a.g, a.beta, mixer.state[:R], mixer.kernels)
+            return run.linear_out(layer, x, out, a.z, maps)
+        a = run.attn_in(layer, x, maps, cos, sin, self.head_dim, self.gated, self.rope)
+        out = self._attention(a.q, a.k, a.v, pos, mask, mixer[0][:R, :, :S], mixer[1][:R, :, :S])
+        return run.attn_out(layer, x, out, a.gate, maps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(hidden).float()

@@ -36,6 +36,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from dflash_offline.targets.recurrent import gated_output, gates, keep_first, window_ending_at
+
 
 class Fused(NamedTuple):
     """Several linear maps of one input as one: y.split(sizes, -1) gives each map's output."""
@@ -124,22 +126,15 @@ def linear_in(layer, x: torch.Tensor, maps: LayerMaps, window: torch.Tensor, kee
     conv = taps.sum(-1) + (0 if m.conv1d.bias is None else m.conv1d.bias.float())
     conv = F.silu(conv).to(x.dtype)  # (StaticTarget takes this path only for a silu convolution)
     q, k, v = torch.split(conv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
-    kept = torch.arange(T, device=x.device)[None, :] < keep[:, None]  # [R, T]
-    beta = b.sigmoid() * kept[..., None].to(b.dtype)
-    g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias) * kept[..., None]
-    at = keep[:, None] + torch.arange(K - 1, device=x.device)[None, :]
-    new_window = xs.gather(1, at[..., None].expand(R, K - 1, xs.shape[-1]))
+    g, beta = keep_first(*gates(m, b, a), keep)
     return LinearInputs(q.reshape(R, T, -1, m.head_k_dim).contiguous(), k.reshape(R, T, -1, m.head_k_dim).contiguous(),
                         v.reshape(R, T, -1, m.head_v_dim).contiguous(), g.contiguous(), beta.contiguous(), z,
-                        new_window)
+                        window_ending_at(xs, keep, K))
 
 
 def linear_out(layer, x: torch.Tensor, out: torch.Tensor, z: torch.Tensor, maps: LayerMaps) -> torch.Tensor:
     """A Gated DeltaNet layer after its recurrence (out [R, T, Hv, dv]), then the MLP: the next x."""
-    m = layer.linear_attn
-    R, T, _ = x.shape
-    normed = m.norm(out.to(x.dtype).reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim)).reshape(R, T, -1)
-    return _mlp_block(layer, x + m.out_proj(normed), maps)
+    return _mlp_block(layer, x + gated_output(layer.linear_attn, out, z, x.dtype), maps)
 
 
 class AttentionInputs(NamedTuple):
@@ -151,10 +146,15 @@ class AttentionInputs(NamedTuple):
 
 def attn_in(layer, x: torch.Tensor, maps: LayerMaps, cos, sin, head_dim: int, gated: bool,
             rope: Callable) -> AttentionInputs:
-    """An attention layer before its attention (StaticTarget._attend's first half, one projection)."""
-    a = layer.self_attn
-    R, T, _ = x.shape
+    """An attention layer before its attention, its q/k/v in one projection."""
     q, k, v = project(maps.mixer, layer.input_layernorm(x))
+    return attention_inputs(layer.self_attn, q, k, v, cos, sin, head_dim, gated, rope)
+
+
+def attention_inputs(a, q, k, v, cos, sin, head_dim: int, gated: bool, rope: Callable) -> AttentionInputs:
+    """The attention module a's projections q, k, v [R, T, *] as heads: the output gate split off
+    (Qwen3.5: q_proj makes a query and a gate per head), q/k norms, the rotary embedding."""
+    R, T, _ = q.shape
     q = q.view(R, T, -1, head_dim * (2 if gated else 1))
     gate = None
     if gated:
@@ -169,9 +169,14 @@ def attn_in(layer, x: torch.Tensor, maps: LayerMaps, cos, sin, head_dim: int, ga
 
 def attn_out(layer, x: torch.Tensor, out: torch.Tensor, gate: torch.Tensor | None, maps: LayerMaps) -> torch.Tensor:
     """An attention layer after its attention (out [R, T, heads * d]), then the MLP: the next x."""
+    return _mlp_block(layer, x + attention_output(layer.self_attn, out, gate), maps)
+
+
+def attention_output(a, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """The attention's output [R, T, heads * d] through its gate (if any) and output projection."""
     if gate is not None:
         out = out * torch.sigmoid(gate)
-    return _mlp_block(layer, x + layer.self_attn.o_proj(out), maps)
+    return a.o_proj(out)
 
 
 class Pieces(NamedTuple):
