@@ -271,15 +271,19 @@ def continuous_steps(model, args, weight_bytes: int, res: dict, save, device: st
     and the Gated DeltaNet states and windows read and written once per step."""
     import torch
 
+    from dflash_offline.targets import recurrent
+
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     for B in [int(b) for b in args.batches.split(",")]:
         prompts = [torch.randint(2, vocab, (args.prompt,), generator=g).tolist() for _ in range(B)]
-        for step in args.steps.split(","):
-            row = continuous_run(model, args, B, prompts, step, weight_bytes, device)
-            res["runs"].append(row)
-            print(json.dumps(row), flush=True)
-            save(res)
+        for tile in args.state_tiles.split(","):
+            recurrent.IN_PLACE_TILE = recurrent.StateTile.parse(tile)
+            for step in args.steps.split(","):
+                row = {**continuous_run(model, args, B, prompts, step, weight_bytes, device), "state_tile": tile}
+                res["runs"].append(row)
+                print(json.dumps(row), flush=True)
+                save(res)
 
 
 def continuous_run(model, args, B: int, prompts: list, step: str, weight_bytes: int, device: str) -> dict:
@@ -293,7 +297,7 @@ def continuous_run(model, args, B: int, prompts: list, step: str, weight_bytes: 
         gc.collect()  # the previous decoder's buffers and CUDA graph pool go before this one's are made
         torch.cuda.empty_cache() if device == "cuda" else None
         dec = ContinuousDecoder(model, B, args.prompt, args.new + 1, set(), Sampling(), check_every=args.new,
-                                stage_rows=min(B, 64), fast_step=step == "fused")
+                                stage_rows=min(B, 64), fused_step=step == "fused")
         t0 = time.perf_counter()
         if dec.graphs:
             with torch.inference_mode():
@@ -387,6 +391,8 @@ def main() -> None:
     p.add_argument("--steps", default="fused,plain",
                    help="the continuous decoder's steps, side by side: fused (targets/step.py's compiled pieces) "
                         "and plain (the layers' own modules: generate's step)")
+    p.add_argument("--state-tiles", default="8x1",
+                   help="the Gated DeltaNet in-place kernel's state tiles, side by side: d_v columns x warps per program")
     p.add_argument("--profile-batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[],
                    help="batch sizes whose continuous steps are also profiled (kernels per step, GPU busy time)")
     for p in sub.choices.values():

@@ -46,9 +46,9 @@ def alone(model, prompts, ids, eos, sampling):
     return [one.decode([p], [i]) for p, i in zip(prompts, ids)]
 
 
-@pytest.mark.parametrize("fast_step", [False, True], ids=["plain-step", "step-pieces"])
+@pytest.mark.parametrize("fused_step", [False, True], ids=["plain-step", "step-pieces"])
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.9, 0.95, 7)], ids=["greedy", "sampled"])
-def test_continuous_equals_each_prompt_alone(model, sampling, fast_step):
+def test_continuous_equals_each_prompt_alone(model, sampling, fused_step):
     prompts, ids = prompts_and_ids()
     first = alone(model, prompts, ids, set(), sampling)
     eos = {first[1].tokens[0][5], first[3].tokens[0][11]}
@@ -58,7 +58,7 @@ def test_continuous_equals_each_prompt_alone(model, sampling, fast_step):
     for rows in (1, 4):
         for check_every in (1, 3):
             dec = ContinuousDecoder(model, rows, max(LENGTHS), MAX_NEW, eos, sampling, check_every=check_every,
-                                    stage_rows=2, fast_step=fast_step)
+                                    stage_rows=2, fused_step=fused_step)
             got = dec.decode_all(prompts, ids)
             assert [g.tokens for g in got] == [w.tokens[0] for w in want], (rows, check_every)
             assert [g.ended_by_eos for g in got] == [w.ended_by_eos[0] for w in want]
@@ -119,7 +119,7 @@ def test_cuda_graph_step_equals_eager(model):
     prompts, ids = prompts_and_ids()
     want = [r.tokens[0] for r in alone(cuda, prompts, ids, set(), Sampling())]
     for graphs in (True, False):
-        for fast_step in (True, False):  # the compiled pieces (targets/step.py) and the layers' modules
+        for fused_step in (True, False):  # the compiled pieces (targets/step.py) and the layers' modules
             dec = ContinuousDecoder(cuda, 4, max(LENGTHS), MAX_NEW, set(), Sampling(), graphs=graphs, stage_rows=3,
-                                    fast_step=fast_step)
-            assert [g.tokens for g in dec.decode_all(prompts, ids)] == want, (graphs, fast_step)
+                                    fused_step=fused_step)
+            assert [g.tokens for g in dec.decode_all(prompts, ids)] == want, (graphs, fused_step)

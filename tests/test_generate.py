@@ -64,8 +64,9 @@ def brute_force_greedy(target: Path, prompts: list[list[int]], max_new: int, eos
 GEN = ["--max-new-tokens", MAX_NEW, "--no-progress"]
 
 
-@pytest.mark.parametrize("kind,batching", [("dense", "continuous"), ("hybrid", "continuous"), ("dense", "padded")])
-def test_greedy_equals_plain_decode_of_each_prompt(kind, batching, tiny_dense, tiny_hybrid, tmp_path):
+@pytest.mark.parametrize("kind,batching,step", [("dense", "continuous", "plain"), ("hybrid", "continuous", "fused"),
+                                               ("dense", "padded", "fused")])
+def test_greedy_equals_plain_decode_of_each_prompt(kind, batching, step, tiny_dense, tiny_hybrid, tmp_path):
     target = tiny_dense if kind == "dense" else tiny_hybrid
     # Fewer prompts for the hybrid: its reference decode runs the PyTorch Gated DeltaNet kernels.
     rows = 14 if kind == "dense" else 9
@@ -81,10 +82,11 @@ def test_greedy_equals_plain_decode_of_each_prompt(kind, batching, tiny_dense, t
     # left padding), 3 parts over two worker processes.
     r = run_cli(["generate", "--target", target, "--prompts", prompts_path, "--out", out, "--devices", "cpu,cpu",
                  "--batch-tokens", 3 * (30 + MAX_NEW), "--chunk-prompts", 6, "--eos-token-ids", eos,
-                 "--batching", batching, *GEN])
+                 "--batching", batching, "--step", step, *GEN])
     assert r.returncode == 0, r.stderr[-3000:]
     log_text = (out / "logs" / "generate-rank0.log").read_text()
     assert ("continuous batching: 3 slots" in log_text) == (batching == "continuous"), log_text[-2000:]
+    assert (f"{step} step" in log_text) == (batching == "continuous"), log_text[-2000:]
     got = read_output(out)
     assert sorted(got) == list(range(100, 100 + rows))
     for k, (p, e) in enumerate(zip(prompts, expected)):

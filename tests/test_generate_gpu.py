@@ -41,7 +41,8 @@ def test_generate_on_cuda_equals_plain_greedy(kind, tiny_dense, tiny_hybrid, tmp
     prompts = pq.read_table(prompts_path).column("input_ids").to_pylist()
     expected = cuda_greedy(target, prompts, MAX_NEW)
     outs = {}
-    modes = {"continuous": ["--batching", "continuous"], "padded": ["--batching", "padded"]}
+    modes = {"continuous": ["--batching", "continuous"], "plain-step": ["--batching", "continuous", "--step", "plain"],
+             "padded": ["--batching", "padded"]}
     if kind == "dense":
         modes["compiled"] = ["--batching", "padded", "--compile"]
     for mode, opts in modes.items():

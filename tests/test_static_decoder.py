@@ -439,3 +439,31 @@ def test_fla_recurrence_equals_the_loop(T):
     out = advance_state(*cuda[:5], moved, kernels)
     torch.testing.assert_close(moved.cpu(), want_state, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(out.cpu()[:, : max(1, T // 2)], want_out[:, : max(1, T // 2)], atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tile", ["8x1", "16x2", "32x4", "64x4"])
+def test_in_place_tiles_equal_the_loop(tile, monkeypatch):
+    """Every state tile the in-place kernel may run with (the 27B shape's head sizes, 128 x 128)
+    moves the state as the PyTorch loop does, one-token rounds and a verify replay alike."""
+    pytest.importorskip("fla")
+    from dflash_offline.targets import recurrent
+
+    monkeypatch.setattr(recurrent, "IN_PLACE_TILE", recurrent.StateTile.parse(tile))
+    kernels = recurrent.kernels_for(torch.device("cuda"))
+    g = torch.Generator().manual_seed(1)
+    for T in (1, 8):
+        R, Hk, Hv, dk, dv = 3, 2, 4, 128, 128
+        q, k = (torch.randn(R, T, Hk, dk, generator=g) for _ in range(2))
+        v = torch.randn(R, T, Hv, dv, generator=g)
+        keep = torch.tensor([T, T // 2, 0])
+        kept = (torch.arange(T)[None] < keep[:, None])[..., None]
+        decay, beta = -torch.rand(R, T, Hv, generator=g) * kept, torch.rand(R, T, Hv, generator=g) * kept
+        state = torch.randn(R, Hv, dk, dv, generator=g) * 0.1
+        want_out, want_state = recurrent.recurrence_loop(q, k, v, decay, beta, state)
+        moved = state.cuda()
+        out = recurrent.advance_state(*(x.cuda() for x in (q, k, v, decay, beta)), moved, kernels)
+        torch.testing.assert_close(moved.cpu(), want_state, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(out.cpu()[:, : max(1, T // 2)], want_out[:, : max(1, T // 2)], atol=2e-3, rtol=2e-3)
+        assert torch.equal(moved.cpu()[2], state[2])  # nothing kept: not a bit moves

@@ -52,7 +52,7 @@ def _one_token(model, fast: bool, keep: torch.Tensor, ids: torch.Tensor, pos: to
     """A target whose rows hold a prefill of random tokens, then one token forwarded."""
     R, P = ids.shape[0], 7
     prompt = torch.randint(2, model.config.vocab_size, (R, P), generator=torch.Generator().manual_seed(1))
-    t = StaticTarget(model, [1, 2], R, 16, fast_step=fast)
+    t = StaticTarget(model, [1, 2], R, 16, fused_step=fast)
     assert (t.pieces is not None) == fast
     with torch.inference_mode():
         t.forward(prompt, torch.arange(P)[None].expand(R, P), False, keep=torch.full((R,), P), span=P)
@@ -81,7 +81,7 @@ def test_each_piece_compiles_once_for_every_layer(model):
 
     compiled = step.Pieces(*(torch.compile(f, backend=count, dynamic=False, fullgraph=True)
                              for f in (step.linear_in, step.linear_out, step.attn_in, step.attn_out)))
-    t = StaticTarget(model, [], 2, 16, fast_step=True)
+    t = StaticTarget(model, [], 2, 16, fused_step=True)
     t.pieces = compiled
     ids, pos, keep = torch.tensor([[5], [9]]), torch.tensor([[3], [4]]), torch.tensor([1, 1])
     with torch.inference_mode():

@@ -76,7 +76,7 @@ class ContinuousDecoder:
 
     def __init__(self, model, rows: int, max_prompt_len: int, max_new_tokens: int, eos: set[int],
                  sampling: Sampling, graphs: bool | None = None, check_every: int = 4, stage_rows: int = 32,
-                 fast_step: bool = False):
+                 fused_step: bool = True):
         dev = next(model.parameters()).device  # (StaticTarget refuses a target it cannot run)
         self.device, self.rows, self.max_new, self.sampling = dev, rows, max_new_tokens, sampling
         self.max_prompt_len = max_prompt_len
@@ -86,9 +86,9 @@ class ContinuousDecoder:
         self.progress = None  # generate/progress.py's Tracker, told of tokens as they are decoded
         self.eos_ids = set(eos)
         with torch.inference_mode():
-            # fast_step: the step in a dozen kernels a layer (targets/step.py), compiled on a GPU; off
-            # by default until its speed and its equality with the plain step are measured on a GPU.
-            self.target = StaticTarget(model, [], rows, max_prompt_len + max_new_tokens, fast_step=fast_step)
+            # fused_step: the step in about a dozen kernels a layer (targets/step.py), compiled on a GPU:
+            # 1.3-1.5x the plain step at the Qwen3.5-27B shape on one H200 (docs/benchmarks.md).
+            self.target = StaticTarget(model, [], rows, max_prompt_len + max_new_tokens, fused_step=fused_step)
             self.stage = StaticTarget(model, [], min(stage_rows, rows), max_prompt_len)
             z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
             self.tok, self.pos, self.n_out, self.keys = z(rows), z(rows), z(rows), z(rows)
@@ -282,7 +282,7 @@ def longest_first(prompts: list[list[int]], keys: list[int], tag: Callable[[int]
 
 def continuous_decoder(model, rows: int, max_prompt_len: int, max_new_tokens: int, eos: set[int],
                        sampling: Sampling, chat: bool, max_positions: int | None = None,
-                       batch_tokens: int | None = None) -> ContinuousDecoder | None:
+                       batch_tokens: int | None = None, fused_step: bool = True) -> ContinuousDecoder | None:
     """generate's continuous decoder for this target, or None (padded batches) with the reason logged.
 
     Conversations: a slot holds prompts of up to the longest recorded conversation plus one reply
@@ -297,7 +297,9 @@ def continuous_decoder(model, rows: int, max_prompt_len: int, max_new_tokens: in
         limit = (max_positions or 1 << 30) - max_new_tokens
         max_prompt_len = max(1, min(limit, max_prompt_len + max_new_tokens))
         rows = max(1, min(rows, (batch_tokens or 0) // 2 // (max_prompt_len + max_new_tokens)))
-    log.info("continuous batching: %d slots of %d prompt + %d new tokens", rows, max_prompt_len, max_new_tokens)
     # Prompts are prefilled in groups of up to an eighth of the slots (at least 32).
-    return ContinuousDecoder(model, rows, max_prompt_len, max_new_tokens, eos, sampling,
-                             stage_rows=max(32, rows // 8))
+    dec = ContinuousDecoder(model, rows, max_prompt_len, max_new_tokens, eos, sampling,
+                            stage_rows=max(32, rows // 8), fused_step=fused_step)
+    log.info("continuous batching: %d slots of %d prompt + %d new tokens, %s step", rows, max_prompt_len,
+             max_new_tokens, "fused" if dec.target.pieces is not None else "plain")
+    return dec

@@ -476,7 +476,8 @@ def _decoders(job: Job, cfg: GenerateConfig, model):
         from dflash_offline.generate.continuous import continuous_decoder
 
         continuous = continuous_decoder(model, job.rows_per_batch, job.max_prompt_len, cfg.max_new_tokens,
-                                        set(job.eos), sampling, job.chat is not None, job.max_positions, cfg.batch_tokens)
+                                        set(job.eos), sampling, job.chat is not None, job.max_positions, cfg.batch_tokens,
+                                        fused_step=cfg.step == "fused")
     if continuous is None or job.chat is not None:  # conversations: turns that outgrow the slots go padded
         decoder = BatchDecoder(model, job.rows_per_batch, longest, cfg.max_new_tokens, set(job.eos), sampling,
                                compile=job.compile)

@@ -41,6 +41,22 @@ LINEAR_PARTS = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", 
 _CHUNKED_FROM = 64  # tokens: longer forwards (prefills) take the chunked kernel
 
 
+class StateTile(NamedTuple):
+    """How the in-place kernel shares out a head's [d_k, d_v] state: each program holds all d_k rows
+    of `values` columns and runs on `warps` warps. fla's own call uses 8 x 1."""
+    values: int
+    warps: int
+
+    @classmethod
+    def parse(cls, text: str) -> "StateTile":
+        """'32x4' -> StateTile(32, 4)."""
+        values, warps = (int(x) for x in text.lower().split("x"))
+        return cls(values, warps)
+
+
+IN_PLACE_TILE = StateTile(8, 1)
+
+
 class Kernels(NamedTuple):
     chunked: Callable  # fla's chunk_gated_delta_rule (long blocks: prefills)
     fused: Callable  # fla's fused_recurrent_gated_delta_rule (a few tokens)
@@ -78,14 +94,14 @@ def _in_place_launcher(kernel):
     def run(q, k, v, g, beta, state):
         R, T, H, K = k.shape
         HV, V = v.shape[2], v.shape[3]
-        BV = min(8, triton.next_power_of_2(V))
+        BV = min(IN_PLACE_TILE.values, triton.next_power_of_2(V))
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         o = torch.empty_like(v)
         kernel[(triton.cdiv(V, BV) * R * HV,)](
             q=q, k=k, v=v, g=g, gk=None, gv=None, beta=beta, A_log=None, dt_bias=None, o=o, h0=state, ht=state,
             cu_seqlens=None, scale=K ** -0.5, T=T, H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
             IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True, APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False,
-            STATE_V_FIRST=False, num_warps=1, num_stages=3)
+            STATE_V_FIRST=False, num_warps=IN_PLACE_TILE.warps, num_stages=3)
         return o
 
     return run

@@ -86,7 +86,7 @@ class StaticTarget:
     """A target over per-row key/value buffers (attention layers) and window/state buffers (Gated
     DeltaNet layers): the module docstring."""
 
-    def __init__(self, model, layer_ids: list[int], rows: int, capacity: int, fast_step: bool = False):
+    def __init__(self, model, layer_ids: list[int], rows: int, capacity: int, fused_step: bool = False):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the static decoder cannot run this target: {reason}")
@@ -114,7 +114,7 @@ class StaticTarget:
         # One-token forwards in a dozen kernels a layer (targets/step.py), compiled on a GPU.
         self.maps = self.pieces = None
         self.pieces_compiled = False
-        if fast_step and self._step_fits(types):
+        if fused_step and self._step_fits(types):
             self.maps = fuse_projections(self.inner.layers, [t == families.LINEAR for t in types])
             self.use_pieces(compiled=p.device.type == "cuda")
 
