@@ -26,7 +26,9 @@ measured on the H200).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import itertools
 import json
 import os
 import re
@@ -277,13 +279,29 @@ def continuous_steps(model, args, weight_bytes: int, res: dict, save, device: st
     vocab = model.config.vocab_size
     for B in [int(b) for b in args.batches.split(",")]:
         prompts = [torch.randint(2, vocab, (args.prompt,), generator=g).tolist() for _ in range(B)]
-        for tile in args.state_tiles.split(","):
+        for tile, sdpa, step in itertools.product(args.state_tiles.split(","), args.sdpa.split(","),
+                                                  args.steps.split(",")):
             recurrent.IN_PLACE_TILE = recurrent.StateTile.parse(tile)
-            for step in args.steps.split(","):
-                row = {**continuous_run(model, args, B, prompts, step, weight_bytes, device), "state_tile": tile}
-                res["runs"].append(row)
-                print(json.dumps(row), flush=True)
-                save(res)
+            # The attention kernel SDPA picks is fixed in the CUDA graph at its capture, inside this.
+            with sdpa_backend(sdpa):
+                row = continuous_run(model, args, B, prompts, step, weight_bytes, device)
+            res["runs"].append({**row, "state_tile": tile, "sdpa": sdpa})
+            print(json.dumps(res["runs"][-1]), flush=True)
+            save(res)
+
+
+def sdpa_backend(name: str):
+    """SDPA restricted to one backend (cudnn, efficient, math: those that take the step's mask), or
+    its own choice (default)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "math": SDPBackend.MATH}
+    if name == "default":
+        return contextlib.nullcontext()
+    if name not in backends:
+        raise SystemExit(f"--sdpa {name}: not one of default, {', '.join(backends)}")
+    return sdpa_kernel([backends[name]])
 
 
 def continuous_run(model, args, B: int, prompts: list, step: str, weight_bytes: int, device: str) -> dict:
@@ -393,6 +411,9 @@ def main() -> None:
                         "and plain (the layers' own modules: generate's step)")
     p.add_argument("--state-tiles", default="8x1",
                    help="the Gated DeltaNet in-place kernel's state tiles, side by side: d_v columns x warps per program")
+    p.add_argument("--sdpa", default="default",
+                   help="the attention kernels under the continuous step, side by side: default (SDPA's choice), "
+                        "cudnn, efficient, math")
     p.add_argument("--profile-batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[],
                    help="batch sizes whose continuous steps are also profiled (kernels per step, GPU busy time)")
     for p in sub.choices.values():
