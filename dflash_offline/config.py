@@ -127,6 +127,10 @@ class GenerateConfig(SamplingOptions):
             raise UserError("generate: give --prompts PARQUET (files or folders with an input_ids column)")
         check_positive(self, "max_new_tokens", "batch_tokens", "chunk_prompts", "samples_per_prompt")
         self.check_sampling()
+        if self.batching == "padded" and self.step != "fused":  # a setting that would be ignored: said
+            raise UserError(f"{where(self, 'step')} {self.step} chooses continuous batching's step; "
+                            f"{also(self, 'batching')} padded decodes with its own (--compile on GPUs): leave it "
+                            "out, or use --batching continuous")
         if self.samples_per_prompt > 1 and self.temperature == 0:
             raise UserError(f"{where(self, 'samples_per_prompt')} {self.samples_per_prompt} needs sampling: greedy "
                             "completions of one prompt are all equal; give --temperature > 0, or leave the option out")

@@ -1,6 +1,6 @@
 """Refusals that say what the user meant to do: a clash between a file's explicit ids and another
 file's row positions, prompts given where token rows with a mask are read, a file as plan's
---cache folder, a setting prepare would ignore."""
+--cache folder, a setting prepare or generate would ignore."""
 
 from __future__ import annotations
 
@@ -46,3 +46,12 @@ def test_prepare_refuses_train_turns_it_would_ignore():
                                         r"with --responses keep; --responses regenerate writes prompts"):
         PrepareConfig(target="t", data=["d"], out="o", train_turns="last").validate()
     PrepareConfig(target="t", data=["d"], out="o", train_turns="last", responses="keep").validate()
+
+
+def test_generate_refuses_a_step_padded_batches_would_ignore():
+    from dflash_offline.config import GenerateConfig
+
+    with pytest.raises(UserError, match=r"^--step plain chooses continuous batching's step; --batching padded "
+                                        r"decodes with its own"):
+        GenerateConfig(target="t", prompts=["p"], out="o", step="plain", batching="padded").validate()
+    GenerateConfig(target="t", prompts=["p"], out="o", step="plain").validate()
