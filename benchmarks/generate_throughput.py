@@ -268,8 +268,8 @@ def shape27b(args) -> dict:
 
 def continuous_steps(model, args, weight_bytes: int, res: dict, save, device: str) -> None:
     """generate's continuous decoder (static buffers, the step one CUDA graph): every slot admitted,
-    then --new steps timed, for each step in --steps (fused: targets/step.py's compiled pieces;
-    plain: the layers' own modules, generate's step); the bound counts the weights, the attention buffers
+    then --new steps timed, for each state tile x SDPA backend x step in --steps (fused: targets/step.py's
+    compiled pieces; plain: the layers' own modules); the bound counts the weights, the attention buffers
     and the Gated DeltaNet states and windows read and written once per step."""
     import torch
 
@@ -279,8 +279,7 @@ def continuous_steps(model, args, weight_bytes: int, res: dict, save, device: st
     vocab = model.config.vocab_size
     for B in [int(b) for b in args.batches.split(",")]:
         prompts = [torch.randint(2, vocab, (args.prompt,), generator=g).tolist() for _ in range(B)]
-        for tile, sdpa, step in itertools.product(args.state_tiles.split(","), args.sdpa.split(","),
-                                                  args.steps.split(",")):
+        for tile, sdpa, step in itertools.product(args.state_tiles, args.sdpa, args.steps.split(",")):
             recurrent.IN_PLACE_TILE = recurrent.StateTile.parse(tile)
             # The attention kernel SDPA picks is fixed in the CUDA graph at its capture, inside this.
             with sdpa_backend(sdpa):
@@ -290,18 +289,28 @@ def continuous_steps(model, args, weight_bytes: int, res: dict, save, device: st
             save(res)
 
 
+SDPA_BACKENDS = ("default", "cudnn", "efficient", "math")  # those that take the step's mask
+
+
 def sdpa_backend(name: str):
-    """SDPA restricted to one backend (cudnn, efficient, math: those that take the step's mask), or
-    its own choice (default)."""
+    """SDPA restricted to one of SDPA_BACKENDS, or its own choice (default)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "math": SDPBackend.MATH}
-    if name == "default":
-        return contextlib.nullcontext()
-    if name not in backends:
-        raise SystemExit(f"--sdpa {name}: not one of default, {', '.join(backends)}")
-    return sdpa_kernel([backends[name]])
+    return contextlib.nullcontext() if name == "default" else sdpa_kernel([backends[name]])
+
+
+def listed(pattern: str, what: str):
+    """An argparse type: a comma list whose items each match `pattern`, refused at parsing (before the
+    target is built) otherwise."""
+    def parse(value: str) -> list[str]:
+        items = value.split(",")
+        bad = [x for x in items if not re.fullmatch(pattern, x)]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{', '.join(bad)}: {what}")
+        return items
+    return parse
 
 
 def continuous_run(model, args, B: int, prompts: list, step: str, weight_bytes: int, device: str) -> dict:
@@ -409,9 +418,9 @@ def main() -> None:
     p.add_argument("--steps", default="fused,plain",
                    help="the continuous decoder's steps, side by side: fused (targets/step.py's compiled pieces) "
                         "and plain (the layers' own modules: generate's step)")
-    p.add_argument("--state-tiles", default="8x1",
+    p.add_argument("--state-tiles", default="8x1", type=listed(r"[1-9]\d*x[1-9]\d*", "a tile is COLUMNSxWARPS, e.g. 32x4"),
                    help="the Gated DeltaNet in-place kernel's state tiles, side by side: d_v columns x warps per program")
-    p.add_argument("--sdpa", default="default",
+    p.add_argument("--sdpa", default="default", type=listed("|".join(SDPA_BACKENDS), f"one of {', '.join(SDPA_BACKENDS)}"),
                    help="the attention kernels under the continuous step, side by side: default (SDPA's choice), "
                         "cudnn, efficient, math")
     p.add_argument("--profile-batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[],
