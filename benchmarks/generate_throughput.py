@@ -26,7 +26,6 @@ measured on the H200).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import itertools
 import json
@@ -273,32 +272,20 @@ def continuous_steps(model, args, weight_bytes: int, res: dict, save, device: st
     and the Gated DeltaNet states and windows read and written once per step."""
     import torch
 
-    from dflash_offline.targets import recurrent
+    from dflash_offline.targets import attention, recurrent
 
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     for B in [int(b) for b in args.batches.split(",")]:
         prompts = [torch.randint(2, vocab, (args.prompt,), generator=g).tolist() for _ in range(B)]
         for tile, sdpa, step in itertools.product(args.state_tiles, args.sdpa, args.steps.split(",")):
+            # Both are read when the step's CUDA graph is captured (continuous_run captures anew).
             recurrent.IN_PLACE_TILE = recurrent.StateTile.parse(tile)
-            # The attention kernel SDPA picks is fixed in the CUDA graph at its capture, inside this.
-            with sdpa_backend(sdpa):
-                row = continuous_run(model, args, B, prompts, step, weight_bytes, device)
+            attention.ONE_TOKEN_SDPA = sdpa
+            row = continuous_run(model, args, B, prompts, step, weight_bytes, device)
             res["runs"].append({**row, "state_tile": tile, "sdpa": sdpa})
             print(json.dumps(res["runs"][-1]), flush=True)
             save(res)
-
-
-SDPA_BACKENDS = ("default", "cudnn", "efficient", "math")  # those that take the step's mask
-
-
-def sdpa_backend(name: str):
-    """SDPA restricted to one of SDPA_BACKENDS, or its own choice (default)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                "math": SDPBackend.MATH}
-    return contextlib.nullcontext() if name == "default" else sdpa_kernel([backends[name]])
 
 
 def listed(pattern: str, what: str):
@@ -391,6 +378,9 @@ def profile_step(dec, device: str) -> dict:
 
 
 def main() -> None:
+    from dflash_offline.targets.attention import ONE_TOKEN_SDPA, SDPA_BACKENDS
+    from dflash_offline.targets.recurrent import IN_PLACE_TILE
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     p = sub.add_parser("pycode")
@@ -418,11 +408,12 @@ def main() -> None:
     p.add_argument("--steps", default="fused,plain",
                    help="the continuous decoder's steps, side by side: fused (targets/step.py's compiled pieces) "
                         "and plain (the layers' own modules: generate's step)")
-    p.add_argument("--state-tiles", default="8x1", type=listed(r"[1-9]\d*x[1-9]\d*", "a tile is COLUMNSxWARPS, e.g. 32x4"),
-                   help="the Gated DeltaNet in-place kernel's state tiles, side by side: d_v columns x warps per program")
-    p.add_argument("--sdpa", default="default", type=listed("|".join(SDPA_BACKENDS), f"one of {', '.join(SDPA_BACKENDS)}"),
-                   help="the attention kernels under the continuous step, side by side: default (SDPA's choice), "
-                        "cudnn, efficient, math")
+    p.add_argument("--state-tiles", default=str(IN_PLACE_TILE), type=listed(r"[1-9]\d*x[1-9]\d*", "a tile is COLUMNSxWARPS, e.g. 32x4"),
+                   help="the Gated DeltaNet in-place kernel's state tiles, side by side: d_v columns x warps per program "
+                        "(the product's: %(default)s)")
+    p.add_argument("--sdpa", default=ONE_TOKEN_SDPA, type=listed("|".join(SDPA_BACKENDS), f"one of {', '.join(SDPA_BACKENDS)}"),
+                   help="the one-token attention kernels under the continuous step, side by side: default (SDPA's "
+                        "own choice), cudnn, efficient, math (the product's: %(default)s)")
     p.add_argument("--profile-batches", type=lambda v: [int(b) for b in v.split(",") if b], default=[],
                    help="batch sizes whose continuous steps are also profiled (kernels per step, GPU busy time)")
     for p in sub.choices.values():

@@ -443,7 +443,7 @@ def test_fla_recurrence_equals_the_loop(T):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("tile", ["8x1", "16x2", "32x4", "64x4"])
+@pytest.mark.parametrize("tile", ["8x1", "16x2", "32x4", "64x4", "64x8", "128x4", "128x8"])
 def test_in_place_tiles_equal_the_loop(tile, monkeypatch):
     """Every state tile the in-place kernel may run with (the 27B shape's head sizes, 128 x 128)
     moves the state as the PyTorch loop does, one-token rounds and a verify replay alike."""

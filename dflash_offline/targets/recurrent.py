@@ -53,6 +53,9 @@ class StateTile(NamedTuple):
         values, warps = (int(x) for x in text.lower().split("x"))
         return cls(values, warps)
 
+    def __str__(self) -> str:
+        return f"{self.values}x{self.warps}"
+
 
 IN_PLACE_TILE = StateTile(8, 1)
 

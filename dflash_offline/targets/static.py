@@ -26,7 +26,7 @@ import sys
 import torch
 
 from dflash_offline.targets import families
-from dflash_offline.targets.attention import grouped_query_attention
+from dflash_offline.targets.attention import grouped_query_attention, one_token_sdpa
 from dflash_offline.targets.recurrent import LINEAR_PARTS, GatedDeltaLayer, advance_state, kernels_for
 from dflash_offline.targets.step import attention_inputs, attention_output, fuse_projections, pieces
 
@@ -169,7 +169,9 @@ class StaticTarget:
         where = pos[:, None, :, None].expand(R, self.kv_heads, T, self.head_dim)
         keys.scatter_(2, where, k.to(keys.dtype))
         values.scatter_(2, where, v.to(values.dtype))
-        return grouped_query_attention(q.to(v.dtype), keys, values, mask, self.scale).transpose(1, 2).reshape(R, T, -1)
+        with one_token_sdpa(q):  # a decode step's kernel (fixed in a CUDA graph at its capture)
+            out = grouped_query_attention(q.to(v.dtype), keys, values, mask, self.scale)
+        return out.transpose(1, 2).reshape(R, T, -1)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, features: bool, keep: torch.Tensor | None = None,
                 span: int | None = None):
