@@ -57,7 +57,10 @@ class StateTile(NamedTuple):
         return f"{self.values}x{self.warps}"
 
 
-IN_PLACE_TILE = StateTile(8, 1)
+# 64 columns on 4 warps: at the Qwen3.5-27B shape (128 x 128 heads) the kernel moved 64 rows' state
+# in 6.42 ms a step against 7.88 at fla's 8 x 1 (H100; 16x2 7.28, 32x4 7.50, 128x4 and the 8-warp
+# tiles slower), and was no slower at 1 and 32 rows (docs/benchmarks.md).
+IN_PLACE_TILE = StateTile(64, 4)
 
 
 class Kernels(NamedTuple):
