@@ -10,7 +10,8 @@ import torch
 from conftest import run_cli
 from dflash_offline.train.config import auto_loss_chunk
 from dflash_offline.drafter.config import DrafterConfig
-from dflash_offline.drafter.model import DFlashDrafter, read_layer_tensors
+from dflash_offline.drafter.model import DFlashDrafter
+from dflash_offline.drafter.warm_start import plan_start
 from dflash_offline.drafter.masks import count_recompiles, dense_mask
 from dflash_offline.runtime.errors import UserError
 
@@ -42,16 +43,22 @@ def test_init_layers_copies_the_target_layers_exactly(tiny_dense):
     assert copied == len([k for k in after if k.startswith("layers.")]) > 10
 
 
-def test_init_layers_refuses_a_wrong_count_a_missing_layer_and_other_shapes(tiny_dense, tiny_hybrid):
+def test_init_layers_refuses_a_wrong_count_and_a_missing_layer(tiny_dense):
+    """(A hybrid's layers start what fits of the drafter's: tests/test_hybrid_warm_start.py.)"""
     cfg = DrafterConfig.from_target(str(tiny_dense), [1, 3, 5], drafter_layers=2, mask_token_id=7)
     with pytest.raises(UserError, match="one target layer per drafter layer, 2 expected"):
-        read_layer_tensors(str(tiny_dense), [1, 2, 3], cfg=cfg)
+        plan_start(str(tiny_dense), [1, 2, 3], cfg)
     with pytest.raises(UserError, match=r"outside the target's layers 0\.\.7"):
-        read_layer_tensors(str(tiny_dense), [1, 8], cfg=cfg)
-    assert read_layer_tensors(str(tiny_dense), [0, 7], cfg=cfg) == {}  # shapes only, nothing loaded
-    hcfg = DrafterConfig.from_target(str(tiny_hybrid), [1], drafter_layers=1, mask_token_id=7)
-    with pytest.raises(UserError, match="leave --init-layers out"):
-        read_layer_tensors(str(tiny_hybrid), [0], cfg=hcfg)
+        plan_start(str(tiny_dense), [1, 8], cfg)
+    assert len(plan_start(str(tiny_dense), [0, 7], cfg).sources) == 2 * 11  # headers only, nothing loaded
+
+
+def test_layer_shapes_are_the_modules(tiny_dense, tiny_hybrid):
+    for target in (tiny_dense, tiny_hybrid):
+        cfg = DrafterConfig.from_target(str(target), [1, 3], drafter_layers=2, mask_token_id=7)
+        built = {n[len("layers.1."):]: tuple(p.shape) for n, p in DFlashDrafter.meta(cfg).named_parameters()
+                 if n.startswith("layers.1.")}
+        assert built == cfg.layer_shapes()
 
 
 def test_train_refuses_bad_init_layers_before_work(tiny_dense, arith_cache, tmp_path):

@@ -88,6 +88,17 @@ class DrafterConfig:
     markov_head_type: str = "vanilla"
     confidence_head: bool = False
 
+    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The parameter shapes of one decoder layer (drafter.model.DFlashLayer), by name under
+        `layers.i.`: what a target layer must hold to start it (drafter.warm_start), known without
+        building the module (train's preflight imports no torch)."""
+        h, d, inter = self.hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        return {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q), "self_attn.q_norm.weight": (d,),
+                "self_attn.k_norm.weight": (d,), "post_attention_layernorm.weight": (h,),
+                "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
+
     @property
     def label_offset(self) -> int:
         """Slot j of a block at anchor p predicts the token at p + j + label_offset."""

@@ -7,9 +7,9 @@ weight names follow the reference inference code (z-lab/dflash `dflash/model.py`
 loads there unchanged (tests/test_reference_parity.py; serving engines: docs/serving.md); see `dflash-method.md`.
 
 The drafter reads the target tensors it starts from here too: the frozen embedding and LM head,
-and with `train --init-layers` whole target layers (`read_layer_tensors`, which train's preflight
-also calls, shapes only, to refuse a target whose layers do not fit before any process starts).
-The config is drafter.config; the serving export, drafter.export.
+and with `train --init-layers` what fits of target layers (drafter.warm_start plans which tensor
+starts which; train's preflight makes the same plan from the headers alone, to refuse a start that
+cannot fit before any process starts). The config is drafter.config; the serving export, drafter.export.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from torch import Tensor, nn
 
 from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.drafter.dspark import ConfidenceHead, MarkovHead
+from dflash_offline.drafter.warm_start import load_start, plan_start
 from dflash_offline.runtime.errors import UserError
-from dflash_offline.targets.folder import checkpoint_name, read_target
+from dflash_offline.targets.folder import read_target, target_tensors
 
 log = logging.getLogger("dflash.drafter")
 
@@ -203,16 +204,16 @@ class DFlashDrafter(nn.Module):
         self._compiled_layer = torch.compile(_run_layer, dynamic=False, backend=backend)
 
     def init_layers_from_target(self, target_dir: str, init_layers: list[int]) -> None:
-        """Start drafter layer i from target layer init_layers[i] (every tensor of the layer:
-        attention, q/k norms, MLP, both layer norms), for targets whose decoder layers have the
-        drafter's shapes (dense Qwen3-like ones). The target's layers already hold the circuits a
-        drafter needs (previous-token and copying heads), which a random start must rediscover."""
-        found = read_layer_tensors(target_dir, init_layers, self)
+        """Start drafter layer i from target layer init_layers[i]: every tensor of a dense Qwen3-like
+        target's layer, what fits of a hybrid's (drafter.warm_start); the rest keep their random
+        start. The target's layers already hold the circuits a drafter needs (previous-token and
+        copying heads, the MLPs' token features), which a random start must rediscover."""
+        plan = plan_start(target_dir, init_layers, self.cfg)
+        params = dict(self.named_parameters())
         with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name in found:
-                    p.copy_(found[name].to(device=p.device, dtype=p.dtype))
-        log.info("drafter layers initialised from target layers %s", list(init_layers))
+            for name, t in load_start(plan).items():
+                params[name].copy_(t.to(device=params[name].device, dtype=params[name].dtype))
+        log.info(plan.summary())
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for n, p in self.named_parameters() if not n.startswith(FROZEN_PREFIXES)]
@@ -320,64 +321,3 @@ class DFlashDrafter(nn.Module):
         for layer, (k, v) in zip(self.layers, kv):
             x = layer.draft(x, k, v, cos, sin, ctx_mask, block_len)
         return self.norm(x)
-
-
-# ----------------------------------------------------------------------------------------------
-# Target tensors: the frozen tables, and target layers as a start (--init-layers)
-
-
-def target_tensors(info, wanted: set[str]):
-    """(name, open safetensors file, its key) for the first tensor of each wanted name (names as
-    transformers' checkpoint conversion gives them) in the target's weight files; the caller reads
-    what it needs (the tensor, or only its shape) while the file is open."""
-    from safetensors import safe_open
-
-    seen: set[str] = set()
-    for f in info.weight_files:
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for key in sf.keys():
-                name = checkpoint_name(key)
-                if name in wanted and name not in seen:
-                    seen.add(name)
-                    yield name, sf, key
-
-
-def read_layer_tensors(target_dir: str, init_layers: list[int], drafter: "DFlashDrafter | None" = None,
-                       cfg: DrafterConfig | None = None,
-                       flags: tuple[str, str] = ("--init-layers", "--drafter-layers")) -> dict[str, Tensor]:
-    """The target tensors that start the drafter's layers: {drafter parameter name: tensor}, one
-    target layer per drafter layer. Checks (one line each) that there is one id per drafter layer,
-    that each exists, and that every tensor of the drafter's layer is in the target with its shape;
-    with `drafter=None` only the shapes are read (a preflight check: no tensor is loaded). `flags`:
-    how the layer ids and the drafter's depth were given (flags or recipe keys), for messages."""
-    cfg = drafter.cfg if drafter is not None else cfg
-    info = read_target(target_dir)
-    flag, depth = flags
-    if len(init_layers) != cfg.num_hidden_layers:
-        raise UserError(f"{flag} {','.join(map(str, init_layers))}: one target layer per drafter layer, "
-                        f"{cfg.num_hidden_layers} expected ({depth})")
-    bad = [j for j in init_layers if not 0 <= j < info.num_target_layers]
-    if bad:
-        raise UserError(f"{flag}: layer ids {bad} are outside the target's layers 0..{info.num_target_layers - 1}")
-    shapes = {name: tuple(t.shape) for name, t in (drafter or DFlashDrafter.meta(cfg)).named_parameters()
-              if name.startswith("layers.")}
-    want: dict[str, str] = {}  # target key -> drafter name
-    for name in shapes:
-        i, rest = name[len("layers."):].split(".", 1)
-        want[f"model.layers.{init_layers[int(i)]}.{rest}"] = name
-    found: dict[str, Tensor] = {}
-    got_shapes: dict[str, tuple] = {}
-    for tkey, sf, key in target_tensors(info, set(want)):
-        got_shapes[tkey] = tuple(sf.get_slice(key).get_shape())
-        if drafter is not None and got_shapes[tkey] == shapes[want[tkey]]:
-            found[want[tkey]] = sf.get_tensor(key)
-    missing = sorted(k for k in want if k not in got_shapes)
-    if missing:
-        raise UserError(f"{flag}: the target has no {missing[0]} ({len(missing)} drafter tensors missing): its "
-                        "layers are not shaped like the drafter's (a hybrid or gated-attention target); leave "
-                        f"{flag} out")
-    for tkey, name in want.items():
-        if got_shapes[tkey] != shapes[name]:
-            raise UserError(f"{flag}: target {tkey} has shape {got_shapes[tkey]}, the drafter's {name} "
-                            f"{shapes[name]}; leave {flag} out")
-    return found

@@ -7,7 +7,8 @@ One registry, asked by every stage that treats targets differently (none decides
   snapshot; the cache attributes that hold it), whether it attends over a window (padding holes
   would count as positions), and the fast CUDA kernels it wants (a loud warning when missing).
 - `FAMILIES`: one entry per family of target the code supports (its transformers model types, the
-  layer types it is built from, whether the static decoder runs it and why not).
+  layer types it is built from, whether the static decoder runs it and why not, how its checkpoints
+  store norms and attention's query where they differ from Qwen3's).
 
 A layer type not listed is treated as the cautious case: recurrent (snapshot and restore, never
 crop) and not batchable by windows; a model type not listed has no family, and the stages fall back
@@ -59,6 +60,11 @@ class Family:
     # The static decoder (targets/static.py) runs decoder layers "x + mixer(norm(x)); x + mlp(norm(x))",
     # the mixer full causal attention or Gated DeltaNet; None where it can, else why not.
     static_decoder: str | None = None
+    # How its checkpoints store what a Qwen3 layer stores plainly (drafter/warm_start.py reads them):
+    # RMSNorm weights zero-centred (the scale is 1 + w), and attention's q_proj holding, per head, the
+    # query's rows then an output gate's rows (twice a Qwen3 q_proj).
+    zero_centred_norms: bool = False
+    gated_query: bool = False
 
 
 FAMILIES = (
@@ -66,7 +72,7 @@ FAMILIES = (
     Family("qwen2", ("qwen2",), (FULL, SLIDING)),
     Family("llama", ("llama",), (FULL,)),
     Family("mistral", ("mistral",), (FULL, SLIDING)),
-    Family("qwen3.5 hybrid", ("qwen3_5", "qwen3_5_text"), (FULL, LINEAR)),
+    Family("qwen3.5 hybrid", ("qwen3_5", "qwen3_5_text"), (FULL, LINEAR), zero_centred_norms=True, gated_query=True),
 )
 
 

@@ -84,6 +84,23 @@ def tensor_entries(files: list[Path]) -> dict[str, TensorEntry]:
     return found
 
 
+def target_tensors(info: "TargetInfo", wanted: set[str]):
+    """(name, open safetensors file, its key) for the first tensor of each wanted name (names as
+    `checkpoint_name` gives them) in the target's weight files; the caller reads what it needs (the
+    tensor, or only its shape) while the file is open. Tensors come as torch tensors: safetensors is
+    imported here, not with the module, which the torch-free checks import."""
+    from safetensors import safe_open
+
+    seen: set[str] = set()
+    for f in info.weight_files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for key in sf.keys():
+                name = checkpoint_name(key)
+                if name in wanted and name not in seen:
+                    seen.add(name)
+                    yield name, sf, key
+
+
 REDOWNLOAD = "the file is damaged or truncated (an interrupted download or copy?): re-download it"
 
 

@@ -78,8 +78,8 @@ class DrafterOptions:
     block_size: int = opt(16, "Draft block size.", resume=True)
     # Read in the cache's order. One extraction of a superset serves a whole layer ablation.
     target_layers: list[int] | None = opt(None, "Target layer ids the drafter reads, a subset of the cache's, e.g. 1,3,5,6.", default_text="all the cache holds", resume=True, old=("layers",))
-    # For dense Qwen3-like targets; None (random) is the method's own start.
-    init_layers: list[int] | None = opt(None, "Target layer ids whose weights start the drafter's layers, one per drafter layer, e.g. 0,1,2,3,4 (dense targets shaped like the drafter).", default_text="random", resume=True)
+    # None (random) is the method's own start; drafter/warm_start.py says what each kind of layer gives.
+    init_layers: list[int] | None = opt(None, "Target layer ids whose weights start the drafter's layers, one per drafter layer, e.g. 0,1,2,3,4: every tensor of a dense target's layer; of a hybrid's, the MLP and norms, and a full-attention layer's attention (its output gate dropped).", default_text="random", resume=True)
     mask_token_id: int | None = opt(None, "Mask token id.", default_text="the tokenizer's mask token", resume=True)
     # dflash: dflash-method.md. dspark: DSpark, arXiv 2607.05147 (drafter/dspark.py, blocks/dspark_loss.py);
     # slot j predicts the token at anchor + 1 + j, the Markov head a low-rank bias from the previous token.

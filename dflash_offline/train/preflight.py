@@ -19,6 +19,7 @@ from dflash_offline.cache.manifest import ManifestStore, committed_names
 from dflash_offline.options import also, where
 from dflash_offline.cache.view import ManifestView
 from dflash_offline.drafter.config import DrafterConfig
+from dflash_offline.drafter.warm_start import plan_start
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.launch import check_devices_exist, parse_devices, torchrun_launch
@@ -177,8 +178,6 @@ def _drafter_config(cfg: TrainConfig, target_layers: list[int], v: ManifestView)
     """The drafter's config (DrafterConfig) from the target and the options (its mask token and the
     --init-layers start checked against the target: shapes only, no tensor loaded), with the
     cache's chat settings."""
-    from dflash_offline.drafter.model import read_layer_tensors
-
     dcfg = DrafterConfig.from_target(cfg.target, target_layers, block_size=cfg.block_size,
                                      drafter_layers=cfg.drafter_layers, mask_token_id=cfg.mask_token_id,
                                      mask_flag=where(cfg, "mask_token_id"))
@@ -187,8 +186,8 @@ def _drafter_config(cfg: TrainConfig, target_layers: list[int], v: ManifestView)
         dcfg = dataclasses.replace(dcfg, method="dspark", markov_rank=cfg.markov_rank,
                                    markov_head_type=cfg.markov_head, confidence_head=cfg.confidence_head)
     if cfg.init_layers:
-        read_layer_tensors(cfg.target, cfg.init_layers, cfg=dcfg,  # shapes only: one line if they do not fit
-                           flags=(where(cfg, "init_layers"), where(cfg, "drafter_layers")))
+        plan_start(cfg.target, cfg.init_layers, dcfg,  # headers only: one line if they do not fit
+                   flags=(where(cfg, "init_layers"), where(cfg, "drafter_layers")))
     return dcfg
 
 
