@@ -13,6 +13,13 @@ machine lacks; the rest wants a GPU):
     python benchmarks/hybrid_fixture.py train --out DIR --device cuda     # -> DIR/target/, DIR/train.json
     python benchmarks/hybrid_fixture.py complete --out DIR --device cuda  # -> DIR/completions-*.parquet
     python benchmarks/hybrid_fixture.py all --out DIR --device cuda       # the three (corpus if absent)
+    python benchmarks/hybrid_fixture.py compare --out DIR                 # DIR against the committed fixture
+
+The target every run decodes is committed (COMMITTED: `target/`, its `train.json`, its fp32 greedy
+completions and `complete.json`), so a run needs no GPU-minutes to remake it and every run meets the
+same near-ties; `all` remakes it and then says whether the remake matches the committed one (bit for
+bit, or by how much each tensor, loss and completion differs: GPU kernels need not repeat themselves
+across cards and software).
 
 DIR then has the pycode fixture's layout and can be given as `--fixture` to pycode_quality.py (or as
 its `--hybrid-fixture` with `--target-family hybrid`). The target:
@@ -47,6 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # dflash_offline from this checkout
 
 PYCODE = ROOT.parent / "shared" / "fixtures" / "pycode"
+COMMITTED = ROOT / "benchmarks" / "fixtures" / "pycode-hybrid"  # the target every run decodes
+COMMITTED_FILES = ("target", "train.json", "complete.json", "completions-train.parquet", "completions-eval.parquet")
 DEFAULT_OUT = Path("~/.cache/dflash-offline/pycode-hybrid").expanduser()
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 EOT = 0  # <|endoftext|>: eos, pad and document separator (<|MASK|> = 1 never occurs in the data)
@@ -493,6 +502,55 @@ def complete(args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# Whether a remake matches the committed fixture
+
+
+def compare(args) -> dict:
+    """The remade fixture in OUT against --against (the committed one): every weight tensor bit for
+    bit (else how many differ and the largest difference), the losses train.json records, and the
+    completions row by row. Prints one line each and a verdict; returns the figures."""
+    import pyarrow.parquet as pq
+    import torch
+    from safetensors.torch import load_file
+
+    out, ref = Path(args.out), Path(args.against)
+    for d in (out, ref):
+        if not (d / "target" / "model.safetensors").is_file():
+            raise SystemExit(f"compare: {d / 'target' / 'model.safetensors'} does not exist")
+    mine, theirs = load_file(str(out / "target" / "model.safetensors")), load_file(str(ref / "target" / "model.safetensors"))
+    if mine.keys() != theirs.keys() or any(mine[k].shape != theirs[k].shape for k in mine):
+        raise SystemExit(f"compare: {out / 'target'} and {ref / 'target'} hold other tensors or shapes")
+    diffs = {k: float((mine[k].float() - theirs[k].float()).abs().max()) for k in sorted(mine)}
+    differ = {k: v for k, v in diffs.items() if v > 0 or not torch.equal(mine[k], theirs[k])}
+    report = {"tensors": len(diffs), "tensors_differ": len(differ),
+              "largest_diff": max(differ.items(), key=lambda kv: kv[1]) if differ else None,
+              "config_equal": (out / "target" / "config.json").read_bytes() == (ref / "target" / "config.json").read_bytes()}
+    print(f"weights: {len(diffs) - len(differ)} of {len(diffs)} tensors equal bit for bit"
+          + (f"; largest |difference| {report['largest_diff'][1]:.3g} in {report['largest_diff'][0]}" if differ else ""))
+    losses = {}
+    if (out / "train.json").is_file() and (ref / "train.json").is_file():
+        a, b = (json.loads((d / "train.json").read_text())["loss_fp32_of_saved_bf16"] for d in (out, ref))
+        losses = {k: (a[k], b[k]) for k in a if k in b}
+        print("losses (fp32, remade / committed): " + ", ".join(f"{k} {x:.4f} / {y:.4f}" for k, (x, y) in losses.items()))
+    report["losses"] = losses
+    rows = {}
+    for name in ("train", "eval"):
+        f = f"completions-{name}.parquet"
+        if (out / f).is_file() and (ref / f).is_file():
+            x, y = (dict(zip(t["id"].to_pylist(), t["input_ids"].to_pylist())) for t in (pq.read_table(d / f) for d in (out, ref)))
+            same = sum(x[i] == y.get(i) for i in x)
+            rows[name] = {"rows": len(x), "equal": same, "ids_equal": x.keys() == y.keys()}
+            print(f"completions {name}: {same} of {len(x)} rows equal token for token"
+                  + ("" if x.keys() == y.keys() else " (the two files hold other ids)"))
+    report["completions"] = rows
+    report["matches"] = (not differ and report["config_equal"]
+                         and all(r["equal"] == r["rows"] and r["ids_equal"] for r in rows.values()))
+    print(f"the remake in {out} {'matches' if report['matches'] else 'does not match'} {ref}", flush=True)
+    (out / "compare.json").write_text(json.dumps({"against": str(ref), **report}, indent=1) + "\n")
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def main() -> int:
@@ -502,7 +560,8 @@ def main() -> int:
         ("corpus", "tokenize the 3.11.7 stdlib into OUT/corpus.npz (needs that stdlib, no GPU)"),
         ("train", "train the hybrid target into OUT/target (a GPU)"),
         ("complete", "its greedy completions of the fixture's prompts (a GPU)"),
-        ("all", "corpus (if absent), train, complete"))}
+        ("all", "corpus (if absent), train, complete; then compare with --against where it exists"),
+        ("compare", "whether OUT's target and completions match --against's (the committed fixture)"))}
     for name, p in phases.items():
         p.add_argument("--out", default=str(DEFAULT_OUT), help="the hybrid fixture folder (default %(default)s)")
         if name in ("corpus", "train", "all"):
@@ -530,6 +589,9 @@ def main() -> int:
             p.add_argument("--train-windows", type=int, default=256, help="random train windows in the final loss")
             p.add_argument("--eval-windows", type=int, default=None,
                            help="only the first N windows of each held-out set (a smoke run; default all)")
+        if name in ("compare", "all"):
+            p.add_argument("--against", default=str(COMMITTED), help="the fixture to compare with (default: the "
+                                                                     "committed one, %(default)s)")
         if name in ("complete", "all"):
             p.add_argument("--fixture", default=str(PYCODE), help="the pycode fixture (its prompts)")
             p.add_argument("--target", default=None, help="the target folder (default OUT/target)")
@@ -543,6 +605,8 @@ def main() -> int:
         train(args)
     elif args.phase == "complete":
         complete(args)
+    elif args.phase == "compare":
+        return 0 if compare(args)["matches"] else 1
     else:
         if not (Path(args.out) / "corpus.npz").exists():
             corpus(args)
@@ -554,6 +618,8 @@ def main() -> int:
                                     f"{d['ended_by_eot']} ended by token 0, {d['seconds']:.0f}s") for k, d in done.items()],
                 ("all", f"{time.time() - t0:.0f}s")]
         print("\n" + "\n".join(f"{k:<22} {v}" for k, v in rows))
+        if (Path(args.against) / "target" / "model.safetensors").is_file() and Path(args.against) != Path(args.out):
+            compare(args)
     return 0
 
 

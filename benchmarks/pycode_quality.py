@@ -27,10 +27,18 @@ Decoding tau is pooled over all rounds of all prompts (total committed tokens / 
 given as the mean over prompts of each prompt's own tau (the reference benchmark's average).
 `--smoke` runs the same pipeline on the CPU with a few rows and tiny budgets, to check the script.
 `--target-family hybrid` runs it all on the hybrid target of benchmarks/hybrid_fixture.py (a trained
-Qwen3.5-style Gated DeltaNet model, its own completions from --hybrid-fixture) with the same prompts; its
-layers are not shaped like the drafter's, so its default recipe starts the drafter at random; its
-defaults stay the DFlash recipe on greedy data (`--variants dflash --fresh-temperature 0`, the
-recipe measured on it).
+Qwen3.5-style Gated DeltaNet model, its own completions from --hybrid-fixture, by default
+benchmarks/fixtures/pycode-hybrid, where it is committed: its README says whether it is there yet)
+with the same prompts. Its defaults stay the DFlash
+recipe on greedy data (`--variants dflash --fresh-temperature 0`, the recipe measured on it) until
+DSpark, the warm start and the tap table are measured there. Presets combine with `+` (their
+options one after the other: `dspark-cl+init-all+tap-full`); groups name the tables:
+
+    # the tap table: six layer choices from one cache of all 8 layers, DSpark, one epoch each
+    python benchmarks/pycode_quality.py --target-family hybrid --fresh-temperature 1 \
+        --capture 0,1,2,3,4,5,6,7 --epochs 1 --variants taps
+    # the warm-start table: random, every layer's MLP and norms (attention from 3 and 7), all attention
+    python benchmarks/pycode_quality.py --target-family hybrid --fresh-temperature 1 --epochs 1 --variants warm
 
 The default recipe against the DFlash one, side by side (docs/benchmarks.md):
 
@@ -47,6 +55,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+HYBRID_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "pycode-hybrid"  # hybrid_fixture.py's COMMITTED
 
 # name -> extra train options. The first variant is the one whose end-to-end time is reported.
 PRESETS = {
@@ -78,6 +88,33 @@ PRESETS = {
     "tv-dpace": ["--kd-weight", "0", "--tv-weight", "0.9"],
     "dspark-ce": ["--method", "dspark", "--kd-weight", "0", "--loss-weights", "decay", "--ce-weight", "1",
                   "--tv-weight", "0"],
+}
+
+# The hybrid fixture's target (benchmarks/hybrid_fixture.py): 8 layers, [Gated DeltaNet x 3, full
+# attention] x 2. What a drafter reads of it (`--target-layers`, from one cache of all 8 layers:
+# `--capture 0,1,2,3,4,5,6,7`) and what its layers start from (`--init-layers`, one id per drafter
+# layer; a Gated DeltaNet layer gives its MLP and norms, a full-attention one its attention too:
+# drafter/warm_start.py). Combined with a recipe by `+`: `dspark-cl+tap-full`, `dspark-cl+init-all`.
+HYBRID_PRESETS = {
+    "tap-dense": ["--target-layers", "1,2,3,4,5,6"],  # the dense recipe's capture
+    "tap-even": ["--target-layers", "1,3,5,7"],  # every other layer, over the whole depth
+    "tap-gdn": ["--target-layers", "0,1,2,4,5,6"],  # Gated DeltaNet layers only
+    "tap-full": ["--target-layers", "3,7"],  # full-attention layers only: here also the last layer of each group
+    "tap-first": ["--target-layers", "0,4"],  # the first layer of each group of four
+    "tap-lastgdn": ["--target-layers", "2,6"],  # the last Gated DeltaNet layer of each group
+    "tap-all": ["--target-layers", "0,1,2,3,4,5,6,7"],
+    "init-all": ["--init-layers", "0,1,2,3,4,5,6,7"],  # each layer's MLP and norms, attention in layers 3 and 7
+    "init-attn": ["--init-layers", "3,3,3,3,7,7,7,7"],  # every drafter layer's attention from a full-attention one
+}
+PRESETS.update(HYBRID_PRESETS)
+
+# Names for a set of variants measured side by side (each member as --variants takes it).
+GROUPS = {
+    # The tap table: six layer choices, one recipe and budget (the last layer of each group is the
+    # full-attention one in this layout, so tap-lastgdn takes the sixth row).
+    "taps": [f"dspark-cl+{t}" for t in ("tap-dense", "tap-even", "tap-gdn", "tap-full", "tap-first", "tap-lastgdn")],
+    # The warm-start table: the random start against the two starts the hybrid's layers allow.
+    "warm": ["dspark-cl", "dspark-cl+init-all", "dspark-cl+init-attn"],
 }
 
 # Earlier names of presets, kept working with a note: the commands in docs/benchmarks.md use them.
@@ -119,22 +156,56 @@ def wait(procs: dict[str, subprocess.Popen], logs: dict[str, Path], reported=lam
 
 
 def parse_variants(text: str) -> dict[str, list[str]]:
-    """'dflash,kd' (presets) or 'name=--opt v --opt2 w;name2=...' (explicit options). A name ending in
+    """'dflash,kd' (presets), 'dspark-cl+tap-full' (presets' options one after another), 'taps' (a
+    group: its members) or 'name=--opt v --opt2 w;name2=...' (explicit options). A name ending in
     @tT (`tv@t1`, `dflash@t0`) trains on fresh completions sampled at temperature T (0: greedy)
     instead of --fresh-temperature's: the board then makes and extracts one training set per
     temperature, so data and objective compare side by side in one run."""
     out = {}
-    for item in [t for t in text.split(";" if "=" in text else ",") if t.strip()]:
+    items = [t.strip() for t in text.split(";" if "=" in text else ",") if t.strip()]
+    items = [m for t in items for m in (GROUPS[t] if t in GROUPS else [t])]
+    for item in items:
         if "=" in item:
             name, opts = item.split("=", 1)
             out[name.strip()] = shlex.split(opts)
-        elif (preset := RENAMED.get(p := item.strip().split("@")[0], p)) in PRESETS:
+            continue
+        opts = []
+        for p in item.split("@")[0].split("+"):
+            preset = RENAMED.get(p, p)
+            if preset not in PRESETS:
+                raise SystemExit(f"--variants: unknown preset {p!r} in {item!r}; presets: {', '.join(PRESETS)}; "
+                                 f"groups: {', '.join(GROUPS)}; or NAME=OPTIONS")
             if preset != p:
                 print(f"--variants: {p!r} is now named {preset!r} ({RENAMED_WHY[p]})", file=sys.stderr)
-            out[item.strip()] = PRESETS[preset]
-        else:
-            raise SystemExit(f"--variants: unknown preset {item!r}; presets: {', '.join(PRESETS)}, or NAME=OPTIONS")
+            opts += PRESETS[preset]
+        out[item] = opts
     return out
+
+
+def last_value(opts: list[str], flag: str) -> str | None:
+    """The value the last `flag VALUE` of an option list gives (the one train keeps), or None."""
+    found = None
+    for a, b in zip(opts, opts[1:]):
+        if a == flag:
+            found = b
+    return found
+
+
+def check_variants(variants: dict[str, list[str]], train_args: list[str], capture: str) -> None:
+    """Refuse, before any GPU time is spent, a variant whose train would fail after generate and
+    extract: layers it reads that the cache will not hold, a start with another count of layers
+    than the drafter's."""
+    held = {int(x) for x in capture.split(",")}
+    for name, opts in variants.items():
+        every = train_args + opts
+        taps = last_value(every, "--target-layers")
+        if taps is not None and not {int(x) for x in taps.split(",")} <= held:
+            raise SystemExit(f"--variants: {name} reads layers {taps}, and --capture {capture} does not hold them all; "
+                             f"capture them (--capture 0,1,2,3,4,5,6,7 for the tap table)")
+        init, depth = last_value(every, "--init-layers"), last_value(every, "--drafter-layers")
+        if init is not None and depth is not None and len(init.split(",")) != int(depth):
+            raise SystemExit(f"--variants: {name} starts {len(init.split(','))} layers (--init-layers {init}) of a "
+                             f"drafter of {depth} (--drafter-layers {depth})")
 
 
 def data_temperature(variant: str, default: float) -> float:
@@ -197,8 +268,9 @@ def main() -> int:
     ap.add_argument("--target-family", choices=("dense", "hybrid"), default="dense",
                     help="dense: the fixture's Qwen3 target; hybrid: the target and completions of --hybrid-fixture "
                          "(prompts still from --fixture)")
-    ap.add_argument("--hybrid-fixture", default="~/.cache/dflash-offline/pycode-hybrid",
-                    help="the folder benchmarks/hybrid_fixture.py made (--target-family hybrid)")
+    ap.add_argument("--hybrid-fixture", default=str(HYBRID_FIXTURE),
+                    help="the folder benchmarks/hybrid_fixture.py made (--target-family hybrid; default: the committed "
+                         "one, %(default)s)")
     ap.add_argument("--work", default="/dev/shm/pycode")
     ap.add_argument("--results", default="results")
     ap.add_argument("--device", default="0")
@@ -245,8 +317,6 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, a few rows: checks the script, not the drafter")
     args = ap.parse_args()
     fx, work, res = Path(args.fixture).absolute(), Path(args.work).absolute(), Path(args.results).absolute()
-    work.mkdir(parents=True, exist_ok=True)
-    res.mkdir(parents=True, exist_ok=True)
     hybrid = args.target_family == "hybrid"
     # The default recipe (DSpark on sampled completions) is measured on the dense target; the hybrid
     # board keeps the recipe measured on it (DFlash, greedy data).
@@ -254,6 +324,12 @@ def main() -> int:
     args.fresh_temperature = args.fresh_temperature if args.fresh_temperature is not None else (0.0 if hybrid else 1.0)
     variants = parse_variants(args.variants)
     tfx = Path(args.hybrid_fixture).expanduser().absolute() if hybrid else fx  # the target and its completions
+    missing = [f for f in ("target/config.json", "completions-train.parquet", "completions-eval.parquet")
+               if not (tfx / f).is_file()]
+    if missing:
+        raise SystemExit(f"--{'hybrid-' if hybrid else ''}fixture {tfx}: no {missing[0]}"
+                         + ("; make the hybrid fixture with benchmarks/hybrid_fixture.py all --out DIR (a GPU, about "
+                            "9 minutes) and pass --hybrid-fixture DIR" if hybrid else ""))
     target = tfx / "target"
     train_rows, eval_rows = tfx / "completions-train.parquet", tfx / "completions-eval.parquet"
     fresh_prompts, eval_prompts = fx / "prompts-train-40k.parquet", fx / "prompts-eval.parquet"
@@ -263,15 +339,22 @@ def main() -> int:
     if args.smoke:
         import pyarrow.parquet as pq
 
+        work.mkdir(parents=True, exist_ok=True)
         for src, n in ((train_rows, 24), (eval_rows, 6), (fresh_prompts, 8)):
             pq.write_table(pq.read_table(src).slice(0, n), work / f"smoke-{src.name}")
         train_rows, eval_rows = work / f"smoke-{train_rows.name}", work / f"smoke-{eval_rows.name}"
         fresh_prompts = work / f"smoke-{fresh_prompts.name}"
         args.device, args.fresh, args.max_new_tokens, args.eval_jobs = "cpu", min(args.fresh, 8), 24, 2
         args.eval_prompts, args.eval_every, peer_epochs = min(args.eval_prompts, 4), 2, 1
-        train_args += ["--seq-len", "512", "--num-anchors", "64", "--global-batch-tokens", "1024", "--drafter-layers", "1",
-                       *([] if hybrid else ["--init-layers", "0"]),
+        # One drafter layer, unless a variant starts its layers from the target's (then as many as it starts).
+        starts = {len(v.split(",")) for v in (last_value(o, "--init-layers") for o in variants.values()) if v}
+        depth = str(max(starts)) if starts else "1"
+        train_args += ["--seq-len", "512", "--num-anchors", "64", "--global-batch-tokens", "1024", "--drafter-layers", depth,
+                       *([] if hybrid or starts else ["--init-layers", "0"]),
                        "--loader-workers", "0"]
+    check_variants(variants, train_args, args.capture)
+    work.mkdir(parents=True, exist_ok=True)
+    res.mkdir(parents=True, exist_ok=True)
     summary: dict = {"args": vars(args), "phases_s": {}, "variants": {}}
 
     def save() -> None:
@@ -436,12 +519,13 @@ def report(summary: dict) -> str:
     if "end_to_end_s" in summary:
         lines.append(f"end to end (generate + extract + train of the first variant): {summary['end_to_end_s']:.0f}s "
                      f"= {summary['end_to_end_s'] / 60:.2f} device-minutes")
-    lines.append(f"{'variant':<14} {'steps':>5} {'s/step':>7} {'walk pooled':>11} {'walk/prompt':>11} "
+    w = max([14, *map(len, summary["variants"])])
+    lines.append(f"{'variant':<{w}} {'steps':>5} {'s/step':>7} {'walk pooled':>11} {'walk/prompt':>11} "
                  f"{'rand.anch.':>10} {'decode pooled':>13} {'decode/prompt':>13} {'lossless':>8} {'sampled':>8}")
     for v, r in summary["variants"].items():
         b, d, ds = r["best"], r.get("decode", {}), r.get("decode_sampled", {})
         dp = d.get("tau_per_prompt_mean")
-        lines.append(f"{v:<14} {r['steps']:>5} {r['step_time_s']:>7.3f} {b['tau_pooled']:>11.3f} "
+        lines.append(f"{v:<{w}} {r['steps']:>5} {r['step_time_s']:>7.3f} {b['tau_pooled']:>11.3f} "
                      f"{b['tau_per_prompt_mean']:>11.3f} {b['tau_all_anchors']:>10.3f} "
                      f"{d.get('tau_pooled', float('nan')):>13.3f} {dp if dp is not None else float('nan'):>13.3f} "
                      f"{str(d.get('lossless', '-')):>8} {ds.get('tau_pooled', float('nan')):>8.3f}")

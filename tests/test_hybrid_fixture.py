@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -183,3 +184,21 @@ def test_complete_writes_the_targets_greedy_completions_in_the_fixture_layout(ma
             assert row == r[:len(row)] and (n == 8 or row[-1] == 0)  # greedy; stops after token 0, kept
     for f in ("prompts-eval.parquet", "prompts-train-40k.parquet"):
         assert (out / f).read_bytes() == (PYCODE / f).read_bytes()
+
+
+def test_compare_says_whether_a_remake_matches(made, tmp_path):
+    """The same recipe and seed on the same machine remake the target bit for bit; another seed does
+    not, and the comparison says by how much (exit 1)."""
+    args = ["--tokenizer", PYCODE / "target", "--device", "cpu", "--max-steps", 3, "--batch", 2, "--seq", 64,
+            "--train-windows", 4, "--corpus", made["out"]]
+    ok("train", "--out", tmp_path / "same", *args)
+    r = ok("compare", "--out", tmp_path / "same", "--against", made["out"])
+    assert re.search(r"weights: (\d+) of \1 tensors equal bit for bit\n", r.stdout), r.stdout
+    assert f"the remake in {tmp_path / 'same'} matches {made['out']}" in r.stdout
+    rep = json.loads((tmp_path / "same" / "compare.json").read_text())
+    assert rep["matches"] and rep["tensors_differ"] == 0 and rep["tensors"] > 100
+    assert all(a == b for a, b in rep["losses"].values())
+    ok("train", "--out", tmp_path / "other", *args, "--seed", 1)
+    r = script("compare", "--out", tmp_path / "other", "--against", made["out"])
+    assert r.returncode == 1 and "does not match" in r.stdout and "largest |difference|" in r.stdout
+    assert not json.loads((tmp_path / "other" / "compare.json").read_text())["matches"]

@@ -61,3 +61,29 @@ def test_the_dflash_recipe_keeps_its_earlier_preset_name(capsys):
     assert mod.parse_variants("dflash") == {"dflash": []}
     with pytest.raises(SystemExit, match="unknown preset"):
         mod.parse_variants("defaults")
+
+
+def test_variants_combine_presets_and_name_groups():
+    """`a+b` is a's options then b's (train keeps the last of a repeated option); a group stands for
+    its members; @tT still names the data's temperature."""
+    mod = _module()
+    got = mod.parse_variants("dspark-cl+tap-full+init-attn@t0")
+    assert got == {"dspark-cl+tap-full+init-attn@t0": mod.PRESETS["dspark-cl"] + ["--target-layers", "3,7",
+                                                                               "--init-layers", "3,3,3,3,7,7,7,7"]}
+    taps = mod.parse_variants("taps")
+    assert list(taps) == mod.GROUPS["taps"] and len(taps) == 6
+    assert len({mod.last_value(o, "--target-layers") for o in taps.values()}) == 6  # six distinct tap sets
+    assert list(mod.parse_variants("warm,dflash")) == [*mod.GROUPS["warm"], "dflash"]
+    with pytest.raises(SystemExit, match="unknown preset 'tap-ful' in 'dspark-cl\\+tap-ful'"):
+        mod.parse_variants("dspark-cl+tap-ful")
+
+
+def test_a_variant_that_would_fail_after_extraction_is_refused_first():
+    mod = _module()
+    recipe = ["--drafter-layers", "8", "--lr", "1e-3"]
+    mod.check_variants(mod.parse_variants("taps"), recipe, "0,1,2,3,4,5,6,7")
+    with pytest.raises(SystemExit, match=r"reads layers 1,3,5,7, and --capture 1,2,3,4,5,6 does not hold them all"):
+        mod.check_variants(mod.parse_variants("taps"), recipe, "1,2,3,4,5,6")
+    with pytest.raises(SystemExit, match=r"starts 8 layers \(--init-layers 3,3,3,3,7,7,7,7\) of a drafter of 5"):
+        mod.check_variants(mod.parse_variants("dspark-cl+init-attn"), recipe + ["--drafter-layers", "5"], "3,7")
+    assert mod.last_value(["--lr", "1", "--lr", "2"], "--lr") == "2" and mod.last_value([], "--lr") is None
