@@ -226,19 +226,23 @@ def train(ctx: click.Context, config_file, **options) -> None:
 @click.option("--run", "run_dir", required=True, help="A training run folder (OUT of `train`).")
 @click.option("--step", type=int, help="Checkpoint step to export.  [default: the latest]")
 @click.option("--to", "dest", help="Export folder.  [default: RUN/export]")
-@click.option("--target", "target_dir", help="The target the run trained against, where it is now (a DSpark export "
-              "carries its embedding and LM head; checked against the run's record of its weights).  [default: the "
-              "run's --target]")
-def export(run_dir: str, step: int | None, dest: str | None, target_dir: str | None) -> None:
+@click.option("--target-tables", is_flag=True, help="DSpark: also write the target's embedding and LM head (DeepSpec's "
+              "evaluator loads them from the checkpoint; vLLM, SGLang and llama.cpp lend the target's, and llama.cpp "
+              "would draft with the copied input table as the LM head of an untied target).")
+@click.option("--target", "target_dir", help="With --target-tables: the target the run trained against, where it is "
+              "now (checked against the run's record of its weights).  [default: the run's --target]")
+def export(run_dir: str, step: int | None, dest: str | None, target_tables: bool, target_dir: str | None) -> None:
     """Write a checkpoint's drafter as config.json + model.safetensors in the reference DFlash layout.
 
     Checked here: the export loads into the reference implementation (PyPI dflash==0.1.0,
-    dflash.model.DFlashDraftModel) and decodes as `eval` does; its config.json holds the keys
-    vLLM's and SGLang's DFlash loaders read, but no serving engine was run (docs/serving.md)."""
+    dflash.model.DFlashDraftModel) and decodes as `eval` does; a DSpark export is in DeepSpec's layout,
+    and llama.cpp's own converter turns both kinds into the GGUF its runtime drafts with. Its
+    config.json holds the keys vLLM's and SGLang's loaders read (their source, at the versions
+    docs/serving.md names); a line warns when an engine cannot serve what was trained."""
     from dflash_offline import export as export_mod  # start-up: a command imports its own stage only
 
     earlier = dest is not None and (Path(dest) / "config.json").is_file()  # an earlier export, replaced (said)
-    path = export_mod.export_checkpoint(run_dir, step, dest, target_dir)
+    path = export_mod.export_checkpoint(run_dir, step, dest, target_dir, target_tables)
     click.echo(f"exported {path}" + (" (it replaced the export that was there)" if earlier else ""))
 
 

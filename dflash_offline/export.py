@@ -13,7 +13,7 @@ from dflash_offline.train.resume import config_problem
 
 
 def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = None,
-                      target_dir: str | None = None) -> Path:
+                      target_dir: str | None = None, target_tables: bool = False) -> Path:
     from dflash_offline.drafter.export import check_export_dest, export_drafter
 
     run = Path(run_dir)
@@ -22,6 +22,9 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
         raise UserError(f"--run {run_dir}: no such folder; give a training run folder (the --out of train, with "
                         "step-N/ checkpoints)")
     require_kind(dest, "--to", True, "a new or empty folder, or an earlier export")
+    if target_dir is not None and not target_tables:
+        raise UserError(f"--target {target_dir}: read only with --target-tables (an export without the target's tables "
+                        "needs no target); add --target-tables or leave --target out")
     dest = dest or str(run / "export")
     inside = [p for p in Path(dest).absolute().parents if p.parent == run.absolute() and p.name.startswith(CHECKPOINT_PREFIX)]
     if inside:  # train owns its checkpoint folders (and prunes them)
@@ -44,17 +47,20 @@ def export_checkpoint(run_dir: str, step: int | None = None, dest: str | None = 
                  else "train again (no checkpoint before it)")
         raise UserError(f"{ck}/{what}; the checkpoint is damaged: {other}, or restore the file from a copy")
     drafter = load_checkpoint(str(ck))
-    if drafter.cfg.method == "dspark":
-        # DSpark's export carries the target's embedding and LM head (SGLang loads every
-        # parameter from it): read them from the target the run trained against.
+    if target_tables and drafter.cfg.method != "dspark":
+        raise UserError(f"--target-tables: {ck} holds a DFlash drafter, whose export has no embedding or LM head (the "
+                        "reference and every engine's DFlash loader lend the target's); leave the option out")
+    if target_tables:
+        # DeepSpec's evaluator loads the embedding and LM head from the checkpoint: read them from the
+        # target the run trained against.
         target = target_dir or (CheckpointState.read(ck).config or {}).get("target")
         if not target or not Path(target).is_dir():
-            raise UserError(f"{ck}: a DSpark export carries the target's embedding and LM head, but the run's target "
+            raise UserError(f"{ck}: --target-tables copies the target's embedding and LM head, but the run's target "
                             f"{target!r} is not a folder here; give its folder with --target")
         option = "--target" if target_dir else "the run's target"
         _check_trained_against(drafter, target, option)
         drafter.load_frozen_from_target(target, option)
-    return export_drafter(drafter, dest)
+    return export_drafter(drafter, dest, target_tables=target_tables)
 
 
 def _check_trained_against(drafter, target: str, option: str) -> None:
@@ -64,5 +70,5 @@ def _check_trained_against(drafter, target: str, option: str) -> None:
     want = (drafter.cfg.target or {}).get("weights_fingerprint")
     if want is not None and info.weights_fingerprint != want:
         raise UserError(f"{option} {target}: its weights are not the ones the run trained against (fingerprint "
-                        f"{info.weights_fingerprint}, the run's {want}); a DSpark export carries the target's "
+                        f"{info.weights_fingerprint}, the run's {want}); --target-tables copies the target's "
                         "embedding and LM head: give the target the run trained against with --target")

@@ -83,7 +83,9 @@ def test_dspark_learns_and_exports_deepspec_layout(topk_cache, tiny_dense, tmp_p
     assert tensors["markov_head.markov_w1.weight"].shape == (cfg["vocab_size"], 16)
     assert tensors["markov_head.markov_w2.weight"].shape == (cfg["vocab_size"], 16)
     assert tensors["confidence_head.proj.weight"].shape == (1, cfg["hidden_size"] + 16)
-    assert {"embed_tokens.weight", "lm_head.weight", "fc.weight", "hidden_norm.weight", "norm.weight"} <= set(tensors)
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= set(tensors)
+    assert not {"embed_tokens.weight", "lm_head.weight"} & set(tensors)  # engines lend the target's
+    assert cfg["num_anchors"] == 512 and cfg["sample_from_anchor"] is True
     # export -> load -> the checkpoint's weights rounded to bf16, and the same logits
     loaded = load_exported(str(out / "export"), str(tiny_dense))
     ckpt = load_checkpoint(str(out / f"step-{m[-1]['step']}"))
@@ -130,31 +132,41 @@ def test_dspark_learns_and_exports_deepspec_layout(topk_cache, tiny_dense, tmp_p
     r = run_cli(["eval", "--target", str(tiny_dense), "--drafter", str(out / "export"), "--cache", str(topk_cache),
                  "--parity", "2", "--no-progress"])
     assert r.returncode != 0 and "--parity" in r.stderr, r.stderr[-2000:]
-    # `export` of a checkpoint carries the target's tables (what SGLang loads), not placeholders
+    # `export --target-tables` of a checkpoint carries the target's tables (DeepSpec's evaluator loads
+    # them from the checkpoint), not placeholders; without the option there are none
     from safetensors.torch import load_file as load_st
 
-    r = run_cli(["export", "--run", str(out), "--to", str(tmp_path / "again")])
+    r = run_cli(["export", "--run", str(out), "--to", str(tmp_path / "plain")])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert load_st(str(tmp_path / "plain" / "model.safetensors")).keys() == tensors.keys()
+    r = run_cli(["export", "--run", str(out), "--to", str(tmp_path / "again"), "--target-tables"])
     assert r.returncode == 0, r.stderr[-2000:]
     again = load_st(str(tmp_path / "again" / "model.safetensors"))
     target = load_st(str(next(tiny_dense.glob("*.safetensors"))))
     assert torch.equal(again["embed_tokens.weight"], target["model.embed_tokens.weight"].to(torch.bfloat16))
+    assert torch.equal(again["lm_head.weight"], target["lm_head.weight"].to(torch.bfloat16))
+    # the tiny target is untied: llama.cpp would draft with the input table as its head, said in one line
+    assert "not served as trained by llama.cpp" in r.stderr, r.stderr[-2000:]
     # ... of the target the run trained against: another model of the same shapes is refused, the
-    # same target moved elsewhere is read from --target
+    # same target moved elsewhere is read from --target; --target alone is refused
     import shutil
 
     from dflash_offline.tiny import make_tiny_target
 
     other = make_tiny_target(tmp_path / "other", kind="qwen3", seed=5)
-    r = run_cli(["export", "--run", str(out), "--to", str(tmp_path / "ex-other"), "--target", str(other)])
+    r = run_cli(["export", "--run", str(out), "--to", str(tmp_path / "ex-other"), "--target-tables", "--target", str(other)])
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
     assert f"--target {other}: its weights are not the ones the run trained against" in r.stderr, r.stderr
     assert not (tmp_path / "ex-other").exists()
+    r = run_cli(["export", "--run", str(out), "--to", str(tmp_path / "ex-other"), "--target", str(other)])
+    assert r.returncode == 2 and "read only with --target-tables" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "ex-other").exists()
     moved = tmp_path / "moved"
     shutil.copytree(tiny_dense, moved)
-    r = run_cli(["export", "--run", str(out), "--to", str(tmp_path / "ex-moved"), "--target", str(moved)])
+    r = run_cli(["export", "--run", str(out), "--to", str(tmp_path / "ex-moved"), "--target-tables", "--target", str(moved)])
     assert r.returncode == 0, r.stderr[-2000:]
     assert load_st(str(tmp_path / "ex-moved" / "model.safetensors")).keys() == again.keys()
-    r = run_cli(["export", "--run", str(out), "--to", str(tmp_path / "ex-moved"), "--target", str(moved)])
+    r = run_cli(["export", "--run", str(out), "--to", str(tmp_path / "ex-moved"), "--target-tables", "--target", str(moved)])
     assert r.returncode == 0 and "(it replaced the export that was there)" in r.stdout, r.stdout + r.stderr
 
 

@@ -25,6 +25,7 @@ log = logging.getLogger("dflash.drafter")
 METHODS = ("dflash", "dspark")  # drafter/dspark.py says how DSpark differs
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"  # DeepSpec's, which vLLM and SGLang route to their DSpark models
 MARKOV_HEADS = ("vanilla", "gated")  # DSpark's Markov head variants
+DSPARK_NUM_ANCHORS = 512  # written as DeepSpec's config carries it (to_export_dict)
 
 
 def config_rope_theta(text: dict) -> float:
@@ -173,8 +174,12 @@ class DrafterConfig:
             return d
         d.pop("dflash_config")
         d["architectures"] = [DSPARK_ARCHITECTURE]
+        # num_anchors: DeepSpec's loader asserts the key (its training's anchors per sequence; its
+        # recipes and the method use 512; no engine reads it when serving). sample_from_anchor: every
+        # slot drafts, the anchor's predicting the next token (speculators-format readers default false).
         d.update(mask_token_id=self.mask_token_id, target_layer_ids=list(self.target_layer_ids),
-                 markov_rank=self.markov_rank, enable_confidence_head=self.confidence_head)
+                 markov_rank=self.markov_rank, enable_confidence_head=self.confidence_head,
+                 num_anchors=DSPARK_NUM_ANCHORS, sample_from_anchor=True)
         if self.markov_rank:
             d["markov_head_type"] = self.markov_head_type
         if self.confidence_head:
@@ -247,6 +252,10 @@ class DrafterConfig:
             raise UserError(f"{source}: holds a JSON {type(d).__name__}, not an object; not a DFlash drafter export")
         dspark = d.get("architectures") == [DSPARK_ARCHITECTURE]
         if dspark:  # DeepSpec's layout: the DFlash fields at the top level, the heads' beside them
+            if d.get("sample_from_anchor", True) is not True:
+                raise UserError(f"{source}: sample_from_anchor {d['sample_from_anchor']!r}: this tool's DSpark drafters "
+                                "draft from the anchor's slot on (true); a drafter of the bonus-anchor layout is "
+                                "not supported")
             if d.get("enable_confidence_head") and d.get("confidence_head_with_markov") is False:
                 raise UserError(f"{source}: a confidence head without the Markov embedding in its input "
                                 "(confidence_head_with_markov false) is not supported")

@@ -1,16 +1,19 @@
 """The drafter's serving export: config.json + model.safetensors (bf16, trainable weights only).
 
 The folder loads unchanged in the reference inference code (z-lab/dflash; tests/test_reference_parity.py),
-and its config holds the keys vLLM's and SGLang's DFlash loaders read (no engine is run here: docs/serving.md);
-the frozen embedding and LM head are the target's and are not written. An export replaces only an
-earlier export or an empty folder, whole or not at all.
+and its config holds the keys vLLM's and SGLang's DFlash loaders read (docs/serving.md); the frozen
+embedding and LM head are the target's and are not written. An export replaces only an earlier
+export or an empty folder, whole or not at all.
 
 A DSpark drafter is written as DeepSpec's checkpoints are (`Qwen3DSparkModel`: the DFlash fields at
-the top level of config.json beside markov_rank, markov_head_type, enable_confidence_head and
-confidence_head_with_markov; `markov_head.*` and `confidence_head.proj.*` beside the DFlash tensors),
-with the target's embedding and LM head copied in: SGLang's loader refuses a checkpoint that leaves
-a parameter unloaded. vLLM's and SGLang's DSpark models hold the vanilla Markov head only: a gated
-head is exported with a warning (DeepSpec's own code loads it).
+the top level of config.json beside markov_rank, markov_head_type, enable_confidence_head,
+confidence_head_with_markov, num_anchors (DeepSpec's loader asserts it) and sample_from_anchor;
+`markov_head.*` and `confidence_head.proj.*` beside the DFlash tensors). The target's embedding and LM
+head are left out by default, so that every serving engine lends the target's (llama.cpp would
+otherwise take the copied input table as its LM head); `target_tables=True` (`export
+--target-tables`) writes them for DeepSpec's evaluator, which loads them from the checkpoint. What
+an engine cannot take (a gated Markov head, no confidence head) is said in one warning line naming
+it (drafter/engines.py holds the facts).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 import torch
 
 from dflash_offline.drafter.config import DSPARK_ARCHITECTURE, DrafterConfig
+from dflash_offline.drafter.engines import WITHOUT_TABLES, cannot_serve
 from dflash_offline.drafter.model import FROZEN_PREFIXES, DFlashDrafter
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.paths import ordinary_mode, unwritable_folder
@@ -59,12 +63,18 @@ def check_export_dest(out: Path) -> None:
                         "empty export folder (nothing was changed)")
 
 
-def export_drafter(drafter: DFlashDrafter, out_dir: str) -> Path:
-    """config.json + model.safetensors (bf16, trainable weights only). Written to a sibling temp
-    folder and renamed into place, so out_dir is either the previous export or the new one."""
+def export_drafter(drafter: DFlashDrafter, out_dir: str, target_tables: bool = False, notes: bool = True) -> Path:
+    """config.json + model.safetensors (bf16, trainable weights only; with `target_tables`, a DSpark
+    drafter's also the target's embedding and LM head it holds). Written to a sibling temp folder
+    and renamed into place, so out_dir is either the previous export or the new one. `notes`: say
+    which engines cannot serve it as trained (off for the repeated best/ exports of a run)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir).absolute()
+    dspark = drafter.cfg.method == "dspark"
+    if target_tables and not dspark:
+        raise UserError("--target-tables: a DFlash export holds no embedding or LM head (the reference and every "
+                        "engine's DFlash loader lend the target's); leave the option out")
     check_export_dest(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -74,11 +84,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        dspark = drafter.cfg.method == "dspark"
-        if dspark and drafter.cfg.markov_head_type != "vanilla":
-            log.warning("a %s Markov head: vLLM's and SGLang's DSpark models load the vanilla head only (DeepSpec's "
-                        "code loads this export)", drafter.cfg.markov_head_type)
-        state = drafter.state_dict() if dspark else drafter.trainable_state_dict()
+        state = drafter.state_dict() if target_tables else drafter.trainable_state_dict()
         tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in state.items()}
         save_file(tensors, str(tmp / EXPORT_WEIGHTS), metadata={"format": "pt"})
         ordinary_mode(tmp / EXPORT_WEIGHTS)  # safetensors leaves 0600: a serving process of another user reads it
@@ -92,6 +98,13 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("drafter exported to %s (%d tensors)", out, len(tensors))
+    if notes and dspark:
+        tied = bool(torch.equal(drafter.embed_tokens.weight, drafter.lm_head.weight))
+        refusing = cannot_serve(drafter.cfg, target_tables, tied)
+        if refusing:
+            log.warning("%s: not served as trained by %s", out, "; ".join(refusing))
+        if not target_tables:
+            log.info("%s", WITHOUT_TABLES)
     return out
 
 
@@ -128,7 +141,7 @@ def load_exported(out_dir: str, target_dir: str | None = None) -> DFlashDrafter:
     wanted = drafter.trainable_state_dict()
     with safe_open(str(root / EXPORT_WEIGHTS), framework="pt", device="cpu") as sf:
         keys = set(sf.keys())
-        if drafter.cfg.method == "dspark":  # the frozen tables are in the file (SGLang wants them); the target's are used
+        if drafter.cfg.method == "dspark":  # the tables, where written (--target-tables): the target's are used
             keys -= {k for k in keys if k.startswith(FROZEN_PREFIXES)}
         if keys != set(wanted):
             raise UserError(f"{root / EXPORT_WEIGHTS}: missing {sorted(set(wanted) - keys)[:3]}, "

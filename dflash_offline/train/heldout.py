@@ -52,7 +52,7 @@ class HeldOut:
                    "seconds": time.perf_counter() - t0, "train_s": t0 - self.t0}
             better = self.best is None or rec["tau_pooled"] > self.best["tau_pooled"]
             if better:
-                export_drafter(self.drafter, str(self.out / BEST))
+                export_drafter(self.drafter, str(self.out / BEST), notes=False)  # the final export says them
                 tmp = self.out / "best.json.tmp"
                 tmp.write_text(json.dumps(rec, indent=1) + "\n")
                 os.replace(tmp, self.out / "best.json")
