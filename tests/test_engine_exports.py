@@ -287,3 +287,61 @@ def test_a_dflash_export_takes_no_tables_and_a_bonus_anchor_drafter_is_refused(t
     (tmp_path / "ds" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="sample_from_anchor False: this tool's DSpark drafters draft from the anchor"):
         load_exported(str(tmp_path / "ds"))
+
+
+# ----------------------------------------------------------------------------------------------
+# llama.cpp's runtime, where a build is given (a C++ build does not fit the suite's time on CI)
+
+RUNTIME = "LLAMA_SPECULATIVE_SIMPLE"  # the path of a llama-speculative-simple built from the same llama.cpp tree
+
+
+@pytest.mark.skipif(not __import__("os").environ.get(RUNTIME), reason=f"needs {RUNTIME}: a llama-speculative-simple "
+                    "binary built from the llama.cpp tree the converter comes from")
+def test_llama_cpp_runtime_accepts_what_eval_accepts(converter, tmp_path):
+    """A DSpark drafter fitted to an untied target's greedy completions, exported by default and
+    with --target-tables, converted, and decoded greedy by llama.cpp's runtime: the default export
+    accepts exactly the drafts `eval` accepts on the same prompt; the one with the tables (the input
+    table as the head) accepts fewer."""
+    import os
+    import re
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import sentencepiece as spm
+
+    from conftest import fitted_drafter, run_cli
+    from dflash_offline.evaluate.speculative import TargetSession, greedy_decode, load_target_for_decoding
+
+    target = sentencepiece_target(tmp_path / "target", tied=False)
+    model, _ = load_target_for_decoding(str(target), "cpu", "float32")
+    session = TargetSession(model, LAYERS)
+    sp = spm.SentencePieceProcessor(model_file=str(target / "tokenizer.model"))
+    texts = ["def value12 return data7 self99", "import x3 class y8 for", "print data1 if value2 else self3 in for"]
+    prompts = [[sp.bos_id()] + sp.encode(s) for s in texts]  # as llama.cpp tokenizes them (BOS first)
+    completions = [greedy_decode(session, p, 64, set()).tokens for p in prompts]
+    d = fitted_drafter(target, session, prompts, completions, LAYERS, method="dspark")
+    export_drafter(d, str(tmp_path / "plain"))
+    export_drafter(d, str(tmp_path / "tables"), target_tables=True)
+    conv = converter / "convert_hf_to_gguf.py"
+    subprocess.run([sys.executable, str(conv), str(target), "--outfile", str(tmp_path / "target.gguf"), "--outtype", "f32"],
+                   check=True, capture_output=True)
+    accepted = {}
+    for name in ("plain", "tables"):
+        subprocess.run([sys.executable, str(conv), str(tmp_path / name), "--target-model-dir", str(target), "--outfile",
+                        str(tmp_path / f"{name}.gguf"), "--outtype", "f32"], check=True, capture_output=True)
+        r = subprocess.run([os.environ[RUNTIME], "-m", str(tmp_path / "target.gguf"), "-md", str(tmp_path / f"{name}.gguf"),
+                            "--spec-type", "draft-dspark", "--spec-draft-n-max", "8", "-p", texts[0], "-n", "64",
+                            "--temp", "0", "--ignore-eos", "-t", "2", "-c", "512"], capture_output=True, text=True,
+                           timeout=300)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-3000:]
+        assert re.search(rf"encoded\s+{len(prompts[0])} tokens", out), out[-3000:]
+        accepted[name] = int(re.search(r"n_accept\s*=\s*(\d+)", out).group(1))
+    pq.write_table(pa.table({"id": pa.array([0], pa.int64()), "input_ids": [prompts[0]]}), tmp_path / "prompt.parquet")
+    r = run_cli(["eval", "--target", target, "--drafter", tmp_path / "plain", "--prompts", tmp_path / "prompt.parquet",
+                 "--max-new-tokens", "64", "--dtype", "float32", "--no-baseline", "--json", tmp_path / "eval.json",
+                 "--no-progress"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    ours = json.loads((tmp_path / "eval.json").read_text())["drafters"][0]
+    assert accepted["plain"] == sum(map(sum, ours["accepted_per_prompt"])) > 0, (accepted, ours["accepted_per_prompt"])
+    assert accepted["tables"] < accepted["plain"], accepted
