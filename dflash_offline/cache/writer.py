@@ -33,6 +33,7 @@ import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec
 
+from dflash_offline.cache.evidence import LayerEvidence, check_batch
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import id_ranges
 from dflash_offline.cache.shards import ShardShape
@@ -167,6 +168,7 @@ class ShardWriter:
         self._loss_mask: list[np.ndarray] = []
         self._offsets = [0]
         self._ids: list[int] = []
+        self.evidence = LayerEvidence(list(layout.layer_ids), H)
 
     @property
     def tokens_written(self) -> int:
@@ -174,18 +176,24 @@ class ShardWriter:
 
     def append(self, sample_id: int, input_ids: np.ndarray, loss_mask: np.ndarray,
                hidden: np.ndarray, topk_ids: np.ndarray | None, topk_logprobs: np.ndarray | None,
-               hidden_scale: np.ndarray | None = None) -> None:
+               hidden_scale: np.ndarray | None = None, evidence: np.ndarray | None = None) -> None:
         """One sample: hidden [t, n, H] (uint16 bf16 bits, or uint8 fp8 bits with hidden_scale
         float32 [t, n]), top-k [t, k] (or None when topk == 0)."""
-        self.append_batch([(sample_id, input_ids, loss_mask)], hidden, topk_ids, topk_logprobs, hidden_scale)
+        self.append_batch([(sample_id, input_ids, loss_mask)], hidden, topk_ids, topk_logprobs, hidden_scale, evidence)
 
     def append_batch(self, samples: list, hidden: np.ndarray, topk_ids: np.ndarray | None,
-                     topk_logprobs: np.ndarray | None, hidden_scale: np.ndarray | None = None) -> None:
+                     topk_logprobs: np.ndarray | None, hidden_scale: np.ndarray | None = None,
+                     evidence: np.ndarray | None = None) -> None:
         """Consecutive samples [(id, input_ids, loss_mask), ...] whose rows lie back to back in
         hidden [N, n, H] (and hidden_scale [N, n] for fp8) and top-k [N, k]; N is the sum of their
-        lengths."""
+        lengths. `evidence`: the batch's table (cache/evidence.py), checked before anything of the
+        batch is written (DegenerateLayer) and added to the shard's `layer_stats`."""
         lens = [int(ids.shape[0]) for _, ids, _ in samples]
         N = sum(lens)
+        if evidence is not None:
+            check_batch(evidence, list(self.layout.layer_ids), [(int(sid), t) for (sid, _, _), t in zip(samples, lens)],
+                        self.rel.rsplit("/", 1)[-1].removeprefix("tmp-").removesuffix(".zarr"))
+            self.evidence.add(evidence, N)
         n, H = self.layout.cache_layers, self.layout.hidden_size
         if self._offsets[-1] + N > self.layout.tokens:
             raise RuntimeError(f"shard {self.rel}: samples {samples[0][0]}.. overflow the planned {self.layout.tokens} tokens")
@@ -296,6 +304,8 @@ class ShardWriter:
             self._hash[aname].update(arr)
         digests = {k: h.hexdigest() for k, h in self._hash.items()
                    if k in self._tok or k in small}
+        if self.evidence.vectors:  # what extraction saw of each layer (cache/evidence.py)
+            self.group.attrs.update({"layer_stats": self.evidence.summary()})
         return {
             "name": name,
             "samples": len(self._ids),

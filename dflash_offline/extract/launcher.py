@@ -32,6 +32,7 @@ from dflash_offline.extract.messages import Paused, Progress
 from dflash_offline.extract.plan import Job, bytes_per_token, pass_plan, reserved_bytes
 from dflash_offline.extract.worker import log_folder, worker_entry, worker_run
 from dflash_offline.rows.parts import chat_settings_of, check_made_for, check_part_folders, check_part_hashes
+from dflash_offline.cache.evidence import DegenerateLayer
 from dflash_offline.runtime.errors import UserError, no_room_reason
 from dflash_offline.runtime.launch import (Launch, check_devices_exist, join_ranks, parse_devices,
                                            resolve_compute_dtype, torchrun_launch)
@@ -346,6 +347,8 @@ def _worker_failure(job: Job, rank: int, device: str, code: int, error: str | No
                      (f"no space left on the device of {loc.path()}", "free space (or raise the quota)"))
         return (f"{head}: {done}/{len(job.shards)} shards committed, none half-written; {fix}, then run the "
                 f"same command again to resume (worker {rank}: {error})")
+    if error and error.startswith(f"{DegenerateLayer.__name__}: "):  # the target's output refused: running again
+        return f"extract: {error.split(': ', 1)[1]} (worker {rank}, {device}; {log_path})"  # would not change it
     what = error or f"exited with code {code}"
     return f"worker {rank} ({device}) failed: {what}; see {log_path}. Run the same command again to resume."
 

@@ -86,10 +86,12 @@ class ShardDone(NamedTuple):
 
 
 class WriterError(NamedTuple):
-    """Writer w failed with this one-line error (it exits with 1 next)."""
+    """Writer w failed with this one-line error (it exits with 1 next); `content`: it refused what
+    the forward wrote (cache/evidence.py), which running again would not change."""
 
     writer: int
     error: str
+    content: bool = False
 
 
 class Closed(NamedTuple):

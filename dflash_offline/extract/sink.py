@@ -37,6 +37,7 @@ import os
 import queue
 import time
 
+from dflash_offline.cache.evidence import DegenerateLayer
 from dflash_offline.cache.shards import ShardShape
 from dflash_offline.extract.messages import (Batch, Begin, Close, Closed, End, Free, Progress, Ready, ShardDone,
                                              WriterError)
@@ -163,6 +164,8 @@ class ShardSink:
             for key, v in msg.timing.items():
                 self.stats[key] = self.stats.get(key, 0) + v
         elif isinstance(msg, WriterError):
+            if msg.content:  # the forward's output refused: the line as it is, no advice to run again
+                raise DegenerateLayer(msg.error)
             self.errors.append(f"writer {msg.writer}: {msg.error}")
             raise WriterFailed(self._failure())
         elif isinstance(msg, Closed):

@@ -2,7 +2,7 @@
 
 A slot is one shared-memory segment holding, in this order, 64-byte aligned: a flag (the sequence
 number of the batch whose copy has landed), the hidden states, their fp8 scales, the top-k ids and
-log-probs. The worker creates the segments, every writer maps them (`Segment.attach`); both see them
+log-probs, and the batch's evidence table (cache/evidence.py). The worker creates the segments, every writer maps them (`Segment.attach`); both see them
 as numpy arrays (`slot_views`).
 
 The segments are anonymous (Linux memfd; an unlinked /dev/shm file where Python lacks memfd_create),
@@ -21,6 +21,8 @@ import secrets
 from multiprocessing import context, reduction
 
 import numpy as np
+
+from dflash_offline.cache.evidence import table_columns
 
 
 def _anonymous_fd(size: int) -> int:
@@ -133,7 +135,8 @@ def slot_arrays(batch_tokens: int, cache_layers: int, hidden_size: int, topk: in
     fp8 = hidden_dtype == "float8_e4m3fn"
     return [("flag", (1,), "int64"), ("hidden", (batch_tokens, cache_layers, hidden_size), "uint8" if fp8 else "uint16"),
             ("scale", (batch_tokens, cache_layers), "float32"),
-            ("ids", (batch_tokens, k), "int32"), ("lp", (batch_tokens, k), "float16")]
+            ("ids", (batch_tokens, k), "int32"), ("lp", (batch_tokens, k), "float16"),
+            ("evidence", (cache_layers, table_columns(cache_layers)), "float64")]
 
 
 def slot_views(buf, arrays) -> dict[str, np.ndarray]:

@@ -19,7 +19,7 @@ from dflash_offline.cache.shards import ShardShape, shard_name, shard_rel, tmp_s
 from dflash_offline.config import ExtractConfig
 from dflash_offline.extract.messages import Paused, Progress
 from dflash_offline.extract.plan import Job, make_batches
-from dflash_offline.runtime.faults import fault_point
+from dflash_offline.runtime.faults import corrupted, fault_point
 from dflash_offline.runtime.launch import single_thread_compute
 from dflash_offline.runtime.logs import heartbeat, open_process_log, worker_outcome
 from dflash_offline.runtime.supervise import WorkerError, die_with_parent
@@ -217,6 +217,7 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
 
     from dflash_offline.cache.fp8 import DTYPE_NAME as FP8
     from dflash_offline.cache.fp8 import quantize as quantize_fp8
+    from dflash_offline.extract.evidence import batch_evidence  # torch: imported with the work, not the module
 
     cuda = device.startswith("cuda")
     k = cfg.topk
@@ -236,6 +237,9 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
                 input_ids, attn, index = _batch_tensors(batch, device)
                 B, S = input_ids.shape
                 hidden, tids, tlp = forward_batch(model, capture, input_ids, attn, index, k, cfg.logits_chunk_tokens)
+                with torch.inference_mode():  # what the writer checks before the shard commits (cache/evidence.py)
+                    embeddings = model.get_input_embeddings()(input_ids).view(B * S, -1).index_select(0, index)
+                    evidence = batch_evidence(corrupted(hidden, embeddings), embeddings)
                 scale = None
                 if fp8:  # quantised here, on the device: the host and the writer see 8-bit values only
                     bits, scale = quantize_fp8(hidden)
@@ -243,7 +247,7 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
                     bits = hidden.to(torch.bfloat16).view(torch.uint16)
                 N = hidden.shape[0]
                 slot, seq = sink.acquire()  # blocks while the writers hold every slot
-                _to_host(sink.views(slot), seq, bits, scale, tids, tlp, copy_stream, dev_flag)
+                _to_host(sink.views(slot), seq, bits, scale, tids, tlp, evidence, copy_stream, dev_flag)
                 sink.batch(slot, batch, N, seq)
                 tokens_done += N
                 forward_tokens += B * S
@@ -278,9 +282,10 @@ def _batch_tensors(batch, device: str):
             torch.from_numpy(flat).to(device, non_blocking=True))
 
 
-def _to_host(host: dict, seq: int, bits, scale, tids, tlp, copy_stream, dev_flag) -> None:
-    """A batch's outputs into its shared host slot, then the slot's flag set to `seq` (the writer
-    starts once it reads it). On CUDA the copies run on `copy_stream` and overlap the next forward."""
+def _to_host(host: dict, seq: int, bits, scale, tids, tlp, evidence, copy_stream, dev_flag) -> None:
+    """A batch's outputs (and its evidence table) into its shared host slot, then the slot's flag
+    set to `seq` (the writer starts once it reads it). On CUDA the copies run on `copy_stream` and
+    overlap the next forward."""
     import torch
 
     N = bits.shape[0]
@@ -289,6 +294,7 @@ def _to_host(host: dict, seq: int, bits, scale, tids, tlp, copy_stream, dev_flag
         for name, t in outputs:
             if t is not None:
                 host[name][:N].copy_(t)
+        host["evidence"].copy_(evidence)
         host["flag"][0] = seq
         return
     copy_stream.wait_stream(torch.cuda.current_stream())
@@ -296,9 +302,10 @@ def _to_host(host: dict, seq: int, bits, scale, tids, tlp, copy_stream, dev_flag
         for name, t in outputs:
             if t is not None:
                 host[name][:N].copy_(t, non_blocking=True)
+        host["evidence"].copy_(evidence, non_blocking=True)
         # Last on the same stream: the writer starts once it reads seq here.
         dev_flag.fill_(seq)
         host["flag"].copy_(dev_flag, non_blocking=True)
-    for _, t in outputs:
+    for _, t in [*outputs, ("evidence", evidence)]:
         if t is not None:  # not reused by the allocator before the copy stream is done
             t.record_stream(copy_stream)

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from dflash_offline.cache.evidence import DegenerateLayer
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore
 from dflash_offline.cache.shards import ShardShape, publish_shard, shard_name, tmp_shard_rel
@@ -58,6 +59,10 @@ def writer_main(w: int, cache: str, shape: ShardShape, slot_handles: list[Segmen
     try:
         with reported_outcome():
             _writer_loop(w, cache, shape, slot_handles, arrays, inq, outq, discard)
+    except DegenerateLayer as e:  # the content refused before the shard commits: its one line, no traceback
+        log.error("refused: %s", e)
+        outq.put(WriterError(w, str(e), content=True))
+        raise SystemExit(1) from None
     except BaseException as e:
         log.exception("shard writer %d failed", w)
         outq.put(WriterError(w, f"{type(e).__name__}: {e}"))
@@ -108,7 +113,8 @@ def _write_loop(w, loc, store, shms, arrays, shape, inq, outq, discard: bool) ->
             has_k = shape.topk > 0
             fp8 = shape.hidden_dtype == "float8_e4m3fn"
             writer.append_batch(msg.samples, v["hidden"][:N], v["ids"][:N] if has_k else None,
-                                v["lp"][:N] if has_k else None, v["scale"][:N] if fp8 else None)
+                                v["lp"][:N] if has_k else None, v["scale"][:N] if fp8 else None,
+                                evidence=v["evidence"])
             outq.put(Free(msg.slot))
             outq.put(Progress(N, 0))
             fault_point("batch-written")

@@ -70,3 +70,34 @@ def fault_point(name: str) -> None:
         else:
             heartbeat(phase=f"stalled at {name}")
             time.sleep(3600)
+
+
+# --------------------------------------------------------------------------------------------
+# Content faults for the cache's evidence tests
+
+CORRUPT_VAR = "DFLASH_OFFLINE_CORRUPT"
+
+
+def corrupted(hidden, embeddings):
+    """What extraction is about to write, corrupted as DFLASH_OFFLINE_CORRUPT says (the tests of
+    cache/evidence.py; unset, the tensor is returned as it is). `hidden` [N, n, H] (a torch tensor,
+    changed in place), `embeddings` [N, H]; I, J are columns of the captured layers:
+      zero-layer:I   layer I all zeros;            nan-vector:I  one NaN in layer I's middle vector;
+      same-layer:I=J layer I a copy of layer J;    embed-layer:I layer I the token embeddings."""
+    spec = os.environ.get(CORRUPT_VAR)
+    if not spec:
+        return hidden
+    what, _, arg = spec.partition(":")
+    if what == "zero-layer":
+        hidden[:, int(arg)] = 0
+    elif what == "nan-vector":
+        hidden[hidden.shape[0] // 2, int(arg), 0] = float("nan")
+    elif what == "same-layer":
+        i, j = map(int, arg.split("="))
+        hidden[:, i] = hidden[:, j]
+    elif what == "embed-layer":
+        hidden[:, int(arg)] = embeddings.to(hidden.dtype)
+    else:
+        raise ValueError(f"{CORRUPT_VAR}={spec!r}: zero-layer:I, nan-vector:I, same-layer:I=J or embed-layer:I")
+    log.warning("%s=%s: the batch's layer outputs corrupted on purpose", CORRUPT_VAR, spec)
+    return hidden
