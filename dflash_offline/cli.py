@@ -285,13 +285,39 @@ def plan(ctx: click.Context, config_file, as_json: bool, **options) -> None:
 
 @main.command()
 @click.argument("cache")
-def verify(cache: str) -> None:
-    """Check every committed shard of CACHE against its checksum (reads the whole cache)."""
-    from dflash_offline.inspect import verify_cache  # start-up: a command imports its own stage only
+@click.option("--content", "amount", metavar="N|P%", help="Instead of the checksums: N samples (or P% of them) drawn "
+              "across the cache against a fresh forward of --target, per layer and for the top-k, within the storage "
+              "dtype's bound; also the target's config and weights against those the cache was made with.")
+@click.option("--target", "target", help="With --content: the target the cache was made from.")
+@click.option("--device", default="cpu", show_default=True, help="With --content: where the target runs (a GPU index, "
+              "e.g. 0, or cpu).")
+def verify(cache: str, amount: str | None, target: str | None, device: str) -> None:
+    """Check every committed shard of CACHE against its checksum (reads the whole cache); with
+    --content N --target T, check what a sample of it holds against the target instead."""
+    if amount is None:
+        if target is not None:
+            raise UserError(f"--target {target}: read only with --content N (the checksums need no target); add "
+                            "--content 1% or leave --target out")
+        from dflash_offline.inspect import verify_cache  # start-up: a command imports its own stage only
 
-    code = verify_cache(cache)
-    if code:  # damaged shards: the exit status says so (after the report)
-        sys.exit(code)
+        code = verify_cache(cache)
+        if code:  # damaged shards: the exit status says so (after the report)
+            sys.exit(code)
+        return
+    if target is None:
+        raise UserError(f"--content {amount}: compares the cache with a fresh forward of its target: give it with "
+                        "--target")
+    from dflash_offline.content import check_content, parse_amount, report_lines
+
+    parse_amount(amount)  # one line before the cache is opened or the target loaded
+    report = check_content(cache, target, amount, device)
+    lines, fails = report_lines(report, cache, target, device)
+    for line in lines:
+        click.echo(line)
+    for line in fails:
+        click.echo(line, err=True)
+    if fails:
+        sys.exit(1)
 
 
 @main.command()

@@ -19,7 +19,7 @@ from dflash_offline.cache.shards import ShardShape, shard_name, shard_rel, tmp_s
 from dflash_offline.config import ExtractConfig
 from dflash_offline.extract.messages import Paused, Progress
 from dflash_offline.extract.plan import Job, make_batches
-from dflash_offline.runtime.faults import corrupted, fault_point
+from dflash_offline.runtime.faults import corrupted, corrupted_topk, fault_point
 from dflash_offline.runtime.launch import single_thread_compute
 from dflash_offline.runtime.logs import heartbeat, open_process_log, worker_outcome
 from dflash_offline.runtime.supervise import WorkerError, die_with_parent
@@ -237,6 +237,7 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
                 input_ids, attn, index = _batch_tensors(batch, device)
                 B, S = input_ids.shape
                 hidden, tids, tlp = forward_batch(model, capture, input_ids, attn, index, k, cfg.logits_chunk_tokens)
+                tids, tlp = corrupted_topk(model, hidden, tids, tlp)
                 with torch.inference_mode():  # what the writer checks before the shard commits (cache/evidence.py)
                     embeddings = model.get_input_embeddings()(input_ids).view(B * S, -1).index_select(0, index)
                     evidence = batch_evidence(corrupted(hidden, embeddings), embeddings)

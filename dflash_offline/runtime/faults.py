@@ -83,9 +83,10 @@ def corrupted(hidden, embeddings):
     cache/evidence.py; unset, the tensor is returned as it is). `hidden` [N, n, H] (a torch tensor,
     changed in place), `embeddings` [N, H]; I, J are columns of the captured layers:
       zero-layer:I   layer I all zeros;            nan-vector:I  one NaN in layer I's middle vector;
-      same-layer:I=J layer I a copy of layer J;    embed-layer:I layer I the token embeddings."""
+      same-layer:I=J layer I a copy of layer J;    embed-layer:I layer I the token embeddings
+    (and topk-from-layer:I, corrupted_topk's)."""
     spec = os.environ.get(CORRUPT_VAR)
-    if not spec:
+    if not spec or spec.startswith("topk-"):
         return hidden
     what, _, arg = spec.partition(":")
     if what == "zero-layer":
@@ -98,6 +99,23 @@ def corrupted(hidden, embeddings):
     elif what == "embed-layer":
         hidden[:, int(arg)] = embeddings.to(hidden.dtype)
     else:
-        raise ValueError(f"{CORRUPT_VAR}={spec!r}: zero-layer:I, nan-vector:I, same-layer:I=J or embed-layer:I")
+        raise ValueError(f"{CORRUPT_VAR}={spec!r}: zero-layer:I, nan-vector:I, same-layer:I=J, embed-layer:I or "
+                         "topk-from-layer:I")
     log.warning("%s=%s: the batch's layer outputs corrupted on purpose", CORRUPT_VAR, spec)
     return hidden
+
+
+def corrupted_topk(model, hidden, topk_ids, topk_logprobs):
+    """The batch's top-k, or with DFLASH_OFFLINE_CORRUPT=topk-from-layer:I the top-k of captured
+    layer I put through the final norm and the LM head (a head fed the wrong layer)."""
+    spec = os.environ.get(CORRUPT_VAR)
+    if not spec or not spec.startswith("topk-from-layer:") or topk_ids is None:
+        return topk_ids, topk_logprobs
+    import torch
+
+    with torch.inference_mode():
+        logits = model.get_output_embeddings()(model.get_decoder().norm(hidden[:, int(spec.split(":")[1])])).float()
+        v, i = torch.topk(logits, topk_ids.shape[1], dim=-1)
+        lp = (v - torch.logsumexp(logits, dim=-1, keepdim=True)).to(topk_logprobs.dtype)
+    log.warning("%s=%s: the batch's top-k taken from another layer on purpose", CORRUPT_VAR, spec)
+    return i.to(topk_ids.dtype), lp

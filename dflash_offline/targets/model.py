@@ -309,6 +309,22 @@ class RawLayerOutputs:
         return torch.cat([self.outs[j] for j in range(len(self.layer_ids))], dim=-1)
 
 
+def captured_forward(model, capture: LayerCapture, input_ids, attention_mask, flat_index, last: bool = False):
+    """One padded batch through the decoder -> (the captured layers' outputs [N, n, H], and with
+    `last` the final-normed states [N, H] the LM head reads, else None), N the valid tokens
+    gathered with `flat_index`."""
+    import torch
+
+    B, S = input_ids.shape
+    n, H = len(capture.layer_ids), model.config.hidden_size
+    capture.stage = torch.empty((B, S, n, H), dtype=model.dtype, device=input_ids.device)
+    with torch.inference_mode():
+        out = capture.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = capture.stage.view(B * S, n, H).index_select(0, flat_index)
+        capture.stage = None
+        return hidden, out.last_hidden_state.view(B * S, H).index_select(0, flat_index) if last else None
+
+
 def forward_batch(model, capture: LayerCapture, input_ids, attention_mask, flat_index, topk: int,
                   logits_chunk_tokens: int):
     """One padded batch -> (hidden [N, n, H], topk_ids [N, k] int32, topk_logprobs [N, k] fp16).
@@ -319,16 +335,10 @@ def forward_batch(model, capture: LayerCapture, input_ids, attention_mask, flat_
     """
     import torch
 
-    B, S = input_ids.shape
-    n, H = len(capture.layer_ids), model.config.hidden_size
-    capture.stage = torch.empty((B, S, n, H), dtype=model.dtype, device=input_ids.device)
+    hidden, last = captured_forward(model, capture, input_ids, attention_mask, flat_index, topk > 0)
+    if topk == 0:
+        return hidden, None, None
     with torch.inference_mode():
-        out = capture.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        hidden = capture.stage.view(B * S, n, H).index_select(0, flat_index)
-        capture.stage = None
-        if topk == 0:
-            return hidden, None, None
-        last = out.last_hidden_state.view(B * S, H).index_select(0, flat_index)
         head = model.get_output_embeddings()
         ids_parts, lp_parts = [], []
         for a in range(0, last.shape[0], logits_chunk_tokens):
