@@ -8,11 +8,10 @@ Checksums prove that the bytes are the bytes written; this proves they are the t
    extraction runs it (targets.model: the same loader, capture hooks and batched forward), in the
    cache's compute dtype, every layer up to one past the deepest captured one.
 3. Per captured layer, each stored vector against the fresh one, relative L2 error
-   |stored - fresh| / |fresh|; the largest over the samples against the bound of the storage
-   (bf16: 2^-8; fp8 e4m3 with its per-token scale: 2^-4 + 2^-12, cache/fp8.py) plus the compute
-   dtype's allowance (a forward of other batch shapes rounds otherwise: 2^-12 in fp32, 2^-4 in bf16
-   or fp16). A failing layer is held against every fresh layer: when another one matches, the line
-   says which (layer ids shifted by one, a capture of the wrong module).
+   |stored - fresh| / |fresh|; the largest over the samples against cache/bounds.py's bound (the
+   storage's rounding plus the compute dtype's allowance). A failing layer is held against every
+   fresh layer: when another one matches, the line says which (layer ids shifted by one, a capture
+   of the wrong module).
 4. Top-k: the stored log-probabilities against the fresh log-probabilities of the same token ids
    (a near tie may swap two ids: their values still agree), within fp16's rounding plus the
    allowance; and the stored top-1 within that bound of the fresh maximum.
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dflash_offline.cache.bounds import feature_bound
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.targets.folder import read_target
@@ -38,10 +38,6 @@ from dflash_offline.targets.model import LayerCapture, captured_forward, load_ta
 
 log = logging.getLogger("dflash.verify")
 
-# Relative L2 error of a stored vector that its storage allows (cache/fp8.py for the e4m3 bound).
-STORAGE_BOUND = {"bfloat16": 2.0 ** -8, "float8_e4m3fn": 2.0 ** -4 + 2.0 ** -12}
-# What a forward of other batch shapes may add in each compute dtype.
-COMPUTE_ALLOWANCE = {"float32": 2.0 ** -12, "bfloat16": 2.0 ** -4, "float16": 2.0 ** -6}
 # Log-probabilities: stored in fp16 (half a step: 2^-11 of the value), and beyond that what the
 # compute dtype's logits may add.
 FP16_HALF_STEP = 2.0 ** -11
@@ -156,7 +152,7 @@ def check_content(cache: str, target: str, amount: str, device: str = "cpu") -> 
     fresh_ids = list(range(min(max(layer_ids) + 2, info.num_target_layers)))
     model = load_target(info, dev, compute, info.num_target_layers if topk else len(fresh_ids), bool(topk))
     capture = LayerCapture(model, fresh_ids)
-    bound = STORAGE_BOUND[storage] + COMPUTE_ALLOWANCE[compute]
+    bound = feature_bound(storage, compute)
     layers = {lid: LayerFinding(lid, 0.0, -1, bound) for lid in layer_ids}
     against = {lid: np.zeros(len(fresh_ids)) for lid in layer_ids}  # worst error against each fresh layer
     top = {"error": 0.0, "sample": None}

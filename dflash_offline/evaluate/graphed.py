@@ -29,6 +29,7 @@ import torch
 
 from dflash_offline.evaluate.speculative import Decoded, in_length_batches
 from dflash_offline.evaluate.static import DrafterBuffers
+from dflash_offline.runtime.faults import corrupt_recurrent_state
 from dflash_offline.targets.static import StaticTarget
 from dflash_offline.sampling import Sampling, draft_tokens, prompt_keys, target_tokens, verify_block
 
@@ -275,6 +276,7 @@ class StaticDecoder:
                 self._compact(k)
                 k = bucket
             self._run(k)
+            corrupt_recurrent_state(self.target)  # tests only (runtime/faults.py); unset, one lookup
         n = len(prompts)
         where = self.row_of.tolist()
         out, n_out, rounds = self.out.tolist(), self.n_out.tolist(), self.rounds.tolist()

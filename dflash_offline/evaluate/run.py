@@ -340,7 +340,27 @@ def _decode_drafter(cfg: EvalConfig, decoders, path, drafter, prompts, ids, e: d
         if bad:
             log.error("%s: %d of %d outputs differ from the target's greedy decode%s (ids %s)", path, len(bad),
                       len(runs), f" in {cfg.reference}" if cfg.reference else "", bad[:10])
+            _forensics(cfg, decoders, prompts, ids, runs, reference, e)
     log.info("%s: tau %.3f over %d rounds, %.1f tokens/s", path, e["tau"], e["rounds"], e["tokens_per_s"])
+
+
+FORENSICS_PROMPTS = 20  # differing outputs diagnosed (a fresh prefill each), in prompt order
+
+
+def _forensics(cfg: EvalConfig, decoders, prompts, ids, runs, reference, e: dict) -> None:
+    """Where each differing output parts from the reference, and why (evaluate/forensics.py): in the
+    report's `divergences` and one log line each."""
+    from dflash_offline.evaluate.forensics import diagnose
+
+    found = []
+    for k, (r, ref) in enumerate(zip(runs, reference)):
+        if r.tokens != ref and len(found) < FORENSICS_PROMPTS:
+            found.append(diagnose(decoders.model, prompts[k], r.tokens, ref, ids[k], cfg.dtype, decoders.describe))
+    e["divergences"] = [d.as_dict() for d in found]
+    counts = {v: sum(d.verdict == v for d in found) for v in ("tie", "drift", "reference", "neither")}
+    e["divergence_verdicts"] = counts
+    for d in found:
+        log.error("%s", d.line())
 
 
 def _cache_figures(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
@@ -451,6 +471,14 @@ def format_report(report: dict) -> str:
                     f"{p:.2f}/{o:.2f}" for p, o in zip(c["predicted"], c["observed"])))
             if "implied" in e:
                 lines.append("  " + e["implied"]["line"])
+            if e.get("divergences"):  # where outputs part from the reference, and why (forensics.py)
+                shown = e["divergences"]
+                verdicts = ", ".join(f"{n} {v}" for v, n in e["divergence_verdicts"].items() if n)
+                lines.append(f"  outputs that differ: {len(e['mismatched_prompt_ids'])}; the first {len(shown)} "
+                             f"diagnosed: {verdicts}")
+                lines += [f"    new token {d['position']} of prompt {d['prompt_id']}: {d['verdict']} (output "
+                          f"{d['output_token']}, reference {d['reference_token']}, fresh top-2 {d['fresh_top1']}/"
+                          f"{d['fresh_top2']}, margin {d['margin']:.3g}, bound {d['bound']:.3g})" for d in shown]
     if any("cache_walk" in e or "cache_estimate" in e for e in report["drafters"]):
         lines.append(f"estimate from the cache {report.get('cache')}:")
         lines.append("  walk: tau over the blocks decoding would draft, pooled over rounds (/sample: mean of the "

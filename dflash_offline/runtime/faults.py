@@ -84,9 +84,9 @@ def corrupted(hidden, embeddings):
     changed in place), `embeddings` [N, H]; I, J are columns of the captured layers:
       zero-layer:I   layer I all zeros;            nan-vector:I  one NaN in layer I's middle vector;
       same-layer:I=J layer I a copy of layer J;    embed-layer:I layer I the token embeddings
-    (and topk-from-layer:I, corrupted_topk's)."""
+    (and topk-from-layer:I, corrupted_topk's; recurrent-state:N, corrupt_recurrent_state's)."""
     spec = os.environ.get(CORRUPT_VAR)
-    if not spec or spec.startswith("topk-"):
+    if not spec or spec.startswith(("topk-", "recurrent-")):
         return hidden
     what, _, arg = spec.partition(":")
     if what == "zero-layer":
@@ -119,3 +119,23 @@ def corrupted_topk(model, hidden, topk_ids, topk_logprobs):
         lp = (v - torch.logsumexp(logits, dim=-1, keepdim=True)).to(topk_logprobs.dtype)
     log.warning("%s=%s: the batch's top-k taken from another layer on purpose", CORRUPT_VAR, spec)
     return i.to(topk_ids.dtype), lp
+
+
+_rounds = [0]
+
+
+def corrupt_recurrent_state(target) -> None:
+    """With DFLASH_OFFLINE_CORRUPT=recurrent-state:N, at the N-th decoding round of this process,
+    overwrite every recurrent state of the static decoder's target (`target.recurrent`: its Gated
+    DeltaNet layers' states and convolution windows) with noise: a decoder whose state departed
+    from the target's (eval's forensics tests)."""
+    spec = os.environ.get(CORRUPT_VAR)
+    if not spec or not spec.startswith("recurrent-state:"):
+        return
+    _rounds[0] += 1
+    if _rounds[0] != int(spec.split(":")[1]):
+        return
+    for layer in target.recurrent:
+        layer.state.normal_(0.0, 10.0)
+        layer.window.normal_(0.0, 10.0)
+    log.warning("%s=%s: the decoder's recurrent states overwritten on purpose", CORRUPT_VAR, spec)
