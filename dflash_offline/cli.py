@@ -160,14 +160,16 @@ def main() -> None:
                 log-probabilities into a committed, resumable Zarr cache, one process per device
       train     stage two: a DFlash drafter trains from the cache (DDP, one process per GPU),
                 resumable to the step; ends with an export
-      export    a checkpoint as config.json + model.safetensors (the reference DFlash layout)
+      export    a checkpoint as config.json + model.safetensors (the reference DFlash layout;
+                DSpark: DeepSpec's)
     Around them:
       eval      acceptance length (tau) by speculative decoding against the target, checked
                 lossless, and speed; or estimated from a held-out cache
       plan      size a run before it starts: cache bytes, whether they fit, hours per stage
       inspect   what a cache holds: manifest, shards, per-layer statistics
       status    what is done, running or failed: a cache, a run, a generate or prepare output (or a folder of them)
-      verify    re-read every committed shard of a cache against its checksum
+      verify    re-read every committed shard of a cache against its checksum; --content: a
+                sample of it against a fresh forward of the target
       demo      the whole job end to end on a tiny built-in target, on the CPU
 
     \b

@@ -59,3 +59,21 @@ def test_decode_speed_smoke(tmp_path, kind, method):
     assert d["batch1"]["equal_to_alone"] == res["batch1_prompts"] and d["batched"]["equal_to_alone"] == res["prompts"]
     assert set(res["batched_alone"]) == {"static", "generate", "generate_continuous", "transformers_kv"}
     assert d["batch1"]["tau"] >= 1 and d["batched"]["speedup_vs_fastest_alone"] > 0
+
+
+def test_content_check_smoke(tmp_path):
+    """benchmarks/content_check.py on a few of the pycode fixture's rows: both phases run and the
+    ratio is reported."""
+    import pyarrow.parquet as pq
+
+    fx = ROOT.parent / "shared" / "fixtures" / "pycode"
+    if not (fx / "target" / "config.json").is_file():
+        pytest.skip("needs ../shared/fixtures/pycode")
+    rows = tmp_path / "rows.parquet"
+    pq.write_table(pq.read_table(fx / "completions-train.parquet").slice(0, 6), rows)
+    r = run_tree([sys.executable, str(ROOT / "benchmarks" / "content_check.py"), "--fixture", str(fx), "--data", str(rows),
+                  "--work", str(tmp_path / "w"), "--share", "50%", "--json", str(tmp_path / "r.json")], timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["samples"] == 6 and res["extract_s"] > 0 and res["verify_content_s"] > 0
+    assert res["verify_line"].startswith("content: 3 of 6 samples") and "verify --content 50%" in r.stdout

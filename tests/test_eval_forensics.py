@@ -21,7 +21,7 @@ from conftest import run_cli
 from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.drafter.export import export_drafter
 from dflash_offline.drafter.model import DFlashDrafter
-from dflash_offline.evaluate.forensics import Divergence, first_difference
+from dflash_offline.evaluate.verdicts import Divergence, first_difference
 from dflash_offline.evaluate.speculative import TargetSession, greedy_decode, load_target_for_decoding
 from dflash_offline.tiny import make_tiny_target
 

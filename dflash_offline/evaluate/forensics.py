@@ -9,68 +9,17 @@ that differs from the reference (greedy decoding only):
              reference's first tokens) is the same in both;
   fresh      a fresh prefill of that context through the target's plain forward (no cache, the
              eval dtype): its top-1 and top-2 tokens and their logit margin;
-  verdict    tie        the margin is within the dtype's rounding of the logits (TIE_STEPS steps
-                        of the dtype at the top logit's size): a near tie; either token is the
-                        target's answer within its numerics;
-             drift      the fresh prefill gives the reference's token beyond that bound, while the
-                        decoder committed another: its state (key/value buffers, recurrent state)
-                        departed from what a fresh prefill computes;
-             reference  the fresh prefill gives the decoder's token beyond the bound: the
-                        reference is not this target's greedy decode in this dtype;
-             neither    it gives a third token: the reference is not this target's decode, and
-                        the decoder departed from it too.
+  verdict    a near tie, drift of the decoder's state, a reference that is not this target's
+             decode, or neither (evaluate/verdicts.py says how each is told).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
-
 import torch
 
-# Relative rounding step of each dtype (the spacing of its numbers near 1), and how many of them
-# at the top logit's size still count as a tie.
-STEP = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
-TIE_STEPS = 16
-VERDICTS = ("tie", "drift", "reference", "neither")
+from dflash_offline.evaluate.verdicts import Divergence, first_difference, tie_bound, verdict_of
 
-
-@dataclass
-class Divergence:
-    prompt_id: int
-    position: int  # the first output index where output and reference differ
-    output_token: int
-    reference_token: int
-    fresh_top1: int
-    fresh_top2: int
-    margin: float  # fresh top-1 logit - top-2 logit
-    bound: float  # the margin below which it is a tie
-    verdict: str  # one of VERDICTS
-    decoder: str  # the decoder path that made the output
-
-    def line(self) -> str:
-        why = {"tie": f"a near tie: a fresh prefill's top two are {self.margin:.3g} apart (bound {self.bound:.3g}), "
-                      "either is the target's answer within its numerics",
-               "drift": f"drift: a fresh prefill of the same context gives the reference's token by {self.margin:.3g} "
-                        f"(bound {self.bound:.3g}); the decoder's state departed from it",
-               "reference": f"the reference differs: a fresh prefill gives the decoder's token by {self.margin:.3g} "
-                            f"(bound {self.bound:.3g}); the reference is not this target's greedy decode in this dtype",
-               "neither": f"a fresh prefill gives neither ({self.fresh_top1}, by {self.margin:.3g}; bound "
-                          f"{self.bound:.3g}): the reference is not this target's decode, and the decoder departed "
-                          "from it too"}
-        return (f"prompt {self.prompt_id}: output parts from the reference at new token {self.position} (output "
-                f"{self.output_token}, reference {self.reference_token}; {self.decoder}): {why[self.verdict]}")
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def first_difference(output: list[int], reference: list[int]) -> int | None:
-    """The first index where two outputs differ (a shorter one differs where it ends), or None."""
-    for i, (a, b) in enumerate(zip(output, reference)):
-        if a != b:
-            return i
-    return None if len(output) == len(reference) else min(len(output), len(reference))
+FORENSICS_PROMPTS = 20  # differing outputs diagnosed (a fresh prefill each), in prompt order
 
 
 def diagnose(model, prompt: list[int], output: list[int], reference: list[int], prompt_id: int, dtype: str,
@@ -87,10 +36,15 @@ def diagnose(model, prompt: list[int], output: list[int], reference: list[int], 
         logits = model(input_ids=context, use_cache=False).logits[0, -1].float()
     top = torch.topk(logits, 2)
     (v1, v2), (t1, t2) = top.values.tolist(), top.indices.tolist()
-    margin = v1 - v2
-    bound = TIE_STEPS * STEP[dtype] * max(1.0, abs(v1))
-    if not math.isfinite(margin) or margin <= bound:
-        verdict = "tie"
-    else:
-        verdict = "drift" if t1 == ref_tok else "reference" if t1 == out_tok else "neither"
-    return Divergence(prompt_id, p, out_tok, ref_tok, t1, t2, margin, bound, verdict, decoder)
+    margin, bound = v1 - v2, tie_bound(dtype, v1)
+    return Divergence(prompt_id, p, out_tok, ref_tok, t1, t2, margin, bound, verdict_of(margin, bound, t1, ref_tok, out_tok),
+                      decoder)
+
+
+def diagnose_all(model, prompts, ids, outputs, reference, dtype: str, decoder: str) -> list[Divergence]:
+    """The Divergence of each output that differs from its reference, the first FORENSICS_PROMPTS."""
+    found = []
+    for k, (out, ref) in enumerate(zip(outputs, reference)):
+        if out != ref and len(found) < FORENSICS_PROMPTS:
+            found.append(diagnose(model, prompts[k], out, ref, ids[k], dtype, decoder))
+    return found

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_offline.cache.bounds import feature_bound
 from dflash_offline.drafter.config import config_rope_theta, mask_token_from_tokenizer
 
 log = logging.getLogger("dflash.eval")
@@ -47,7 +48,6 @@ def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str
         summarize,
     )
     from dflash_offline.blocks.walk import cache_layer_columns, walk_acceptance
-    from dflash_offline.cache.bounds import feature_bound
     from dflash_offline.evaluate.serving_features import paths_for, relative_errors, served
 
     t0 = time.time()
@@ -92,14 +92,7 @@ def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str
     theta = config_rope_theta(text.get("text_config") or text)
     if abs(theta - cfg.rope_theta) > 1e-6 * max(theta, 1.0):
         causes.append(f"RoPE theta {cfg.rope_theta:g} in the drafter, {theta:g} in the target's config")
-    for p, errors in gaps.items():
-        bad = [(lid, e) for lid, e in zip(cfg.target_layer_ids, errors) if e > bound]
-        if bad:
-            causes.append(f"the {p} decoder feeds the drafter other features than the cache holds: at layers "
-                          f"{[lid for lid, _ in bad]} up to {max(e for _, e in bad):.3g} (relative L2; bound {bound:.3g} "
-                          f"for the cache's {reader.manifest['capture']['hidden_dtype']} and a {dtype} forward): another "
-                          "target, dtype or layer definition than at extraction, or a decoder path that computes them "
-                          "otherwise (features are the layers' raw outputs)")
+    causes += gap_causes(gaps, cfg.target_layer_ids, bound, reader.manifest["capture"]["hidden_dtype"], dtype)
     if mismatched:
         causes.append(f"{len(mismatched)} of {len(runs)} decodes differ from the cache's completions (ids "
                       f"{mismatched[:5]}): the cache is not this target's greedy decode in {dtype}; compare like "
@@ -119,6 +112,20 @@ def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str
     log.info("parity on %d samples: every anchor %.3f, walk %.3f, decoding %.3f (%+.1f%%)%s", len(runs),
              report["every_anchor_tau"], walk_tau, dec_tau, 100 * gap, "" if agree else "; " + "; ".join(causes))
     return report
+
+
+def gap_causes(gaps: dict, layer_ids: list[int], bound: float, storage: str, dtype: str) -> list[str]:
+    """One line per decoder path whose features lie beyond the bound at some layer."""
+    out = []
+    for path, errors in gaps.items():
+        bad = [(lid, e) for lid, e in zip(layer_ids, errors) if e > bound]
+        if bad:
+            out.append(f"the {path} decoder feeds the drafter other features than the cache holds: at layers "
+                       f"{[lid for lid, _ in bad]} up to {max(e for _, e in bad):.3g} (relative L2; bound {bound:.3g} "
+                       f"for the cache's {storage} and a {dtype} forward): another target, dtype or layer definition "
+                       "than at extraction, or a decoder path that computes them otherwise (features are the layers' "
+                       "raw outputs)")
+    return out
 
 
 def format_parity(path: str, p: dict) -> list[str]:

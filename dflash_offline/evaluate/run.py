@@ -41,6 +41,7 @@ from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore
 from dflash_offline.cache.view import ManifestView
 from dflash_offline.evaluate.ceiling import find_shape, format_implied, implied_speedup
+from dflash_offline.evaluate.verdicts import VERDICTS, divergence_lines
 from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, checkpoint_before, checkpoint_damage, load_checkpoint
 from dflash_offline.runs.folder import is_run_folder
 from dflash_offline.runtime.early_log import open_launcher_log
@@ -344,21 +345,13 @@ def _decode_drafter(cfg: EvalConfig, decoders, path, drafter, prompts, ids, e: d
     log.info("%s: tau %.3f over %d rounds, %.1f tokens/s", path, e["tau"], e["rounds"], e["tokens_per_s"])
 
 
-FORENSICS_PROMPTS = 20  # differing outputs diagnosed (a fresh prefill each), in prompt order
-
-
 def _forensics(cfg: EvalConfig, decoders, prompts, ids, runs, reference, e: dict) -> None:
-    """Where each differing output parts from the reference, and why (evaluate/forensics.py): in the
-    report's `divergences` and one log line each."""
-    from dflash_offline.evaluate.forensics import diagnose
+    """Where each differing output parts from the reference, and why: in the report and the log."""
+    from dflash_offline.evaluate.forensics import diagnose_all
 
-    found = []
-    for k, (r, ref) in enumerate(zip(runs, reference)):
-        if r.tokens != ref and len(found) < FORENSICS_PROMPTS:
-            found.append(diagnose(decoders.model, prompts[k], r.tokens, ref, ids[k], cfg.dtype, decoders.describe))
+    found = diagnose_all(decoders.model, prompts, ids, [r.tokens for r in runs], reference, cfg.dtype, decoders.describe)
     e["divergences"] = [d.as_dict() for d in found]
-    counts = {v: sum(d.verdict == v for d in found) for v in ("tie", "drift", "reference", "neither")}
-    e["divergence_verdicts"] = counts
+    e["divergence_verdicts"] = {v: sum(d.verdict == v for d in found) for v in VERDICTS}
     for d in found:
         log.error("%s", d.line())
 
@@ -471,14 +464,7 @@ def format_report(report: dict) -> str:
                     f"{p:.2f}/{o:.2f}" for p, o in zip(c["predicted"], c["observed"])))
             if "implied" in e:
                 lines.append("  " + e["implied"]["line"])
-            if e.get("divergences"):  # where outputs part from the reference, and why (forensics.py)
-                shown = e["divergences"]
-                verdicts = ", ".join(f"{n} {v}" for v, n in e["divergence_verdicts"].items() if n)
-                lines.append(f"  outputs that differ: {len(e['mismatched_prompt_ids'])}; the first {len(shown)} "
-                             f"diagnosed: {verdicts}")
-                lines += [f"    new token {d['position']} of prompt {d['prompt_id']}: {d['verdict']} (output "
-                          f"{d['output_token']}, reference {d['reference_token']}, fresh top-2 {d['fresh_top1']}/"
-                          f"{d['fresh_top2']}, margin {d['margin']:.3g}, bound {d['bound']:.3g})" for d in shown]
+            lines += divergence_lines(e)  # where outputs part from the reference, and why
     if any("cache_walk" in e or "cache_estimate" in e for e in report["drafters"]):
         lines.append(f"estimate from the cache {report.get('cache')}:")
         lines.append("  walk: tau over the blocks decoding would draft, pooled over rounds (/sample: mean of the "

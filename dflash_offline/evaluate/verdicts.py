@@ -1,0 +1,83 @@
+"""The verdicts of eval's divergence forensics and their lines (evaluate/forensics.py finds them;
+this light module is what the report's formatting reads, with no torch).
+
+  tie        the top two logits of a fresh prefill are within TIE_STEPS rounding steps of the
+             dtype at the top logit's size: a near tie, either token is the target's answer;
+  drift      the fresh prefill gives the reference's token beyond that bound, while the decoder
+             committed another: its state departed from what a fresh prefill computes;
+  reference  the fresh prefill gives the decoder's token: the reference is not this target's
+             greedy decode in this dtype;
+  neither    it gives a third token: the reference is not this target's decode, and the decoder
+             departed from it too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+# Relative rounding step of each dtype (the spacing of its numbers near 1), and how many of them
+# at the top logit's size still count as a tie.
+STEP = {"float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
+TIE_STEPS = 16
+VERDICTS = ("tie", "drift", "reference", "neither")
+
+
+def tie_bound(dtype: str, top_logit: float) -> float:
+    return TIE_STEPS * STEP[dtype] * max(1.0, abs(top_logit))
+
+
+def verdict_of(margin: float, bound: float, fresh_top1: int, reference_token: int, output_token: int) -> str:
+    if not math.isfinite(margin) or margin <= bound:
+        return "tie"
+    return "drift" if fresh_top1 == reference_token else "reference" if fresh_top1 == output_token else "neither"
+
+
+@dataclass
+class Divergence:
+    prompt_id: int
+    position: int  # the first output index where output and reference differ
+    output_token: int
+    reference_token: int
+    fresh_top1: int
+    fresh_top2: int
+    margin: float  # fresh top-1 logit - top-2 logit
+    bound: float  # the margin below which it is a tie
+    verdict: str  # one of VERDICTS
+    decoder: str  # the decoder path that made the output
+
+    def line(self) -> str:
+        why = {"tie": f"a near tie: a fresh prefill's top two are {self.margin:.3g} apart (bound {self.bound:.3g}), "
+                      "either is the target's answer within its numerics",
+               "drift": f"drift: a fresh prefill of the same context gives the reference's token by {self.margin:.3g} "
+                        f"(bound {self.bound:.3g}); the decoder's state departed from it",
+               "reference": f"the reference differs: a fresh prefill gives the decoder's token by {self.margin:.3g} "
+                            f"(bound {self.bound:.3g}); the reference is not this target's greedy decode in this dtype",
+               "neither": f"a fresh prefill gives neither ({self.fresh_top1}, by {self.margin:.3g}; bound "
+                          f"{self.bound:.3g}): the reference is not this target's decode, and the decoder departed "
+                          "from it too"}
+        return (f"prompt {self.prompt_id}: output parts from the reference at new token {self.position} (output "
+                f"{self.output_token}, reference {self.reference_token}; {self.decoder}): {why[self.verdict]}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def first_difference(output: list[int], reference: list[int]) -> int | None:
+    """The first index where two outputs differ (a shorter one differs where it ends), or None."""
+    for i, (a, b) in enumerate(zip(output, reference)):
+        if a != b:
+            return i
+    return None if len(output) == len(reference) else min(len(output), len(reference))
+
+
+def divergence_lines(e: dict) -> list[str]:
+    """The report table's lines for a drafter entry's `divergences` (none when it has none)."""
+    shown = e.get("divergences") or []
+    if not shown:
+        return []
+    verdicts = ", ".join(f"{n} {v}" for v, n in e["divergence_verdicts"].items() if n)
+    return [f"  outputs that differ: {len(e['mismatched_prompt_ids'])}; the first {len(shown)} diagnosed: {verdicts}"] + [
+        f"    new token {d['position']} of prompt {d['prompt_id']}: {d['verdict']} (output {d['output_token']}, reference "
+        f"{d['reference_token']}, fresh top-2 {d['fresh_top1']}/{d['fresh_top2']}, margin {d['margin']:.3g}, bound "
+        f"{d['bound']:.3g})" for d in shown]
