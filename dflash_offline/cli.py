@@ -315,7 +315,7 @@ def verify(cache: str, amount: str | None, target: str | None, device: str) -> N
     report = check_content(cache, target, amount, device)
     lines, fails = report_lines(report, cache, target, device)
     for line in lines:
-        click.echo(line)
+        click.echo(line, err=line.startswith("warning:"))
     for line in fails:
         click.echo(line, err=True)
     if fails:

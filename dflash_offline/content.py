@@ -34,7 +34,7 @@ from dflash_offline.cache.bounds import feature_bound
 from dflash_offline.cache.reader import CacheReader
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.targets.folder import read_target
-from dflash_offline.targets.model import LayerCapture, captured_forward, load_target
+from dflash_offline.targets.model import LayerCapture, captured_forward, check_kernels, load_target
 
 log = logging.getLogger("dflash.verify")
 
@@ -84,6 +84,7 @@ class ContentReport:
     topk_sample: int | None = None
     topk_bound: float | None = None
     fingerprints: list[str] = field(default_factory=list)  # one line each: another config, other weights
+    kernels: str | None = None  # the loud warning of a hybrid on CUDA without its fast kernels (the slow path)
     seconds: float = 0.0
 
     @property
@@ -170,7 +171,8 @@ def check_content(cache: str, target: str, amount: str, device: str = "cpu") -> 
                 f.matches, f.matches_error = fresh_ids[best], float(against[lid][best])
     capture.remove()
     report = ContentReport(storage=storage, compute=compute, samples=len(picks), of_samples=len(where), tokens=tokens, layers=list(layers.values()),
-                           fingerprints=fingerprint_lines(m, info), seconds=time.time() - t0)
+                           fingerprints=fingerprint_lines(m, info), kernels=check_kernels(info, [dev]),
+                           seconds=time.time() - t0)
     if topk:
         report.topk_error, report.topk_sample = top["error"], top["sample"]
         report.topk_bound = LOGPROB_ALLOWANCE[compute]
@@ -232,4 +234,7 @@ def report_lines(r: ContentReport, cache: str, target: str, device: str) -> tupl
     ok = [f"layer {f.layer} within {f.bound:.3g} (largest {f.error:.3g})" for f in r.layers if f.ok]
     if r.topk_error is not None and r.topk_error <= r.topk_bound:
         ok.append(f"top-k within {r.topk_bound:.3g} (largest {r.topk_error:.3g})")
-    return [head + (": " + "; ".join(ok) if ok else "")], fails
+    lines = [head + (": " + "; ".join(ok) if ok else "")]
+    if r.kernels:  # not a failure: the fresh forward took the slow path (extraction may have too)
+        lines.append(f"warning: {r.kernels}")
+    return lines, fails
