@@ -123,6 +123,17 @@ class CacheView:
         ids = [np.arange(a, b + 1) for s in self.manifest["shards"] for a, b in s["sample_ids"]]
         return np.concatenate(ids) if ids else np.zeros(0, np.int64)
 
+    def _ids_hint(self, wanted: int) -> str:
+        """Which ids there are, near `wanted`: a chat cache's are sparse (each conversation's
+        id, then id + k x 2^40 for its later turns), so a count of samples is no guide."""
+        ids = np.sort(self.sample_ids)
+        if not len(ids):
+            return "the cache holds no committed sample yet"
+        i = int(np.searchsorted(ids, wanted))
+        near = [int(x) for x in ids[max(i - 1, 0):i + 1]]
+        return (f"its {len(ids)} ids run from {int(ids[0])} to {int(ids[-1])} (not every number is one); the nearest: "
+                f"{', '.join(map(str, near))}")
+
     # -- samples --------------------------------------------------------------------------------
 
     def sample(self, sample_id: int) -> SampleView:
@@ -130,7 +141,7 @@ class CacheView:
         try:
             got = self._reader.sample(int(sample_id))
         except KeyError:
-            raise UserError(f"{self.path}: no committed sample with id {sample_id}") from None
+            raise UserError(f"{self.path}: no committed sample with id {sample_id}; {self._ids_hint(int(sample_id))}") from None
         except ShardUnreadable as e:
             raise self._damaged(e.shard, e.problem, f"sample {sample_id} cannot be read") from None
         h = got.hidden

@@ -231,7 +231,10 @@ def run_status(path: str) -> RunStatus:
     elif any(p["state"] == "stale" for p in procs):
         verdict = HUNG
     elif export and not failed and (done or not procs):
-        verdict = "finished (export written)"
+        short = total is not None and last is not None and last["step"] < total
+        verdict = (f"finished at step {last['step']} of the plan's {total} (a --max-steps stop; export written of that "
+                   "step): run the train command again with a larger --max-steps, or none, to go on" if short
+                   else "finished (export written)")
     elif failed or steps or last is not None:
         verdict = "stopped before the end: run the same train command again to resume" + \
                   (f" from step-{intact[-1]}" if intact else " (no checkpoint yet: from the start)")
@@ -364,8 +367,12 @@ def status(path: str) -> StatusRecord:
     if kind is not None:
         return {"generate": generate_status, "prepare": prepare_status, "cache": cache_status,
                 "run": run_status}[kind](path)
+    if "://" not in path and not Path(path).exists():
+        raise UserError(f"{path}: no such file or folder; give a cache, a training run folder, or a generate or "
+                        "prepare output (or a folder holding them)")
     raise UserError(folder_hint(path, "status") or
-                    f"{path}: neither a cache (manifest.json) nor a training run folder (metrics.jsonl, step-N/, logs/)")
+                    f"{path}: neither a cache (manifest.json), a training run folder (metrics.jsonl, step-N/, logs/), "
+                    "a generate output nor a prepare output")
 
 
 def show(path: str, as_json: bool = False) -> str:

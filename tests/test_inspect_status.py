@@ -290,7 +290,11 @@ def test_status_of_a_folder_shows_each_thing_it_holds(valid_cache, tmp_path):
         nothing.mkdir(exist_ok=True)
         r = run_cli(["status", nothing])
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-        assert "neither a cache (manifest.json) nor a training run folder" in r.stderr, r.stderr
+        assert "neither a cache (manifest.json), a training run folder" in r.stderr, r.stderr
+    r = run_cli(["status", tmp_path / "no-such-thing"])  # mistyped: said so, and what status reads
+    assert r.returncode == 2 and r.stderr.strip() == (f"error: {tmp_path / 'no-such-thing'}: no such file or folder; give "
+                                                      "a cache, a training run folder, or a generate or prepare output "
+                                                      "(or a folder holding them)"), r.stderr
 
 
 def test_inspect_of_a_folder_summarises_each_cache_and_verify_names_them(valid_cache, tmp_path):
@@ -469,3 +473,22 @@ def test_a_file_this_user_may_not_read_is_one_line(valid_cache, tmp_path):
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == f"error: {cache / 'manifest.json'}: permission denied; give this user access to it, " \
                                "or choose another path"
+
+
+def test_an_unknown_sample_id_names_the_nearest_ones(tiny_dense, tmp_path):
+    """A chat cache's ids are sparse (3, 6, 9, ...): the refusal says which ids there are near the one asked."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from conftest import extract_args
+    from dflash_offline.tiny import make_tiny_data
+
+    rows = make_tiny_data(tmp_path / "rows.parquet", rows=6, max_len=40)
+    t = pq.read_table(rows)
+    pq.write_table(t.set_column(t.schema.get_field_index("id"), "id", pa.array([3, 6, 9, 12, 15, 2 ** 40 + 3], pa.int64())),
+                   rows)
+    assert run_cli(extract_args(tiny_dense, rows, tmp_path / "cache")).returncode == 0
+    r = run_cli(["inspect", tmp_path / "cache", "--sample", "8", "--text"])
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.strip().endswith(f"no committed sample with id 8; its 6 ids run from 3 to {2 ** 40 + 3} (not every "
+                                     "number is one); the nearest: 6, 9"), r.stderr

@@ -95,8 +95,32 @@ def test_a_held_out_cache_with_edited_widths_is_refused(d, tmp_path):
 def test_a_cache_manifest_whose_widths_disagree_with_the_target_is_refused(d, tmp_path):
     _edit_json(d / "cache" / "manifest.json", lambda m: m["target"].update(hidden_size=64))
     msg = _one_line(_train(d, out=tmp_path / "new"))
-    assert msg == (f"error: --cache {d / 'cache'}: its manifest says target.hidden_size 64, but --target "
-                   f"{d / 'target'} has 32; the manifest is damaged or from another target: re-extract the cache"), msg
+    made_from = json.loads((d / "cache" / "manifest.json").read_text())["target"]["path"]
+    assert msg == (f"error: --cache {d / 'cache'} was made from another target (its manifest says target.hidden_size "
+                   f"64, from {made_from}), but --target {d / 'target'} has 32: give the target the cache was made "
+                   "from, or extract a cache with this one"), msg
+
+
+def test_a_cache_an_extract_is_still_writing_is_named_so(tiny_dense, tiny_data, tmp_path):
+    """Not "run the extract command again" (it would meet the running one's lock): wait, or --follow."""
+    import os
+    import signal
+
+    from conftest import extract_args
+    from test_graceful_stop import held, start, wait_until
+
+    cache = tmp_path / "cache"
+    proc = start(extract_args(tiny_dense, tiny_data, cache, "--shard-tokens", "1024"),
+                 {"DFLASH_OFFLINE_HOLD_AT": "batch-done:1"})
+    try:
+        wait_until(lambda: held(cache / "logs", ["extract-rank0"]), proc)
+        r = run_cli(["train", "--target", tiny_dense, "--cache", cache, "--out", tmp_path / "run", *TRAIN])
+        msg = _one_line(r)
+        assert msg.startswith(f"error: --cache {cache}: an extract is still writing it (0/") and msg.endswith(
+            "shards committed); wait for it to end, or train alongside it with --follow --epochs 1"), msg
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_a_recipe_cache_without_a_manifest_is_named_by_its_key(d, tmp_path):

@@ -192,6 +192,20 @@ class Location:
             return None
         return fd
 
+    def run_lock_held(self, rel: str = ".run.lock") -> bool:
+        """Whether a run holds the lock try_run_lock takes (local paths; a URL: False). Creates
+        nothing: a reader asks without leaving a file behind."""
+        if self.remote or not os.path.exists(self.path(rel)):
+            return False
+        fd = os.open(self.path(rel), os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # closing drops a lock taken here
+        return False
+
     @contextlib.contextmanager
     def lock(self, rel: str = ".manifest.lock"):
         """Exclusive lock around read-modify-replace of the manifest.

@@ -345,6 +345,9 @@ def _decode_drafter(cfg: EvalConfig, decoders, path, drafter, prompts, ids, e: d
     log.info("%s: tau %.3f over %d rounds, %.1f tokens/s", path, e["tau"], e["rounds"], e["tokens_per_s"])
 
 
+FEW_PROMPTS = 8  # below this many prompts the report says its speed-up means little
+
+
 def _forensics(cfg: EvalConfig, decoders, prompts, ids, runs, reference, e: dict) -> None:
     """Where each differing output parts from the reference, and why: in the report and the log."""
     from dflash_offline.evaluate.forensics import diagnose_all
@@ -465,6 +468,10 @@ def format_report(report: dict) -> str:
             if "implied" in e:
                 lines.append("  " + e["implied"]["line"])
             lines += divergence_lines(e)  # where outputs part from the reference, and why
+        if base and report["num_prompts"] < FEW_PROMPTS and any("speedup" in e for e in report["drafters"]):
+            lines.append(f"note: {report['num_prompts']} prompt(s), {base['seconds']:.1f} s for the target alone: start-up "
+                         "and warm-up dominate times this short, so the speed-up says little; decode a few dozen "
+                         "prompts to measure it")
     if any("cache_walk" in e or "cache_estimate" in e for e in report["drafters"]):
         lines.append(f"estimate from the cache {report.get('cache')}:")
         lines.append("  walk: tau over the blocks decoding would draft, pooled over rounds (/sample: mean of the "

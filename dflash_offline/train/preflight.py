@@ -75,6 +75,10 @@ def preflight(cfg: TrainConfig) -> TrainPlan:
     m = reader.manifest
     v = ManifestView.of(m)
     if v.status != "complete":
+        if Location(cfg.cache).run_lock_held():  # its extract still runs: running it again would meet the lock
+            raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: an extract is still writing it ({v.shards_committed}/"
+                            f"{v.num_shards} shards committed); wait for it to end, or train alongside it with "
+                            f"--follow --epochs 1")
         raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: extraction is not complete ({v.shards_committed}/{v.num_shards} "
                         "shards); finish it by running the extract command again, or train with --follow --epochs 1")
     _check_cache_target(cfg, v)
@@ -161,9 +165,9 @@ def _check_cache_target(cfg: TrainConfig, v: ManifestView) -> None:
                               ("vocab_size", v.vocab_size, info.vocab_size),
                               ("num_layers", v.num_target_layers, info.num_target_layers)):
         if theirs != mine:
-            raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: its manifest says target.{key} {theirs}, but "
-                            f"{also(cfg, 'target')} {cfg.target} has {mine}; the manifest is damaged or from another "
-                            "target: re-extract the cache")
+            raise UserError(f"{where(cfg, 'cache')} {cfg.cache} was made from another target (its manifest says "
+                            f"target.{key} {theirs}, from {v.target_path}), but {also(cfg, 'target')} {cfg.target} has "
+                            f"{mine}: give the target the cache was made from, or extract a cache with this one")
     for key, theirs, mine in (("weights_fingerprint", v.weights_fingerprint, info.weights_fingerprint),
                               ("config_sha256", v.config_sha256, info.config_sha256)):
         if theirs != mine:
