@@ -18,7 +18,7 @@ from dflash_offline.evaluate.config import EvalConfig
 from dflash_offline.sizing_config import PlanConfig
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.options import (as_flag, cli_fields, flag_of, load_recipe, merge, parse_int_list, parse_size,
-                                    under_current_names)
+                                    under_current_names, where)
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.logs import (claim_heartbeat, current_log, finish_heartbeat, in_early_log, keep_early_log,
                                         record_failure)
@@ -192,6 +192,10 @@ def prepare(ctx: click.Context, config_file, **options) -> None:
     data to the cache and the export. Running the same command again resumes.
     """
     cfg = _config(ctx, PrepareConfig, config_file, options)
+    if cfg.data:  # a mistyped path in a moment, before the stage's imports (transformers, torch: seconds)
+        from dflash_offline.chat.formats import resolve_inputs
+
+        resolve_inputs(list(cfg.data), where(cfg, "data"))
     from dflash_offline.prepare import launcher as stage  # start-up: a command imports its own stage only
 
     stage.run(cfg)

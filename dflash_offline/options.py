@@ -10,6 +10,7 @@ over the defaults (`merge`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import sys
@@ -312,9 +313,13 @@ def load_recipe(path: str | Path, cls: type, ignore: type | None = None) -> Reci
             if name in spelled:
                 raise UserError(f"--config {path}: unknown key {key!r}: in a recipe the option --{name} is the key "
                                 f"{spelled[name]!r}")
+            close = difflib.get_close_matches(name, sorted(fields), n=3, cutoff=0.6)
             raise UserError(
-                f"--config {path}: unknown key {key!r}; known keys: {', '.join(sorted(fields))}"
-                + (" (and the other keys of an extract recipe, ignored)" if ignore is not None else "")
+                f"--config {path}: unknown key {key!r}; "
+                + (f"did you mean {' or '.join(map(repr, close))}?" if close else
+                   f"the keys are the command's options with _ for - (dflash-offline "
+                   f"{cls.__name__.removesuffix('Config').lower()} --help lists them)")
+                + (" (the other keys of an extract recipe are ignored)" if ignore is not None else "")
             )
         if fields[name].metadata.get("size") and isinstance(value, str):  # "64GB", as --max-bytes takes it
             try:

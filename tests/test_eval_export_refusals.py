@@ -414,3 +414,13 @@ def test_a_generate_output_whose_committed_part_is_gone_or_changed(tiny_dense, g
     assert line.startswith(f"error: --data {changed / 'part-00000.parquet'}: not the part its folder's manifest.json "
                            "committed"), line
     assert not (tmp_path / "c1" / "manifest.json").exists() and not (tmp_path / "c2" / "manifest.json").exists()
+
+
+def test_conversations_given_as_prompts_point_to_prepare(tiny_dense, export, tmp_path):
+    """As extract says of its --data: a .jsonl of conversations goes through `prepare` first."""
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    line = _one_line(run_cli(["eval", "--target", tiny_dense, "--drafter", export, "--prompts", chats]))
+    assert line.startswith(f"error: --prompts {chats}: not a readable Parquet file (") and line.endswith(
+        "conversation data (.jsonl, .json) goes through `dflash-offline prepare` first, which writes the prompts this "
+        "option reads (OUT/eval)"), line

@@ -395,3 +395,17 @@ def test_parts_on_the_cpu_hold_64_prompts_and_a_resumed_output_keeps_its_own(tin
     r = run_cli([*args, "--out", tmp_path / "b"])
     assert r.returncode == 0 and "already complete" in r.stdout, r.stderr[-3000:]
     assert read_output(tmp_path / "a") == read_output(tmp_path / "b")
+
+
+def test_the_default_new_tokens_fit_the_targets_context(tiny_dense, tmp_path):
+    """--max-new-tokens left out: 2048, or the target's context less the longest prompt (the tiny
+    target has 1024 positions: prompts of up to 1010 tokens leave 14), said in the log."""
+    prompts = make_prompts(tmp_path / "p.parquet", rows=2, min_len=1000, max_len=1010)
+    longest = max(len(r) for r in pq.read_table(prompts)["input_ids"].to_pylist())
+    r = run_cli(["generate", "--target", tiny_dense, "--prompts", prompts, "--out", tmp_path / "out", "--ignore-eos",
+                 "--no-progress"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = read_output(tmp_path / "out")
+    assert [sum(row["loss_mask"]) for row in rows.values()] == [1024 - longest] * 2  # every row its 14 new tokens
+    assert f"--max-new-tokens {1024 - longest}: the target's 1024 positions less the longest prompt ({longest} tokens)" in \
+        (tmp_path / "out" / "logs" / "generate-launcher.log").read_text() + r.stderr

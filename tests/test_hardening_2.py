@@ -169,3 +169,13 @@ def test_damaged_latest_checkpoint_is_named_with_the_fix(straight_run, arith_cac
         assert "export the one before with --step 6" in line, line
         assert not (tmp_path / "exported").exists()
     assert tree_digest(out) == committed and _beats(out / "logs", "train-") == beats
+
+
+def test_rerunning_a_finished_run_adds_no_tensorboard_file(straight_run, arith_cache, tiny_dense, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(straight_run("cpu"), out)
+    events = sorted(p.name for p in (out / "tensorboard").glob("events.*"))
+    r = run_cli(["train", "--target", tiny_dense, "--cache", arith_cache, "--out", out, *TRAIN, *STRAIGHT, "--devices",
+                 "cpu"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(p.name for p in (out / "tensorboard").glob("events.*")) == events

@@ -140,7 +140,17 @@ def test_a_recipe_cannot_set_a_field_that_is_not_an_option(d, tmp_path):
     recipe.write_text("final_checkpoint = false\n")
     r = run_cli(["train", "--config", recipe, "--target", d / "target", "--cache", d / "cache", "--out",
                  tmp_path / "new", *TRAIN])
-    assert _one_line(r).startswith(f"error: --config {recipe}: unknown key 'final_checkpoint'; known keys: ")
+    assert _one_line(r) == (f"error: --config {recipe}: unknown key 'final_checkpoint'; did you mean "
+                            "'keep_checkpoints' or 'checkpoint_every'?")
+    recipe.write_text("warmup_ration = 0.1\n")  # close to a key: which one is said
+    r = run_cli(["train", "--config", recipe, "--target", d / "target", "--cache", d / "cache", "--out",
+                 tmp_path / "new", *TRAIN])
+    assert _one_line(r) == f"error: --config {recipe}: unknown key 'warmup_ration'; did you mean 'warmup_ratio'?"
+    recipe.write_text("colour = 1\n")  # close to none: where the keys are listed
+    r = run_cli(["train", "--config", recipe, "--target", d / "target", "--cache", d / "cache", "--out",
+                 tmp_path / "new", *TRAIN])
+    assert _one_line(r) == (f"error: --config {recipe}: unknown key 'colour'; the keys are the command's options with _ "
+                            "for - (dflash-offline train --help lists them)")
 
 
 def test_a_users_metrics_file_in_out_is_not_taken_for_a_runs(d, tmp_path):

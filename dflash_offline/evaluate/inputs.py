@@ -124,6 +124,9 @@ def _read_file(where: str, f: Path, columns: tuple[str, ...], unreadable_fix: st
         names = pq.read_schema(f).names
         t = pq.read_table(f, columns=[c for c in dict.fromkeys(("id", *columns, *optional)) if c in names])
     except Exception as e:  # pyarrow raises several types for a file that is not Parquet
+        if f.suffix in (".jsonl", ".json", ".txt"):  # conversations: prepare renders them first (as extract says)
+            unreadable_fix = ("conversation data (.jsonl, .json) goes through `dflash-offline prepare` first, which "
+                              "writes the prompts this option reads (OUT/eval)")
         raise UserError(f"{where}: not a readable Parquet file ({_unreadable(e)}); {unreadable_fix}") from None
     need = [c for c in columns if c not in t.column_names]
     if need:

@@ -185,12 +185,15 @@ class StepLog:
     metrics: object = None
     tb: object = None
     bar: object = None
+    # Where TensorBoard's writer goes, made at the first step recorded: a rerun of a finished run
+    # (nothing to train) leaves no empty event file.
+    tb_out: Path | None = None
 
     @classmethod
     def open(cls, t: Trainer, step: int, stop: int | None) -> StepLog:
         if t.rank != 0:
             return cls()
-        made = cls(metrics=open(t.out / "metrics.jsonl", "a"), tb=_tensorboard(t.out))
+        made = cls(metrics=open(t.out / "metrics.jsonl", "a"), tb_out=t.out)
         if t.cfg.progress:
             from tqdm import tqdm
 
@@ -220,6 +223,8 @@ class StepLog:
             rec["max_mem_gb"] = torch.cuda.max_memory_allocated() / 1e9
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
+        if self.tb_out is not None:
+            self.tb, self.tb_out = _tensorboard(self.tb_out), None
         if self.tb is not None:
             for k in ("loss", "acc_slot1", "tau", "lr", "grad_norm", "data_wait"):
                 self.tb.add_scalar(f"train/{k}", rec[k], step)
