@@ -193,7 +193,7 @@ def prepare(ctx: click.Context, config_file, **options) -> None:
     """
     cfg = _config(ctx, PrepareConfig, config_file, options)
     if cfg.data:  # a mistyped path in a moment, before the stage's imports (transformers, torch: seconds)
-        from dflash_offline.chat.formats import resolve_inputs
+        from dflash_offline.chat.formats import resolve_inputs  # start-up: before the stage, as light as it is
 
         resolve_inputs(list(cfg.data), where(cfg, "data"))
     from dflash_offline.prepare import launcher as stage  # start-up: a command imports its own stage only

@@ -5,13 +5,14 @@ Checksums prove that the bytes are the bytes written; this proves they are the t
 1. The manifest's fingerprints of the target it was made with (config, weights) against --target's:
    a cache of another config or other weights is named in one line each.
 2. N samples drawn evenly across the cache's samples (or N% of them), run through the target as
-   extraction runs it (targets.model: the same loader, capture hooks and batched forward), in the
-   cache's compute dtype, every layer up to one past the deepest captured one.
+   extraction runs it (targets.model: the same loader, capture hooks and batched forward, batches of
+   at most BATCH_TOKENS rows x longest sample), in the cache's compute dtype.
 3. Per captured layer, each stored vector against the fresh one, relative L2 error
-   |stored - fresh| / |fresh|; the largest over the samples against cache/bounds.py's bound (the
-   storage's rounding plus the compute dtype's allowance). A failing layer is held against every
-   fresh layer: when another one matches, the line says which (layer ids shifted by one, a capture
-   of the wrong module).
+   |stored - fresh| / |fresh|, on the device; the largest over the samples against
+   cache/bounds.py's bound (the storage's rounding plus the compute dtype's allowance). Each stored
+   layer is also held against the target's layers before and after it: a stored layer closer to a
+   neighbour than to itself is named whatever the bound (layer ids off by one, a capture of the
+   wrong module; in a deep bf16 target neighbouring layers may lie within the bound of each other).
 4. Top-k: the stored log-probabilities against the fresh log-probabilities of the same token ids
    (a near tie may swap two ids: their values still agree), within fp16's rounding plus the
    allowance; and the stored top-1 within that bound of the fresh maximum.
@@ -42,7 +43,8 @@ log = logging.getLogger("dflash.verify")
 # compute dtype's logits may add.
 FP16_HALF_STEP = 2.0 ** -11
 LOGPROB_ALLOWANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.05}
-BATCH_TOKENS = 4096
+BATCH_TOKENS = 4096  # rows x longest sample of a fresh forward
+LOGITS_CHUNK = 1024  # tokens whose full-vocabulary logits are alive at once
 
 
 @dataclass
@@ -56,7 +58,7 @@ class LayerFinding:
 
     @property
     def ok(self) -> bool:
-        return self.error <= self.bound
+        return self.error <= self.bound and self.matches is None
 
     def line(self, storage: str, compute: str) -> str:
         out = (f"layer {self.layer}: stored vectors differ from a fresh forward of the target by up to "
@@ -64,8 +66,8 @@ class LayerFinding:
                f"a {compute} forward)")
         if self.matches is not None:
             shift = self.matches - self.layer
-            out += (f"; they match the target's layer {self.matches} ({self.matches_error:.3g}): the cache's layer ids are "
-                    f"off by {shift:+d}, or the capture hooked the wrong module")
+            out += (f"; they match the target's layer {self.matches} better ({self.matches_error:.3g}): the cache's layer "
+                    f"ids are off by {shift:+d}, or the capture hooked the wrong module")
         elif self.error > 0.5:
             out += ("; no layer of the target matches them: another target, weights or config than at extraction, "
                     "or a forward that did not write this layer")
@@ -148,39 +150,43 @@ def check_content(cache: str, target: str, amount: str, device: str = "cpu") -> 
     where = [(name, k) for name in reader.shard_names for k in range(len(reader.shard(name)))]
     picks = [where[i] for i in drawn(len(where), n, share)]
     dev = f"cuda:{device}" if str(device).isdigit() else str(device)
-    # Every layer up to one past the deepest captured one: a stored layer that fails is held
-    # against all of them (ids shifted by one, the wrong module).
-    fresh_ids = list(range(min(max(layer_ids) + 2, info.num_target_layers)))
-    model = load_target(info, dev, compute, info.num_target_layers if topk else len(fresh_ids), bool(topk))
+    # Each captured layer and its two neighbours: a stored layer closer to a neighbour than to
+    # itself is named (ids off by one), whatever the bound.
+    fresh_ids = sorted({j for lid in layer_ids for j in (lid - 1, lid, lid + 1) if 0 <= j < info.num_target_layers})
+    model = load_target(info, dev, compute, info.num_target_layers if topk else max(fresh_ids) + 1, bool(topk))
     capture = LayerCapture(model, fresh_ids)
     bound = feature_bound(storage, compute)
     layers = {lid: LayerFinding(lid, 0.0, -1, bound) for lid in layer_ids}
-    against = {lid: np.zeros(len(fresh_ids)) for lid in layer_ids}  # worst error against each fresh layer
+    against = {lid: {j: 0.0 for j in (lid - 1, lid, lid + 1) if j in fresh_ids} for lid in layer_ids}
     top = {"error": 0.0, "sample": None}
     tokens = 0
     batch: list = []
     for name, k in picks:
-        batch.append(reader.shard(name).sample(k))
-        if sum(len(s.input_ids) for s in batch) >= BATCH_TOKENS or (name, k) == picks[-1]:
-            tokens += _compare(model, capture, batch, dev, layer_ids, fresh_ids, layers, against, top, topk, compute)
+        s = reader.shard(name).sample(k)
+        longest = max([len(s.input_ids), *(len(b.input_ids) for b in batch)])
+        if batch and (len(batch) + 1) * longest > BATCH_TOKENS:  # rows x longest: padding stays bounded
+            tokens += _compare(model, capture, batch, dev, layer_ids, fresh_ids, layers, against, top, topk)
             batch = []
-    for lid, f in layers.items():
-        if not f.ok:
-            best = int(np.argmin(against[lid]))
-            if fresh_ids[best] != lid and against[lid][best] <= 4 * bound:
-                f.matches, f.matches_error = fresh_ids[best], float(against[lid][best])
+        batch.append(s)
+    if batch:
+        tokens += _compare(model, capture, batch, dev, layer_ids, fresh_ids, layers, against, top, topk)
+    for lid, f in layers.items():  # a neighbour within the bound, and nearer than the layer itself: a shift
+        best = min(against[lid], key=against[lid].get)
+        if best != lid and against[lid][best] <= bound:
+            f.matches, f.matches_error = best, against[lid][best]
     capture.remove()
-    report = ContentReport(storage=storage, compute=compute, samples=len(picks), of_samples=len(where), tokens=tokens, layers=list(layers.values()),
-                           fingerprints=fingerprint_lines(m, info), kernels=check_kernels(info, [dev]),
-                           seconds=time.time() - t0)
+    report = ContentReport(storage=storage, compute=compute, samples=len(picks), of_samples=len(where), tokens=tokens,
+                           layers=list(layers.values()), fingerprints=fingerprint_lines(m, info),
+                           kernels=check_kernels(info, [dev]), seconds=time.time() - t0)
     if topk:
         report.topk_error, report.topk_sample = top["error"], top["sample"]
         report.topk_bound = LOGPROB_ALLOWANCE[compute]
     return report
 
 
-def _compare(model, capture, batch, dev, layer_ids, fresh_ids, layers, against, top, topk, compute) -> int:
-    """One batch of stored samples against their fresh forward; updates the findings in place."""
+def _compare(model, capture, batch, dev, layer_ids, fresh_ids, layers, against, top, topk) -> int:
+    """One batch of stored samples against their fresh forward, on the device; updates the
+    findings in place."""
     lens = [len(s.input_ids) for s in batch]
     S = max(lens)
     ids = torch.zeros((len(batch), S), dtype=torch.long)
@@ -190,35 +196,43 @@ def _compare(model, capture, batch, dev, layer_ids, fresh_ids, layers, against, 
         mask[r, :lens[r]] = 1
     flat = torch.from_numpy(np.concatenate([r * S + np.arange(t) for r, t in enumerate(lens)]))
     hidden, last = captured_forward(model, capture, ids.to(dev), mask.to(dev), flat.to(dev), last=bool(topk))
-    fresh = hidden.float().cpu().numpy()  # [N, len(fresh_ids), H]
+    column = {j: c for c, j in enumerate(fresh_ids)}
     a = 0
-    for s, t in zip(batch, lens):
-        f = fresh[a:a + t]
-        norms = np.maximum(np.linalg.norm(f, axis=-1), 1e-30)  # [t, L]
-        stored = s.hidden  # [t, n, H] float32
-        for c, lid in enumerate(layer_ids):
-            per_fresh = (np.linalg.norm(stored[:, c, None, :] - f, axis=-1) / norms).max(axis=0)  # [L]
-            per_fresh = np.nan_to_num(per_fresh, nan=np.inf)  # a NaN stored: infinitely wrong, not "not above"
-            against[lid] = np.maximum(against[lid], per_fresh)
-            e = float(per_fresh[fresh_ids.index(lid)])
-            if e > layers[lid].error or layers[lid].sample < 0:
-                layers[lid].error, layers[lid].sample = e, s.sample_id
-        if topk:
-            with torch.inference_mode():
-                logits = model.get_output_embeddings()(last[a:a + t]).float()
-                lp = torch.log_softmax(logits, dim=-1)
-                want = torch.from_numpy(s.topk_ids.astype(np.int64)).to(lp.device)
-                got = torch.from_numpy(s.topk_logprobs.astype(np.float32)).to(lp.device)
-                # the stored values against the fresh ones of the same ids, and the stored top-1
-                # against the fresh maximum (a near tie may swap two ids; their values still agree)
-                # beyond fp16's rounding of the stored value (half a step: 2^-11 of it)
-                err = torch.maximum(((lp.gather(1, want) - got).abs() - FP16_HALF_STEP * got.abs()).amax(dim=1),
-                                    lp.amax(dim=1) - lp.gather(1, want[:, :1])[:, 0])
-                e = float(torch.nan_to_num(err, nan=float("inf")).max())
-            if e > top["error"] or top["sample"] is None:
-                top["error"], top["sample"] = e, s.sample_id
-        a += t
+    with torch.inference_mode():
+        for s, t in zip(batch, lens):
+            stored = torch.from_numpy(s.hidden).to(dev)  # [t, n, H] float32
+            for c, lid in enumerate(layer_ids):
+                for j in against[lid]:
+                    f = hidden[a:a + t, column[j]].float()
+                    e = (stored[:, c] - f).norm(dim=-1) / f.norm(dim=-1).clamp_min(1e-30)
+                    e = float(torch.nan_to_num(e, nan=float("inf")).max())  # a NaN stored: infinitely wrong
+                    against[lid][j] = max(against[lid][j], e)
+                    if j == lid and (e > layers[lid].error or layers[lid].sample < 0):
+                        layers[lid].error, layers[lid].sample = e, s.sample_id
+            if topk:
+                e = _topk_error(model, last[a:a + t], s)
+                if e > top["error"] or top["sample"] is None:
+                    top["error"], top["sample"] = e, s.sample_id
+            a += t
     return sum(lens)
+
+
+def _topk_error(model, last, s) -> float:
+    """The stored top-k log-probabilities against the fresh ones of the same token ids, beyond
+    fp16's rounding of the stored value (half a step: 2^-11 of it), and the stored top-1 against
+    the fresh maximum (a near tie may swap two ids: their values still agree); the logits a chunk
+    at a time (a 27B target's vocabulary is 248K wide)."""
+    head = model.get_output_embeddings()
+    want_all = torch.from_numpy(s.topk_ids.astype(np.int64)).to(last.device)
+    got_all = torch.from_numpy(s.topk_logprobs.astype(np.float32)).to(last.device)
+    worst = 0.0
+    for a in range(0, last.shape[0], LOGITS_CHUNK):
+        lp = torch.log_softmax(head(last[a:a + LOGITS_CHUNK]).float(), dim=-1)
+        want, got = want_all[a:a + LOGITS_CHUNK], got_all[a:a + LOGITS_CHUNK]
+        err = torch.maximum(((lp.gather(1, want) - got).abs() - FP16_HALF_STEP * got.abs()).amax(dim=1),
+                            lp.amax(dim=1) - lp.gather(1, want[:, :1])[:, 0])
+        worst = max(worst, float(torch.nan_to_num(err, nan=float("inf")).max()))
+    return worst
 
 
 def report_lines(r: ContentReport, cache: str, target: str, device: str) -> tuple[list[str], list[str]]:

@@ -87,6 +87,7 @@ def test_check_batch_names_the_first_bad_sample_and_passes_a_clean_table():
     one[0, COLUMNS.index("same_as_first")] = 10
     with pytest.raises(DegenerateLayer, match="layer 2 is one vector repeated"):
         check_batch(one, [2, 4], samples, "shard-000001")
+    check_batch(one, [2, 4], samples, "shard-000001", one_token=True)  # one token repeated: one vector is right
     ev = LayerEvidence([2, 4], hidden_size=3)
     t = clean.copy()
     t[:, 0], t[:, 1], t[:, 2] = [3.0, 6.0], [9.0, 12.0], [1.5, 2.5]
@@ -95,3 +96,16 @@ def test_check_batch_names_the_first_bad_sample_and_passes_a_clean_table():
     s = ev.summary()
     assert s["2"]["mean"] == pytest.approx(6 / 60) and s["4"]["absmax"] == 2.5 and s["2"]["vectors"] == 20
     assert s["2"]["std"] == pytest.approx((18 / 60 - (6 / 60) ** 2) ** 0.5)
+
+
+def test_one_token_repeated_is_not_refused(tiny_dense, tmp_path):
+    """A row that is one token repeated gives one vector at every position of every layer (attention
+    averages equal values): real output, not a forward that wrote nothing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"id": pa.array([0], pa.int64()), "input_ids": [[5] * 60],
+                             "loss_mask": pa.array([[0] * 10 + [1] * 50], pa.list_(pa.int8()))}), rows)
+    r = extract(tiny_dense, rows, tmp_path / "cache")
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -21,7 +21,7 @@ from conftest import run_cli
 from dflash_offline.drafter.config import DrafterConfig
 from dflash_offline.drafter.export import export_drafter
 from dflash_offline.drafter.model import DFlashDrafter
-from dflash_offline.evaluate.verdicts import Divergence, first_difference
+from dflash_offline.evaluate.verdicts import Divergence, first_difference, tie_bound
 from dflash_offline.evaluate.speculative import TargetSession, greedy_decode, load_target_for_decoding
 from dflash_offline.tiny import make_tiny_target
 
@@ -107,3 +107,11 @@ def test_first_difference_and_the_line():
                                "static buffers, one prompt at a time): drift")
     with pytest.raises(KeyError):
         Divergence(**{**d.as_dict(), "verdict": "odd"}).line()
+    # without a reference file the reference is eval's own target-alone decode: said so
+    base = Divergence(**{**d.as_dict(), "verdict": "reference", "reference_from": "baseline"})
+    assert base.line().endswith("the target-alone decode (one token a step, the same decoder) departed from a fresh "
+                                "prefill there")
+    # the tie bound: a few steps of the dtype at the top logit's binade (25 lies in [16, 32))
+    assert (tie_bound("bfloat16", 25.0), tie_bound("float16", 25.0), tie_bound("float32", 25.0)) == (
+        4 * 2.0 ** -3, 8 * 2.0 ** -6, 1024 * 2.0 ** -19)
+    assert tie_bound("bfloat16", -0.3) == 4 * 2.0 ** -7  # below 1: the steps at 1

@@ -193,3 +193,19 @@ def test_a_run_started_from_the_hybrid_trains_exports_and_decodes_losslessly(ref
     rep = json.loads(report.read_text())
     assert rep["hybrid_target"] is True
     assert rep["drafters"][0]["lossless"] is True and rep["drafters"][0]["tokens"] == 2 * 24
+
+
+def test_a_quantised_checkpoint_is_refused(tmp_path):
+    """The same shapes in 8-bit floats (an FP8 block-quantised checkpoint keeps its scales in other
+    tensors): copied as they are, they would be a wrong start."""
+    folder = make_tiny_target(tmp_path / "q", kind="qwen3")
+    w = load_file(str(folder / "model.safetensors"))
+    w["model.layers.2.mlp.up_proj.weight"] = w["model.layers.2.mlp.up_proj.weight"].to(torch.float8_e4m3fn)
+    save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = DrafterConfig.from_target(str(folder), [1], drafter_layers=1, mask_token_id=7)
+    with pytest.raises(UserError) as e:
+        plan_start(str(folder), [2], cfg)
+    assert str(e.value) == ("--init-layers: the target's model.layers.2.mlp.up_proj.weight is stored as F8_E4M3 (a "
+                            "quantised checkpoint): without its scales it cannot start the drafter; give an unquantised "
+                            "copy of the target, or leave --init-layers out")
+    plan_start(str(folder), [3], cfg)  # another layer, all float: fine

@@ -51,6 +51,18 @@ def test_both_decoder_paths_feed_what_the_cache_holds(dtype, tiny_hybrid, hybrid
     assert not [c for c in p["causes"] if "feeds the drafter other features" in c], p["causes"]
 
 
+def test_a_cache_made_in_bf16_is_held_to_bf16s_allowance_in_an_fp32_eval(tiny_dense, tmp_path):
+    """Extraction on a GPU runs bf16, eval defaults to fp32: the stored features carry bf16's forward
+    rounding, which the bound allows (the coarser of the two dtypes)."""
+    data = make_tiny_data(tmp_path / "rows.parquet", rows=4, min_len=30, max_len=70, seed=7)
+    r = run_cli(extract_args(tiny_dense, data, tmp_path / "cache", "--capture-layers", "1,3,5", "--compute-dtype",
+                             "bfloat16"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    p = check_parity(str(tiny_dense), drafter(tiny_dense), str(tmp_path / "cache"), 2, "cpu", "float32")
+    assert p["feature_bound"] == feature_bound("bfloat16", "bfloat16")
+    assert not [c for c in p["causes"] if "feeds the drafter other features" in c], p["causes"]
+
+
 def test_a_gap_beyond_the_bound_is_named_per_path(tiny_hybrid, hybrid_cache, tmp_path):
     wrong = tmp_path / "wrong-rope"
     shutil.copytree(tiny_hybrid, wrong)

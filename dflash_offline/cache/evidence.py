@@ -45,9 +45,12 @@ OVERFLOW = ("the forward overflowed or diverged there (a compute dtype too narro
             "or run the target alone on that sample")
 
 
-def check_batch(table: np.ndarray, layer_ids: list[int], samples: list[tuple[int, int]], shard: str) -> None:
+def check_batch(table: np.ndarray, layer_ids: list[int], samples: list[tuple[int, int]], shard: str,
+                one_token: bool = False) -> None:
     """Raise DegenerateLayer for the first degenerate layer of a batch: `table` [n, table_columns],
-    `samples` the batch's (sample id, tokens) in row order."""
+    `samples` the batch's (sample id, tokens) in row order. `one_token`: every token of the batch
+    is the same id, where a real target does give one vector at every position (its attention
+    averages equal values): the repeated-vector rule is not applied then."""
     n_vec = sum(t for _, t in samples)
     first = samples[0][0]
 
@@ -64,7 +67,7 @@ def check_batch(table: np.ndarray, layer_ids: list[int], samples: list[tuple[int
                                   f"{n_vec} vectors, the first in sample {s} ({shard}): {OVERFLOW}")
         if row[ZERO] == n_vec:
             raise DegenerateLayer(f"layer {lid} is all zeros ({where}): {NOT_WRITTEN}")
-        if n_vec > 1 and row[SAME_AS_FIRST] == n_vec:
+        if n_vec > 1 and not one_token and row[SAME_AS_FIRST] == n_vec:
             raise DegenerateLayer(f"layer {lid} is one vector repeated at every position ({where}): {NOT_WRITTEN}")
         if row[EQ_EMBED] == n_vec:
             raise DegenerateLayer(f"layer {lid} equals the token embeddings, its input ({where}): {NOT_WRITTEN}")

@@ -191,8 +191,10 @@ class ShardWriter:
         lens = [int(ids.shape[0]) for _, ids, _ in samples]
         N = sum(lens)
         if evidence is not None:
+            first = int(samples[0][1][0]) if N else 0
             check_batch(evidence, list(self.layout.layer_ids), [(int(sid), t) for (sid, _, _), t in zip(samples, lens)],
-                        self.rel.rsplit("/", 1)[-1].removeprefix("tmp-").removesuffix(".zarr"))
+                        self.rel.rsplit("/", 1)[-1].removeprefix("tmp-").removesuffix(".zarr"),
+                        one_token=all(bool(np.all(np.asarray(ids) == first)) for _, ids, _ in samples))
             self.evidence.add(evidence, N)
         n, H = self.layout.cache_layers, self.layout.hidden_size
         if self._offsets[-1] + N > self.layout.tokens:

@@ -36,6 +36,8 @@ COPY = "copy"
 QUERY_ROWS = "query rows"  # the query half of a gated q_proj (each head's first head_dim rows of its 2 x head_dim)
 NORM_PLUS_ONE = "1 + w"  # a zero-centred RMSNorm weight, as a plain RMSNorm's scale
 
+# The safetensors dtypes a start is copied from (others are quantised: their scales live elsewhere).
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 # Token mixers whose tensors a drafter layer's attention can start from.
 ATTENTION_TYPES = (families.FULL, families.SLIDING)
 
@@ -118,6 +120,11 @@ def plan_start(target_dir: str, init_layers: list[int], cfg: DrafterConfig,
     if missing:
         raise UserError(f"{flag}: the target has no {missing[0]} ({len(missing)} drafter tensors without a source): "
                         f"its layers do not hold a Qwen3 decoder layer's tensors ({info.model_type}); leave {flag} out")
+    quantised = [s.target for s in sources if entries[s.target].dtype not in FLOAT_DTYPES]
+    if quantised:  # same shapes, other meaning: copied without their scales they would be a wrong start
+        e = entries[quantised[0]]
+        raise UserError(f"{flag}: the target's {quantised[0]} is stored as {e.dtype} (a quantised checkpoint): without "
+                        f"its scales it cannot start the drafter; give an unquantised copy of the target, or leave {flag} out")
     for s in sources:
         want = shapes[s.drafter]
         if s.how == QUERY_ROWS:  # the query's rows and the gate's

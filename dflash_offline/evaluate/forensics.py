@@ -23,7 +23,7 @@ FORENSICS_PROMPTS = 20  # differing outputs diagnosed (a fresh prefill each), in
 
 
 def diagnose(model, prompt: list[int], output: list[int], reference: list[int], prompt_id: int, dtype: str,
-             decoder: str) -> Divergence | None:
+             decoder: str, reference_from: str = "file") -> Divergence | None:
     """The Divergence of one output from its reference (None when they are equal)."""
     p = first_difference(output, reference)
     if p is None:
@@ -33,18 +33,19 @@ def diagnose(model, prompt: list[int], output: list[int], reference: list[int], 
     device = next(model.parameters()).device
     context = torch.tensor([prompt + reference[:p]], dtype=torch.long, device=device)
     with torch.inference_mode():
-        logits = model(input_ids=context, use_cache=False).logits[0, -1].float()
+        logits = model(input_ids=context, use_cache=False, logits_to_keep=1).logits[0, -1].float()
     top = torch.topk(logits, 2)
     (v1, v2), (t1, t2) = top.values.tolist(), top.indices.tolist()
     margin, bound = v1 - v2, tie_bound(dtype, v1)
     return Divergence(prompt_id, p, out_tok, ref_tok, t1, t2, margin, bound, verdict_of(margin, bound, t1, ref_tok, out_tok),
-                      decoder)
+                      decoder, reference_from)
 
 
-def diagnose_all(model, prompts, ids, outputs, reference, dtype: str, decoder: str) -> list[Divergence]:
+def diagnose_all(model, prompts, ids, outputs, reference, dtype: str, decoder: str,
+                 reference_from: str = "file") -> list[Divergence]:
     """The Divergence of each output that differs from its reference, the first FORENSICS_PROMPTS."""
     found = []
     for k, (out, ref) in enumerate(zip(outputs, reference)):
         if out != ref and len(found) < FORENSICS_PROMPTS:
-            found.append(diagnose(model, prompts[k], out, ref, ids[k], dtype, decoder))
+            found.append(diagnose(model, prompts[k], out, ref, ids[k], dtype, decoder, reference_from))
     return found

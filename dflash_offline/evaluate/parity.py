@@ -79,7 +79,9 @@ def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str
             got = served(model, p, cfg.target_layer_ids, ids, p0, block)
             gaps[p] = np.maximum(gaps[p], relative_errors(stored, got))
     dec = summarize(runs, cfg.block_size)
-    bound = feature_bound(reader.manifest["capture"]["hidden_dtype"], dtype)
+    capture = reader.manifest["capture"]
+    made_in = capture.get("compute_dtype", dtype)
+    bound = feature_bound(capture["hidden_dtype"], dtype, made_in)
     err = np.max(np.stack(list(gaps.values())), axis=0)
     walk_tau, dec_tau = walk["tau_pooled"], dec["tau"]
     gap = (dec_tau - walk_tau) / walk_tau
@@ -92,7 +94,7 @@ def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str
     theta = config_rope_theta(text.get("text_config") or text)
     if abs(theta - cfg.rope_theta) > 1e-6 * max(theta, 1.0):
         causes.append(f"RoPE theta {cfg.rope_theta:g} in the drafter, {theta:g} in the target's config")
-    causes += gap_causes(gaps, cfg.target_layer_ids, bound, reader.manifest["capture"]["hidden_dtype"], dtype)
+    causes += gap_causes(gaps, cfg.target_layer_ids, bound, capture["hidden_dtype"], dtype, made_in)
     if mismatched:
         causes.append(f"{len(mismatched)} of {len(runs)} decodes differ from the cache's completions (ids "
                       f"{mismatched[:5]}): the cache is not this target's greedy decode in {dtype}; compare like "
@@ -114,15 +116,17 @@ def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str
     return report
 
 
-def gap_causes(gaps: dict, layer_ids: list[int], bound: float, storage: str, dtype: str) -> list[str]:
-    """One line per decoder path whose features lie beyond the bound at some layer."""
+def gap_causes(gaps: dict, layer_ids: list[int], bound: float, storage: str, dtype: str, made_in: str) -> list[str]:
+    """One line per decoder path whose features lie beyond the bound at some layer (`made_in`: the
+    dtype the cache's forward ran in, `dtype` the eval's)."""
     out = []
     for path, errors in gaps.items():
         bad = [(lid, e) for lid, e in zip(layer_ids, errors) if e > bound]
         if bad:
             out.append(f"the {path} decoder feeds the drafter other features than the cache holds: at layers "
                        f"{[lid for lid, _ in bad]} up to {max(e for _, e in bad):.3g} (relative L2; bound {bound:.3g} "
-                       f"for the cache's {storage} and a {dtype} forward): another target, dtype or layer definition "
+                       f"for the cache's {storage} of a {made_in} forward against a {dtype} one): another target, dtype "
+                       "or layer definition "
                        "than at extraction, or a decoder path that computes them otherwise (features are the layers' "
                        "raw outputs)")
     return out

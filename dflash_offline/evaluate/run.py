@@ -352,7 +352,8 @@ def _forensics(cfg: EvalConfig, decoders, prompts, ids, runs, reference, e: dict
     """Where each differing output parts from the reference, and why: in the report and the log."""
     from dflash_offline.evaluate.forensics import diagnose_all
 
-    found = diagnose_all(decoders.model, prompts, ids, [r.tokens for r in runs], reference, cfg.dtype, decoders.describe)
+    found = diagnose_all(decoders.model, prompts, ids, [r.tokens for r in runs], reference, cfg.dtype, decoders.describe,
+                         "file" if cfg.reference else "baseline")
     e["divergences"] = [d.as_dict() for d in found]
     e["divergence_verdicts"] = {v: sum(d.verdict == v for d in found) for v in VERDICTS}
     for d in found:

@@ -29,10 +29,10 @@ from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import check_compatible, id_ranges
 from dflash_offline.config import GenerateConfig
 from dflash_offline.generate.plan import (CPU_CHUNK_PROMPTS, GPU_CHUNK_PROMPTS, Job, Preflight, make_batches,
-                                          make_chunks)
+                                          make_chunks, resolve_new_tokens)
 from dflash_offline.generate.progress import Bar, Todo, Tracker, todo_of, turns_per_row
 from dflash_offline.generate.writing import PartWriter, stream_parts
-from dflash_offline.options import also, replaced, where as origin
+from dflash_offline.options import also, where as origin
 from dflash_offline.rows import parts
 from dflash_offline.rows.parts import check_part_folders, check_part_hashes, write_parquet_atomic
 from dflash_offline.runtime.errors import UserError
@@ -94,8 +94,7 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     source = data.scan(cfg.prompts, info.vocab_size, option=origin(cfg, "prompts"), need_mask=False)
     check_part_hashes(source, origin(cfg, "prompts"))
     chat = conversation_settings(cfg.prompts, source)
-    cfg = _resolve_new_tokens(cfg, source, info)
-    lengths = _plan_lengths(cfg, source, info, chat)
+    cfg, lengths = _plan_lengths(cfg, source, info, chat)
     copies = cfg.samples_per_prompt
     eos, stop_warning = chat_stop(cfg, chat, _end_of_sequence(cfg, info))  # conversations: at the template's end of turn too
     cuda = any(d != "cpu" for d in devices)
@@ -162,29 +161,11 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     return Preflight(job, wanted, devices, todo_of([chunks[j] for j in todo], turns))
 
 
-DEFAULT_NEW_TOKENS = 2048
-
-
-def _resolve_new_tokens(cfg: GenerateConfig, source, info) -> GenerateConfig:
-    """--max-new-tokens left out: 2048, or what the target's context leaves after the longest
-    prompt where that is less (a 2048-position target and 2048 new tokens never fit); said in the log."""
-    if cfg.max_new_tokens is not None:
-        return cfg
-    longest = int(source.lengths.max())
-    room = DEFAULT_NEW_TOKENS if info.max_positions is None else info.max_positions - longest
-    if room < 1:
-        raise UserError(f"{origin(cfg, 'prompts')}: the longest prompt, {longest} tokens, fills the target's context "
-                        f"({info.max_positions} positions): no room for a new token; leave out the longest prompts")
-    new = min(DEFAULT_NEW_TOKENS, room)
-    if new < DEFAULT_NEW_TOKENS:
-        log.info("--max-new-tokens %d: the target's %d positions less the longest prompt (%d tokens)", new,
-                 info.max_positions, longest)
-    return replaced(cfg, max_new_tokens=new)
-
-
-def _plan_lengths(cfg: GenerateConfig, source, info, chat) -> np.ndarray:
-    """The prompt length of every plan row: each prompt's, checked against the target's context,
-    repeated --samples-per-prompt times (copy k of global row r is plan row r x copies + k)."""
+def _plan_lengths(cfg: GenerateConfig, source, info, chat) -> tuple[GenerateConfig, np.ndarray]:
+    """(cfg with --max-new-tokens resolved, the prompt length of every plan row): each prompt's,
+    checked against the target's context, repeated --samples-per-prompt times (copy k of global row
+    r is plan row r x copies + k)."""
+    cfg = resolve_new_tokens(cfg, source.lengths, info)
     lengths = source.lengths
     if info.max_positions is not None:
         over = np.flatnonzero(lengths + cfg.max_new_tokens > info.max_positions)
@@ -203,7 +184,7 @@ def _plan_lengths(cfg: GenerateConfig, source, info, chat) -> np.ndarray:
             raise UserError(f"{origin(cfg, 'samples_per_prompt')} {copies}: the prompt ids times {copies} overflow int64 "
                             "(copy k of prompt id i gets id i x N + k); renumber the prompts' ids from 0")
         lengths = np.repeat(lengths, copies)
-    return lengths
+    return cfg, lengths
 
 
 def _end_of_sequence(cfg: GenerateConfig, info) -> list[int]:

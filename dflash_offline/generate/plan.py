@@ -4,6 +4,7 @@ input and the settings (launcher.py's preflight builds it; docs/generate.md, "Wh
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -11,6 +12,10 @@ import numpy as np
 
 from dflash_offline.config import GenerateConfig
 from dflash_offline.generate.progress import Todo
+from dflash_offline.options import replaced, where as origin
+from dflash_offline.runtime.errors import UserError
+
+log = logging.getLogger("dflash.generate")
 
 GPU_CHUNK_PROMPTS, CPU_CHUNK_PROMPTS = 2048, 64  # --chunk-prompts' defaults (config.py says why)
 
@@ -55,3 +60,23 @@ class Preflight(NamedTuple):
     wanted: dict  # the generate manifest this run writes or continues (rows/parts.py)
     devices: list[str]
     todo: Todo
+
+
+DEFAULT_NEW_TOKENS = 2048
+
+
+def resolve_new_tokens(cfg: GenerateConfig, lengths: np.ndarray, info) -> GenerateConfig:
+    """--max-new-tokens left out: 2048, or what the target's context leaves after the longest
+    prompt where that is less (a 2048-position target and 2048 new tokens never fit); said in the log."""
+    if cfg.max_new_tokens is not None:
+        return cfg
+    longest = int(lengths.max())
+    room = DEFAULT_NEW_TOKENS if info.max_positions is None else info.max_positions - longest
+    if room < 1:
+        raise UserError(f"{origin(cfg, 'prompts')}: the longest prompt, {longest} tokens, fills the target's context "
+                        f"({info.max_positions} positions): no room for a new token; leave out the longest prompts")
+    new = min(DEFAULT_NEW_TOKENS, room)
+    if new < DEFAULT_NEW_TOKENS:
+        log.info("--max-new-tokens %d: the target's %d positions less the longest prompt (%d tokens)", new,
+                 info.max_positions, longest)
+    return replaced(cfg, max_new_tokens=new)

@@ -70,6 +70,7 @@ class TensorEntry(NamedTuple):
     file: str  # the safetensors file's name
     key: str  # the tensor's key in that file
     shape: tuple[int, ...]
+    dtype: str = ""  # as the header names it: F32, BF16, F16, F8_E4M3, I8, ...
 
 
 def tensor_entries(files: list[Path]) -> dict[str, TensorEntry]:
@@ -80,7 +81,7 @@ def tensor_entries(files: list[Path]) -> dict[str, TensorEntry]:
     for f in files:
         for key, meta in json.loads(safetensors_header(f)).items():
             if key != "__metadata__":
-                found[checkpoint_name(key)] = TensorEntry(f.name, key, tuple(meta["shape"]))
+                found[checkpoint_name(key)] = TensorEntry(f.name, key, tuple(meta["shape"]), str(meta.get("dtype", "")))
     return found
 
 

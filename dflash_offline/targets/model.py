@@ -197,7 +197,7 @@ def check_weights(info: TargetInfo, keep_layers: int, need_head: bool) -> None:
             continue
         if name not in found:
             raise UserError(f"{info.option} {info.path}: no tensor for {name} in the safetensors files; is the folder complete?")
-        fname, key, got = found[name]
+        fname, key, got = found[name].file, found[name].key, found[name].shape
         if got != shape:
             raise UserError(f"{info.option} {info.path}: {fname} holds {key} with shape {got}, but config.json implies {shape}")
 
