@@ -56,3 +56,24 @@ def test_links_lead_somewhere():
             elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert broken == [], "\n".join(broken)
+
+
+def test_no_readme_paragraph_runs_over_twelve_lines():
+    """A newcomer reads the README: prose in paragraphs (and list items) of at most 12 lines;
+    tables and code blocks are not prose."""
+    long, block, in_code = [], [], False
+    for n, line in enumerate((ROOT / "README.md").read_text().splitlines() + [""], 1):
+        if line.startswith("```"):
+            in_code = not in_code
+            block = []
+            continue
+        prose = not in_code and line.strip() and not line.startswith("|")
+        if prose and not (line.startswith("- ") and block):
+            block.append(n)
+        elif prose:  # a new list item starts a new block
+            block = [n]
+        else:
+            if len(block) > 12:
+                long.append((block[0], len(block)))
+            block = []
+    assert not long, f"README paragraphs over 12 lines (first line, length): {long}"
