@@ -71,6 +71,8 @@ def test_no_readme_paragraph_runs_over_twelve_lines():
         if prose and not (line.startswith("- ") and block):
             block.append(n)
         elif prose:  # a new list item starts a new block
+            if len(block) > 12:
+                long.append((block[0], len(block)))
             block = [n]
         else:
             if len(block) > 12:
