@@ -425,10 +425,16 @@ def main() -> int:
         args.ignore_eos = True
     if args.compile is None:
         args.compile = device.startswith("cuda")
-    if args.drafter:
-        out["pycode"] = part1(args, device)
-    if args.ceiling:
-        out["ceiling"] = part2(args, device)
+    try:
+        if args.drafter:
+            out["pycode"] = part1(args, device)
+        if args.ceiling:
+            out["ceiling"] = part2(args, device)
+    finally:
+        if args.tiny:  # its tiny target and drafter: made here, removed here
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:

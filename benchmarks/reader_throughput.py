@@ -220,7 +220,11 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
-        args.storage, args.tokens, args.layers, args.hidden = "/tmp/dflash-bench-read", 8192, 2, 64
+        import tempfile
+
+        # the system's temporary space as TMPDIR names it (a test run's own folder), not a fixed /tmp path
+        args.storage = os.path.join(tempfile.gettempdir(), "dflash-bench-read")
+        args.tokens, args.layers, args.hidden = 8192, 2, 64
         args.seq_len, args.num_anchors, args.workers, args.scale_tokens, args.scale_hidden = 1024, 32, 0, 16384, 32
 
     import numpy as np

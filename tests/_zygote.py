@@ -281,3 +281,9 @@ def get(env: dict[str, str]) -> Zygote | None:
             _ZYGOTE = z if z.ok else None
             atexit.register(z.close)
         return _ZYGOTE if _ZYGOTE is not None and _ZYGOTE.ok else None
+
+
+def close_all() -> None:
+    """Stop this process's zygote now (the suite's end: before its temporary folder goes)."""
+    if _ZYGOTE is not None:
+        _ZYGOTE.close()

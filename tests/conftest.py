@@ -284,6 +284,33 @@ def fitted_drafter(target, session, prompts, completions, layers, block_size: in
 
 
 # ----------------------------------------------------------------------------------------------
+# The suite's temporary space
+
+
+def pytest_configure(config):
+    """Every temporary file of the suite (pytest's tmp_path folders, the CLI's working folder, early
+    logs of launchers a test SIGKILLs, benchmarks' scratch folders, the zygote's socket) goes under
+    one folder, made here and removed at the end: the suite leaves nothing in the system's temporary
+    space. TMPDIR reaches every process the tests start; xdist's workers inherit the controller's."""
+    if os.environ.get("DFLASH_TEST_TMP"):
+        return  # a worker process: the controller made the folder and removes it
+    root = tempfile.mkdtemp(prefix="dflash-tests-")
+    os.environ["DFLASH_TEST_TMP"] = os.environ["TMPDIR"] = root
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    config.stash[_TMP_OWNER] = root
+
+
+def pytest_unconfigure(config):
+    root = config.stash.get(_TMP_OWNER, None)
+    if root is not None:
+        _zygote.close_all()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+_TMP_OWNER = pytest.StashKey[str]()
+
+
+# ----------------------------------------------------------------------------------------------
 # Markers
 
 
