@@ -323,33 +323,43 @@ def test_extract_reads_a_complete_output_and_refuses_an_incomplete_one(tiny_dens
     assert m["totals"]["tokens"] == sum(len(r["input_ids"]) for r in rows.values())
 
 
-def test_sigterm_commits_the_part_in_progress_and_status_tells(tiny_dense, straight_generate, tmp_path):
-    """SIGTERM while both workers hold mid-part: each finishes and commits that part, the run
-    exits with 128 + SIGTERM saying how to resume, `status` says stopped; the same command then
-    completes the output, equal to an uninterrupted run."""
+def test_a_stop_lands_within_a_step_and_the_rerun_completes_the_output(tiny_dense, straight_generate, tmp_path):
+    """SIGTERM, then Ctrl-C (SIGINT to the group), while both workers hold mid-part: each stops within
+    a decoding step (seconds, not the part's end), its part in progress dropped, the parts committed
+    before it kept; the run exits with 128 + the signal saying how to resume, `status` says stopped;
+    the same command then completes the output, equal to an uninterrupted run."""
     import signal
+    import time
 
     from test_graceful_stop import held, start, wait_until
 
     prompts_path, straight = straight_generate
     args = ["generate", "--target", tiny_dense, "--prompts", prompts_path, *PARTS, "--devices", "cpu,cpu"]
-    out = tmp_path / "stopped"
-    proc = start([*args, "--out", out], {"DFLASH_OFFLINE_HOLD_AT": "generate-batch:1"})
-    wait_until(lambda: held(out / "logs", ["generate-rank0", "generate-rank1"]), proc)
-    os.killpg(proc.pid, signal.SIGTERM)
-    _, err = communicate_tree(proc, timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "2/4 parts committed, none half-written; run the same command again to resume" in err, err
-    st = run_cli(["status", out, "--json"])
-    report = json.loads(st.stdout)
-    assert report["kind"] == "generate" and report["parts_committed"] == 2, report
-    assert report["verdict"].startswith("stopped on request"), report["verdict"]
-    one = [a if a != "cpu,cpu" else "cpu" for a in args]  # the rest in one process: the same rows
-    r = run_cli([*one, "--out", out])
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert read_output(out) == straight
-    st = run_cli(["status", out])
-    assert st.returncode == 0 and f"generated {out}: complete" in st.stdout and "4/4 parts" in st.stdout, st.stdout
+    for sig, hold in ((signal.SIGTERM, "generate-batch:1"), (signal.SIGINT, "generate-batch:3")):
+        out = tmp_path / f"stopped-{sig.name}"
+        proc = start([*args, "--out", out], {"DFLASH_OFFLINE_HOLD_AT": hold})
+        wait_until(lambda: held(out / "logs", ["generate-rank0", "generate-rank1"]), proc)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, sig)
+        _, err = communicate_tree(proc, timeout=120)
+        took = time.monotonic() - t0
+        assert proc.returncode == 128 + sig, err
+        assert took < 10, took  # the workers' start-up is behind them: a step, then the exit
+        committed = len(json.loads((out / "manifest.json").read_text())["parts"])
+        assert committed < 4 and f"{committed}/4 parts committed, none half-written (the prompts of a part in " \
+            "progress are answered anew); run the same command again to resume" in err, err
+        assert f"{sig.name} received: stopping at the next decoding step (seconds)" in \
+            (out / "logs" / "generate-launcher.log").read_text()
+        st = run_cli(["status", out, "--json"])
+        report = json.loads(st.stdout)
+        assert report["kind"] == "generate" and report["parts_committed"] == committed, report
+        assert report["verdict"].startswith("stopped on request"), report["verdict"]
+        one = [a if a != "cpu,cpu" else "cpu" for a in args]  # the rest in one process: the same rows
+        r = run_cli([*one, "--out", out])
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert read_output(out) == straight
+        st = run_cli(["status", out])
+        assert st.returncode == 0 and f"generated {out}: complete" in st.stdout and "4/4 parts" in st.stdout, st.stdout
 
 
 _BAR = re.compile(r"(\d+)%\|[^|\r\n]*\| *([\d.]+k?)/([\d.]+k?) \[[\d:]+<([\d:?]+), *[^,\]]*, (\d+)/(\d+) prompts\]")

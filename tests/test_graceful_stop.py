@@ -86,24 +86,34 @@ def signal_run(proc: subprocess.Popen, sig: int, group: bool) -> tuple[int, str]
     (signal.SIGTERM, False, "cpu"),      # kill -TERM LAUNCHER: the launcher forwards it
     (signal.SIGINT, True, "cpu,cpu"),    # Ctrl-C: every process of the group gets it at once
 ], ids=["sigterm-launcher", "sigint-group-2-workers"])
-def test_extract_stops_after_the_shard_and_resumes(sig, group, devices, extract_reference, tiny_dense, tiny_data, tmp_path):
+def test_extract_stops_at_a_batch_and_resumes(sig, group, devices, extract_reference, tiny_dense, tiny_data, tmp_path):
+    """A stop lands at the next batch (seconds, where a shard on a CPU may take minutes): the shard in
+    progress is dropped, the shards before it commit, nothing is left half-written."""
+    import time
+
     cache = tmp_path / "cache"
     args = ["extract", "--target", tiny_dense, "--data", tiny_data, "--cache", cache, "--devices", devices, *OPTS]
     workers = [f"extract-rank{r}" for r in range(len(devices.split(",")))]
-    proc = start(args, {"DFLASH_OFFLINE_HOLD_AT": "batch-done:2"})  # each worker, mid-way through its shards
+    # each worker at its third batch: the first of its second shard (two batches a shard with OPTS)
+    proc = start(args, {"DFLASH_OFFLINE_HOLD_AT": "batch-done:3"})
     wait_until(lambda: held(cache / "logs", workers), proc)
     in_progress = {heartbeat(cache / "logs", w)["shard"] for w in workers}
+    t0 = time.monotonic()
     rc, err = signal_run(proc, sig, group)
+    took = time.monotonic() - t0
     name = signal.Signals(sig).name
     assert rc == 128 + sig, err
+    assert took < 10, took
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"stopped on {name}:") and "run the same command again to resume" in last, err
+    assert "none half-written (a shard in progress is written anew)" in last, last
     m = json.loads((cache / "manifest.json").read_text())
     assert m["status"] != "complete" and len(m["shards"]) < m["plan"]["num_shards"]
-    assert in_progress <= {sh["name"] for sh in m["shards"]}  # the shards in progress were finished and committed
+    assert not in_progress & {sh["name"] for sh in m["shards"]}  # the shards in progress were dropped
+    assert len(m["shards"]) >= len(workers)  # the ones before them committed
     assert_no_debris(cache)  # and none is left half-written
     assert not list(cache.glob("shards/.tmp*")) and not list(cache.glob(".tmp*"))
-    assert f"{name} received: stopping at the next safe point" in (cache / "logs" / "extract-launcher.log").read_text()
+    assert f"{name} received: stopping at the next batch (seconds)" in (cache / "logs" / "extract-launcher.log").read_text()
     for w in workers:
         assert "stop requested by the launcher" in (cache / "logs" / f"{w}.log").read_text()
         assert name in heartbeat(cache / "logs", w)["error"], w  # the launcher's signal, not another

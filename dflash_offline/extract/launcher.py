@@ -239,7 +239,9 @@ def run(cfg: ExtractConfig) -> dict:
             raise refusal from None
         raise UserError(f"{where(cfg, 'cache')} {cfg.cache}: cannot write its log folder {log_folder(cfg, loc)} "
                         f"({e.strerror or e}); choose a writable location (or --log-dir)") from None
-    install_stop_handlers()  # SIGTERM/SIGINT: finish the shards being written, commit them, exit
+    # SIGTERM/SIGINT: stop at the next batch; the shards handed over whole commit, the one in progress goes
+    install_stop_handlers(safe_point="the next batch (seconds): the shard in progress is dropped and written anew on "
+                                     "resume, the shards before it commit")
     join_ranks(launch)  # a launch other than torchrun: every rank is there before any work
     t0 = time.time()
     heartbeat(phase="preflight")
@@ -287,7 +289,8 @@ def run(cfg: ExtractConfig) -> dict:
     if stopped and manifest["status"] != "complete":  # a request that came after the last shard: done
         done = len(committed_names(manifest))
         raise Stopped(stopped, f"stopped on {signal_name(stopped)}: {done}/{manifest['plan']['num_shards']} shards "
-                      "committed, none half-written; run the same command again to resume")
+                      "committed, none half-written (a shard in progress is written anew); run the same command "
+                      "again to resume")
     _summary(manifest, time.time() - t0, log_path, launch)
     return manifest
 
@@ -303,7 +306,8 @@ def _finish_releases(store) -> None:
 
 def _launch_workers(job: Job, devices: list[str], todo_tokens: int, progress: bool, log_dir: str) -> int | None:
     """Run one worker process per device to the end. Returns the signal number if the run was
-    stopped on request (the workers finished their shards in progress and exited), else None."""
+    stopped on request (the workers stopped at a batch boundary, dropping the shards in progress,
+    and exited), else None."""
     from tqdm import tqdm
 
     bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,

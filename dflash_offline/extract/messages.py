@@ -55,6 +55,12 @@ class End(NamedTuple):
     j: int
 
 
+class Drop(NamedTuple):
+    """Shard j is abandoned (a stop landed mid-shard): its temporary folder goes, nothing commits."""
+
+    j: int
+
+
 class Close(NamedTuple):
     """No more shards: the writer exits after the messages before this one."""
 

@@ -39,8 +39,8 @@ import time
 
 from dflash_offline.cache.evidence import DegenerateLayer
 from dflash_offline.cache.shards import ShardShape
-from dflash_offline.extract.messages import (Batch, Begin, Close, Closed, End, Free, Progress, Ready, ShardDone,
-                                             WriterError)
+from dflash_offline.extract.messages import (Batch, Begin, Close, Closed, Drop, End, Free, Progress, Ready,
+                                             ShardDone, WriterError)
 from dflash_offline.extract.slots import Segment, close_shm, slot_arrays, slot_bytes, slot_views
 from dflash_offline.extract.writer_process import writer_main
 from dflash_offline.runtime.signals import spawning
@@ -57,8 +57,9 @@ class ShardSink:
 
     Use, per batch: `slot, seq = acquire()`, fill `views(slot)` (on CUDA asynchronously on a copy
     stream, then write `seq` into `views(slot)["flag"]` on the same stream, last), then
-    `batch(slot, samples, N, seq)`; `begin(j, tokens)` / `end(j)` around each shard; `close()` at
-    the end (raises if a writer failed), `abort()` on the error path.
+    `batch(slot, samples, N, seq)`; `begin(j, tokens)` / `end(j)` around each shard (`drop(j)` in
+    place of `end` abandons it); `close()` at the end (raises if a writer failed), `abort()` on the
+    error path.
     """
 
     def __init__(self, cache: str, shape: ShardShape, *, batch_tokens: int, writers: int, slots: int, pin: bool,
@@ -223,6 +224,12 @@ class ShardSink:
 
     def end(self, j: int) -> None:
         self.inqs[self._writer_of[j]].put(End(j))
+        self._drain()
+
+    def drop(self, j: int) -> None:
+        """Shard j is abandoned: its writer removes what it wrote of it (the shards handed over
+        whole before it are still finished and committed)."""
+        self.inqs[self._writer_of[j]].put(Drop(j))
         self._drain()
 
     def close(self) -> None:

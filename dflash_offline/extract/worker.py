@@ -48,8 +48,8 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     with worker_outcome(on_error=lambda line: q.put(WorkerError(rank, line))):
         left = worker_run(rank, world, device, job, progress=q, show_bar=False, todo_tokens=0)
         if left:
-            raise Stopped(stop_requested(), f"worker {rank}: stopped on {signal_name(stop_requested())} "
-                          "after committing its shards in progress")
+            raise Stopped(stop_requested(), f"worker {rank}: stopped on {signal_name(stop_requested())} at a batch "
+                          "boundary, the shards handed over whole committed")
 
 
 def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar: bool, todo_tokens: int) -> int:
@@ -115,6 +115,9 @@ def worker_run(rank: int, world: int, device: str, job: Job, progress, show_bar:
         stats = run_shards(model, capture, cfg, admitted(), sink, device)
     finally:
         shown.close()
+    if stats["dropped"] is not None:
+        log.info("stop requested: %s dropped at a batch boundary (written anew on resume)", stats["dropped"])
+        left[0] = len(mine) - sum(1 for j in mine if shard_name(j) in committed_names(store.read()))
     dt = time.time() - t_start
     log.info("worker %d done: %d tokens in %.1fs (%.0f tokens/s); padding %.1f%% of the %d tokens the forward ran; "
              "writers busy %.0f%% of the time", rank, stats["tokens"], dt, stats["tokens"] / max(dt, 1e-9),
@@ -210,8 +213,11 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
     """The hot loop: forward each batch on this thread, copy its outputs into a shared slot
     (asynchronously, on a copy stream, on CUDA) and hand the slot to the shard's writer process.
 
-    `shards` yields (j, samples). Returns {tokens, forward_tokens, padding_fraction}. Closes
-    `sink` (aborts it on error).
+    `shards` yields (j, samples). A stop request lands at the next batch: the shard in progress is
+    dropped (its writer removes what it wrote; resume writes it anew), the shards handed over whole
+    before it are finished, and the loop ends, within one batch's time. Returns {tokens,
+    forward_tokens, padding_fraction, dropped (the shard's name, or None)}. Closes `sink` (aborts
+    it on error).
     """
     import torch
 
@@ -229,10 +235,15 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
     if cuda:
         sink.poll = copy_stream.query
     tokens_done = forward_tokens = 0
+    dropped = None
     try:
         for j, samples in shards:
             sink.begin(j, sum(s[1].shape[0] for s in samples))
             for a, b in make_batches([s[1].shape[0] for s in samples], cfg.batch_tokens):
+                if stop_requested():  # within one batch: a shard on a CPU may take minutes
+                    dropped = shard_name(j)
+                    sink.drop(j)
+                    break
                 batch = samples[a:b]
                 input_ids, attn, index = _batch_tensors(batch, device)
                 B, S = input_ids.shape
@@ -254,13 +265,15 @@ def run_shards(model, capture, cfg: ExtractConfig, shards, sink, device: str) ->
                 forward_tokens += B * S
                 heartbeat(phase="extract", shard=shard_name(j), tokens_done=tokens_done)
                 fault_point("batch-done")
+            if dropped is not None:
+                break
             sink.end(j)
         sink.close()
     except BaseException:
         sink.abort()
         raise
     return {"tokens": tokens_done, "forward_tokens": forward_tokens,
-            "padding_fraction": 1 - tokens_done / max(forward_tokens, 1)}
+            "padding_fraction": 1 - tokens_done / max(forward_tokens, 1), "dropped": dropped}
 
 
 def _batch_tensors(batch, device: str):

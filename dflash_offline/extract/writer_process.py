@@ -19,8 +19,8 @@ from dflash_offline.cache.evidence import DegenerateLayer
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore
 from dflash_offline.cache.shards import ShardShape, publish_shard, shard_name, tmp_shard_rel
-from dflash_offline.extract.messages import (Batch, Begin, Close, Closed, End, Free, Progress, Ready, ShardDone,
-                                             WriterError)
+from dflash_offline.extract.messages import (Batch, Begin, Close, Closed, Drop, End, Free, Progress, Ready,
+                                             ShardDone, WriterError)
 from dflash_offline.extract.slots import Segment, SegmentHandle, close_shm, slot_bytes, slot_views
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.logs import heartbeat, open_process_log, reported_outcome
@@ -118,6 +118,11 @@ def _write_loop(w, loc, store, shms, arrays, shape, inq, outq, discard: bool) ->
             outq.put(Free(msg.slot))
             outq.put(Progress(N, 0))
             fault_point("batch-written")
+        elif isinstance(msg, Drop):  # a stop mid-shard: what was written of it goes (resume writes it anew)
+            writer = None
+            loc.rmtree(tmp_shard_rel(shard_name(msg.j)))
+            log.info("dropped %s: a stop landed before its last batch; it is written anew on resume", shard_name(msg.j))
+            continue
         elif isinstance(msg, End):
             name = shard_name(msg.j)
             entry = writer.close(name)

@@ -33,6 +33,7 @@ import torch
 
 from dflash_offline.targets.static import StaticTarget, unsupported_reason
 from dflash_offline.generate.decoding import choose_tokens
+from dflash_offline.runtime.signals import check_stop
 from dflash_offline.sampling import Sampling
 
 log = logging.getLogger("dflash.decoding")
@@ -207,6 +208,7 @@ class ContinuousDecoder:
                 for _ in range(self.check_every):
                     self._run_step()
                 steps += self.check_every
+            check_stop()  # a stop lands within check_every steps: the prompts in the slots are abandoned
             done, n_out = self.done.tolist(), self.n_out.tolist()  # the read-back
             ended = [s for s in range(R) if request_of[s] is not None and done[s]]
             rows = self.out[ended].tolist() if ended else []

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_offline.sampling import Sampling, top_p_keep, uniform_noise
+from dflash_offline.runtime.signals import check_stop
 from dflash_offline.targets.attention import cache_argument, use_grouped_attention
 
 log = logging.getLogger("dflash.decoding")
@@ -153,6 +154,7 @@ class BatchDecoder:
                 break
             if progress is not None and progress.due():  # a host clock read per step; a sync when due
                 self._report(out[:n, :t + 1], progress)
+            check_stop()  # a stop lands within a step: the batch is abandoned (answered anew on resume)
             pos = pos + 1
             if self.compiled and dev.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()

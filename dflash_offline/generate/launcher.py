@@ -42,7 +42,7 @@ from dflash_offline.runtime.launch import (Launch, check_devices_exist, join_ran
 from dflash_offline.runtime.early_log import open_command_log
 from dflash_offline.runtime.logs import claim_heartbeat, heartbeat, open_process_log, worker_outcome
 from dflash_offline.runtime.paths import file_sha256
-from dflash_offline.runtime.signals import Stopped, install_stop_handlers, signal_name, stop_requested
+from dflash_offline.runtime.signals import StopNow, Stopped, install_stop_handlers, signal_name, stop_requested
 from dflash_offline.runtime.supervise import WorkerError, die_with_parent, run_workers, wait_for_other_ranks
 from dflash_offline.runtime.units import human_bytes
 from dflash_offline.sampling import Sampling
@@ -246,7 +246,8 @@ def run(cfg: GenerateConfig) -> dict:
     log_dir = cfg.log_dir or str(folder / "logs")
     name = f"generate-rank{launch.rank}" if launch else "generate-launcher"
     open_command_log(cfg.log_dir, log_dir, name, cfg.out, (origin(cfg, "log_dir"), origin(cfg, "out")))
-    install_stop_handlers()
+    install_stop_handlers(safe_point="the next decoding step (seconds): the parts committed stay, a part in progress "
+                                     "is dropped and answered anew on resume")
     join_ranks(launch)  # a launch other than torchrun: every rank is there before any work
     t0 = time.time()
     heartbeat(phase="preflight")
@@ -289,8 +290,8 @@ def run(cfg: GenerateConfig) -> dict:
     manifest = store.read()
     if stopped and manifest["status"] != "complete":
         raise Stopped(stopped, f"stopped on {signal_name(stopped)}: {len(manifest['parts'])}/"
-                      f"{manifest['plan']['num_parts']} parts committed, none half-written; run the same command "
-                      "again to resume")
+                      f"{manifest['plan']['num_parts']} parts committed, none half-written (the prompts of a part in "
+                      "progress are answered anew); run the same command again to resume")
     _finish(store, merged, launch)
     t = manifest["totals"]
     if launch is None or launch.rank == 0:
@@ -354,8 +355,8 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
     with worker_outcome(on_error=lambda line: q.put(WorkerError(rank, line))):
         left = worker_run(rank, world, device, job, q, False)
         if left:
-            raise Stopped(stop_requested(), f"worker {rank}: stopped on {signal_name(stop_requested())} after "
-                          "committing its parts in progress")
+            raise Stopped(stop_requested(), f"worker {rank}: stopped on {signal_name(stop_requested())} within a "
+                          "decoding step, its parts in progress dropped")
 
 
 def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) -> int:
@@ -417,6 +418,12 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
                 _write_chat_part(job, chat, j, decoder, continuous, tracker, writer)
             else:
                 _write_padded_part(job, reader, src, j, decoder, writer)
+    except StopNow:  # a stop within a decoding step: the parts in progress go, those committed stay
+        committed = {p["name"] for p in store.read()["parts"]}
+        left = [j for j in mine if parts.part_name(j) not in committed]
+        log.info("stop requested: the parts in progress dropped within a step, %d of this worker's parts left to do "
+                 "(answered anew on resume)", len(left))
+        return len(left)
     finally:
         tracker.flush()
         if bar is not None:

@@ -115,7 +115,7 @@ def _start_log(path: Path, name: str, console: bool) -> None:
     global _file_handler
     _file_handler = fh
     if console:
-        ch = logging.StreamHandler(sys.stderr)
+        ch = _ConsoleHandler(sys.stderr)
         ch.setLevel(logging.WARNING)
         ch.setFormatter(_ConsoleFormatter("%(levelname)s: %(message)s"))
         root.addHandler(ch)
@@ -124,6 +124,21 @@ def _start_log(path: Path, name: str, console: bool) -> None:
         "---- %s started: pid %d on %s, python %s, argv %s",
         name, os.getpid(), socket.gethostname(), sys.version.split()[0], " ".join(sys.argv),
     )
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """The terminal's handler: a line written while a progress bar is drawn goes through tqdm, which
+    clears the bar, prints the line on its own and draws the bar again (a Ctrl-C's warning was
+    glued to the bar's line)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm = sys.modules.get("tqdm")
+        if tqdm is None or not getattr(tqdm.tqdm, "_instances", None):
+            return super().emit(record)
+        try:
+            tqdm.tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # as logging does: a console that cannot be written stops nothing
+            self.handleError(record)
 
 
 class _ConsoleFormatter(logging.Formatter):

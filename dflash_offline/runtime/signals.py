@@ -38,9 +38,21 @@ class Stopped(Exception):
         self.exit_code = 128 + signum
 
 
+class StopNow(Exception):
+    """Raised inside a long unit of work (a decoding loop) when a stop is requested: the unit is
+    abandoned, nothing of it committed, and its caller stops at once (it is done anew on resume)."""
+
+
+def check_stop() -> None:
+    """Raise StopNow when a stop was requested: a loop's cheap check (one global read)."""
+    if _stop.signum is not None:
+        raise StopNow(signal.Signals(_stop.signum).name)
+
+
 class _StopRequest:
-    """The first request asks the process's loop to stop at its next safe point (after the shard
-    being written, after the training step); a later one stops at once (KeyboardInterrupt: nothing
+    """The first request asks the process's loop to stop at its next safe point (extract: the next
+    batch, dropping the shard in progress; generate: the next decoding step, dropping the part in
+    progress; train: after the training step); a later one stops at once (KeyboardInterrupt: nothing
     half-done is ever committed, so that is safe too, only less tidy); after that, nothing."""
 
     def __init__(self):
@@ -49,6 +61,9 @@ class _StopRequest:
         self.abandoned = False
         self.forward = None  # launcher: called with the signal number, passes it on to the workers
         self.launched = False  # a launcher's worker: only FORWARD_SIGNAL counts, with no window
+        # What "the next safe point" is for this command, and what a second signal costs: said when
+        # the first one arrives (install_stop_handlers' `safe_point`).
+        self.safe_point = "the next safe point"
 
     def handler(self, signum, frame) -> None:
         # No heartbeat write here: the handler may interrupt one (they share a temporary file).
@@ -62,7 +77,8 @@ class _StopRequest:
             if self.launched:
                 log.info("stop requested by the launcher: stopping at the next safe point")
             else:
-                log.warning("%s received: stopping at the next safe point (a second signal stops at once)", name)
+                log.warning("%s received: stopping at %s; a second %s stops at once, losing what is in progress but "
+                            "nothing committed", name, self.safe_point, name)
             if self.forward is not None:
                 self.forward(signum)
             return
@@ -79,12 +95,16 @@ class _StopRequest:
 _stop = _StopRequest()
 
 
-def install_stop_handlers(forward=None, launched: bool = False) -> None:
+def install_stop_handlers(forward=None, launched: bool = False, safe_point: str | None = None) -> None:
     """Route stop requests to the graceful stop (main thread only), then unblock the signals a
     launcher blocked around this process's start (see `spawning`). `forward(signum)`: a launcher
     passes each request on to its workers (forward_stop). `launched`: this process is such a
-    worker: SIGTERM and SIGINT are ignored (the launcher decides), the forward signals count."""
+    worker: SIGTERM and SIGINT are ignored (the launcher decides), the forward signals count.
+    `safe_point`: where this command stops, in words ("the next batch (seconds) ..."), for the
+    first request's warning."""
     _stop.forward, _stop.launched = forward, launched
+    if safe_point is not None:
+        _stop.safe_point = safe_point
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, signal.SIG_IGN if launched else _stop.handler)
     for s in FORWARD_SIGNALS.values():

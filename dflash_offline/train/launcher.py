@@ -55,7 +55,7 @@ def run(cfg: TrainConfig) -> None:
     except OSError as e:  # before anything else: no log, no run folder, one line
         raise UserError(f"{where(cfg, 'out')} {cfg.out}: cannot write its log folder {out / 'logs'} ({e.strerror or e}); "
                         "choose a writable run folder") from None
-    install_stop_handlers()  # SIGTERM/SIGINT: finish the step, checkpoint, exit
+    install_stop_handlers(safe_point="the end of the training step in progress, which is checkpointed")
     join_ranks(launch)  # a launch other than torchrun: every rank is there before any work
     heartbeat(phase="preflight")
     plan = preflight(cfg)
