@@ -23,6 +23,7 @@ from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.logs import (claim_heartbeat, current_log, finish_heartbeat, in_early_log, keep_early_log,
                                         record_failure)
 from dflash_offline.runtime.signals import Stopped
+from dflash_offline.cli_help import PipelineGroup, SectionedCommand, section_of
 
 
 def _given(ctx: click.Context, **values) -> dict:
@@ -136,17 +137,21 @@ _PLAN_CONFIG_HELP = ("TOML whose keys are these options; an extract recipe works
 
 def config_options(cls: type, config_help: str = _CONFIG_HELP):
     """A stage command's options: --config, then one per option field of its config dataclass,
-    in field order. Adding an option is adding an `opt(...)` field."""
+    in field order, each in the help section of the component that declares it (the command is
+    made with cls=SectionedCommand). Adding an option is adding an `opt(...)` field."""
     def decorate(fn):
         params = [click.Option(["--config", "config_file"], type=click.Path(dir_okay=False), help=config_help)]
         params += [option_of(f) for f in cli_fields(cls)]
         params += [option_of(f, was) for f in cli_fields(cls) for was in f.metadata.get("old", ())]
+        for p, f in zip(params[1:], cli_fields(cls)):
+            p.section = section_of(cls, f)
+        params[0].section = "Recipe"
         fn.__click_params__ = getattr(fn, "__click_params__", []) + params[::-1]  # click reads them reversed
         return fn
     return decorate
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=PipelineGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="dflash-offline")
 def main() -> None:
     """Train DFlash speculative-decoding drafters from an offline hidden-state cache.
@@ -158,8 +163,8 @@ def main() -> None:
       generate  the target completes the prompts: rows in the input contract (resumable)
       extract   stage one: the frozen target writes chosen layers' hidden states and top-k
                 log-probabilities into a committed, resumable Zarr cache, one process per device
-      train     stage two: a DFlash drafter trains from the cache (DDP, one process per GPU),
-                resumable to the step; ends with an export
+      train     stage two: a DFlash or DSpark drafter trains from the cache (DDP, one process
+                per GPU), resumable to the step; ends with an export
       export    a checkpoint as config.json + model.safetensors (the reference DFlash layout;
                 DSpark: DeepSpec's)
     Around them:
@@ -178,7 +183,7 @@ def main() -> None:
     """
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @config_options(PrepareConfig)
 @click.pass_context
 def prepare(ctx: click.Context, config_file, **options) -> None:
@@ -201,7 +206,7 @@ def prepare(ctx: click.Context, config_file, **options) -> None:
     stage.run(cfg)
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @config_options(ExtractConfig)
 @click.pass_context
 def extract(ctx: click.Context, config_file, **options) -> None:
@@ -217,11 +222,12 @@ def extract(ctx: click.Context, config_file, **options) -> None:
     stage.run(cfg)
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @config_options(TrainConfig)
 @click.pass_context
 def train(ctx: click.Context, config_file, **options) -> None:
-    """Stage two: train a DFlash drafter from a committed cache (resumes from OUT's last checkpoint)."""
+    """Stage two: train a DFlash or DSpark drafter from a committed cache (resumes from OUT's last
+    checkpoint). Options by section; each is also a key of the --config recipe."""
     cfg = _config(ctx, TrainConfig, config_file, options)
     from dflash_offline.train import launcher as stage  # start-up: a command imports its own stage only
 
@@ -252,7 +258,7 @@ def export(run_dir: str, step: int | None, dest: str | None, target_tables: bool
     click.echo(f"exported {path}" + (" (it replaced the export that was there)" if earlier else ""))
 
 
-@main.command(name="eval")
+@main.command(name="eval", cls=SectionedCommand)
 @config_options(EvalConfig)
 @click.pass_context
 def eval_(ctx: click.Context, config_file, **options) -> None:
@@ -269,7 +275,7 @@ def eval_(ctx: click.Context, config_file, **options) -> None:
         ctx.exit(1)
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @config_options(PlanConfig, config_help=_PLAN_CONFIG_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.pass_context
@@ -356,7 +362,7 @@ def status(path: str, as_json: bool) -> None:
     click.echo(show(path, as_json))
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @config_options(GenerateConfig)
 @click.pass_context
 def generate(ctx: click.Context, config_file, **options) -> None:

@@ -282,3 +282,27 @@ def test_every_train_option_belongs_to_one_component_with_its_own_checks():
     cfg = TrainConfig(cache="c", target="t", out="o", eval_every=5)
     with pytest.raises(UserError, match="--eval-every sets how often --eval-cache is measured"):
         cfg.validate()
+
+
+def test_help_reads_in_sections_and_pipeline_order():
+    """train --help: its options under headings by what they do, each once; the top level lists the
+    commands in pipeline order with whole lines (no alphabetical list cut at "...")."""
+    import re
+
+    from conftest import run_cli
+    from dflash_offline.train.config import TrainConfig
+
+    r = run_cli(["train", "--help"])
+    assert r.returncode == 0, r.stderr
+    heads = [line[:-1] for line in r.stdout.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert heads[:9] == ["Recipe", "Run: what it reads and writes, where it runs", "Data: rows, anchors, order, the loader",
+                         "Drafter and method: shape, target layers, start, DFlash or DSpark", "Loss",
+                         "Optimizer and step", "Length and checkpoints", "Held-out estimate", "Progress and logs"], heads
+    flags = re.findall(r"^  (--[a-z0-9-]+)", r.stdout[r.stdout.index("\nRecipe:"):], re.M)  # the options, not the text
+    assert sorted(flags) == sorted(set(flags)) and len(flags) > 50  # every option once
+    assert {f.metadata.get("flag") or "--" + f.name.replace("_", "-") for f in cli.cli_fields(TrainConfig)} <= set(flags)
+    top = run_cli(["--help"]).stdout
+    assert "Commands:" not in top and "..." not in top.split("\n", 1)[1]  # (the usage line has its own)
+    order = [re.search(rf"^    {c} ", top, re.M).start() for c in ("prepare", "generate", "extract", "train", "export",
+                                                                     "eval")]
+    assert order == sorted(order)

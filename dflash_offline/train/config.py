@@ -142,8 +142,8 @@ class OptimizerOptions:
     # None = auto_lr(hidden size): 6e-4 is the published recipe's, tuned on 4096-wide drafters; 4.0e-3 at 384 wide.
     lr: float | None = opt(None, "Peak learning rate.", default_text="6e-4 x (4096 / hidden size)^0.8", resume=True)
     warmup_ratio: float = opt(0.04, "Warm-up share of all steps, in [0, 1).", resume=True)
-    weight_decay: float = opt(0.0, "AdamW weight decay, >= 0 (a negative one grows the weights).", resume=True)
-    clip: float = opt(1.0, "Gradient-norm clip, > 0 (0 makes no update, a negative one reverses it; inf = no clipping).", resume=True)
+    weight_decay: float = opt(0.0, "AdamW weight decay: 0 or more (a negative value is refused: it would grow the weights).", resume=True)
+    clip: float = opt(1.0, "Gradient-norm clip: more than 0, inf = no clipping (0 and negative values are refused).", resume=True)
     precision: str = opt("auto", "auto = bf16 autocast on GPU, fp32 on CPU.", choices=('auto', 'bf16', 'fp32'), resume=True)  # fp32 master weights
     # Inductor fuses the elementwise work with the flex kernels; None = on GPU, off on CPU.
     compile_layers: bool | None = opt(None, "Compile the drafter layer for training (fuses its elementwise work).", default_text="on GPU")
