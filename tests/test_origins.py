@@ -195,6 +195,9 @@ def test_values_a_recipe_gave_are_named_by_their_key_at_every_depth(tiny_dense, 
     (tmp_path / "a-file").write_text("not a folder\n")
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("someone's\n")
+    # (prepare says a missing --data before anything else: here the data are there)
+    (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, '
+                                          '{"role": "assistant", "content": "hello"}]}\n')
     prompts = _prompts_file(tmp_path / "prompts.parquet")
     value = value.format(tmp=tmp_path)
     given = {
