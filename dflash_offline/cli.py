@@ -379,11 +379,20 @@ def generate(ctx: click.Context, config_file, **options) -> None:
 
 
 @main.command()
-@click.option("--out", default="runs/demo", show_default=True, help="Folder for the tiny target, data and cache.")
+@click.option("--out", default=None, help="Folder for the tiny target, data and cache.  [default: runs/demo; "
+              "with --chat, runs/chat]")
 @click.option("--devices", default="cpu", show_default=True, help="Devices for the extract stage.")
+@click.option("--chat", is_flag=True, help="Only make a tiny chat target and its conversations in OUT (about a "
+              "minute on a CPU) for the chat walk-through of docs/own-data.md, and print its commands.")
 @click.pass_context
-def demo(ctx: click.Context, out: str, devices: str) -> None:
+def demo(ctx: click.Context, out: str | None, devices: str, chat: bool) -> None:
     """Run the main job end to end on an embedded default: a tiny target and data made on the fly."""
+    out = out or ("runs/chat" if chat else "runs/demo")
+    if chat:
+        from dflash_offline import tiny_chat  # start-up: a command imports its own stage only
+
+        tiny_chat.demo(out)
+        return
     from dflash_offline import demo as demo_mod  # start-up: a command imports its own stage only
 
     report = demo_mod.run(out, devices)

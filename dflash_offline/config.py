@@ -90,7 +90,9 @@ class GenerateConfig(SamplingOptions):
     devices: str = opt("cpu", "GPU indices like 0,1,2,3 (one worker process each), or cpu / cpu,cpu.")
     # A row also ends after (and keeps) an EOS token. None: DEFAULT_NEW_TOKENS, or what the target's
     # context leaves after the longest prompt where that is less (resolved in generate's preflight).
-    max_new_tokens: int | None = opt(None, "New tokens per prompt at most.", default_text="2048, or the target's context less the longest prompt where that is less")
+    max_new_tokens: int | None = opt(None, "New tokens per prompt at most.",
+                                     default_text="2048, or the target's context less the longest prompt where that is "
+                                     "less; for conversations, that room shared by their replies")
     # None: the target folder's generation_config.json, or its config.json.
     eos_token_ids: list[int] | None = opt(None, "End-of-sequence ids, e.g. 0 or 151643,151645.", default_text="the target's generation_config.json")
     ignore_eos: bool = opt(False, "Always generate --max-new-tokens.", is_flag=True)

@@ -29,6 +29,13 @@ TRAIN_PROMPTS, EVAL_PROMPTS, NEW_TOKENS = 512, 32, 64
 MARK = ".dflash-demo"  # written first into a folder the demo makes or finds empty: "this folder is a demo's"
 
 
+def claim_out(root: Path) -> None:
+    """Check --out (_check_out) and mark it as a demo's."""
+    _check_out(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / MARK).touch()
+
+
 def _check_out(root: Path) -> None:
     """--out must be new, empty, or a demo's own folder: the demo writes files by fixed names, and a
     user's file of one of those names must never be replaced."""
@@ -47,8 +54,7 @@ def run(out: str, devices: str = "cpu") -> dict:
     root = Path(out)
     _check_out(root)
     check_devices_exist(parse_devices(devices))  # before minutes of work, not after the target is trained
-    root.mkdir(parents=True, exist_ok=True)
-    (root / MARK).touch()
+    claim_out(root)
     target = root / "tiny-target"
     if not (target / "config.json").exists():
         from dflash_offline.tiny import make_tiny_target, train_tiny_target

@@ -419,3 +419,22 @@ def test_the_default_new_tokens_fit_the_targets_context(tiny_dense, tmp_path):
     assert [sum(row["loss_mask"]) for row in rows.values()] == [1024 - longest] * 2  # every row its 14 new tokens
     assert f"--max-new-tokens {1024 - longest}: the target's 1024 positions less the longest prompt ({longest} tokens)" in \
         (tmp_path / "out" / "logs" / "generate-launcher.log").read_text() + r.stderr
+
+
+def test_the_default_new_tokens_are_shared_by_a_conversations_replies():
+    """For conversations of up to R replies the default is the context's room after the longest
+    first prompt divided by R (in steps of 64): every reply may run to it and the last turn still
+    fits. A given value, or a target without a context limit, is left as it is."""
+    from types import SimpleNamespace
+
+    from dflash_offline.config import GenerateConfig
+    from dflash_offline.generate.plan import resolve_new_tokens
+
+    cfg, lengths = GenerateConfig(target="t", prompts=["p"], out="o"), np.array([20, 40])
+    ctx = SimpleNamespace(max_positions=1024)
+    assert resolve_new_tokens(cfg, lengths, ctx).max_new_tokens == 984
+    assert resolve_new_tokens(cfg, lengths, ctx, most_turns=2).max_new_tokens == 448  # 492 -> 448
+    assert resolve_new_tokens(cfg, lengths, ctx, most_turns=30).max_new_tokens == 32  # under 64: as divided
+    assert resolve_new_tokens(cfg, lengths, SimpleNamespace(max_positions=None), most_turns=3).max_new_tokens == 2048
+    given = GenerateConfig(target="t", prompts=["p"], out="o", max_new_tokens=900)
+    assert resolve_new_tokens(given, lengths, ctx, most_turns=2).max_new_tokens == 900

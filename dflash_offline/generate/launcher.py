@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +95,8 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     source = data.scan(cfg.prompts, info.vocab_size, option=origin(cfg, "prompts"), need_mask=False)
     check_part_hashes(source, origin(cfg, "prompts"))
     chat = conversation_settings(cfg.prompts, source)
-    cfg, lengths = _plan_lengths(cfg, source, info, chat)
+    turns = turns_per_row(source, cfg.turns == "last") if chat is not None else None
+    cfg, lengths = _plan_lengths(cfg, source, info, chat, 1 if turns is None or not turns.size else int(turns.max()))
     copies = cfg.samples_per_prompt
     eos, stop_warning = chat_stop(cfg, chat, _end_of_sequence(cfg, info))  # conversations: at the template's end of turn too
     cuda = any(d != "cpu" for d in devices)
@@ -136,7 +138,6 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     committed = _committed_parts(folder, wanted, launch)
     todo = [j for j in range(len(chunks)) if parts.part_name(j) not in committed]
     todo_prompts = sum(len(chunks[j]) for j in todo)
-    turns = turns_per_row(source, cfg.turns == "last") if chat is not None else None
     # Parquet of int32 tokens: about 4 bytes per token before compression; with room to spare.
     need = 5 * (int(lengths[np.concatenate([chunks[j] for j in todo])].sum()) + todo_prompts * cfg.max_new_tokens) \
         if todo else 0
@@ -161,11 +162,11 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
     return Preflight(job, wanted, devices, todo_of([chunks[j] for j in todo], turns))
 
 
-def _plan_lengths(cfg: GenerateConfig, source, info, chat) -> tuple[GenerateConfig, np.ndarray]:
+def _plan_lengths(cfg: GenerateConfig, source, info, chat, most_turns: int) -> tuple[GenerateConfig, np.ndarray]:
     """(cfg with --max-new-tokens resolved, the prompt length of every plan row): each prompt's,
     checked against the target's context, repeated --samples-per-prompt times (copy k of global row
     r is plan row r x copies + k)."""
-    cfg = resolve_new_tokens(cfg, source.lengths, info)
+    cfg = resolve_new_tokens(cfg, source.lengths, info, most_turns)
     lengths = source.lengths
     if info.max_positions is not None:
         over = np.flatnonzero(lengths + cfg.max_new_tokens > info.max_positions)
@@ -297,12 +298,12 @@ def run(cfg: GenerateConfig) -> dict:
     if launch is None or launch.rank == 0:
         line = (f"generated: {t['rows']} rows, {t['new_tokens']} new tokens ({t['ended_by_eos']} ended by "
                 f"end-of-sequence) in {len(manifest['parts'])} parts, {time.time() - t0:.1f} s; output: {merged or folder}")
-        cut: dict[str, int] = {}
-        for p in manifest["parts"]:
-            for why, n in (p.get("cut_short") or {}).items():
-                cut[why] = cut.get(why, 0) + n
+        cut = sum((Counter(p.get("cut_short") or {}) for p in manifest["parts"]), Counter())
         if cut:  # conversations whose later turns were not written: said, not only logged
             line += "; conversations cut short: " + ", ".join(f"{n} ({why})" for why, n in sorted(cut.items()))
+            if "context full" in cut:
+                line += (f" (a turn's prompt + {origin(cfg, 'max_new_tokens')} {job.cfg.max_new_tokens} outgrew the "
+                         "context: a smaller value reaches later turns; the log names each conversation)")
         log.info(line)
         print(line, flush=True)
     return manifest

@@ -65,9 +65,12 @@ class Preflight(NamedTuple):
 DEFAULT_NEW_TOKENS = 2048
 
 
-def resolve_new_tokens(cfg: GenerateConfig, lengths: np.ndarray, info) -> GenerateConfig:
+def resolve_new_tokens(cfg: GenerateConfig, lengths: np.ndarray, info, most_turns: int = 1) -> GenerateConfig:
     """--max-new-tokens left out: 2048, or what the target's context leaves after the longest
-    prompt where that is less (a 2048-position target and 2048 new tokens never fit); said in the log."""
+    prompt where that is less (a 2048-position target and 2048 new tokens never fit); for
+    conversations of up to `most_turns` replies, that room shared among the replies (rounded down
+    to a multiple of 64), so that a conversation whose every reply runs to the limit still reaches
+    its last turn instead of ending at "context full". Said in the log."""
     if cfg.max_new_tokens is not None:
         return cfg
     longest = int(lengths.max())
@@ -76,7 +79,12 @@ def resolve_new_tokens(cfg: GenerateConfig, lengths: np.ndarray, info) -> Genera
         raise UserError(f"{origin(cfg, 'prompts')}: the longest prompt, {longest} tokens, fills the target's context "
                         f"({info.max_positions} positions): no room for a new token; leave out the longest prompts")
     new = min(DEFAULT_NEW_TOKENS, room)
-    if new < DEFAULT_NEW_TOKENS:
+    if most_turns > 1 and info.max_positions is not None:
+        share = room // most_turns
+        new = min(new, max(1, share // 64 * 64 if share >= 64 else share))
+        log.info("--max-new-tokens %d: the target's %d positions less the longest first prompt (%d tokens), shared "
+                 "by up to %d replies per conversation", new, info.max_positions, longest, most_turns)
+    elif new < DEFAULT_NEW_TOKENS:
         log.info("--max-new-tokens %d: the target's %d positions less the longest prompt (%d tokens)", new,
                  info.max_positions, longest)
     return replaced(cfg, max_new_tokens=new)

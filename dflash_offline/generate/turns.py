@@ -135,8 +135,9 @@ def _turn_prompt(c: Conversation, r: int, tmpl: ChatTemplate, max_new: int, max_
     prompt = tmpl.tokenizer(text, add_special_tokens=False)["input_ids"]
     if max_positions is not None and len(prompt) + max_new > max_positions:
         c.stopped = "context full"
-        log.warning("conversation %d: turn %d's prompt (%d tokens) + --max-new-tokens no longer fits the "
-                    "target's context (%d): its later turns are not generated", c.id, c.turn_of(c.slots[r]),
+        # In the log only: the closing line counts these conversations (one line, not one per conversation).
+        log.info("conversation %d: turn %d's prompt (%d tokens) + --max-new-tokens no longer fits the "
+                 "target's context (%d): its later turns are not generated", c.id, c.turn_of(c.slots[r]),
                     len(prompt), max_positions)
         return None
     return prompt

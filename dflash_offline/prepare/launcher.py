@@ -256,11 +256,9 @@ def _report(manifests: dict, sel, out: Path, seconds: float, cfg: PrepareConfig,
     lines.append(f"  dropped: {dropped_text(dropped)}")
     # The next command, for the train split (an eval-only output has none to suggest).
     if "train" in manifests and any(m["kind"] == "prompts" for m in manifests.values()):
-        longest = max((p.get("longest", 0) for m in manifests.values() for p in m["parts"]), default=0)
-        room = (info.max_positions or 4096) - longest  # generate's default 2048 may not fit the context
-        new = f" --max-new-tokens {min(2048, room // 64 * 64)}" if room < 2048 and room >= 64 else ""
+        # No --max-new-tokens: generate's default fits the context and shares it among a conversation's turns.
         lines.append(f"  next: dflash-offline generate --target {cfg.target} --prompts {out / 'train'} --out "
-                     f"{out}-generated{new}")
+                     f"{out}-generated")
     elif "train" in manifests:
         lines.append(f"  next: dflash-offline extract --target {cfg.target} --data {out / 'train'} --cache CACHE")
     for line in lines:
