@@ -259,7 +259,7 @@ def main() -> int:
     report.unlink(missing_ok=True)  # a report left by an earlier run must not pass for this run's
     logs = {"eval": res / "eval.log"}
     procs = {"eval": cli("eval", "--target", target, "--drafter", run / "best", "--prompts", eval_prompts,
-                         "--max-new-tokens", args.max_new_tokens, "--device", args.device, "--dtype", args.eval_dtype,
+                         "--max-new-tokens", args.max_new_tokens, "--devices", args.device, "--dtype", args.eval_dtype,
                          "--batch-size", args.eval_batch_size, "--json", report, "--no-progress",
                          *(["--max-prompts", args.eval_prompts] if args.eval_prompts else []), log=logs["eval"])}
     phase(summary, "eval", procs, logs, reported=lambda n: report.exists())

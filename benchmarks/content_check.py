@@ -52,7 +52,7 @@ def main() -> int:
     t_extract, _ = timed(["extract", "--target", str(fx / "target"), "--data", str(data), "--cache", str(cache),
                           "--devices", devices, "--capture-layers", "1,2,3,4,5,6", "--hidden-dtype", "fp8", "--topk", "32",
                           "--max-len", "512", "--compute-dtype", "float32", "--no-progress"])
-    t_verify, out = timed(["verify", str(cache), "--content", args.share, "--target", str(fx / "target"), "--device",
+    t_verify, out = timed(["verify", str(cache), "--content", args.share, "--target", str(fx / "target"), "--devices",
                            args.device])
     m = json.loads((cache / "manifest.json").read_text())
     res = {"extract_s": t_extract, "verify_content_s": t_verify, "ratio": t_verify / t_extract, "share": args.share,

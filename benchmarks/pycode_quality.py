@@ -463,7 +463,7 @@ def main() -> int:
             for n in names:  # a report left by an earlier run must not pass for this run's
                 (work / f"{n}.json").unlink(missing_ok=True)
             procs = {n: cli("eval", "--target", target, "--drafter", work / f"run-{v}" / "best", "--prompts", sl,
-                            *extra, "--max-new-tokens", args.max_new_tokens, "--device",
+                            *extra, "--max-new-tokens", args.max_new_tokens, "--devices",
                             args.eval_device or args.device, "--dtype", "float32", "--batch-size",
                             args.eval_batch_size, "--json", work / f"{n}.json", "--no-progress", log=logs[n])
                      for n, sl in zip(names, slices)}

@@ -18,7 +18,7 @@ from dflash_offline.evaluate.config import EvalConfig
 from dflash_offline.sizing_config import PlanConfig
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.options import (as_flag, cli_fields, flag_of, load_recipe, merge, parse_int_list, parse_size,
-                                    under_current_names, where)
+                                    under_current_names, where, warn_renamed)
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.logs import (claim_heartbeat, current_log, finish_heartbeat, in_early_log, keep_early_log,
                                         record_failure)
@@ -301,11 +301,15 @@ def plan(ctx: click.Context, config_file, as_json: bool, **options) -> None:
               "across the cache against a fresh forward of --target, per layer and for the top-k, within the storage "
               "dtype's bound; also the target's config and weights against those the cache was made with.")
 @click.option("--target", "target", help="With --content: the target the cache was made from.")
-@click.option("--device", default="cpu", show_default=True, help="With --content: where the target runs (a GPU index, "
-              "e.g. 0, or cpu).")
-def verify(cache: str, amount: str | None, target: str | None, device: str) -> None:
+@click.option("--devices", "device", default="cpu", show_default=True, help="With --content: where the target runs "
+              "(one GPU index, e.g. 0, or cpu).")
+@click.option("--device", "device_was", hidden=True, help="The earlier name of --devices.")
+def verify(cache: str, amount: str | None, target: str | None, device: str, device_was: str | None) -> None:
     """Check every committed shard of CACHE against its checksum (reads the whole cache); with
     --content N --target T, check what a sample of it holds against the target instead."""
+    if device_was is not None:  # one name for the device option in every command; the old one still works
+        warn_renamed("--device", "--devices")
+        device = device_was
     if amount is None:
         if target is not None:
             raise UserError(f"--target {target}: read only with --content N (the checksums need no target); add "

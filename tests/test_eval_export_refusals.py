@@ -340,7 +340,7 @@ def test_a_cache_with_nothing_to_walk_leaves_no_log_folder(tiny_dense, export, t
     assert run_cli(extract_args(tiny_dense, data, cache)).returncode == 0
     cwd = tmp_path / "here"
     cwd.mkdir()
-    line = _one_line(run_cli(["eval", "--target", tiny_dense, "--drafter", export, "--cache", cache, "--device", "cpu",
+    line = _one_line(run_cli(["eval", "--target", tiny_dense, "--drafter", export, "--cache", cache, "--devices", "cpu",
                               "--no-progress"], cwd=cwd))
     assert "no sample with a completion of two tokens or more to walk" in line, line
     assert list(cwd.iterdir()) == []

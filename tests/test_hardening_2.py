@@ -118,9 +118,9 @@ def test_refused_reruns_and_eval_leave_a_finished_run_finished(straight_run, ari
         os.close(fd)
     _one_line(r, 2, f"error: --out {out}: another training run is using this folder")
     # An eval of the run's export that fails after its log opened (its log goes beside the export).
-    r = run_cli(["eval", "--target", tiny_dense, "--drafter", out / "export", "--cache", arith_cache, "--device", "7"])
-    _one_line(r, 2, "error: --device asks for GPU 7")
-    assert "--device asks for GPU" in r.stderr and "use --device cpu to run on the CPU" in r.stderr
+    r = run_cli(["eval", "--target", tiny_dense, "--drafter", out / "export", "--cache", arith_cache, "--devices", "7"])
+    _one_line(r, 2, "error: --devices asks for GPU 7")
+    assert "--devices asks for GPU" in r.stderr and "use --devices cpu to run on the CPU" in r.stderr
     assert tree_digest(out) == committed and _beats(out / "logs", "train-") == beats
     st = _status(out)
     assert st["verdict"] == finished, st

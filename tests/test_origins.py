@@ -184,7 +184,7 @@ def _prompts_file(path):
     ("prepare", "out", "{tmp}/a-file", "{value}: is a file; give a folder"),
     ("eval", "prompts", "{tmp}/foreign", "{value}: a folder, not a file"),
     ("eval", "drafters", "{tmp}/foreign", "{value}: neither a drafter export"),
-    ("eval", "device", "gpu0", "'gpu0': 'gpu0' is not a GPU index or 'cpu'"),
+    ("eval", "devices", "gpu0", "'gpu0': 'gpu0' is not a GPU index or 'cpu'"),
     ("eval", "implied_for", "no-such-gpu", "{value}: no measured target shape of that name"),
 ])
 def test_values_a_recipe_gave_are_named_by_their_key_at_every_depth(tiny_dense, arith_cache, tiny_data, tmp_path,

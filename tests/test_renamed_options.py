@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT, TRAIN, run_cli
 from dflash_offline import cli
 from dflash_offline.config import ExtractConfig
+from dflash_offline.evaluate.config import EvalConfig
 from dflash_offline.sizing_config import PlanConfig
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.options import load_recipe, renamed
@@ -22,19 +23,20 @@ RENAMED = {
     ExtractConfig: {"layers": "capture_layers", "num_layers": "capture_count"},
     PlanConfig: {"layers": "capture_layers", "num_layers": "capture_count"},
     TrainConfig: {"layers": "target_layers", "num_layers": "drafter_layers"},
+    EvalConfig: {"device": "devices"},  # one name for the device option in every command
 }
 
 
 @pytest.mark.parametrize("cls", list(RENAMED), ids=lambda c: c.__name__)
 def test_each_earlier_name_is_a_hidden_option_of_its_field(cls):
     assert renamed(cls) == RENAMED[cls]
-    name = {ExtractConfig: "extract", PlanConfig: "plan", TrainConfig: "train"}[cls]
+    name = {ExtractConfig: "extract", PlanConfig: "plan", TrainConfig: "train", EvalConfig: "eval"}[cls]
     hidden = {p.name: p for p in cli.main.commands[name].params if p.hidden}
     assert set(hidden) == {cli._WAS + old for old in RENAMED[cls]}
     for old in RENAMED[cls]:
         assert hidden[cli._WAS + old].opts == ["--" + old.replace("_", "-")]
     shown = cli.main.commands[name].get_help(cli.click.Context(cli.main.commands[name]))
-    assert "--num-layers" not in shown and "--layers " not in shown
+    assert "--num-layers" not in shown and "--layers " not in shown and "--device " not in shown
 
 
 def test_earlier_flags_give_the_same_config_with_one_warning(capsys):
@@ -67,6 +69,24 @@ def test_plan_with_earlier_flags_equals_the_new_ones(tiny_dense, tiny_data):
     both = run_cli(base + ["--layers", "2,4", "--capture-layers", "2,4"])
     assert both.returncode == 2 and both.stderr.splitlines() == [
         "error: --layers and --capture-layers are one option (--layers is its earlier name); give --capture-layers only"]
+
+
+def test_the_device_option_is_devices_everywhere_and_device_still_works(tiny_dense, tmp_path):
+    """eval and verify --content took --device where every other command takes --devices: both now
+    take --devices; --device (and an eval recipe's `device` key) still work, with one warning line."""
+    warn = "warning: --device is now --devices (same meaning); the old name still works but will be removed"
+    for cmd in (["eval", "--target", tiny_dense, "--drafter", tmp_path / "none", "--cache", tmp_path / "none"],
+                ["verify", tmp_path / "none", "--content", "1", "--target", tiny_dense]):
+        name = cmd[0]
+        assert "--devices" in run_cli([name, "--help"]).stdout
+        new, old = run_cli([*cmd, "--devices", "7"]), run_cli([*cmd, "--device", "7"])
+        assert new.returncode == old.returncode != 0, (new.stderr, old.stderr)
+        # the old name reaches the same check with its value (the cache, the export or GPU 7 refused the same)
+        assert old.stderr.splitlines() == [warn, *new.stderr.splitlines()], (name, old.stderr, new.stderr)
+        assert warn not in new.stderr
+    recipe = tmp_path / "eval.toml"
+    recipe.write_text('device = "0"\n')
+    assert load_recipe(recipe, EvalConfig)["devices"] == "0"
 
 
 def _with_earlier_keys(text: str, cls: type) -> str:

@@ -17,7 +17,8 @@ class EvalConfig(SamplingOptions):
     drafters: list[str] = opt(help="A drafter export folder or a step-N checkpoint; repeat to compare several.", factory=list, flag="--drafter")
     prompts: str | None = opt(None, "Parquet with input_ids: speculative decoding against the target, checked lossless.")
     cache: str | None = opt(None, "A (held-out) cache: acceptance estimated from it, without running the target.")
-    device: str = opt("cpu", "One GPU index (e.g. 0) or cpu.")
+    # --devices as every other command spells it (eval runs on one of them: a list is refused).
+    devices: str = opt("cpu", "One GPU index (e.g. 0) or cpu.", old=("device",))
     dtype: str = opt("float32", "Target and drafter dtype for decoding (float32: the lossless check is exact).", choices=('float32', 'bfloat16', 'float16'))
     max_new_tokens: int = opt(256, "New tokens per prompt.")
     max_prompts: int | None = opt(None, "Use only the first N prompts.")

@@ -187,11 +187,11 @@ def run(cfg: EvalConfig) -> dict:
             raise refusal from None
         raise UserError(f"cannot write the log folder {log_folder(cfg)} ({e.strerror or e}); choose a writable "
                         "one with --log-dir") from None
-    devices = parse_devices(cfg.device, said("device"))
+    devices = parse_devices(cfg.devices, said("devices"))
     if len(devices) != 1:
-        raise UserError(f"{where(cfg, 'device')} {cfg.device}: eval runs on one device (e.g. 0 or cpu)")
+        raise UserError(f"{where(cfg, 'devices')} {cfg.devices}: eval runs on one device (e.g. 0 or cpu); give one")
     device = devices[0]
-    check_devices_exist(devices, said("device"))
+    check_devices_exist(devices, said("devices"))
     import torch
 
     single_thread_compute()
