@@ -432,7 +432,7 @@ def train(args) -> dict:
     final["train_windows"] = mean_loss(saved, train_rows, fp32)
     final_steps = step
     report = {
-        "made_by": "benchmarks/hybrid_fixture.py train", "options": {k: v for k, v in vars(args).items() if k != "phase"},
+        "made_by": "benchmarks/hybrid_fixture.py train", "options": recorded_options(args),
         "seed": args.seed, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
@@ -496,9 +496,21 @@ def complete(args) -> dict:
         if not (out / f).exists():
             shutil.copyfile(fixture / f, out / f)
     if summary:
-        (out / "complete.json").write_text(json.dumps({"target": str(target), "max_new_tokens": args.max_new_tokens,
+        (out / "complete.json").write_text(json.dumps({"target": "OUT/target" if args.target is None else "TARGET", "max_new_tokens": args.max_new_tokens,
                                                        "limit": args.limit, **summary}, indent=1) + "\n")
     return summary
+
+
+
+PATH_OPTIONS = {"out": "OUT", "corpus": "CORPUS", "tokenizer": "TOKENIZER", "stdlib": "STDLIB", "fixture": "FIXTURE",
+                "target": "TARGET", "against": "AGAINST"}
+
+
+def recorded_options(args) -> dict:
+    """The options as train.json keeps them: folders by their role (OUT, CORPUS, ...), not by where
+    they lay on the machine that made the fixture (the file is committed and compared across machines)."""
+    return {k: (PATH_OPTIONS[k] if k in PATH_OPTIONS and v is not None else v)
+            for k, v in vars(args).items() if k != "phase"}
 
 
 # ----------------------------------------------------------------------------------------------

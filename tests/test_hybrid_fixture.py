@@ -202,3 +202,40 @@ def test_compare_says_whether_a_remake_matches(made, tmp_path):
     r = script("compare", "--out", tmp_path / "other", "--against", made["out"])
     assert r.returncode == 1 and "does not match" in r.stdout and "largest |difference|" in r.stdout
     assert not json.loads((tmp_path / "other" / "compare.json").read_text())["matches"]
+
+
+COMMITTED = ROOT / "benchmarks" / "fixtures" / "pycode-hybrid"
+
+
+def test_the_committed_target_is_the_hybrid_its_completions_came_from():
+    """The committed fixture: a 3:1 Gated DeltaNet / attention target whose completions hold the
+    pycode fixture's eval prompts, and whose own greedy choice, teacher-forced on the CPU, agrees with
+    them (measured here: a near-tie may flip between the GPU that wrote them and this CPU, so the
+    check is the agreement rate, not token equality)."""
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((COMMITTED / "target" / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5_text"
+    assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    for f in TOKENIZER_FILES:
+        assert (COMMITTED / "target" / f).read_bytes() == (PYCODE / "target" / f).read_bytes()
+    made = json.loads((COMMITTED / "train.json").read_text())
+    assert all(v in (None,) or not str(v).startswith("/") for v in made["options"].values())  # roles, not machine paths
+    prompts = {r["id"]: r["input_ids"] for r in pq.read_table(PYCODE / "prompts-eval.parquet").to_pylist()}
+    rows = pq.read_table(COMMITTED / "completions-eval.parquet").to_pylist()
+    assert [r["id"] for r in rows] == list(prompts)
+    for r in rows:
+        n = len(prompts[r["id"]])
+        assert r["input_ids"][:n] == prompts[r["id"]] and set(r["loss_mask"][:n]) == {0} and set(r["loss_mask"][n:]) == {1}
+    model = AutoModelForCausalLM.from_pretrained(COMMITTED / "target", dtype=torch.float32).eval()
+    agree = total = 0
+    for r in rows[:2]:
+        ids = torch.tensor([r["input_ids"]])
+        n = len(prompts[r["id"]])
+        with torch.no_grad():
+            pred = model(ids).logits[0, n - 1:-1].argmax(-1)
+        agree += int((pred == ids[0, n:]).sum())
+        total += ids.shape[1] - n
+    assert agree / total >= 0.98, f"{agree} of {total}"
