@@ -139,20 +139,51 @@ def cli(*args, log: Path) -> subprocess.Popen:
                             env=env)
 
 
-def wait(procs: dict[str, subprocess.Popen], logs: dict[str, Path], reported=lambda name: False) -> dict[str, float]:
-    """Wait for all; a non-zero exit stops the benchmark, except exit 1 of a process whose report
-    `reported(name)` says was written (eval exits 1 when its outputs are not lossless: a result)."""
-    t0, took = time.time(), {}
-    while len(took) < len(procs):
-        for name, p in procs.items():
-            if name not in took and p.poll() is not None:
-                took[name] = time.time() - t0
+def stop(procs) -> None:
+    """End processes still running (SIGTERM, then SIGKILL after 10 s): a benchmark that stops leaves
+    nothing holding the GPU."""
+    procs = [p for p in procs if p.poll() is None]
+    for p in procs:
+        p.terminate()
+    deadline = time.time() + 10
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.time(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_all(starts: dict, logs: dict[str, Path], limit: int = 0, reported=lambda name: False) -> dict[str, float]:
+    """Start each process (`starts`: name -> a function that starts it), at most `limit` at once (0:
+    all), and wait for all; returns each one's seconds from its own start. A non-zero exit stops the
+    benchmark, except exit 1 of a process whose report `reported(name)` says was written (eval exits 1
+    when its outputs are not lossless: a result); the ones still running are stopped first."""
+    queue, running, began, took = list(starts), {}, {}, {}
+    try:
+        while queue or running:
+            while queue and (limit <= 0 or len(running) < limit):
+                name = queue.pop(0)
+                began[name], running[name] = time.time(), starts[name]()
+            for name, p in list(running.items()):
+                if p.poll() is None:
+                    continue
+                del running[name]
+                took[name] = time.time() - began[name]
                 if p.returncode != 0 and not (p.returncode == 1 and reported(name)):
                     tail = "".join(logs[name].read_text().splitlines(keepends=True)[-20:])
-                    raise SystemExit(f"{name} failed with exit code {p.returncode}:\n{tail}")
+                    raise SystemExit(f"{name} failed with exit code {p.returncode}"
+                                     f"{f' ({len(running)} others stopped)' if running else ''}:\n{tail}")
                 print(f"  {name} done in {took[name]:.0f}s", flush=True)
-        time.sleep(0.5)
+            time.sleep(0.5)
+    finally:
+        stop(running.values())
     return took
+
+
+def wait(procs: dict[str, subprocess.Popen], logs: dict[str, Path], reported=lambda name: False) -> dict[str, float]:
+    """Wait for processes already started (run_all's rules)."""
+    return run_all({n: (lambda p=p: p) for n, p in procs.items()}, logs, reported=reported)
 
 
 def parse_variants(text: str) -> dict[str, list[str]]:
@@ -294,8 +325,9 @@ def main() -> int:
     ap.add_argument("--variants", default=None,
                     help="presets or NAME=OPTIONS (default: dspark-cl, the fixture's default recipe; dflash with "
                          "--target-family hybrid)")
-    ap.add_argument("--concurrent", action="store_true",
-                    help="train all variants at once (a quality comparison; their wall times are then shared)")
+    ap.add_argument("--concurrent", type=int, nargs="?", const=0, default=None, metavar="N",
+                    help="train the variants N at a time (no N: all at once; a quality comparison, their wall times "
+                         "then shared); each hybrid-board trainer holds about 22 GB: 3 at a time on an 80 GB H100")
     ap.add_argument("--eval-every", type=int, default=0,
                     help="steps between held-out walk estimates (the curve); 0 = at the end only (each costs seconds "
                          "of the budget)")
@@ -480,8 +512,8 @@ def main() -> int:
 
     logs = {v: res / f"train-{v}.log" for v in order}
     t_train = time.time()
-    if args.concurrent:
-        took = wait({v: cli("train", *jobs[v], log=logs[v]) for v in order}, logs)
+    if args.concurrent is not None:
+        took = run_all({v: (lambda v=v: cli("train", *jobs[v], log=logs[v])) for v in order}, logs, limit=args.concurrent)
         for v in order:
             record(v, took[v])
         for v in order:

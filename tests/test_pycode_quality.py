@@ -3,6 +3,8 @@ merge into one (pooled as the reference counts tau), and how a variant names its
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from conftest import benchmark_module
@@ -87,3 +89,41 @@ def test_a_variant_that_would_fail_after_extraction_is_refused_first():
     with pytest.raises(SystemExit, match=r"starts 8 layers \(--init-layers 3,3,3,3,7,7,7,7\) of a drafter of 5"):
         mod.check_variants(mod.parse_variants("dspark-cl+init-attn"), recipe + ["--drafter-layers", "5"], "3,7")
     assert mod.last_value(["--lr", "1", "--lr", "2"], "--lr") == "2" and mod.last_value([], "--lr") is None
+
+
+def test_trainers_run_n_at_a_time_and_a_failure_stops_the_others(tmp_path, capsys):
+    """run_all: never more than `limit` alive at once (each child records the others it saw alive),
+    and when one fails the ones still running are stopped, not left holding the device."""
+    import subprocess
+    import time
+
+    pq = benchmark_module("pycode_quality")
+    marks = tmp_path / "alive"
+    marks.mkdir()
+    child = ("import os, sys, time; d = sys.argv[1]; me = os.path.join(d, sys.argv[2]); open(me, 'w').close(); "
+             "time.sleep(0.6); n = len(os.listdir(d)); os.remove(me); print(n); sys.exit(int(sys.argv[3]))")
+
+    def start(name, code=0):
+        return lambda: subprocess.Popen([sys.executable, "-c", child, str(marks), name, str(code)],
+                                        stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+
+    names = [f"v{i}" for i in range(5)]
+    logs = {n: tmp_path / f"{n}.log" for n in names}
+    took = pq.run_all({n: start(n) for n in names}, logs, limit=2)
+    assert set(took) == set(names)
+    assert max(int(logs[n].read_text()) for n in names) <= 2
+
+    started = {}  # the survivors: started through run_all, found stopped afterwards
+
+    def long(name):
+        def go():
+            started[name] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            return started[name]
+        return go
+
+    logs = {**{n: tmp_path / f"{n}.log" for n in ("a", "b")}, "bad": tmp_path / "bad.log"}
+    t0 = time.time()
+    with pytest.raises(SystemExit, match=r"bad failed with exit code 3 \(2 others stopped\)"):
+        pq.run_all({"a": long("a"), "b": long("b"), "bad": start("bad", 3)}, logs)
+    assert time.time() - t0 < 30
+    assert all(p.poll() is not None for p in started.values())
