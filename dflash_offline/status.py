@@ -112,12 +112,13 @@ def generate_status(path: str) -> GenerateStatus:
     logs = folder / "logs"
     procs = processes(logs, stage="generate-") if logs.is_dir() else []
     on_disk = {f.name for f in folder.glob("part-*.parquet")}
-    debris = sorted(on_disk - {p["file"] for p in m["parts"]})
+    kept = (m.get("held") or {}).values()  # rows a stop kept: listed, not debris
+    debris = sorted(on_disk - {p["file"] for p in m["parts"]} - {e["file"] for e in kept})
     return GenerateStatus(
         path=str(path), status=m["status"], verdict=_verdict(m["status"], procs, "generating", "generate"),
         parts_committed=len(m["parts"]), parts_planned=m["plan"]["num_parts"], totals=m["totals"],
         merged=m.get("merged"), debris=debris, damaged=damaged_parts(folder, m), processes=procs,
-        last_error=last_error(logs, "generate-") if logs.is_dir() else None)
+        last_error=last_error(logs, "generate-") if logs.is_dir() else None, held_rows=sum(e["rows"] for e in kept))
 
 
 def _is_generated(p: Path) -> bool:

@@ -99,12 +99,16 @@ class GenerateStatus(_Record):
     damaged: list  # committed parts missing, or not the size committed
     processes: list
     last_error: dict | None
+    held_rows: int = 0  # finished rows of parts in progress a stop kept (generate/held.py)
 
     def head(self) -> list[str]:
         t = self.totals
         lines = [f"generated {self.path}: {self.verdict}",
                  f"  {self.parts_committed}/{self.parts_planned} parts committed: {t['rows']} rows, "
                  f"{t['new_tokens']} new tokens ({t['ended_by_eos']} ended by end-of-sequence)"]
+        if self.held_rows:
+            lines.append(f"  {self.held_rows} finished rows of the parts in progress kept by a stop (the rest of "
+                         "those parts is decoded on resume)")
         if self.debris:
             lines.append(f"  {len(self.debris)} uncommitted part file(s) (removed when generation resumes): "
                          + ", ".join(self.debris[:4]))

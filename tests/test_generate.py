@@ -325,9 +325,10 @@ def test_extract_reads_a_complete_output_and_refuses_an_incomplete_one(tiny_dens
 
 def test_a_stop_lands_within_a_step_and_the_rerun_completes_the_output(tiny_dense, straight_generate, tmp_path):
     """SIGTERM, then Ctrl-C (SIGINT to the group), while both workers hold mid-part: each stops within
-    a decoding step (seconds, not the part's end), its part in progress dropped, the parts committed
-    before it kept; the run exits with 128 + the signal saying how to resume, `status` says stopped;
-    the same command then completes the output, equal to an uninterrupted run."""
+    a decoding step (seconds, not the part's end), the parts committed before it kept and the finished
+    rows of its part in progress too (each the row an uninterrupted run writes); the run exits with
+    128 + the signal saying what it kept and how to resume, `status` says stopped; the same command
+    then decodes only the rest and completes the output, equal to an uninterrupted run."""
     import signal
     import time
 
@@ -335,7 +336,10 @@ def test_a_stop_lands_within_a_step_and_the_rerun_completes_the_output(tiny_dens
 
     prompts_path, straight = straight_generate
     args = ["generate", "--target", tiny_dense, "--prompts", prompts_path, *PARTS, "--devices", "cpu,cpu"]
-    for sig, hold in ((signal.SIGTERM, "generate-batch:1"), (signal.SIGINT, "generate-batch:3")):
+    # Held at a worker's first finished prompt (the second ends in the same step, two more take the
+    # slots: the stop lands mid-part, two rows kept), then at its third (the fourth ends with it: the
+    # part is committed whole and the stop lands before the next part: nothing to keep).
+    for sig, hold, keeps in ((signal.SIGTERM, "generate-batch:1", True), (signal.SIGINT, "generate-batch:3", False)):
         out = tmp_path / f"stopped-{sig.name}"
         proc = start([*args, "--out", out], {"DFLASH_OFFLINE_HOLD_AT": hold})
         wait_until(lambda: held(out / "logs", ["generate-rank0", "generate-rank1"]), proc)
@@ -345,21 +349,67 @@ def test_a_stop_lands_within_a_step_and_the_rerun_completes_the_output(tiny_dens
         took = time.monotonic() - t0
         assert proc.returncode == 128 + sig, err
         assert took < 10, took  # the workers' start-up is behind them: a step, then the exit
-        committed = len(json.loads((out / "manifest.json").read_text())["parts"])
-        assert committed < 4 and f"{committed}/4 parts committed, none half-written (the prompts of a part in " \
-            "progress are answered anew); run the same command again to resume" in err, err
+        m = json.loads((out / "manifest.json").read_text())
+        committed, kept_parts = len(m["parts"]), m.get("held") or {}
+        kept = sum(e["rows"] for e in kept_parts.values())
+        assert committed < 4 and (kept >= 2 if keeps else kept == 0), m
+        said = f", and {kept} finished rows of the parts in progress kept" if keeps else ""
+        assert f"{committed}/4 parts committed, none half-written{said} (the prompts not finished are decoded on " \
+            "resume); run the same command again to resume" in err, err
+        for name, e in kept_parts.items():  # each kept row is the row the uninterrupted run wrote
+            rows = pq.read_table(out / e["file"]).to_pylist()
+            assert len(rows) == e["rows"] and e["file"].startswith(f"{name}.held-")
+            assert all({k: r[k] for k in ("input_ids", "loss_mask")} ==
+                       {k: straight[r["id"]][k] for k in ("input_ids", "loss_mask")} for r in rows)
         assert f"{sig.name} received: stopping at the next decoding step (seconds)" in \
             (out / "logs" / "generate-launcher.log").read_text()
         st = run_cli(["status", out, "--json"])
         report = json.loads(st.stdout)
         assert report["kind"] == "generate" and report["parts_committed"] == committed, report
+        assert report["held_rows"] == kept and not report["debris"], report
         assert report["verdict"].startswith("stopped on request"), report["verdict"]
         one = [a if a != "cpu,cpu" else "cpu" for a in args]  # the rest in one process: the same rows
         r = run_cli([*one, "--out", out])
         assert r.returncode == 0, r.stderr[-3000:]
         assert read_output(out) == straight
+        m = json.loads((out / "manifest.json").read_text())
+        assert not m.get("held") and not list(out.glob("*.held-*")), m  # in the parts now, their files gone
         st = run_cli(["status", out])
         assert st.returncode == 0 and f"generated {out}: complete" in st.stdout and "4/4 parts" in st.stdout, st.stdout
+
+
+def test_two_stops_keep_the_finished_rows_of_a_sampled_padded_part(tiny_dense, tmp_path):
+    """Padded batches, sampled: a part of 6 prompts in 3 batches of 2. A stop in its second batch
+    keeps the first batch's 2 rows; the rerun decodes only the other 4, and a stop in their second
+    batch keeps 4 (a new held file listed in place of the first, which goes); the third run decodes
+    the last 2. Every row equals an uninterrupted run's."""
+    import signal
+
+    from test_graceful_stop import held, start, wait_until
+
+    prompts = make_prompts(tmp_path / "prompts.parquet", rows=12)
+    args = ["generate", "--target", tiny_dense, "--prompts", prompts, "--chunk-prompts", 6, "--batch-tokens", 2 * 54,
+            "--batching", "padded", "--temperature", 1, "--seed", 3, *GEN, "--devices", "cpu"]
+    r = run_cli([*args, "--out", tmp_path / "straight"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    straight = read_output(tmp_path / "straight")
+    out = tmp_path / "stopped"
+    for want in (2, 4):
+        proc = start([*args, "--out", out], {"DFLASH_OFFLINE_HOLD_AT": "generate-batch:1"})
+        wait_until(lambda: held(out / "logs", ["generate-launcher"]), proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = communicate_tree(proc, timeout=120)
+        assert proc.returncode == 128 + signal.SIGINT, err
+        m = json.loads((out / "manifest.json").read_text())
+        assert not m["parts"] and list(m["held"]) == ["part-00000"] and m["held"]["part-00000"]["rows"] == want, m
+        assert sorted(f.name for f in out.glob("*.held-*")) == [f"part-00000.held-{want}.parquet"]
+        assert f"0/2 parts committed, none half-written, and {want} finished rows of the parts in progress kept" in err
+        rows = pq.read_table(out / m["held"]["part-00000"]["file"]).to_pylist()
+        assert all(r["input_ids"] == straight[r["id"]]["input_ids"] for r in rows)
+    r = run_cli([*args, "--out", out])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert read_output(out) == straight
+    assert "part-00000: 2 prompts to decode, 4 kept by a stop" in (out / "logs" / "generate-launcher.log").read_text()
 
 
 _BAR = re.compile(r"(\d+)%\|[^|\r\n]*\| *([\d.]+k?)/([\d.]+k?) \[[\d:]+<([\d:?]+), *[^,\]]*, (\d+)/(\d+) prompts\]")

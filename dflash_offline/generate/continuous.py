@@ -33,7 +33,7 @@ import torch
 
 from dflash_offline.targets.static import StaticTarget, unsupported_reason
 from dflash_offline.generate.decoding import choose_tokens
-from dflash_offline.runtime.signals import check_stop
+from dflash_offline.runtime.signals import StopNow, check_stop
 from dflash_offline.sampling import Sampling
 
 log = logging.getLogger("dflash.decoding")
@@ -229,13 +229,15 @@ class ContinuousDecoder:
         return steps
 
     def decode_parts(self, parts: Iterator[Part], on_prompt: Callable[[object], None],
-                     on_part: Callable[[Part, list[list[int]], list[bool]], None]) -> int:
+                     on_part: Callable[[Part, list[list[int]], list[bool]], None],
+                     on_stop: Callable[[Part, list, list[bool]], None] | None = None) -> int:
         """generate's parts as one stream, each part's prompts longest first: once every prompt of a
         part holds a slot, the next part's prompts take slots as they free up, so the slots do not
         drain at each part's end. Calls on_prompt(part.handle) as a prompt ends and on_part(part,
         new tokens, ended by eos) as a part's last prompt ends (parts may end out of order). Parts
         are drawn from the iterator only when their prompts are wanted: stopping the iterator stops
-        the work after the parts begun. -> steps run."""
+        the work after the parts begun. A stop within a step (StopNow) calls on_stop(part, new tokens or
+        None per prompt, ended by eos) for each part begun and not ended, then goes on up. -> steps run."""
         running: dict[int, _Decoding] = {}
 
         def refill() -> list[Request]:
@@ -260,7 +262,12 @@ class ContinuousDecoder:
                 on_part(d.part, d.new, d.eos_end)
 
         t0 = time.perf_counter()
-        steps = self.run(deque(), finished, refill)
+        try:
+            steps = self.run(deque(), finished, refill)
+        except StopNow:
+            for d in list(running.values()) if on_stop is not None else []:
+                on_stop(d.part, d.new, d.eos_end)
+            raise
         log.info("%d steps of %d slots in %.2fs", steps, self.rows, time.perf_counter() - t0)
         return steps
 

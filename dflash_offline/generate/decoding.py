@@ -154,7 +154,7 @@ class BatchDecoder:
                 break
             if progress is not None and progress.due():  # a host clock read per step; a sync when due
                 self._report(out[:n, :t + 1], progress)
-            check_stop()  # a stop lands within a step: the batch is abandoned (answered anew on resume)
+            check_stop()  # a stop lands within a step: the batch is abandoned (its prompts decoded anew on resume)
             pos = pos + 1
             if self.compiled and dev.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()

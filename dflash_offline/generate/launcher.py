@@ -29,6 +29,7 @@ import numpy as np
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import check_compatible, id_ranges
 from dflash_offline.config import GenerateConfig
+from dflash_offline.generate.held import held_rows, to_do
 from dflash_offline.generate.plan import (CPU_CHUNK_PROMPTS, GPU_CHUNK_PROMPTS, Job, Preflight, make_batches,
                                           make_chunks, resolve_new_tokens)
 from dflash_offline.generate.progress import Bar, Todo, Tracker, todo_of, turns_per_row
@@ -159,7 +160,8 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
               source=source.state(),
               chunks=chunks, compute_dtype=compute_dtype, eos=eos, rows_per_batch=rows, max_prompt_len=max_prompt,
               compile=compile, chat=chat, max_positions=info.max_positions, turns=turns, copies=copies)
-    return Preflight(job, wanted, devices, todo_of([chunks[j] for j in todo], turns))
+    kept = None if chat is not None or not folder.is_dir() else parts.OutputStore(folder).read()
+    return Preflight(job, wanted, devices, todo_of(to_do(chunks, todo, kept), turns))
 
 
 def _plan_lengths(cfg: GenerateConfig, source, info, chat, most_turns: int) -> tuple[GenerateConfig, np.ndarray]:
@@ -247,8 +249,8 @@ def run(cfg: GenerateConfig) -> dict:
     log_dir = cfg.log_dir or str(folder / "logs")
     name = f"generate-rank{launch.rank}" if launch else "generate-launcher"
     open_command_log(cfg.log_dir, log_dir, name, cfg.out, (origin(cfg, "log_dir"), origin(cfg, "out")))
-    install_stop_handlers(safe_point="the next decoding step (seconds): the parts committed stay, a part in progress "
-                                     "is dropped and answered anew on resume")
+    install_stop_handlers(safe_point="the next decoding step (seconds): the parts committed stay, and so do the "
+                                     "finished rows of the parts in progress; the rest is decoded on resume")
     join_ranks(launch)  # a launch other than torchrun: every rank is there before any work
     t0 = time.time()
     heartbeat(phase="preflight")
@@ -290,9 +292,13 @@ def run(cfg: GenerateConfig) -> dict:
         stopped = _launch_workers(job, devices, todo, cfg.progress, log_dir)
     manifest = store.read()
     if stopped and manifest["status"] != "complete":
+        kept = held_rows(manifest)
         raise Stopped(stopped, f"stopped on {signal_name(stopped)}: {len(manifest['parts'])}/"
-                      f"{manifest['plan']['num_parts']} parts committed, none half-written (the prompts of a part in "
-                      "progress are answered anew); run the same command again to resume")
+                      f"{manifest['plan']['num_parts']} parts committed, none half-written"
+                      + (f", and {kept} finished rows of the parts in progress kept" if kept else "")
+                      + " (the prompts not finished are decoded on resume"
+                      + ("; conversations' parts in progress are answered anew" if job.chat is not None else "")
+                      + "); run the same command again to resume")
     _finish(store, merged, launch)
     t = manifest["totals"]
     if launch is None or launch.rank == 0:
@@ -330,7 +336,7 @@ def _finish(store, merged: Path | None, launch: Launch | None) -> None:
 
 def _launch_workers(job: Job, devices: list[str], todo: Todo, progress: bool, log_dir: str) -> int | None:
     """One worker process per device, to the end. Returns the signal number if the run was stopped
-    on request (the workers committed their parts in progress and exited), else None."""
+    on request (the workers kept what they had finished and exited), else None."""
     bar = Bar(todo, job.cfg.max_new_tokens, progress)  # the workers' Progress messages, added up
     try:
         ended = run_workers(worker_entry, devices, job, "generate", bar)
@@ -357,7 +363,7 @@ def worker_entry(rank: int, world: int, device: str, job: Job, q) -> None:
         left = worker_run(rank, world, device, job, q, False)
         if left:
             raise Stopped(stop_requested(), f"worker {rank}: stopped on {signal_name(stop_requested())} within a "
-                          "decoding step, its parts in progress dropped")
+                          "decoding step, the finished rows of its parts in progress kept")
 
 
 def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) -> int:
@@ -398,7 +404,8 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
         chat = ChatJob.start(job, cfg, src)
     # This worker's work, in new tokens as they are decoded (generate/progress.py): to the launcher's
     # bar through the queue, or to this process's own.
-    bar = None if q is not None else Bar(todo_of([job.chunks[j] for j in mine], job.turns), cfg.max_new_tokens,
+    kept = store.read() if job.chat is None else None
+    bar = None if q is not None else Bar(todo_of(to_do(job.chunks, mine, kept), job.turns), cfg.max_new_tokens,
                                          show_bar, "generate" if world == 1 else f"generate (rank {rank} of {world})")
     tracker = Tracker(q.put if q is not None else bar)
     for d in [x for x in (continuous, decoder) if x is not None]:
@@ -419,11 +426,12 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
                 _write_chat_part(job, chat, j, decoder, continuous, tracker, writer)
             else:
                 _write_padded_part(job, reader, src, j, decoder, writer)
-    except StopNow:  # a stop within a decoding step: the parts in progress go, those committed stay
-        committed = {p["name"] for p in store.read()["parts"]}
+    except StopNow:  # a stop within a decoding step: the parts committed stay, the finished rows of those in progress too
+        m = store.read()
+        committed = {p["name"] for p in m["parts"]}
         left = [j for j in mine if parts.part_name(j) not in committed]
-        log.info("stop requested: the parts in progress dropped within a step, %d of this worker's parts left to do "
-                 "(answered anew on resume)", len(left))
+        log.info("stop requested: stopped within a step, %d of this worker's parts left to do, %d finished rows of "
+                 "them kept (the rest decoded on resume)", len(left), held_rows(m))
         return len(left)
     finally:
         tracker.flush()
@@ -457,18 +465,23 @@ def _write_chat_part(job: Job, chat, j: int, decoder, continuous, tracker: Track
 
 def _write_padded_part(job: Job, reader, src, j: int, decoder, writer: PartWriter) -> None:
     """Part j of a prompt input through the padded decoder, batch by batch, then its commit."""
-    rows, name = job.chunks[j], parts.part_name(j)
-    prompts, ids = _part_prompts(job, reader, src, j)
-    new: list[list[int] | None] = [None] * len(rows)
-    eos_end = [False] * len(rows)
-    for batch in make_batches(np.asarray([len(p) for p in prompts]), job.rows_per_batch):
-        res = decoder.decode([prompts[k] for k in batch], [ids[k] for k in batch])
-        for k, toks, ended in zip(batch, res.tokens, res.ended_by_eos):
-            new[k], eos_end[k] = toks, ended
-        log.info("batch of %d prompts: %d new tokens in %.2fs (prefill %.2fs, %d steps)", len(batch),
-                 sum(len(t) for t in res.tokens), res.seconds, res.prefill_s, res.steps)
-        writer.prompts_ended(name, len(batch), flush=True)
-    writer.write(name, ids, prompts, new, eos_end)
+    name = parts.part_name(j)
+    rows = writer.rows(name, *_part_prompts(job, reader, src, j))
+    prompts, ids = rows.left_prompts, rows.left_ids  # less the rows a stop kept
+    new: list[list[int] | None] = [None] * len(prompts)
+    eos_end = [False] * len(prompts)
+    try:
+        for batch in make_batches(np.asarray([len(p) for p in prompts], dtype=np.int64), job.rows_per_batch):
+            res = decoder.decode([prompts[k] for k in batch], [ids[k] for k in batch])
+            for k, toks, ended in zip(batch, res.tokens, res.ended_by_eos):
+                new[k], eos_end[k] = toks, ended
+            log.info("batch of %d prompts: %d new tokens in %.2fs (prefill %.2fs, %d steps)", len(batch),
+                     sum(len(t) for t in res.tokens), res.seconds, res.prefill_s, res.steps)
+            writer.prompts_ended(name, len(batch), flush=True)
+    except StopNow:  # the batches that ended are kept
+        writer.hold(rows, new, eos_end)
+        raise
+    writer.write(rows, new, eos_end)
 
 
 def _decoders(job: Job, cfg: GenerateConfig, model):

@@ -6,7 +6,8 @@ next part's prompts take the slots that free up. Drained at each part's end, the
 on the part's longest replies, and with generate's GPU defaults (2048 prompts a part, 2048 slots of
 128 + 384 tokens) each part would decode as one padded batch. A part is committed as its last
 prompt ends; parts may end out of order (the manifest lists them by name, and a rerun redoes the
-parts it does not list).
+parts it does not list). A stop within a step keeps the finished rows of the parts in progress
+(held.py), and the rerun decodes only their other prompts.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from dflash_offline.cache.manifest import id_ranges
+from dflash_offline.generate.held import PartRows, keep, read_kept
 from dflash_offline.rows import parts
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.logs import heartbeat
@@ -30,6 +32,18 @@ class PartWriter:
     def __init__(self, folder: Path, store, tracker):
         self.folder, self.store, self.tracker = folder, store, tracker
         self.prompts_done = 0
+        self.manifest = store.read()  # as this worker found it: the rows a stop kept
+
+    def rows(self, name: str, prompts: list[list[int]], ids: list[int]) -> PartRows:
+        """Part `name`'s prompts, less the rows an earlier stop kept of it."""
+        rows = PartRows(name, prompts, ids, read_kept(self.folder, self.manifest, name))
+        if rows.kept:
+            log.info("%s: %d prompts to decode, %d kept by a stop", name, len(rows.left_ids), len(rows.kept))
+        return rows
+
+    def hold(self, rows: PartRows, new_left: list, eos_left: list[bool]) -> int:
+        """A stop within a step: keep the finished rows of this part in progress (held.py)."""
+        return keep(self.folder, self.store, rows, new_left, eos_left)
 
     def batch_done(self, part: str) -> None:
         """After each decoded batch: the heartbeat (the tokens went with the tracker), a crash-test point."""
@@ -50,11 +64,12 @@ class PartWriter:
         log.info("committed %s: %d rows, %d new tokens", entry["name"], entry["rows"], entry["new_tokens"])
         fault_point("part-committed")
 
-    def write(self, name: str, ids: list[int], prompts: list[list[int]], new: list, eos_end: list[bool]) -> None:
-        """Write one part's completions and commit it."""
+    def write(self, rows: PartRows, new_left: list, eos_left: list[bool]) -> None:
+        """Write one part's completions (the rows a stop kept and those decoded now) and commit it."""
         self.tracker.flush()
-        entry = parts.write_completions(self.folder, name, ids, prompts, new, eos_end)
-        entry["ids"] = id_ranges(ids)
+        new, eos_end = rows.whole(new_left, eos_left)
+        entry = parts.write_completions(self.folder, rows.name, rows.ids, rows.prompts, new, eos_end)
+        entry["ids"] = id_ranges(rows.ids)
         self.commit(entry)
 
 
@@ -65,7 +80,7 @@ def stream_parts(decoder, mine: list[int], load: Callable[[int], tuple[list[list
     from dflash_offline.generate.continuous import Part
 
     started = 0
-    ids_of: dict[int, list[int]] = {}
+    rows_of: dict[int, PartRows] = {}
 
     def parts():
         nonlocal started
@@ -74,14 +89,16 @@ def stream_parts(decoder, mine: list[int], load: Callable[[int], tuple[list[list
                 log.info("stop requested: %d of this worker's parts not started (%s first)", len(mine) - started,
                          name_of(j))
                 return
-            prompts, ids = load(j)
-            ids_of[j] = ids
+            rows = rows_of[j] = writer.rows(name_of(j), *load(j))
             started += 1
-            yield Part(j, name_of(j), prompts, ids)
+            yield Part(j, rows.name, rows.left_prompts, rows.left_ids)
 
     def on_part(part: Part, new: list, eos_end: list[bool]) -> None:
-        writer.write(part.name, ids_of.pop(part.handle), part.prompts, new, eos_end)
+        writer.write(rows_of.pop(part.handle), new, eos_end)
 
-    decoder.decode_parts(parts(), lambda j: writer.prompts_ended(name_of(j), 1), on_part)
+    def on_stop(part: Part, new: list, eos_end: list[bool]) -> None:
+        writer.hold(rows_of[part.handle], new, eos_end)
+
+    decoder.decode_parts(parts(), lambda j: writer.prompts_ended(name_of(j), 1), on_part, on_stop)
     writer.tracker.flush()
     return len(mine) - started

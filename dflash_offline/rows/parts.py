@@ -4,6 +4,7 @@
 OUT/
   manifest.json        the commit point: a part exists only once listed here
   part-00000.parquet   chunk 0 of the prompts, in the input contract (id, input_ids, loss_mask, ...)
+  part-00003.held-N.parquet  N finished rows of a part a stop found in progress (generate/held.py)
   logs/                one log file (and heartbeat) per process
 ```
 A part is written under a temporary name, flushed, renamed into place, and only then listed in
@@ -238,6 +239,7 @@ class OutputStore:
             m = self.read()
             if m is None:
                 raise RuntimeError(f"{self.folder / MANIFEST} vanished during generation")
+            held = (m.get("held") or {}).pop(entry["name"], None)  # rows a stop kept: now in the part
             if entry["name"] not in {p["name"] for p in m["parts"]}:
                 m["parts"].append(entry)
                 m["parts"].sort(key=lambda p: p["name"])
@@ -246,7 +248,20 @@ class OutputStore:
                     m["status"] = "complete"
                     m["completed"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
                 self.loc.write_json_atomic(MANIFEST, m)
+            if held is not None:
+                Path(self.loc.path(held["file"])).unlink(missing_ok=True)
             return m
+
+    def hold(self, name: str, entry: dict) -> None:
+        """List the finished rows a stop kept of part `name` (generate/held.py), replacing an
+        earlier list of them; the file it replaces goes after the manifest does."""
+        with self.loc.lock():
+            m = self.read()
+            before = m.setdefault("held", {}).get(name)
+            m["held"][name] = entry
+            self.loc.write_json_atomic(MANIFEST, m)
+        if before is not None and before["file"] != entry["file"]:
+            Path(self.loc.path(before["file"])).unlink(missing_ok=True)
 
     def record(self, key: str, value) -> None:
         """Set one top-level field (e.g. the merged single-file output) under the lock."""
@@ -256,10 +271,13 @@ class OutputStore:
             self.loc.write_json_atomic(MANIFEST, m)
 
     def remove_debris(self, mine: set[str]) -> None:
-        """Part files (finished or temporary) of these uncommitted parts: left by a killed run."""
+        """Part files (finished or temporary) of these uncommitted parts, left by a killed run; and
+        their held-row files (generate/held.py) but the ones the manifest lists."""
+        listed = {e["file"] for e in ((self.read() or {}).get("held") or {}).values()}
         for name in self.loc.listdir(""):
             stem = name.split(".parquet", 1)[0]
-            if stem in mine and name.startswith("part-"):
+            part = stem.split(".", 1)[0]  # part-00003 of part-00003.held
+            if name.startswith("part-") and part in mine and name not in listed:
                 os.remove(self.loc.path(name))
 
 
