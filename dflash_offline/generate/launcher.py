@@ -30,10 +30,9 @@ from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import check_compatible, id_ranges
 from dflash_offline.config import GenerateConfig
 from dflash_offline.generate.held import held_rows, to_do
-from dflash_offline.generate.plan import (CPU_CHUNK_PROMPTS, GPU_CHUNK_PROMPTS, Job, Preflight, make_batches,
-                                          make_chunks, resolve_new_tokens)
+from dflash_offline.generate.plan import (CPU_CHUNK_PROMPTS, GPU_CHUNK_PROMPTS, Job, Preflight, make_chunks, resolve_new_tokens)
 from dflash_offline.generate.progress import Bar, Todo, Tracker, todo_of, turns_per_row
-from dflash_offline.generate.writing import PartWriter, stream_parts
+from dflash_offline.generate.writing import PartWriter, stream_parts, write_padded_part
 from dflash_offline.options import also, where as origin
 from dflash_offline.rows import parts
 from dflash_offline.rows.parts import check_part_folders, check_part_hashes, write_parquet_atomic
@@ -160,8 +159,12 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
               source=source.state(),
               chunks=chunks, compute_dtype=compute_dtype, eos=eos, rows_per_batch=rows, max_prompt_len=max_prompt,
               compile=compile, chat=chat, max_positions=info.max_positions, turns=turns, copies=copies)
-    kept = None if chat is not None or not folder.is_dir() else parts.OutputStore(folder).read()
-    return Preflight(job, wanted, devices, todo_of(to_do(chunks, todo, kept), turns))
+    return Preflight(job, wanted, devices, todo_of(to_do(chunks, todo, _kept_by_a_stop(folder, chat)), turns))
+
+
+def _kept_by_a_stop(folder: Path, chat) -> dict | None:
+    """The manifest whose `held` lists the rows a stop kept (generate/held.py): the bar leaves them out."""
+    return None if chat is not None or not folder.is_dir() else parts.OutputStore(folder).read()
 
 
 def _plan_lengths(cfg: GenerateConfig, source, info, chat, most_turns: int) -> tuple[GenerateConfig, np.ndarray]:
@@ -425,7 +428,8 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
             if chat is not None:
                 _write_chat_part(job, chat, j, decoder, continuous, tracker, writer)
             else:
-                _write_padded_part(job, reader, src, j, decoder, writer)
+                write_padded_part(parts.part_name(j), _part_prompts(job, reader, src, j), job.rows_per_batch, decoder,
+                                  writer)
     except StopNow:  # a stop within a decoding step: the parts committed stay, the finished rows of those in progress too
         m = store.read()
         committed = {p["name"] for p in m["parts"]}
@@ -461,27 +465,6 @@ def _write_chat_part(job: Job, chat, j: int, decoder, continuous, tracker: Track
     tracker.completed(prompts=len(rows), bound=-(int(job.turns[rows].sum()) - written) * job.cfg.max_new_tokens)
     tracker.flush()
     writer.commit(entry)
-
-
-def _write_padded_part(job: Job, reader, src, j: int, decoder, writer: PartWriter) -> None:
-    """Part j of a prompt input through the padded decoder, batch by batch, then its commit."""
-    name = parts.part_name(j)
-    rows = writer.rows(name, *_part_prompts(job, reader, src, j))
-    prompts, ids = rows.left_prompts, rows.left_ids  # less the rows a stop kept
-    new: list[list[int] | None] = [None] * len(prompts)
-    eos_end = [False] * len(prompts)
-    try:
-        for batch in make_batches(np.asarray([len(p) for p in prompts], dtype=np.int64), job.rows_per_batch):
-            res = decoder.decode([prompts[k] for k in batch], [ids[k] for k in batch])
-            for k, toks, ended in zip(batch, res.tokens, res.ended_by_eos):
-                new[k], eos_end[k] = toks, ended
-            log.info("batch of %d prompts: %d new tokens in %.2fs (prefill %.2fs, %d steps)", len(batch),
-                     sum(len(t) for t in res.tokens), res.seconds, res.prefill_s, res.steps)
-            writer.prompts_ended(name, len(batch), flush=True)
-    except StopNow:  # the batches that ended are kept
-        writer.hold(rows, new, eos_end)
-        raise
-    writer.write(rows, new, eos_end)
 
 
 def _decoders(job: Job, cfg: GenerateConfig, model):

@@ -16,12 +16,15 @@ import logging
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from dflash_offline.cache.manifest import id_ranges
 from dflash_offline.generate.held import PartRows, keep, read_kept
+from dflash_offline.generate.plan import make_batches
 from dflash_offline.rows import parts
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.logs import heartbeat
-from dflash_offline.runtime.signals import stop_requested
+from dflash_offline.runtime.signals import StopNow, stop_requested
 
 log = logging.getLogger("dflash.generate")
 
@@ -102,3 +105,25 @@ def stream_parts(decoder, mine: list[int], load: Callable[[int], tuple[list[list
     decoder.decode_parts(parts(), lambda j: writer.prompts_ended(name_of(j), 1), on_part, on_stop)
     writer.tracker.flush()
     return len(mine) - started
+
+
+def write_padded_part(name: str, part: tuple[list[list[int]], list[int]], rows_per_batch: int, decoder,
+                      writer: PartWriter) -> None:
+    """A part of a prompt input ((prompts, ids)) through the padded decoder, batch by batch, less
+    the rows a stop kept, then its commit; a stop within a batch keeps the batches that ended."""
+    rows = writer.rows(name, *part)
+    prompts, ids = rows.left_prompts, rows.left_ids
+    new: list[list[int] | None] = [None] * len(prompts)
+    eos_end = [False] * len(prompts)
+    try:
+        for batch in make_batches(np.asarray([len(p) for p in prompts], dtype=np.int64), rows_per_batch):
+            res = decoder.decode([prompts[k] for k in batch], [ids[k] for k in batch])
+            for k, toks, ended in zip(batch, res.tokens, res.ended_by_eos):
+                new[k], eos_end[k] = toks, ended
+            log.info("batch of %d prompts: %d new tokens in %.2fs (prefill %.2fs, %d steps)", len(batch),
+                     sum(len(t) for t in res.tokens), res.seconds, res.prefill_s, res.steps)
+            writer.prompts_ended(name, len(batch), flush=True)
+    except StopNow:
+        writer.hold(rows, new, eos_end)
+        raise
+    writer.write(rows, new, eos_end)
