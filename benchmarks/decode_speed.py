@@ -142,13 +142,13 @@ def part1(args, device: str) -> dict:
         row: dict = {"path": str(path), "block_size": B}
         t0 = time.perf_counter()
         spec1, s = run(StaticDecoder(model, d, 1, P, new, eos, compile=args.compile), one)
-        row["batch1"] = {**figures(spec1, s), "tau": summarize(spec1, B)["tau"], "setup_s": time.perf_counter() - t0 - s,
+        row["batch1"] = {**figures(spec1, s), "tau": summarize(spec1, B).tau, "setup_s": time.perf_counter() - t0 - s,
                          "equal_to_alone": sum(a.tokens == b.tokens for a, b in zip(spec1, alone1))}
         row["batch1"]["speedup"] = row["batch1"]["tokens_per_s"] / res["batch1_alone"]["tokens_per_s"]
         t0 = time.perf_counter()
         specn, s = run(StaticDecoder(model, d, rows, P, new, eos, compile=args.compile, bucket_step=args.bucket_step),
                        prompts)
-        row["batched"] = {**figures(specn, s), "tau": summarize(specn, B)["tau"], "setup_s": time.perf_counter() - t0 - s,
+        row["batched"] = {**figures(specn, s), "tau": summarize(specn, B).tau, "setup_s": time.perf_counter() - t0 - s,
                           "equal_to_alone": sum(a.tokens == b.tokens for a, b in zip(specn, alone_n))}
         row["batched"]["speedup_vs_static_alone"] = row["batched"]["tokens_per_s"] / res["batched_alone"]["static"]["tokens_per_s"]
         row["batched"]["speedup_vs_fastest_alone"] = row["batched"]["tokens_per_s"] / fastest["tokens_per_s"]
@@ -162,7 +162,7 @@ def part1(args, device: str) -> dict:
             d = load_drafter(path, args.target).to(device=device, dtype=torch.float32).eval()
             got = StaticDecoder(model32, d, rows, P, new, eos).decode_all(prompts)
             row["fp32_equal_to_reference"] = sum(g.tokens == w for g, w in zip(got, want))
-            row["fp32_tau"] = summarize(got, d.cfg.block_size)["tau"]
+            row["fp32_tau"] = summarize(got, d.cfg.block_size).tau
     return res
 
 

@@ -271,7 +271,7 @@ def eval_(ctx: click.Context, config_file, **options) -> None:
     report = evaluate.run(cfg)
     # A check that failed (outputs not equal to the target's, estimates that disagree) fails the
     # command, after the report and its JSON: scripts and CI read the exit status.
-    if any(d.get("lossless") is False or not d.get("parity", {}).get("agree", True) for d in report["drafters"]):
+    if report.failed():
         ctx.exit(1)
 
 
@@ -400,7 +400,7 @@ def demo(ctx: click.Context, out: str | None, devices: str, chat: bool) -> None:
     from dflash_offline import demo as demo_mod  # start-up: a command imports its own stage only
 
     report = demo_mod.run(out, devices)
-    if not all(d.get("lossless", True) for d in report["drafters"]):  # as eval: a failed check fails the command
+    if report.failed():  # as eval: a failed check fails the command
         ctx.exit(1)
 
 

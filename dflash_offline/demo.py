@@ -104,14 +104,14 @@ def run(out: str, devices: str = "cpu") -> dict:
     export = run_dir / "export"
     report = evaluate.run(EvalConfig(target=str(target), drafters=[str(export)], prompts=str(prompts_eval),
                                      max_new_tokens=NEW_TOKENS, ignore_eos=True, json_path=str(root / "eval.json")))
-    e = report["drafters"][0]
+    e = report.drafters[0]
     print(f"\ntarget:    {target}\nprompts:   {prompts_train} (training), {prompts_eval} (held out)\n"
           f"generated: {generated} (the target's own completions; logs in {generated / 'logs'})\n"
           f"cache:     {cache} (logs in {cache / 'logs'})\nrun:       {run_dir} (metrics.jsonl, step-N/ checkpoints, logs/)\n"
           f"export:    {export}\neval:      {root / 'eval.json'}\n"
-          f"decoding:  tau {e['tau']:.2f} (pooled over {e['rounds']} rounds of {EVAL_PROMPTS} held-out prompts, block "
-          f"{e['block_size']}), {e['speedup']:.2f}x the target alone on the CPU, "
-          f"{'lossless' if e['lossless'] else 'NOT LOSSLESS'}", flush=True)
+          f"decoding:  tau {e.decode.tau:.2f} (pooled over {e.decode.rounds} rounds of {EVAL_PROMPTS} held-out prompts, "
+          f"block {e.block_size}), {e.speedup:.2f}x the target alone on the CPU, "
+          f"{'lossless' if e.lossless else 'NOT LOSSLESS'}", flush=True)
     first = reader.manifest["shards"][0]["sample_ids"][0][0]  # the first committed sample's id
     print(f"\nlook inside:\n"
           f"  what each stage did:  dflash-offline status {root}\n"

@@ -116,7 +116,7 @@ def test_batched_equals_one_prompt_decoding_with_oracle_drafts(target, corrupt, 
     assert [r.committed for r in batched] == [r.committed for r in one]
     s = summarize(batched, B)
     # The reference's tau: every output token after the first is committed by one round.
-    assert s["committed"] == len(prompts) * (MAX_NEW - 1) and s["tau"] == s["committed"] / s["rounds"]
+    assert s.committed == len(prompts) * (MAX_NEW - 1) and s.tau == s.committed / s.rounds
     if corrupt:
         assert set(range(B)) <= {a for r in batched for a in r.accepted}  # every accepted length occurs
     else:
@@ -124,7 +124,7 @@ def test_batched_equals_one_prompt_decoding_with_oracle_drafts(target, corrupt, 
         # Whole blocks of B, then a last round that drafts (and commits) only the 28 % 8 = 4 left.
         whole, rest = divmod(MAX_NEW - 1, B)
         assert rest and all(r.committed == [B] * whole + [rest] and r.accepted[-1] == rest for r in batched)
-        assert s["tau"] == (MAX_NEW - 1) / (whole + 1)
+        assert s.tau == (MAX_NEW - 1) / (whole + 1)
 
 
 @pytest.mark.parametrize("decoder", ["rerun", "kv"])
@@ -154,7 +154,7 @@ def test_batched_equals_one_prompt_decoding_with_a_drafter(target, decoder):
     assert [r.accepted for r in batched] == [r.accepted for r in one]
     assert [r.committed for r in batched] == [r.committed for r in one]
     assert [sum(r.committed) for r in batched] == [len(w) - 1 for w in want]  # eos: nothing after it counts
-    assert 1.0 <= summarize(batched, 4)["tau"] < 1.2  # an untrained drafter: tau near 1
+    assert 1.0 <= summarize(batched, 4).tau < 1.2  # an untrained drafter: tau near 1
 
 
 def test_kv_decoder_refuses_sliding_window_targets():

@@ -135,12 +135,12 @@ def test_oracle_gives_tau_equal_to_block_size_and_random_near_one(target, block_
     # MAX_NEW - 1 = 32 tokens after the first: whole blocks of 4 or 8, every round commits B.
     assert (MAX_NEW - 1) % block_size == 0 and all(r.committed == [block_size] * ((MAX_NEW - 1) // block_size)
                                                    for r in oracle)
-    assert s["tau"] == block_size and s["accept_rate"] == [1.0] * (block_size - 1)
-    assert s["committed"] == len(prompts) * (MAX_NEW - 1) and s["tau"] == s["committed"] / s["rounds"]
+    assert s.tau == block_size and s.accept_rate == [1.0] * (block_size - 1)
+    assert s.committed == len(prompts) * (MAX_NEW - 1) and s.tau == s.committed / s.rounds
     rand = [speculative_decode(session, RandomProposer(block_size, seed=i), p, MAX_NEW, set())
             for i, p in enumerate(prompts)]
     assert [r.tokens for r in rand] == reference
-    assert 1.0 <= summarize(rand, block_size)["tau"] < 1.1
+    assert 1.0 <= summarize(rand, block_size).tau < 1.1
 
 
 def test_partial_acceptance_rolls_back_every_amount(target):
@@ -331,11 +331,11 @@ def test_walk_equals_decoding_tau_on_own_greedy_completions(own_cache, tiny_dens
         runs = decode_cache_prompts(session, d, cache, ids, WALK_NEW, full=True)
         assert [x["accepted"] for x in walk["per_sample"]] == [r.accepted for r in runs]
         s = summarize(runs, WALK_B)
-        assert s["committed"] == len(prompts) * (WALK_NEW - 1) and s["tau"] == s["committed"] / s["rounds"]
-        assert walk["tau_pooled"] == s["tau"] and walk["rounds"] == s["rounds"]
-        assert walk["accept_rate"] == s["accept_rate"]
-        assert walk["tau_per_prompt_mean"] == s["tau_per_prompt_mean"]
-        assert s["tau_per_prompt"] == [sum(r.committed) / len(r.committed) for r in runs]
+        assert s.committed == len(prompts) * (WALK_NEW - 1) and s.tau == s.committed / s.rounds
+        assert walk["tau_pooled"] == s.tau and walk["rounds"] == s.rounds
+        assert walk["accept_rate"] == s.accept_rate
+        assert walk["tau_per_prompt_mean"] == s.tau_per_prompt_mean
+        assert s.tau_per_prompt == [sum(r.committed) / len(r.committed) for r in runs]
         # Every candidate anchor: all completion tokens but the last of each sample.
         assert walk["anchors"] == len(prompts) * (WALK_NEW + WALK_B - 1)
         assert 1.0 <= walk["tau_all_anchors"] <= WALK_B and len(walk["slot_accuracy"]) == WALK_B - 1
@@ -361,7 +361,7 @@ def test_walk_equals_decoding_tau_on_own_greedy_completions(own_cache, tiny_dens
     full = walk_acceptance(str(cache), d, "cpu", per_sample=True)
     runs = decode_cache_prompts(session, d, cache, ids, WALK_NEW + WALK_B, full=True)
     assert [x["accepted"] for x in full["per_sample"]] == [r.accepted for r in runs]
-    assert full["tau_pooled"] == summarize(runs, WALK_B)["tau"]
+    assert full["tau_pooled"] == summarize(runs, WALK_B).tau
 
 
 def test_random_anchor_estimate_reads_a_layer_subset(own_cache, tiny_dense):

@@ -83,7 +83,7 @@ def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str
     made_in = capture.get("compute_dtype", dtype)
     bound = feature_bound(capture["hidden_dtype"], dtype, made_in)
     err = np.max(np.stack(list(gaps.values())), axis=0)
-    walk_tau, dec_tau = walk["tau_pooled"], dec["tau"]
+    walk_tau, dec_tau = walk["tau_pooled"], dec.tau
     gap = (dec_tau - walk_tau) / walk_tau
     causes = []
     want_mask = mask_token_from_tokenizer(Path(target_dir))
@@ -106,7 +106,7 @@ def check_parity(target_dir: str, drafter, cache: str, samples: int, device: str
     report = {
         "samples": len(runs), "every_anchor_tau": walk["tau_all_anchors"], "walk_tau": walk_tau,
         "walk_tau_per_prompt_mean": walk["tau_per_prompt_mean"], "decoding_tau": dec_tau,
-        "decoding_tau_per_prompt_mean": dec["tau_per_prompt_mean"], "relative_gap": gap, "agree": agree,
+        "decoding_tau_per_prompt_mean": dec.tau_per_prompt_mean, "relative_gap": gap, "agree": agree,
         "tolerance": tolerance, "same_rounds_samples": same_rounds, "lossless": not mismatched,
         "feature_relative_error": [float(e) for e in err], "feature_bound": bound,
         "feature_gap": {p: [float(e) for e in g] for p, g in gaps.items()}, "causes": causes, "seconds": time.time() - t0,

@@ -41,7 +41,8 @@ from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore
 from dflash_offline.cache.view import ManifestView
 from dflash_offline.evaluate.ceiling import find_shape, format_implied, implied_speedup
-from dflash_offline.evaluate.verdicts import VERDICTS, divergence_lines
+from dflash_offline.evaluate.report import (Baseline, DecodeSetup, DrafterResult, EvalReport, Implied)
+from dflash_offline.evaluate.verdicts import Divergence, divergence_lines
 from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, checkpoint_before, checkpoint_damage, load_checkpoint
 from dflash_offline.runs.folder import is_run_folder
 from dflash_offline.runtime.early_log import open_launcher_log
@@ -49,7 +50,7 @@ from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.launch import check_devices_exist, parse_devices, single_thread_compute
 from dflash_offline.runtime.logs import claim_heartbeat, log_dir_refusal
 from dflash_offline.sampling import Sampling
-from dflash_offline.runtime.paths import REPORT_FORMAT, check_report_dest, require_kind
+from dflash_offline.runtime.paths import check_report_dest, require_kind
 from dflash_offline.targets.folder import eos_ids, read_target
 from dflash_offline.text import show_decoded, show_tokenizer
 
@@ -168,7 +169,7 @@ def log_folder(cfg: EvalConfig) -> Path:
     return Path("dflash-logs").absolute()
 
 
-def run(cfg: EvalConfig) -> dict:
+def run(cfg: EvalConfig) -> EvalReport:
     cfg.validate()
     said = partial(where, cfg)
     require_kind(cfg.cache, said("cache"), True, "a cache folder (the one with manifest.json)")
@@ -208,25 +209,29 @@ def run(cfg: EvalConfig) -> dict:
         if cfg.seq_len <= widest:
             raise UserError(f"{where(cfg, 'seq_len')} {cfg.seq_len} must exceed the drafter's block size ({widest}): "
                             "the cache estimate's rows hold an anchor and its drafted tokens; raise it")
-    report: dict = {"format": REPORT_FORMAT, "target": str(Path(cfg.target).absolute()), "device": device, "dtype": cfg.dtype,
-                    "torch": torch.__version__,
-                    "drafters": [{"path": str(p), "block_size": d.cfg.block_size} for p, d in drafters]}
+    report = EvalReport(target=str(Path(cfg.target).absolute()), device=device, dtype=cfg.dtype,
+                        torch=torch.__version__, drafters=[DrafterResult(str(p), d.cfg.block_size) for p, d in drafters])
     if cfg.prompts:
-        _decode_all(cfg, drafters, device, report)
+        report.decode, report.baseline, report.drafters = _decode_all(cfg, drafters, device)
     if cfg.cache:
-        _cache_figures(cfg, drafters, device, report)
+        report.cache = str(cfg.cache)
+        for (path, d), result in zip(drafters, report.drafters):
+            result.cache_walk, result.cache_estimate, result.parity = _cache_figures(cfg, path, d, device)
     if cfg.implied_for and cfg.prompts:
-        _implied(cfg, drafters, report)
+        for (_, d), result in zip(drafters, report.drafters):
+            result.implied = _implied(cfg, d, result)
     print(format_report(report), flush=True)
     if cfg.json_path:
         tmp = Path(f"{cfg.json_path}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(report, indent=1) + "\n")
+        tmp.write_text(json.dumps(report.to_json(), indent=1) + "\n")
         os.replace(tmp, cfg.json_path)  # whole or not at all
         print(f"json: {cfg.json_path}")
     return report
 
 
-def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
+def _decode_all(cfg: EvalConfig, drafters, device: str) -> tuple[DecodeSetup, Baseline | None, list[DrafterResult]]:
+    """The prompts through the target alone (when asked for, or needed as the reference) and through
+    each drafter: the set-up, the baseline, each drafter's result."""
     # Here, not at the top: the command's log opens before torch is imported (cli.py; tests/test_layout.py).
     from dflash_offline.evaluate.decoders import Decoders
     from dflash_offline.evaluate.speculative import load_target_for_decoding
@@ -243,10 +248,6 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
     model, info = load_target_for_decoding(cfg.target, device, cfg.dtype)
     log.info("decoding %d prompts, up to %d new tokens, eos %s, %s on %s", len(prompts), cfg.max_new_tokens,
              sorted(eos), cfg.dtype, device)
-    report.update({"prompts": str(cfg.prompts), "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
-                   "eos": sorted(eos), "hybrid_target": info.hybrid, "prompt_ids": ids,
-                   "lossless_against": None if cfg.temperature > 0 else str(cfg.reference) if cfg.reference
-                   else ("baseline" if baseline else None)})
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.seed, cfg.top_k)
     decoders = Decoders(model, cfg.decoder, cfg.batch_size, max(len(p) for p in prompts), cfg.max_new_tokens, eos,
                         sampling, device, cfg.dtype, said)
@@ -258,14 +259,19 @@ def _decode_all(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
                     cfg.max_new_tokens)
     if turn_warning:
         log.warning("%s", turn_warning)
-    report.update({"decoder": decoders.name, "decoding": decoders.describe, "batch_size": cfg.batch_size,
-                   "sampling": dataclasses.asdict(sampling)})
+    setup = DecodeSetup(prompts=str(cfg.prompts), num_prompts=len(prompts), max_new_tokens=cfg.max_new_tokens,
+                        eos=sorted(eos), hybrid_target=info.hybrid, prompt_ids=ids,
+                        lossless_against=None if cfg.temperature > 0 else str(cfg.reference) if cfg.reference
+                        else ("baseline" if baseline else None),
+                        decoder=decoders.name, decoding=decoders.describe, batch_size=cfg.batch_size, sampling=sampling)
     log.info("decoder: %s; %s", decoders.describe,
              "greedy" if sampling.greedy else f"sampling {dataclasses.asdict(sampling)}")
+    alone = None
     if baseline:
-        reference = _decode_baseline(cfg, decoders, prompts, ids, report, reference, sampling.greedy)
-    for i, (path, drafter) in enumerate(drafters):
-        _decode_drafter(cfg, decoders, path, drafter, prompts, ids, report["drafters"][i], report, reference, tok)
+        alone, reference = _decode_baseline(cfg, decoders, prompts, ids, reference, sampling.greedy)
+    results = [_decode_drafter(cfg, decoders, path, drafter, prompts, ids, alone, reference, tok)
+               for path, drafter in drafters]
+    return setup, alone, results
 
 
 def _every(prompts: list) -> int:
@@ -274,9 +280,10 @@ def _every(prompts: list) -> int:
     return max(1, len(prompts) // 10)
 
 
-def _decode_baseline(cfg: EvalConfig, decoders, prompts, ids, report: dict, reference, greedy: bool):
-    """The target alone through the same decoder and batches: a like-for-like speed-up. Returns the
-    reference the drafters are checked against (its outputs, when greedy and none was given)."""
+def _decode_baseline(cfg: EvalConfig, decoders, prompts, ids, reference, greedy: bool) -> tuple[Baseline, list | None]:
+    """The target alone through the same decoder and batches: a like-for-like speed-up. Returns its
+    figures and the reference the drafters are checked against (its outputs, when greedy and none
+    was given)."""
     from tqdm import tqdm
 
     from dflash_offline.evaluate.speculative import Decoded, summarize, tokens_per_s
@@ -295,20 +302,20 @@ def _decode_baseline(cfg: EvalConfig, decoders, prompts, ids, report: dict, refe
     with batch_fits(cfg, decoders.device):
         runs = decoders.target_alone(prompts, ids, alone_progress)
     bar.close()
-    report["baseline"] = {k: v for k, v in summarize(runs, 2).items() if k in ("tokens", "seconds", "tokens_per_s", "target_forwards")}
+    s = summarize(runs, 2)
+    alone = Baseline(tokens=s.tokens, seconds=s.seconds, tokens_per_s=s.tokens_per_s, target_forwards=s.target_forwards)
     if reference is None and greedy:
-        return [r.tokens for r in runs]
+        return alone, [r.tokens for r in runs]
     if reference is not None:
         # Both given: a baseline that differs from the reference says the reference is not this
         # target's greedy decode in this dtype, rather than the drafter path being wrong.
-        report["baseline"]["mismatched_reference_ids"] = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference))
-                                                          if r.tokens != ref]
-    return reference
+        alone.mismatched_reference_ids = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference)) if r.tokens != ref]
+    return alone, reference
 
 
-def _decode_drafter(cfg: EvalConfig, decoders, path, drafter, prompts, ids, e: dict, report: dict, reference,
-                    tok) -> None:
-    """One drafter's speculative decode of every prompt, its figures into its report entry `e`."""
+def _decode_drafter(cfg: EvalConfig, decoders, path, drafter, prompts, ids, alone: Baseline | None, reference,
+                    tok) -> DrafterResult:
+    """One drafter's speculative decode of every prompt: its figures, checked against the reference."""
     from tqdm import tqdm
 
     from dflash_offline.evaluate.speculative import Decoded, summarize
@@ -328,73 +335,68 @@ def _decode_drafter(cfg: EvalConfig, decoders, path, drafter, prompts, ids, e: d
     with batch_fits(cfg, decoders.device):
         runs = decoders.speculative(drafter, prompts, ids, progress)
     bar.close()
-    e.update(summarize(runs, drafter.cfg.block_size + drafter.cfg.label_offset))  # DSpark drafts B a round
-    e["accepted_per_prompt"] = [r.accepted for r in runs]  # each round's accepted drafts, in prompt_ids' order
-    e["committed_per_prompt"] = [r.committed for r in runs]  # each round's committed new tokens
+    dec = summarize(runs, drafter.cfg.block_size + drafter.cfg.label_offset)  # DSpark drafts B a round
+    e = DrafterResult(str(path), drafter.cfg.block_size, decode=dec, accepted_per_prompt=[r.accepted for r in runs],
+                      committed_per_prompt=[r.committed for r in runs])
     show_decoded(tok, path, ids, prompts, runs, cfg.show)  # --show N: where the drafter was right, as text
-    if "baseline" in report:
-        e["speedup"] = e["tokens_per_s"] / report["baseline"]["tokens_per_s"]
+    if alone is not None:
+        e.speedup = dec.tokens_per_s / alone.tokens_per_s
     if reference is not None:
         bad = [ids[k] for k, (r, ref) in enumerate(zip(runs, reference)) if r.tokens != ref]
-        e["lossless"] = not bad
-        e["mismatched_prompt_ids"] = bad
+        e.lossless, e.mismatched_prompt_ids = not bad, bad
         if bad:
             log.error("%s: %d of %d outputs differ from the target's greedy decode%s (ids %s)", path, len(bad),
                       len(runs), f" in {cfg.reference}" if cfg.reference else "", bad[:10])
-            _forensics(cfg, decoders, prompts, ids, runs, reference, e)
-    log.info("%s: tau %.3f over %d rounds, %.1f tokens/s", path, e["tau"], e["rounds"], e["tokens_per_s"])
+            e.divergences = _forensics(cfg, decoders, prompts, ids, runs, reference)
+    log.info("%s: tau %.3f over %d rounds, %.1f tokens/s", path, dec.tau, dec.rounds, dec.tokens_per_s)
+    return e
 
 
 FEW_PROMPTS = 8  # below this many prompts the report says its speed-up means little
 
 
-def _forensics(cfg: EvalConfig, decoders, prompts, ids, runs, reference, e: dict) -> None:
+def _forensics(cfg: EvalConfig, decoders, prompts, ids, runs, reference) -> list[Divergence]:
     """Where each differing output parts from the reference, and why: in the report and the log."""
     from dflash_offline.evaluate.forensics import diagnose_all
 
     found = diagnose_all(decoders.model, prompts, ids, [r.tokens for r in runs], reference, cfg.dtype, decoders.describe,
                          "file" if cfg.reference else "baseline")
-    e["divergences"] = [d.as_dict() for d in found]
-    e["divergence_verdicts"] = {v: sum(d.verdict == v for d in found) for v in VERDICTS}
     for d in found:
         log.error("%s", d.line())
+    return found
 
 
-def _cache_figures(cfg: EvalConfig, drafters, device: str, report: dict) -> None:
-    """The cache's figures for each drafter: the walk, the random-block estimate, --parity."""
-    report["cache"] = str(cfg.cache)
-    for i, (path, d) in enumerate(drafters):
-        walk = walk_acceptance(cfg.cache, d, device, cfg.max_samples, batch_rows=cfg.walk_batch_rows,
-                               option=where(cfg, "cache"))
-        # After the first walk: a cache with nothing to walk is refused in one line, and a refusal
-        # leaves no log folder behind (the walk reads the samples that say so).
-        claim_heartbeat()
-        log.info("cache walk for %s: tau %.3f pooled, %.3f per-prompt mean, over %d rounds of %d samples (%.1fs)",
-                 path, walk["tau_pooled"], walk["tau_per_prompt_mean"], walk["rounds"], walk["samples"],
-                 walk["seconds"])
-        report["drafters"][i]["cache_walk"] = walk
-        t0 = time.time()
-        est = cache_acceptance(cfg.cache, d, device, cfg.seq_len, cfg.num_anchors, cfg.max_rows,
-                               option=where(cfg, "cache"))
-        log.info("cache estimate for %s: tau %.3f over %d random blocks (%.1fs)", path, est["tau"], est["blocks"],
-                 time.time() - t0)
-        report["drafters"][i]["cache_estimate"] = est
-        if cfg.parity:
-            from dflash_offline.evaluate.parity import check_parity
+def _cache_figures(cfg: EvalConfig, path, d, device: str) -> tuple[dict, dict, dict | None]:
+    """A drafter's figures on the cache: the walk, the random-block estimate, and --parity's check."""
+    walk = walk_acceptance(cfg.cache, d, device, cfg.max_samples, batch_rows=cfg.walk_batch_rows,
+                           option=where(cfg, "cache"))
+    # After the first walk: a cache with nothing to walk is refused in one line, and a refusal
+    # leaves no log folder behind (the walk reads the samples that say so).
+    claim_heartbeat()
+    log.info("cache walk for %s: tau %.3f pooled, %.3f per-prompt mean, over %d rounds of %d samples (%.1fs)",
+             path, walk["tau_pooled"], walk["tau_per_prompt_mean"], walk["rounds"], walk["samples"], walk["seconds"])
+    t0 = time.time()
+    est = cache_acceptance(cfg.cache, d, device, cfg.seq_len, cfg.num_anchors, cfg.max_rows, option=where(cfg, "cache"))
+    log.info("cache estimate for %s: tau %.3f over %d random blocks (%.1fs)", path, est["tau"], est["blocks"],
+             time.time() - t0)
+    parity = None
+    if cfg.parity:
+        from dflash_offline.evaluate.parity import check_parity
 
-            report["drafters"][i]["parity"] = check_parity(cfg.target, d, cfg.cache, cfg.parity, device, cfg.dtype)
+        parity = check_parity(cfg.target, d, cfg.cache, cfg.parity, device, cfg.dtype)
+    return walk, est, parity
 
 
-def _implied(cfg: EvalConfig, drafters, report: dict) -> None:
-    """--implied-for: the speed-up each decoded tau implies at a named shape's measured kernel times."""
+def _implied(cfg: EvalConfig, d, result: DrafterResult) -> Implied | None:
+    """--implied-for: the speed-up a drafter's decoded tau implies at a named shape's measured kernel times."""
     shape = find_shape(cfg.implied_for)
-    for (_, d), e in zip(drafters, report["drafters"]):
-        if d.cfg.method == "dspark":  # the ceilings are timed for DFlash's B-token verify blocks
-            log.info("--implied-for: not for a DSpark drafter (its rounds verify B + 1 tokens)")
-            continue
-        if e.get("tau", float("nan")) >= 1:
-            e["implied"] = {"shape": shape.name, "speedup": implied_speedup(min(e["tau"], shape.block_size), shape),
-                            "line": format_implied(e["tau"], shape, d.cfg.block_size)}
+    if d.cfg.method == "dspark":  # the ceilings are timed for DFlash's B-token verify blocks
+        log.info("--implied-for: not for a DSpark drafter (its rounds verify B + 1 tokens)")
+        return None
+    tau = result.decode.tau if result.decode is not None else float("nan")
+    if not tau >= 1:
+        return None
+    return Implied(shape.name, implied_speedup(min(tau, shape.block_size), shape), format_implied(tau, shape, d.cfg.block_size))
 
 
 class EvalInputs(NamedTuple):
@@ -436,62 +438,62 @@ def batch_fits(cfg: EvalConfig, device: str):
                         f"the memory of {device}; lower --batch-size") from None
 
 
-def format_report(report: dict) -> str:
+def format_report(report: EvalReport) -> str:
     lines = []
-    if "num_prompts" in report:
-        base, against = report.get("baseline"), report.get("lossless_against")
-        checked = ("" if (report.get("sampling") or {}).get("temperature") else "; no baseline (not checked)" if not against else "" if against == "baseline"
+    setup, base = report.decode, report.baseline
+    if setup is not None:
+        s, against = setup.sampling, setup.lossless_against
+        checked = ("" if s.temperature else "; no baseline (not checked)" if not against else "" if against == "baseline"
                    else f"; lossless (against {against})" + ("" if base else ", no baseline decode (no speed-up)"))
-        s = report.get("sampling") or {}
-        how = ("greedy" if not s.get("temperature") else f"sampling at temperature {s['temperature']}"
-               + (f", top-p {s['top_p']}" if s.get("top_p", 1.0) < 1.0 else "") + (f", top-k {s['top_k']}" if s.get("top_k") else "")
-               + f", seed {s.get('seed', 0)} (checked by distribution in the tests, not token by token)")
-        lines.append(f"speculative decoding: {report['num_prompts']} prompts, up to {report['max_new_tokens']} new tokens, "
-                     f"{how}, {report['dtype']} on {report['device']}, {report.get('decoding', '')}"
-                     + (f"; target alone {base['tokens_per_s']:.1f} tokens/s" if base else "") + checked)
+        how = ("greedy" if not s.temperature else f"sampling at temperature {s.temperature}"
+               + (f", top-p {s.top_p}" if s.top_p < 1.0 else "") + (f", top-k {s.top_k}" if s.top_k else "")
+               + f", seed {s.seed} (checked by distribution in the tests, not token by token)")
+        lines.append(f"speculative decoding: {setup.num_prompts} prompts, up to {setup.max_new_tokens} new tokens, "
+                     f"{how}, {report.dtype} on {report.device}, {setup.decoding}"
+                     + (f"; target alone {base.tokens_per_s:.1f} tokens/s" if base else "") + checked)
         lines.append("tau: new tokens committed per verify round, pooled over all rounds (/prompt: the mean of each "
                      "prompt's own); the reference implementation's count")
         lines.append(f"{'drafter':<40} {'block':>5} {'tau':>6} {'/prompt':>7} {'rounds':>7} {'tok/s':>8} {'speedup':>7} "
                      f"{'lossless':>8}")
-        for e in report["drafters"]:
-            if "tau" not in e:
+        for e in report.drafters:
+            dec = e.decode
+            if dec is None:
                 continue
-            lossless = "-" if "lossless" not in e else ("yes" if e["lossless"] else f"NO ({len(e['mismatched_prompt_ids'])})")
-            speed = f"{e['speedup']:.2f}x" if "speedup" in e else "-"
-            lines.append(f"{_short(e['path']):<40} {e['block_size']:>5} {e['tau']:>6.3f} "
-                         f"{e.get('tau_per_prompt_mean', float('nan')):>7.3f} {e['rounds']:>7} "
-                         f"{e['tokens_per_s']:>8.1f} {speed:>7} {lossless:>8}")
-            lines.append("  accepted per slot: " + " ".join(f"{a:.2f}" for a in e["accept_rate"]))
-            if "confidence" in e:  # a DSpark drafter's confidence head
-                c = e["confidence"]
+            lossless = "-" if e.lossless is None else ("yes" if e.lossless else f"NO ({len(e.mismatched_prompt_ids)})")
+            speed = f"{e.speedup:.2f}x" if e.speedup is not None else "-"
+            lines.append(f"{_short(e.path):<40} {e.block_size:>5} {dec.tau:>6.3f} {dec.tau_per_prompt_mean:>7.3f} "
+                         f"{dec.rounds:>7} {dec.tokens_per_s:>8.1f} {speed:>7} {lossless:>8}")
+            lines.append("  accepted per slot: " + " ".join(f"{a:.2f}" for a in dec.accept_rate))
+            if dec.confidence is not None:  # a DSpark drafter's confidence head
+                c = dec.confidence
                 lines.append("  confidence head, predicted / observed survival per slot: " + " ".join(
-                    f"{p:.2f}/{o:.2f}" for p, o in zip(c["predicted"], c["observed"])))
-            if "implied" in e:
-                lines.append("  " + e["implied"]["line"])
-            lines += divergence_lines(e)  # where outputs part from the reference, and why
-        if base and report["num_prompts"] < FEW_PROMPTS and any("speedup" in e for e in report["drafters"]):
-            lines.append(f"note: {report['num_prompts']} prompt(s), {base['seconds']:.1f} s for the target alone: start-up "
+                    f"{p:.2f}/{o:.2f}" for p, o in zip(c.predicted, c.observed)))
+            if e.implied is not None:
+                lines.append("  " + e.implied.line)
+            lines += divergence_lines(e.divergences, e.divergence_verdicts, len(e.mismatched_prompt_ids or []))
+        if base and setup.num_prompts < FEW_PROMPTS and any(e.speedup is not None for e in report.drafters):
+            lines.append(f"note: {setup.num_prompts} prompt(s), {base.seconds:.1f} s for the target alone: start-up "
                          "and warm-up dominate times this short, so the speed-up says little; decode a few dozen "
                          "prompts to measure it")
-    if any("cache_walk" in e or "cache_estimate" in e for e in report["drafters"]):
-        lines.append(f"estimate from the cache {report.get('cache')}:")
+    if any(e.cache_walk is not None or e.cache_estimate is not None for e in report.drafters):
+        lines.append(f"estimate from the cache {report.cache}:")
         lines.append("  walk: tau over the blocks decoding would draft, pooled over rounds (/sample: mean of the "
                      "samples' taus); every: over all anchors; random: over random anchors of packed rows")
         lines.append(f"{'drafter':<40} {'block':>5} {'walk':>6} {'/sample':>7} {'rounds':>7} {'every':>6} "
                      f"{'random':>6} {'blocks':>7}  slot accuracy")
-        for e in report["drafters"]:
-            walk, est = e.get("cache_walk") or {}, e.get("cache_estimate") or {}
+        for e in report.drafters:
+            walk, est = e.cache_walk or {}, e.cache_estimate or {}
             num = lambda d, k, f: format(d[k], f) if k in d else "-"  # noqa: E731
-            lines.append(f"{_short(e['path']):<40} {e['block_size']:>5} {num(walk, 'tau_pooled', '6.3f'):>6} "
+            lines.append(f"{_short(e.path):<40} {e.block_size:>5} {num(walk, 'tau_pooled', '6.3f'):>6} "
                          f"{num(walk, 'tau_per_prompt_mean', '7.3f'):>7} {num(walk, 'rounds', 'd'):>7} "
                          f"{num(walk, 'tau_all_anchors', '6.3f'):>6} {num(est, 'tau', '6.3f'):>6} "
                          f"{num(est, 'blocks', 'd'):>7}  "
                          + " ".join(f"{a:.2f}" for a in (walk or est).get("slot_accuracy", [])[:8]))
-    for e in report["drafters"]:
-        if "parity" in e:
+    for e in report.drafters:
+        if e.parity is not None:
             from dflash_offline.evaluate.parity import format_parity
 
-            lines += format_parity(_short(e["path"]), e["parity"])
+            lines += format_parity(_short(e.path), e.parity)
     return "\n".join(lines)
 
 

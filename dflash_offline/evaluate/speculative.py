@@ -20,6 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
+from dflash_offline.evaluate.report import Confidence, DecodeSummary
 from dflash_offline.sampling import Sampling, draft_tokens, prompt_keys, target_tokens, verify_block
 from dflash_offline.targets import families
 from dflash_offline.targets.folder import read_target
@@ -375,37 +376,32 @@ def tokens_per_s(runs: list[Decoded]) -> float:
     return sum(len(r.tokens) for r in runs) / max(sum(r.seconds for r in runs), 1e-9)
 
 
-def summarize(runs: list[Decoded], block_size: int) -> dict:
+def summarize(runs: list[Decoded], block_size: int) -> DecodeSummary:
     """tau by the reference's rule: new tokens committed by verify rounds / verify rounds (nothing
     past --max-new-tokens or after an end-of-sequence token counts; the prefill's first token is
     no round's), pooled over every round of every prompt, and the mean of each prompt's own tau."""
     acc = np.asarray([a for r in runs for a in r.accepted], np.int64)
     rounds = int(acc.shape[0])
     committed = sum(sum(r.committed) for r in runs)
-    tokens = sum(len(r.tokens) for r in runs)
-    seconds = sum(r.seconds for r in runs)
     # Prompts decoded without a round (a first token that ends the output) have no tau.
     per_prompt = [sum(r.committed) / len(r.committed) for r in runs if r.committed]
-    return {
-        "rounds": rounds, "tokens": tokens, "committed": committed, "seconds": seconds,
-        "tokens_per_s": tokens_per_s(runs),
-        "tau": committed / rounds if rounds else float("nan"),
-        "tau_per_prompt_mean": float(np.mean(per_prompt)) if per_prompt else float("nan"),
-        "tau_per_prompt": per_prompt,
+    return DecodeSummary(
+        rounds=rounds, tokens=sum(len(r.tokens) for r in runs), committed=committed,
+        seconds=sum(r.seconds for r in runs), tokens_per_s=tokens_per_s(runs),
+        tau=committed / rounds if rounds else float("nan"),
+        tau_per_prompt_mean=float(np.mean(per_prompt)) if per_prompt else float("nan"), tau_per_prompt=per_prompt,
         # Share of rounds in which draft slot j (1..B-1) was accepted (block_size: drafts a round + 1).
-        "accept_rate": [float((acc >= j).mean()) if rounds else 0.0 for j in range(1, block_size)],
-        "target_forwards": sum(r.target_forwards for r in runs),
-        **_confidence(runs),
-    }
+        accept_rate=[float((acc >= j).mean()) if rounds else 0.0 for j in range(1, block_size)],
+        target_forwards=sum(r.target_forwards for r in runs), confidence=_confidence(runs))
 
 
-def _confidence(runs: list[Decoded]) -> dict:
+def _confidence(runs: list[Decoded]) -> Confidence | None:
     """A DSpark confidence head's calibration per draft slot: its mean predicted survival against
     the observed share of verified slots accepted (both given that the slots before it were)."""
     sums = [np.asarray(r.confidence, np.float64) for r in runs if r.confidence is not None]
     if not sums:
-        return {}
+        return None
     pred, reached, survived = np.sum(sums, axis=0)
     at = np.maximum(reached, 1)
-    return {"confidence": {"predicted": (pred / at).tolist(), "observed": (survived / at).tolist(),
-                           "verified": reached.astype(int).tolist()}}
+    return Confidence(predicted=(pred / at).tolist(), observed=(survived / at).tolist(),
+                      verified=reached.astype(int).tolist())

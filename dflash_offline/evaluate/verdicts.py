@@ -80,13 +80,13 @@ def first_difference(output: list[int], reference: list[int]) -> int | None:
     return None if len(output) == len(reference) else min(len(output), len(reference))
 
 
-def divergence_lines(e: dict) -> list[str]:
-    """The report table's lines for a drafter entry's `divergences` (none when it has none)."""
-    shown = e.get("divergences") or []
+def divergence_lines(shown: list[Divergence] | None, verdicts: dict[str, int], differ: int) -> list[str]:
+    """The report table's lines for a drafter's divergences (none when it has none): `differ`
+    outputs differ, the first of them diagnosed in `shown`."""
     if not shown:
         return []
-    verdicts = ", ".join(f"{n} {v}" for v, n in e["divergence_verdicts"].items() if n)
-    return [f"  outputs that differ: {len(e['mismatched_prompt_ids'])}; the first {len(shown)} diagnosed: {verdicts}"] + [
-        f"    new token {d['position']} of prompt {d['prompt_id']}: {d['verdict']} (output {d['output_token']}, reference "
-        f"{d['reference_token']}, fresh top-2 {d['fresh_top1']}/{d['fresh_top2']}, margin {d['margin']:.3g}, bound "
-        f"{d['bound']:.3g})" for d in shown]
+    counts = ", ".join(f"{n} {v}" for v, n in verdicts.items() if n)
+    return [f"  outputs that differ: {differ}; the first {len(shown)} diagnosed: {counts}"] + [
+        f"    new token {d.position} of prompt {d.prompt_id}: {d.verdict} (output {d.output_token}, reference "
+        f"{d.reference_token}, fresh top-2 {d.fresh_top1}/{d.fresh_top2}, margin {d.margin:.3g}, bound "
+        f"{d.bound:.3g})" for d in shown]
