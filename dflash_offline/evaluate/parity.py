@@ -130,17 +130,3 @@ def gap_causes(gaps: dict, layer_ids: list[int], bound: float, storage: str, dty
                        "than at extraction, or a decoder path that computes them otherwise (features are the layers' "
                        "raw outputs)")
     return out
-
-
-def format_parity(path: str, p: dict) -> list[str]:
-    lines = [f"parity of {path} on {p['samples']} held-out samples (tau pooled over rounds):",
-             f"  every anchor {p['every_anchor_tau']:.3f}   walk {p['walk_tau']:.3f}   decoding {p['decoding_tau']:.3f}"
-             f"   ({100 * p['relative_gap']:+.1f}% decoding vs walk; {p['same_rounds_samples']}/{p['samples']} samples "
-             f"with identical rounds; lossless {'yes' if p['lossless'] else 'NO'})"]
-    if p["agree"]:
-        lines.append(f"  consistent: decoding is within {100 * p['tolerance']:.0f}% of the walk")
-        lines += [f"  but: {c}" for c in p["causes"]]  # a train-to-serve gap the tau does not show (yet)
-    else:
-        lines.append(f"  DISAGREE (more than {100 * p['tolerance']:.0f}%): likely cause(s):")
-        lines += [f"    - {c}" for c in p["causes"]]
-    return lines

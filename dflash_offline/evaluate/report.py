@@ -1,7 +1,7 @@
 """What `eval` reports, typed: the decode's set-up, the target alone, and each drafter's figures.
 
 `run.py` fills an EvalReport as it goes (each step returns its part: a Baseline, a DecodeSummary,
-a DrafterResult's fields), `format_report` prints it, and `to_json()` writes the `--json` file:
+a DrafterResult's fields), `format_report` writes it as the command prints it, and `to_json()` writes the `--json` file:
 one flat object per drafter, as readers of that file (benchmarks, outside checks) have always
 read it; a figure that was not measured is left out, not written as null. The cache's figures
 (`cache_walk`, `cache_estimate`, `parity`) are the dicts their own modules return.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from dflash_offline.evaluate.verdicts import VERDICTS, Divergence
+from dflash_offline.evaluate.verdicts import VERDICTS, Divergence, divergence_lines
 from dflash_offline.runtime.paths import REPORT_FORMAT
 from dflash_offline.sampling import Sampling
 
@@ -164,3 +164,82 @@ class EvalReport:
             out["cache"] = self.cache
         out["drafters"] = [d.to_json() for d in self.drafters]
         return out
+
+
+FEW_PROMPTS = 8  # below this many prompts the report says its speed-up means little
+
+
+def format_report(report: EvalReport) -> str:
+    lines = []
+    setup, base = report.decode, report.baseline
+    if setup is not None:
+        s, against = setup.sampling, setup.lossless_against
+        checked = ("" if s.temperature else "; no baseline (not checked)" if not against else "" if against == "baseline"
+                   else f"; lossless (against {against})" + ("" if base else ", no baseline decode (no speed-up)"))
+        how = ("greedy" if not s.temperature else f"sampling at temperature {s.temperature}"
+               + (f", top-p {s.top_p}" if s.top_p < 1.0 else "") + (f", top-k {s.top_k}" if s.top_k else "")
+               + f", seed {s.seed} (checked by distribution in the tests, not token by token)")
+        lines.append(f"speculative decoding: {setup.num_prompts} prompts, up to {setup.max_new_tokens} new tokens, "
+                     f"{how}, {report.dtype} on {report.device}, {setup.decoding}"
+                     + (f"; target alone {base.tokens_per_s:.1f} tokens/s" if base else "") + checked)
+        lines.append("tau: new tokens committed per verify round, pooled over all rounds (/prompt: the mean of each "
+                     "prompt's own); the reference implementation's count")
+        lines.append(f"{'drafter':<40} {'block':>5} {'tau':>6} {'/prompt':>7} {'rounds':>7} {'tok/s':>8} {'speedup':>7} "
+                     f"{'lossless':>8}")
+        for e in report.drafters:
+            dec = e.decode
+            if dec is None:
+                continue
+            lossless = "-" if e.lossless is None else ("yes" if e.lossless else f"NO ({len(e.mismatched_prompt_ids)})")
+            speed = f"{e.speedup:.2f}x" if e.speedup is not None else "-"
+            lines.append(f"{_short(e.path):<40} {e.block_size:>5} {dec.tau:>6.3f} {dec.tau_per_prompt_mean:>7.3f} "
+                         f"{dec.rounds:>7} {dec.tokens_per_s:>8.1f} {speed:>7} {lossless:>8}")
+            lines.append("  accepted per slot: " + " ".join(f"{a:.2f}" for a in dec.accept_rate))
+            if dec.confidence is not None:  # a DSpark drafter's confidence head
+                c = dec.confidence
+                lines.append("  confidence head, predicted / observed survival per slot: " + " ".join(
+                    f"{p:.2f}/{o:.2f}" for p, o in zip(c.predicted, c.observed)))
+            if e.implied is not None:
+                lines.append("  " + e.implied.line)
+            lines += divergence_lines(e.divergences, e.divergence_verdicts, len(e.mismatched_prompt_ids or []))
+        if base and setup.num_prompts < FEW_PROMPTS and any(e.speedup is not None for e in report.drafters):
+            lines.append(f"note: {setup.num_prompts} prompt(s), {base.seconds:.1f} s for the target alone: start-up "
+                         "and warm-up dominate times this short, so the speed-up says little; decode a few dozen "
+                         "prompts to measure it")
+    if any(e.cache_walk is not None or e.cache_estimate is not None for e in report.drafters):
+        lines.append(f"estimate from the cache {report.cache}:")
+        lines.append("  walk: tau over the blocks decoding would draft, pooled over rounds (/sample: mean of the "
+                     "samples' taus); every: over all anchors; random: over random anchors of packed rows")
+        lines.append(f"{'drafter':<40} {'block':>5} {'walk':>6} {'/sample':>7} {'rounds':>7} {'every':>6} "
+                     f"{'random':>6} {'blocks':>7}  slot accuracy")
+        for e in report.drafters:
+            walk, est = e.cache_walk or {}, e.cache_estimate or {}
+            num = lambda d, k, f: format(d[k], f) if k in d else "-"  # noqa: E731
+            lines.append(f"{_short(e.path):<40} {e.block_size:>5} {num(walk, 'tau_pooled', '6.3f'):>6} "
+                         f"{num(walk, 'tau_per_prompt_mean', '7.3f'):>7} {num(walk, 'rounds', 'd'):>7} "
+                         f"{num(walk, 'tau_all_anchors', '6.3f'):>6} {num(est, 'tau', '6.3f'):>6} "
+                         f"{num(est, 'blocks', 'd'):>7}  "
+                         + " ".join(f"{a:.2f}" for a in (walk or est).get("slot_accuracy", [])[:8]))
+    for e in report.drafters:
+        if e.parity is not None:
+            lines += format_parity(_short(e.path), e.parity)
+    return "\n".join(lines)
+
+
+def _short(path: str, width: int = 40) -> str:
+    return path if len(path) <= width else "..." + path[-(width - 3):]
+
+
+def format_parity(path: str, p: dict) -> list[str]:
+    """--parity's lines (evaluate/parity.py's figures): the three taus, and the causes it names."""
+    lines = [f"parity of {path} on {p['samples']} held-out samples (tau pooled over rounds):",
+             f"  every anchor {p['every_anchor_tau']:.3f}   walk {p['walk_tau']:.3f}   decoding {p['decoding_tau']:.3f}"
+             f"   ({100 * p['relative_gap']:+.1f}% decoding vs walk; {p['same_rounds_samples']}/{p['samples']} samples "
+             f"with identical rounds; lossless {'yes' if p['lossless'] else 'NO'})"]
+    if p["agree"]:
+        lines.append(f"  consistent: decoding is within {100 * p['tolerance']:.0f}% of the walk")
+        lines += [f"  but: {c}" for c in p["causes"]]  # a train-to-serve gap the tau does not show (yet)
+    else:
+        lines.append(f"  DISAGREE (more than {100 * p['tolerance']:.0f}%): likely cause(s):")
+        lines += [f"    - {c}" for c in p["causes"]]
+    return lines
