@@ -1,4 +1,4 @@
-"""Issue 20, hardening: option ranges refused before any work, a non-finite loss stopping training
+"""Option ranges refused before any work, a non-finite loss stopping training
 without an export, and no folder the tool did not create written into. Each refusal is one line,
 with its exit code, no traceback, and nothing committed changed."""
 

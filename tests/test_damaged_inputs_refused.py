@@ -1,4 +1,4 @@
-"""Issue 20, hardening (third part): null elements inside list columns of the input, damaged target
+"""Null elements inside list columns of the input, damaged target
 and drafter files, a failed first extract that must not bind its cache, a damaged metrics.jsonl
 tail under `status`, a file given where a folder is expected (and the reverse), and a checkpoint
 write that finds no room. Each case runs the real command and checks the one line, the exit code,
@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import SMALL_OPTS, STRAIGHT, TRAIN, extract_args, run_cli, run_tree, tree_digest
-from test_hardening_2 import _one_line  # the command's stderr is one line, its exit code, no traceback
+from test_stale_env_and_damaged_checkpoints import _one_line  # the command's stderr is one line, its exit code, no traceback
 
 
 def _only_logs(folder: Path) -> None:
@@ -143,7 +143,7 @@ def test_failed_first_attempt_does_not_bind_the_cache(tiny_dense, tiny_data, tmp
     assert "an earlier attempt on this cache committed no shard" in r.stderr
     m = json.loads((cache / "manifest.json").read_text())
     assert m["status"] == "complete" and m["capture"]["topk"] == 2
-    # Once shards are committed, other settings are refused as before (test_bad_input, test_hardening_2).
+    # Once shards are committed, other settings are refused as before (test_bad_input, test_stale_env_and_damaged_checkpoints).
 
 
 def test_failed_first_generate_does_not_bind_its_output(tiny_dense, tmp_path):

@@ -1,4 +1,4 @@
-"""Issue 20, hardening (second part): a stale distributed environment refused instead of a hang,
+"""A stale distributed environment refused instead of a hang,
 refused and side processes that leave a run's status alone, and damaged checkpoints named in one
 line. Each case checks the one line, the exit code, no traceback, and that nothing committed
 changed; the hang cases also that the command returns within a time limit."""
