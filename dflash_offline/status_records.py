@@ -94,7 +94,7 @@ class GenerateStatus(_Record):
     parts_committed: int
     parts_planned: int
     totals: dict  # rows, new_tokens, ended_by_eos
-    merged: object  # the merged file's record, or None
+    merged: dict | None  # the merged file's record
     debris: list  # uncommitted part files
     damaged: list  # committed parts missing, or not the size committed
     processes: list

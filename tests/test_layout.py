@@ -192,6 +192,24 @@ def test_modules_stay_small():
     assert not big, f"modules over {MAX_LINES} lines (split them by what they hold): {big}"
 
 
+# Fields typed `object` on purpose: a caller's opaque handle, given back untouched.
+OPAQUE_FIELDS = {"dflash_offline/generate/continuous.py:Request.tag", "dflash_offline/generate/continuous.py:Part.handle"}
+
+
+def test_class_fields_have_real_types():
+    """A dataclass or NamedTuple field says what it holds (a tensor, an array, the drafter), under
+    `if TYPE_CHECKING:` imports where the type's package is heavy, not `object` and a comment."""
+    loose = []
+    for path in PKG.rglob("*.py"):
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for f in cls.body:
+                if isinstance(f, ast.AnnAssign) and ast.unparse(f.annotation) in ("object", "object | None"):
+                    loose.append(f"{path.relative_to(ROOT)}:{cls.name}.{ast.unparse(f.target)}")
+    assert set(loose) == OPAQUE_FIELDS, f"fields typed object: {sorted(set(loose) - OPAQUE_FIELDS)}"
+
+
 def test_every_module_says_what_it_holds():
     bare = [str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")
             if p.name != "__main__.py" and not ast.get_docstring(ast.parse(p.read_text()))]

@@ -12,7 +12,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore, committed_names, occupancy
@@ -25,6 +25,11 @@ from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.logs import heartbeat, pid_alive, processes
 from dflash_offline.train.plan import TrainPlan
 from dflash_offline.runs.folder import CONSUMED
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dflash_offline.blocks.pieces import Pieces, SampleTable
 
 log = logging.getLogger("dflash.train")
 
@@ -47,8 +52,8 @@ class Segment:
 
     key: int  # epoch, or window index: seeds the order and the anchors
     refs: list  # (shard, sample, first token)
-    lengths: object  # np.ndarray of sample lengths
-    pieces: object  # pieces.Pieces the rows pack
+    lengths: np.ndarray  # sample lengths
+    pieces: Pieces  # what the rows pack
     base: int  # global step at the segment's first step
     steps: int
     shards: list = field(default_factory=list)
@@ -105,7 +110,7 @@ def epoch_segments(plan: TrainPlan, step: int, stop: int):
 class WindowRows(NamedTuple):
     """A committed follow window: its samples, the ids of those its rows hold, and its steps."""
 
-    table: object  # pieces.SampleTable
+    table: SampleTable
     sample_ids: list[int]
     steps: int
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from dflash_offline.train.config import TrainConfig
 from dflash_offline.runtime.faults import fault_point
@@ -33,6 +33,9 @@ from dflash_offline.runs.folder import BEST, EXPORT, HELD_OUT_LOG, truncate_metr
 from dflash_offline.train.step import StepLog, optimizer_step
 from dflash_offline.train.sources import Epochs, Source, Windows, seg_span
 from dflash_offline.train.trainer import LoopState, Trainer, build_trainer
+
+if TYPE_CHECKING:
+    from dflash_offline.train.profiling import StepProfiler
 
 log = logging.getLogger("dflash.train")
 
@@ -109,7 +112,7 @@ class _Run(NamedTuple):
     st: LoopState
     source: Source
     steplog: StepLog
-    prof: object  # StepProfiler, or None
+    prof: StepProfiler | None
     held_out: HeldOut | None
     recompiles0: int
 

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from dflash_offline.blocks.pieces import Pieces
     from dflash_offline.drafter.config import DrafterConfig
 
 
@@ -15,8 +18,8 @@ class EpochPlan:
     """A complete cache: every epoch runs the same number of steps over all its samples."""
 
     refs: list  # (shard, sample, first token)
-    lengths: object  # np.ndarray of sample lengths
-    pieces: object  # pieces.Pieces: what the rows pack (a sample longer than --seq-len is split or cut)
+    lengths: np.ndarray  # sample lengths
+    pieces: Pieces  # what the rows pack (a sample longer than --seq-len is split or cut)
     rows_per_epoch: int
     steps_per_epoch: int
 

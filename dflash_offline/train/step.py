@@ -10,12 +10,18 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import IO, TYPE_CHECKING, NamedTuple
 
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.train.outcomes import TrainingDiverged, diverged_message
 from dflash_offline.train.trainer import LoopState, Trainer
+
+if TYPE_CHECKING:  # the types only: torch is imported where a step runs (the command starts without it)
+    import numpy as np
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+    from tqdm import tqdm
 
 log = logging.getLogger("dflash.train")
 
@@ -25,11 +31,11 @@ class StepSums(NamedTuple):
     all-reduce a step); `pack` and `unpack` are the only places that know its layout."""
 
     loss_sum: float
-    slot_correct: object  # np.ndarray [B]: top-1 hits per block slot
-    slot_count: object  # np.ndarray [B]: scored positions per block slot
+    slot_correct: np.ndarray  # [B]: top-1 hits per block slot
+    slot_count: np.ndarray  # [B]: scored positions per block slot
     tau_sum: float  # acceptance length the blocks imply, summed over blocks
     blocks: float
-    nonfinite_loss: object  # np.ndarray [world]: 1 where that rank's loss was not finite
+    nonfinite_loss: np.ndarray  # [world]: 1 where that rank's loss was not finite
     nonfinite_grad: float  # > 0: the averaged gradient was not finite
 
     @staticmethod
@@ -55,9 +61,9 @@ class StepResult(NamedTuple):
     """What a step measured, the same on every rank (`sums` are all-reduced)."""
 
     sums: StepSums
-    wsum: object  # the step's loss weight over all ranks (a tensor)
-    gnorm: object  # the gradient norm before clipping (a tensor)
-    trained_tokens: object  # context tokens with loss mask 1 in the step's rows, all ranks (a tensor)
+    wsum: torch.Tensor  # the step's loss weight over all ranks
+    gnorm: torch.Tensor  # the gradient norm before clipping
+    trained_tokens: torch.Tensor  # context tokens with loss mask 1 in the step's rows, all ranks
     lr: float  # the learning rate the step applied
     t0: float  # perf_counter at the step's start
     t_data: float  # seconds it waited for its micro-batches
@@ -182,9 +188,9 @@ def _checked_update(t: Trainer, st: LoopState, loss_sum, step_m: dict):
 class StepLog:
     """Rank 0's records of the steps (None on the other ranks): metrics.jsonl, TensorBoard, the bar."""
 
-    metrics: object = None
-    tb: object = None
-    bar: object = None
+    metrics: IO[str] | None = None  # metrics.jsonl, appended to
+    tb: SummaryWriter | None = None
+    bar: tqdm | None = None
     # Where TensorBoard's writer goes, made at the first step recorded: a rerun of a finished run
     # (nothing to train) leaves no empty event file.
     tb_out: Path | None = None

@@ -9,6 +9,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash_offline.options import where
 from dflash_offline.train.config import TrainConfig
@@ -18,6 +19,13 @@ from dflash_offline.runtime.logs import heartbeat
 from dflash_offline.runtime.units import human_count
 from dflash_offline.train.plan import TrainPlan
 from dflash_offline.train.schedule import TokenSchedule, lr_lambda
+
+if TYPE_CHECKING:  # the types only: torch and the drafter load where the rank builds them
+    import torch
+    from torch.distributed import ProcessGroup
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from dflash_offline.drafter.model import DFlashDrafter
 
 log = logging.getLogger("dflash.train")
 
@@ -34,14 +42,14 @@ class Trainer:
     cuda: bool
     bf16: bool  # autocast to bfloat16
     out: Path
-    drafter: object  # DFlashDrafter
-    model: object  # the drafter, or its DDP wrapper with more than one rank
+    drafter: DFlashDrafter
+    model: torch.nn.Module  # the drafter, or its DDP wrapper with more than one rank
     params: list
-    opt: object  # AdamW
-    sched: object  # LambdaLR over the plan's steps (epochs), TokenSchedule over its tokens (--follow)
+    opt: torch.optim.AdamW
+    sched: LambdaLR | TokenSchedule  # over the plan's steps (epochs), or over its tokens (--follow)
     loss_chunk: int
     compile_loss: bool  # the loss's element-wise passes as compiled kernels (blocks.loss)
-    ctrl: object  # the group that agrees on stopping: gloo, so the check never syncs with the GPU
+    ctrl: ProcessGroup | None  # the group that agrees on stopping: gloo, so the check never syncs with the GPU
 
     @property
     def follow(self) -> bool:
