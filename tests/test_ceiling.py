@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflash_offline.evaluate.ceiling import (MeasuredShape, ceiling_speedup, extend_to_layers, find_shape,
-                                             format_implied, implied_speedup, load_shapes)
+                                             format_implied, implied_speedup, load_shapes, verify_width_shape)
 from dflash_offline.runtime.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,3 +113,26 @@ def test_decode_speed_ceiling_smoke(tmp_path):
     assert find_shape("tiny", out) == shape
     assert format_implied(3.0, shape).startswith("implied on tiny (CPU, float32, wall times, context 32): ")
     assert "| tiny | 4 |" in r.stdout and "tau * t_1 / (t_draft + t_B)" in r.stdout
+
+
+def test_a_dspark_round_is_priced_as_a_verify_of_b_plus_one():
+    """DSpark drafts B a round, so its verify covers B + 1 tokens: t_(B+1) from the widths measured
+    for the same target (one --block-sizes run), linear between the nearest two, or one token past
+    the largest; the drafter's time is the block's; other widths are refused with the command."""
+    b8 = replace(SHAPE, name="big-27b-b8", block_size=8, target_block_ms=11.2, draft_ms=2.9)
+    other = replace(SHAPE, name="other", description="another target", block_size=8, target_block_ms=1.0)
+    table = [b8, SHAPE, other]
+    w17 = verify_width_shape(SHAPE, 17, table)
+    assert w17.block_size == 17 and w17.target_block_ms == pytest.approx(12.0 + (12.0 - 11.2) / 8)
+    assert w17.draft_ms == SHAPE.draft_ms and w17.target_1_ms == SHAPE.target_1_ms
+    assert implied_speedup(17, w17) == pytest.approx(17 * 10 / (3.0 + 12.1))  # B + 1 committed at best
+    w9 = verify_width_shape(b8, 9, table)
+    assert w9.target_block_ms == pytest.approx(11.2 + 0.1)  # between 8 and 16
+    assert verify_width_shape(SHAPE, 16, table) is SHAPE
+    line = format_implied(9.0, w17, 17)
+    assert line.endswith("(ceiling at tau = 17: 11.3x); verify of 17 tokens extrapolated by one token from widths 8 "
+                         "and 16"), line
+    for width, table_ in ((18, table), (17, [SHAPE, other])):  # two past the largest; one width measured
+        with pytest.raises(UserError, match=r"--implied-for big-27b: a verify of \d+ tokens is not priced .*"
+                                            r"--ceiling --block-sizes 16,\d+"):
+            verify_width_shape(SHAPE, width, table_)

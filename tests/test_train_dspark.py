@@ -119,10 +119,13 @@ def test_dspark_learns_and_exports_deepspec_layout(topk_cache, tiny_dense, tmp_p
     rep = tmp_path / "eval.json"
     args = ["eval", "--target", str(tiny_dense), "--drafter", str(out / "export"), "--prompts", str(prompts),
             "--max-new-tokens", "20", "--batch-size", "2", "--no-progress"]
-    r = run_cli([*args, "--json", str(rep)])
+    r = run_cli([*args, "--json", str(rep), "--implied-for", "qwen3.6-27b-b8"])
     assert r.returncode == 0, r.stderr[-3000:]
     e = json.loads(rep.read_text())["drafters"][0]
     assert e["lossless"] is True and len(e["accept_rate"]) == 8 and e["tau"] >= 1
+    # what its tau implies on the 27B shape: its rounds verify 9 tokens (the anchor and 8 drafts)
+    assert "verify of 9 tokens interpolated from widths 8 and 16" in e["implied"]["line"], e["implied"]
+    assert e["implied"]["line"] in r.stdout
     c = e["confidence"]
     assert c["verified"][0] == e["rounds"] and all(0 <= p <= 1 for p in c["predicted"])
     assert "confidence head, predicted / observed" in r.stdout

@@ -110,6 +110,38 @@ def extend_to_layers(t_small: float, t_large: float, small: int, large: int, tot
     return t_small + (total - small) * (t_large - t_small) / (large - small)
 
 
+def verify_width_shape(shape: MeasuredShape, width: int, shapes: list[MeasuredShape],
+                       option: str = "--implied-for") -> MeasuredShape:
+    """`shape` priced for a verify forward of `width` tokens: a DSpark drafter of block B drafts B
+    tokens a round, so its round verifies B + 1 (the anchor and B drafts) where DFlash's verifies
+    B, and commits up to B + 1. t_width comes from the verify times measured for the same target
+    (same description, hardware, dtype, context and timing: the records of one `--block-sizes`
+    run), linear in the width between the two nearest measured widths, or through the two largest
+    for one token past them (B + 1 past the largest B measured). The drafter's time stays t_draft
+    of the shape's block: its forward covers B positions either way (DSpark's Markov head adds a
+    rank-r product per slot, neglected like the bookkeeping). -> a shape whose block_size is `width`."""
+    if width == shape.block_size:
+        return shape
+    key = (shape.description, shape.hardware, shape.dtype, shape.context, shape.timing, shape.target_1_ms)
+    points = sorted({s.block_size: s.target_block_ms for s in shapes
+                     if (s.description, s.hardware, s.dtype, s.context, s.timing, s.target_1_ms) == key}.items())
+    widths = [w for w, _ in points]
+    if len(points) < 2 or not widths[0] <= width <= widths[-1] + 1:
+        raise UserError(f"{option} {shape.name}: a verify of {width} tokens is not priced (measured widths of this target: "
+                        f"{', '.join(map(str, widths))}); measure it with benchmarks/decode_speed.py --ceiling "
+                        f"--block-sizes {shape.block_size},{width}")
+    exact = dict(points).get(width)
+    if exact is None:
+        (w0, t0), (w1, t1) = next(((a, b) for a, b in zip(points, points[1:]) if a[0] <= width <= b[0]), points[-2:])
+        exact = t0 + (width - w0) * (t1 - t0) / (w1 - w0)
+        how = "interpolated" if width <= widths[-1] else "extrapolated by one token"
+        note = f"; verify of {width} tokens {how} from widths {w0} and {w1}"
+    else:
+        note = f"; verify of {width} tokens measured"
+    return MeasuredShape(**{**shape.to_dict(), "block_size": width, "target_block_ms": exact,
+                            "description": shape.description + note})
+
+
 # ----------------------------------------------------------------------------------------------
 # The table
 
@@ -178,6 +210,8 @@ def format_implied(tau: float, shape: MeasuredShape, drafter_block_size: int | N
         line += "; " + shape.description[shape.description.index("WITHOUT"):]
     if shape.extrapolated_from_layers:
         line += f"; target times extended from {' and '.join(map(str, shape.extrapolated_from_layers))} layers"
+    if "; verify of " in shape.description:  # priced for another verify width (verify_width_shape)
+        line += "; " + shape.description[shape.description.index("verify of "):]
     if drafter_block_size is not None and drafter_block_size != shape.block_size:
         line += (f"; measured for blocks of {shape.block_size}, this drafter drafts blocks of {drafter_block_size}: "
                  f"measure that block size (decode_speed.py --ceiling --block-sizes {drafter_block_size})")

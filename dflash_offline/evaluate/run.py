@@ -40,7 +40,8 @@ from dflash_offline.blocks.walk import cache_acceptance, walk_acceptance
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore
 from dflash_offline.cache.view import ManifestView
-from dflash_offline.evaluate.ceiling import find_shape, format_implied, implied_speedup
+from dflash_offline.evaluate.ceiling import (find_shape, format_implied, implied_speedup, load_shapes,
+                                             verify_width_shape)
 from dflash_offline.evaluate.report import Baseline, DecodeSetup, DrafterResult, EvalReport, Implied, format_report
 from dflash_offline.evaluate.verdicts import Divergence
 from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, checkpoint_before, checkpoint_damage, load_checkpoint
@@ -387,15 +388,17 @@ def _cache_figures(cfg: EvalConfig, path, d, device: str) -> tuple[dict, dict, d
 
 
 def _implied(cfg: EvalConfig, d, result: DrafterResult) -> Implied | None:
-    """--implied-for: the speed-up a drafter's decoded tau implies at a named shape's measured kernel times."""
+    """--implied-for: the speed-up a drafter's decoded tau implies at a named shape's measured kernel
+    times; a DSpark drafter's rounds verify B + 1 tokens and are priced so (verify_width_shape)."""
     shape = find_shape(cfg.implied_for)
-    if d.cfg.method == "dspark":  # the ceilings are timed for DFlash's B-token verify blocks
-        log.info("--implied-for: not for a DSpark drafter (its rounds verify B + 1 tokens)")
-        return None
     tau = result.decode.tau if result.decode is not None else float("nan")
     if not tau >= 1:
         return None
-    return Implied(shape.name, implied_speedup(min(tau, shape.block_size), shape), format_implied(tau, shape, d.cfg.block_size))
+    block = d.cfg.block_size
+    if d.cfg.method == "dspark" and block == shape.block_size:
+        shape = verify_width_shape(shape, block + 1, load_shapes(), where(cfg, "implied_for"))
+        block = shape.block_size
+    return Implied(shape.name, implied_speedup(min(tau, shape.block_size), shape), format_implied(tau, shape, block))
 
 
 class EvalInputs(NamedTuple):
