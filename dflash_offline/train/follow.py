@@ -12,7 +12,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore, committed_names, occupancy
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from dflash_offline.blocks.pieces import Pieces, SampleTable
+    from dflash_offline.train.trainer import LoopState
 
 log = logging.getLogger("dflash.train")
 
@@ -130,12 +131,28 @@ def follow_window_rows(cfg: TrainConfig, plan: TrainPlan, window: int, names: li
     return WindowRows(table, trained, -(-len(rows) // (plan.world * plan.accum)))
 
 
+class Waiting(NamedTuple):
+    """follow_segments waits for shards: every rank checks here for an agreed stop (a stop ends the
+    iteration: the loop stops asking for windows)."""
+
+
+class CheckpointDue(NamedTuple):
+    """Extraction waits for space that trained windows hold (--stream): checkpoint after `seg`, which
+    releases them, then the wait goes on."""
+
+    seg: Segment
+
+
+WAITING = Waiting()
+
+
 def follow_segments(cfg: TrainConfig, plan: TrainPlan, rank: int, world: int, device: str, start: FollowPosition,
-                    checkpoint_now, current_step, last_checkpoint, agreed_stop):
+                    st: LoopState) -> Iterator[Segment | Waiting | CheckpointDue]:
     """Windows of `follow_window` shards in plan order, each yielded once all its shards are
-    committed. Rank 0 watches the manifest and tells the others (a broadcast per poll), so every
-    rank waits, checkpoints and goes on at the same moment. With `--stream`, when extraction is
-    paused for space while the trainer waits, a checkpoint releases the windows already trained."""
+    committed, and between them the points where the loop acts while it waits (Waiting: check for
+    a stop; CheckpointDue: checkpoint). Rank 0 watches the manifest and tells the others (a
+    broadcast per poll), so every rank gets the same items at the same moment. `st`, the loop's
+    state, is read (its step and last checkpoint), never written."""
     import torch
     import torch.distributed as dist
 
@@ -160,7 +177,7 @@ def follow_segments(cfg: TrainConfig, plan: TrainPlan, rank: int, world: int, de
                            and occupancy(m) + biggest > budget)
                 if not missing:
                     code = 1
-                elif cfg.stream and blocked and prev is not None and last_checkpoint() < current_step():
+                elif cfg.stream and blocked and prev is not None and st.last_ckpt < st.step:
                     code = 2  # extraction waits for space that trained windows hold: checkpoint, release them
                 else:
                     code = 0
@@ -182,11 +199,10 @@ def follow_segments(cfg: TrainConfig, plan: TrainPlan, rank: int, world: int, de
             if code == 1:
                 break
             if code == 2:
-                checkpoint_now(prev)
+                yield CheckpointDue(prev)
                 continue
-            if agreed_stop():
-                return
-            heartbeat(phase="waiting for shards", step=current_step(), window=window, first_shard=names[0])
+            yield WAITING
+            heartbeat(phase="waiting for shards", step=st.step, window=window, first_shard=names[0])
             fault_point("train-waiting")
             time.sleep(0.5)
         if time.time() - t0 > 1 and rank == 0:

@@ -25,7 +25,7 @@ from dflash_offline.runs.checkpoint import (
     resume_checkpoint,
     save_checkpoint,
 )
-from dflash_offline.train.follow import Segment
+from dflash_offline.train.follow import CheckpointDue, Segment, Waiting
 from dflash_offline.train.heldout import HeldOut
 from dflash_offline.train.outcomes import agreed_stop, stopped_message
 from dflash_offline.train.plan import TrainPlan
@@ -63,8 +63,7 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tra
     start_step = st.step
     held_out = HeldOut(cfg, out, t.drafter, device, rank, world) if cfg.eval_cache else None
     if t.follow:
-        source: Source = Windows(t, st, resumed_state,
-                                 lambda seg: checkpoint(t, st, source, seg, seg.steps), lambda: _agree_stop(t, st))
+        source: Source = Windows(t, st, resumed_state)
     else:
         source = Epochs(t, st.step)
     stop = source.stop
@@ -79,9 +78,16 @@ def train_worker(rank: int, world: int, device: str, cfg: TrainConfig, plan: Tra
     run = _Run(t, st, source, steplog, prof, held_out, recompiles0)
     try:
         last_seg = None
-        for seg in source.segments():
-            last_seg = seg
-            if not _train_segment(run, seg):
+        for item in source.segments():
+            if isinstance(item, CheckpointDue):  # --stream: trained windows hold the space extraction waits for
+                checkpoint(t, st, source, item.seg, item.seg.steps)
+                continue
+            if isinstance(item, Waiting):  # --follow waits for shards: every rank checks for a stop here
+                if _agree_stop(t, st):
+                    break
+                continue
+            last_seg = item
+            if not _train_segment(run, item):
                 break
         if last_seg is not None and st.last_ckpt != st.step and source.checkpoint_at_end(st.stopping):
             checkpoint(t, st, source, last_seg, st.step - last_seg.base)

@@ -1,7 +1,8 @@
 """What the loop's steps run over, one interface and two sources: the epochs of a complete cache
 (`Epochs`), and windows of shards trained as extraction commits them (`Windows`, --follow).
 
-The loop (loop.py) asks its source for the segments, each segment's rows, the position a
+The loop (loop.py) asks its source for the segments (and, from --follow, the points where it
+waits for shards: `Waiting`, `CheckpointDue`), each segment's rows, the position a
 checkpoint records, and the schedule's place where the source holds it (--follow), and tells it
 when a segment ends and a checkpoint is written; no other part of the loop asks which mode runs.
 How windows are found, recorded and released is follow.py's.
@@ -9,13 +10,15 @@ How windows are found, recorded and released is follow.py's.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Iterable, Iterator, Protocol
 
 from dflash_offline.runs.checkpoint import CheckpointState, FollowPosition, Place
 from dflash_offline.runs.folder import CONSUMED, truncate_jsonl
 from dflash_offline.runtime.signals import spawning
 from dflash_offline.train.follow import (
+    CheckpointDue,
     Segment,
+    Waiting,
     epoch_segments,
     follow_segments,
     record_window,
@@ -30,8 +33,9 @@ class Source(Protocol):
 
     stop: int | None  # the last step of the run; None: the data's end (--follow without --max-steps)
 
-    def segments(self) -> Iterable[Segment]:
-        """The epochs or windows, from the one holding the resumed step on."""
+    def segments(self) -> Iterable[Segment | Waiting | CheckpointDue]:
+        """The epochs or windows, from the one holding the resumed step on; --follow also yields
+        the points of its waits where the loop checks for a stop or checkpoints."""
 
     def rows(self, seg: Segment, span) -> Iterator:
         """This rank's micro-batches of the steps `span` of `seg`."""
@@ -139,8 +143,7 @@ class Windows:
     runs over the plan's tokens, not over a step count known in advance, so this source gives each
     step's place to it (schedule.TokenSchedule); the run ends at the data's end (or --max-steps)."""
 
-    def __init__(self, t: Trainer, st: LoopState, resumed: CheckpointState | None,
-                 checkpoint_now: Callable[[Segment], None], agree_stop: Callable[[], int | None]):
+    def __init__(self, t: Trainer, st: LoopState, resumed: CheckpointState | None):
         cfg, plan = t.cfg, t.plan
         self.t, self.stop = t, cfg.max_steps
         start = resumed.follow if resumed is not None and resumed.follow is not None else FollowPosition()
@@ -148,10 +151,9 @@ class Windows:
             truncate_jsonl(t.out / CONSUMED, lambda r: r["window"] < start.window)
             if resumed is not None:
                 release_consumed(cfg, plan, start.window)  # a kill between checkpoint and release: finish it now
-        self._segments = follow_segments(cfg, plan, t.rank, t.world, t.device, start, checkpoint_now,
-                                         lambda: st.step, lambda: st.last_ckpt, agree_stop)
+        self._segments = follow_segments(cfg, plan, t.rank, t.world, t.device, start, st)
 
-    def segments(self) -> Iterator[Segment]:
+    def segments(self) -> Iterator[Segment | Waiting | CheckpointDue]:
         return self._segments
 
     def rows(self, seg: Segment, span) -> Iterator:
