@@ -33,7 +33,7 @@ import torch
 
 from dflash_offline.evaluate.speculative import Decoded, commit_round, in_length_batches, output_done
 from dflash_offline.sampling import verify_greedy
-from dflash_offline.targets.model import RawLayerOutputs
+from dflash_offline.targets.model import LayerCapture
 
 log = logging.getLogger("dflash.eval")
 
@@ -78,7 +78,7 @@ class BatchDFlashProposer:
 def _target_forward(model, ids: torch.Tensor, target_layers: list[int], starts: torch.Tensor, width: int):
     """One forward of right-padded rows: (features [R, T, n*H] by position, logits [R, width, V]
     of the `width` positions from each row's start)."""
-    with RawLayerOutputs(model, target_layers) as raw:  # raw layer outputs, as extraction stores them
+    with LayerCapture(model, target_layers) as raw:  # raw layer outputs, as extraction stores them
         out = model.model(input_ids=ids, use_cache=False)
     feats = raw.features()
     idx = starts[:, None] + torch.arange(width, device=ids.device)

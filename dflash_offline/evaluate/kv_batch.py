@@ -45,7 +45,7 @@ from dflash_offline.evaluate.speculative import (COUNTER_ATTRS, STATE_ATTRS, Dec
                                                  in_length_batches, output_done, snapshot_states)
 from dflash_offline.sampling import Sampling, draft_tokens, prompt_keys, target_tokens, verify_block
 from dflash_offline.targets import families
-from dflash_offline.targets.model import RawLayerOutputs
+from dflash_offline.targets.model import LayerCapture
 
 log = logging.getLogger("dflash.eval")
 
@@ -177,7 +177,7 @@ class SlotCache:
         self._snapshot: list[dict] | None = None  # speculative.snapshot_states before the last forward
 
     def _run(self, cache, ids, positions, mask, features: bool):
-        with RawLayerOutputs(self.model, self.target_layers if features else []) as raw:
+        with LayerCapture(self.model, self.target_layers if features else []) as raw:
             out = self.model.model(input_ids=ids, position_ids=positions, attention_mask=mask.long(), use_cache=True,
                                    **{self.cache_arg: cache})
         return out.last_hidden_state, (raw.features() if features else None)

@@ -24,7 +24,7 @@ from dflash_offline.evaluate.report import Confidence, DecodeSummary
 from dflash_offline.sampling import Sampling, draft_tokens, prompt_keys, target_tokens, verify_block
 from dflash_offline.targets import families
 from dflash_offline.targets.folder import read_target
-from dflash_offline.targets.model import RawLayerOutputs, load_target
+from dflash_offline.targets.model import LayerCapture, load_target
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,7 +94,7 @@ class TargetSession:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         # The layers' raw outputs, as extraction stores them (not `hidden_states`, whose last entry
         # is after the final norm).
-        with torch.inference_mode(), RawLayerOutputs(self.model, self.target_layers if features else []) as raw:
+        with torch.inference_mode(), LayerCapture(self.model, self.target_layers if features else []) as raw:
             out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: self.cache})
         self.forwards += 1
         logits = out.logits[0].float()

@@ -4,7 +4,7 @@ and one batched forward that captures decoder-layer outputs and chunked top-k lo
 Capture points are forward hooks on the chosen decoder layers: their *raw outputs*, as serving
 engines capture them. HF's `hidden_states[i + 1]` is the same tensor for every layer but the last,
 where transformers returns the output after the final norm; evaluation therefore uses the same
-hooks (RawLayerOutputs), never `output_hidden_states`. When no logits are wanted, the model is built with only
+hooks (LayerCapture), never `output_hidden_states`. When no logits are wanted, the model is built with only
 `max(layer_ids) + 1` layers, so the rest of the stack and the LM head are never loaded or run.
 """
 
@@ -253,53 +253,42 @@ def layer_output(output):
 
 
 class LayerCapture:
-    """Forward hooks that write the chosen layers' outputs into one [B, S, n, H] staging tensor."""
+    """Forward hooks on the chosen decoder layers, the one way their outputs are captured. Each
+    layer's raw output is copied into `stage` when one is set (extraction's [B, S, n, H] staging
+    tensor: one copy, no second buffer), else kept for `features()`, the outputs concatenated
+    [B, T, n*H] in `layer_ids` order (what eval's decoders feed the drafter: the features
+    extraction stores and serving engines capture). Held (`remove()` at the end) or used as
+    `with LayerCapture(model, ids) as raw: model(...)`, hooks removed on leaving the block."""
 
     def __init__(self, model, layer_ids: list[int]):
         self.decoder = model.get_decoder()
-        self.layer_ids = layer_ids
+        self.layer_ids = list(layer_ids)
         self.stage = None
+        self.outs: dict = {}
         self._handles = [
-            self.decoder.layers[lid].register_forward_hook(self._hook(j)) for j, lid in enumerate(layer_ids)
+            self.decoder.layers[lid].register_forward_hook(self._hook(j)) for j, lid in enumerate(self.layer_ids)
         ]
 
     def _hook(self, j: int):
         def hook(module, args, output):
-            self.stage[:, :, j, :].copy_(layer_output(output))
+            if self.stage is not None:
+                self.stage[:, :, j, :].copy_(layer_output(output))
+            else:
+                self.outs[j] = layer_output(output)
 
         return hook
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        self._handles = []
 
-
-class RawLayerOutputs:
-    """`with RawLayerOutputs(model, ids) as raw: model(...)`, then `raw.features()`: the chosen
-    decoder layers' raw outputs of that forward, concatenated [B, T, n*H] in `ids` order (the
-    features extraction stores and serving engines capture)."""
-
-    def __init__(self, model, layer_ids: list[int]):
-        self.decoder = model.get_decoder()
-        self.layer_ids = list(layer_ids)
-        self.outs: dict[int, object] = {}
-        self._handles: list = []
-
-    def __enter__(self) -> "RawLayerOutputs":
+    def __enter__(self) -> LayerCapture:
         self.outs = {}
-
-        def hook(j):
-            def f(module, args, output):
-                self.outs[j] = layer_output(output)
-            return f
-
-        self._handles = [self.decoder.layers[lid].register_forward_hook(hook(j)) for j, lid in enumerate(self.layer_ids)]
         return self
 
     def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self.remove()
 
     def features(self):
         import torch
