@@ -267,7 +267,7 @@ def shape27b(args) -> dict:
 
 def continuous_steps(model, args, weight_bytes: int, res: dict, save, device: str) -> None:
     """generate's continuous decoder (static buffers, the step one CUDA graph): every slot admitted,
-    then --new steps timed, for each state tile x SDPA backend x step in --steps (fused: targets/step.py's
+    then --new steps timed, for each state tile x SDPA backend x step in --steps (fused: targets/fused_step.py's
     compiled pieces; plain: the layers' own modules); the bound counts the weights, the attention buffers
     and the Gated DeltaNet states and windows read and written once per step."""
     import torch
@@ -406,7 +406,7 @@ def main() -> None:
     p.add_argument("--padded", action=argparse.BooleanOptionalAction, default=True,
                    help="also generate's padded decoder (transformers' StaticCache)")
     p.add_argument("--steps", default="fused,plain",
-                   help="the continuous decoder's steps, side by side: fused (targets/step.py's compiled pieces) "
+                   help="the continuous decoder's steps, side by side: fused (targets/fused_step.py's compiled pieces) "
                         "and plain (the layers' own modules: generate's step)")
     p.add_argument("--state-tiles", default=str(IN_PLACE_TILE), type=listed(r"[1-9]\d*x[1-9]\d*", "a tile is COLUMNSxWARPS, e.g. 32x4"),
                    help="the Gated DeltaNet in-place kernel's state tiles, side by side: d_v columns x warps per program "

@@ -110,7 +110,7 @@ class GenerateConfig(SamplingOptions):
     # static decoder cannot run (sliding windows) decode padded, with a warning. padded: left-padded
     # (generate/decoding.py). In fp32 the same tokens either way (bf16: up to near-ties, as between batch sizes).
     batching: str = opt("continuous", "continuous: a row that ends takes the next prompt at once (the step a CUDA graph on GPUs); padded: batches of prompts decoded until their longest row ends.", choices=('continuous', 'padded'))
-    # fused: targets/step.py (about a dozen kernels a layer where the modules launch ~55); at the Qwen3.5-27B
+    # fused: targets/fused_step.py (about a dozen kernels a layer where the modules launch ~55); at the Qwen3.5-27B
     # shape on one H200 it took 20.0 ms a step at 32 rows against the plain step's 29.5 (docs/benchmarks.md).
     step: str = opt("fused", "Continuous batching's one-token step: fused (each layer's input projections one matrix, the parts around them compiled once on GPUs) or plain (the layers' own modules).", choices=('fused', 'plain'))
     # Static shapes: a fixed cache and filler rows. Off by default: on the H200 the eager step with the grouped

@@ -2,7 +2,7 @@
 generate's padded decoder, in fp32, on tiny dense and hybrid targets.
 
 - slots 1 and 4 over 9 prompts of mixed lengths, the step through the layers' modules and through
-  targets/step.py's pieces (a slot is refilled as soon as its prompt
+  targets/fused_step.py's pieces (a slot is refilled as soon as its prompt
   ends: by an end-of-sequence token or at --max-new-tokens), read back every step and every
   third step, the staging prefill two prompts at a time: the same tokens, greedy and sampled
   (the keyed noise makes a prompt's sample independent of its slot);
@@ -10,7 +10,7 @@ generate's padded decoder, in fp32, on tiny dense and hybrid targets.
 - generate's parts stream through the slots: the next part's prompts start before a part's last
   ends (fewer steps than draining the slots at each part's end), the same tokens;
 - on a GPU the step replays as a CUDA graph: the same tokens as the eager step, with the step's
-  compiled pieces (targets/step.py) and with the layers' own modules.
+  compiled pieces (targets/fused_step.py) and with the layers' own modules.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def test_cuda_graph_step_equals_eager(model):
     prompts, ids = prompts_and_ids()
     want = [r.tokens[0] for r in alone(cuda, prompts, ids, set(), Sampling())]
     for graphs in (True, False):
-        for fused_step in (True, False):  # the compiled pieces (targets/step.py) and the layers' modules
+        for fused_step in (True, False):  # the compiled pieces (targets/fused_step.py) and the layers' modules
             dec = ContinuousDecoder(cuda, 4, max(LENGTHS), MAX_NEW, set(), Sampling(), graphs=graphs, stage_rows=3,
                                     fused_step=fused_step)
             assert [g.tokens for g in dec.decode_all(prompts, ids)] == want, (graphs, fused_step)

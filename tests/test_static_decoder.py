@@ -1,4 +1,4 @@
-"""The static decoder (targets/static.py, evaluate/static.py, evaluate/graphed.py) against brute force on tiny dense targets
+"""The static decoder (targets/static.py, evaluate/drafter_buffers.py, evaluate/graphed.py) against brute force on tiny dense targets
 (Qwen3, Llama, Qwen2 with its attention biases) and a tiny hybrid (Qwen3.5: Gated DeltaNet and
 gated attention), in fp32 on the CPU (eager; CUDA graphs replay the same round on a GPU):
 

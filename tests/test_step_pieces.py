@@ -1,4 +1,4 @@
-"""The one-token step in pieces (targets/step.py) against the layers' own modules, on the CPU in fp32:
+"""The one-token step in pieces (targets/fused_step.py) against the layers' own modules, on the CPU in fp32:
 
 - concatenating a layer's input projections leaves every module's weight a view of the one matrix
   (no second copy) and its output as it was;
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dflash_offline.evaluate.speculative import load_target_for_decoding
-from dflash_offline.targets import step
+from dflash_offline.targets import fused_step as step
 from dflash_offline.targets.static import StaticTarget
 
 

@@ -4,7 +4,7 @@ A batch of R rows (R = 1: one prompt at a time) keeps everything on the device i
 shape, updated in place: each row's anchor token, its position, how many tokens it has output, its
 outputs, and per round the drafts it accepted and the tokens it committed. A round is
 
-  draft    the drafter's block [anchor, MASK x (B-1)] over its context (evaluate.static), cut to
+  draft    the drafter's block [anchor, MASK x (B-1)] over its context (evaluate.drafter_buffers), cut to
            the tokens the row can still commit (the reference's last-round rule);
   verify   one target forward of the block at the row's positions;
   accept   greedy: the drafts equal to the target's argmax, in order; sampling: speculative
@@ -28,7 +28,7 @@ import time
 import torch
 
 from dflash_offline.evaluate.speculative import Decoded, in_length_batches
-from dflash_offline.evaluate.static import DrafterBuffers
+from dflash_offline.evaluate.drafter_buffers import DrafterBuffers
 from dflash_offline.runtime.faults import corrupt_recurrent_state
 from dflash_offline.targets.static import StaticTarget
 from dflash_offline.sampling import Sampling, draft_tokens, prompt_keys, target_tokens, verify_block

@@ -87,7 +87,7 @@ class ContinuousDecoder:
         self.progress = None  # generate/progress.py's Tracker, told of tokens as they are decoded
         self.eos_ids = set(eos)
         with torch.inference_mode():
-            # fused_step: the step in about a dozen kernels a layer (targets/step.py), compiled on a GPU:
+            # fused_step: the step in about a dozen kernels a layer (targets/fused_step.py), compiled on a GPU:
             # 1.3-1.5x the plain step at the Qwen3.5-27B shape on one H200 (docs/benchmarks.md).
             self.target = StaticTarget(model, [], rows, max_prompt_len + max_new_tokens, fused_step=fused_step)
             self.stage = StaticTarget(model, [], min(stage_rows, rows), max_prompt_len)

@@ -28,7 +28,7 @@ import torch
 from dflash_offline.targets import families
 from dflash_offline.targets.attention import grouped_query_attention, one_token_sdpa
 from dflash_offline.targets.recurrent import LINEAR_PARTS, GatedDeltaLayer, advance_state, kernels_for
-from dflash_offline.targets.step import attention_inputs, attention_output, fuse_projections, pieces
+from dflash_offline.targets.fused_step import attention_inputs, attention_output, fuse_projections, pieces
 
 _BESIDE_MIXER = {"mlp", "input_layernorm", "post_attention_layernorm"}  # a layer's other children
 _ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
@@ -111,7 +111,7 @@ class StaticTarget:
             if t == families.FULL else GatedDeltaLayer(layer.linear_attn, rows, kernels)
             for layer, t in zip(self.inner.layers, types)]
         self.recurrent = [m for m in self.mixers if isinstance(m, GatedDeltaLayer)]
-        # One-token forwards in a dozen kernels a layer (targets/step.py), compiled on a GPU.
+        # One-token forwards in a dozen kernels a layer (targets/fused_step.py), compiled on a GPU.
         self.maps = self.pieces = None
         self.pieces_compiled = False
         if fused_step and self._step_fits(types):
@@ -122,7 +122,7 @@ class StaticTarget:
         self.pieces, self.pieces_compiled = pieces(compiled), compiled
 
     def _step_fits(self, types: list[str]) -> bool:
-        """Whether targets/step.py's pieces can run these layers: a gate/up MLP, a silu convolution."""
+        """Whether targets/fused_step.py's pieces can run these layers: a gate/up MLP, a silu convolution."""
         for layer, t in zip(self.inner.layers, types):
             if not all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
                 return False
@@ -187,7 +187,7 @@ class StaticTarget:
         rope_pos = pos[None].expand(3, R, T) if hasattr(self.inner.rotary_emb, "mrope_section") else pos
         cos, sin = self.inner.rotary_emb(x, rope_pos)
         mask = causal_by_position(pos, S, self.heads // self.kv_heads)
-        # One-token forwards that move the recurrent state go through targets/step.py's pieces.
+        # One-token forwards that move the recurrent state go through targets/fused_step.py's pieces.
         layer_forward = self._piece_layer if self.pieces is not None and T == 1 and keep is not None \
             else self._plain_layer
         captured = {}
@@ -209,7 +209,7 @@ class StaticTarget:
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def _piece_layer(self, i, layer, mixer, x, pos, keep, cos, sin, mask, S) -> torch.Tensor:
-        """Decoder layer i through targets/step.py's pieces (the same output)."""
+        """Decoder layer i through targets/fused_step.py's pieces (the same output)."""
         R, run, maps = x.shape[0], self.pieces, self.maps[i]
         if isinstance(mixer, GatedDeltaLayer):
             a = run.linear_in(layer, x, maps, mixer.window[:R], keep)
