@@ -35,16 +35,15 @@ def cache_layer_columns(manifest: dict, drafter_cfg, cache: str, option: str = "
     layers (`train --target-layers`) is scored on those columns; a layer the cache lacks is refused
     (`option`: how the message names the cache, the flag or the recipe key and file)."""
     v = ManifestView.of(manifest)
-    have = [int(i) for i in v.layer_ids]
     want = [int(i) for i in drafter_cfg.target_layer_ids]
-    missing = [i for i in want if i not in have]
+    missing = v.missing_layers(want)
     if missing:
-        raise UserError(f"{option} {cache} holds layers {have} but the drafter reads {want} (no {missing}); "
-                        "extract the held-out cache with the drafter's layers")
+        raise UserError(f"{option} {cache} holds layers {list(v.layer_ids)} but the drafter reads {want} (no "
+                        f"{missing}); extract the held-out cache with the drafter's layers")
     if (v.hidden_size, v.vocab_size) != (drafter_cfg.hidden_size, drafter_cfg.vocab_size):
         raise UserError(f"{option} {cache} was made from a target of hidden {v.hidden_size} and vocabulary "
                         f"{v.vocab_size}; the drafter has {drafter_cfg.hidden_size} and {drafter_cfg.vocab_size}")
-    return None if want == have else [have.index(i) for i in want]
+    return v.layer_columns(want)
 
 
 def _select_layers(target_hidden, layer_columns: list[int] | None, cache_layers: int):

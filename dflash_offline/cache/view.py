@@ -48,6 +48,18 @@ class ManifestView:
     source_rows: int | None  # input rows extract read
     source_files: int  # input files extract read
 
+    def missing_layers(self, want) -> list[int]:
+        """The layers of `want` the cache did not capture."""
+        return [int(i) for i in want if int(i) not in self.layer_ids]
+
+    def layer_columns(self, want) -> list[int] | None:
+        """Where layers `want` sit on the cache's layer axis (hidden is [tokens, n, H]), in `want`'s
+        order; None when `want` is every captured layer in the cache's order (the rows as stored).
+        The one place a drafter's layers become columns: train (--target-layers) and eval's walk
+        ask it. Refuse `missing_layers(want)` first."""
+        want = [int(i) for i in want]
+        return None if want == list(self.layer_ids) else [self.layer_ids.index(i) for i in want]
+
     @classmethod
     def of(cls, m: dict) -> "ManifestView":
         target, capture, plan, totals, source = m["target"], m["capture"], m["plan"], m["totals"], m.get("source") or {}

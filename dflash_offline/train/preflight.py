@@ -202,13 +202,13 @@ def layer_choice(cfg: TrainConfig, v: ManifestView) -> tuple[list[int], list[int
     captured = list(v.layer_ids)
     if cfg.target_layers is None:
         return captured, None
-    missing = [i for i in cfg.target_layers if i not in captured]
+    missing = v.missing_layers(cfg.target_layers)
     if missing:
         raise UserError(f"{where(cfg, 'target_layers')} {','.join(map(str, cfg.target_layers))}: the cache {cfg.cache} "
                         f"holds layers {captured}, not {missing}; choose among those, or extract a cache with "
                         "--capture-layers that include them")
-    cols = [k for k, i in enumerate(captured) if i in cfg.target_layers]
-    return [captured[k] for k in cols], cols
+    chosen = [i for i in captured if i in cfg.target_layers]
+    return chosen, v.layer_columns(chosen)
 
 
 def _check_soft_targets(cfg: TrainConfig, v: ManifestView, warnings: list[str]) -> int:
