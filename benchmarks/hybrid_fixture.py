@@ -496,10 +496,10 @@ def complete(args) -> dict:
         if not (out / f).exists():
             shutil.copyfile(fixture / f, out / f)
     if summary:
-        (out / "complete.json").write_text(json.dumps({"target": "OUT/target" if args.target is None else "TARGET", "max_new_tokens": args.max_new_tokens,
-                                                       "limit": args.limit, **summary}, indent=1) + "\n")
+        made = {"target": "OUT/target" if args.target is None else "TARGET", "max_new_tokens": args.max_new_tokens,
+                "limit": args.limit, **summary}  # folders by role, as train.json records them
+        (out / "complete.json").write_text(json.dumps(made, indent=1) + "\n")
     return summary
-
 
 
 PATH_OPTIONS = {"out": "OUT", "corpus": "CORPUS", "tokenizer": "TOKENIZER", "stdlib": "STDLIB", "fixture": "FIXTURE",

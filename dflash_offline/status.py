@@ -17,7 +17,7 @@ from pathlib import Path
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import ManifestStore, committed_names, edited_problem, occupancy
 from dflash_offline.cache.manifest_check import FORMAT
-from dflash_offline.rows.parts import PREPARED_FORMAT, damaged_parts, parts_folder, read_manifest
+from dflash_offline.rows.parts import PREPARED_FORMAT, damaged_parts, held_rows, parts_folder, read_manifest
 from dflash_offline.runs.checkpoint import CHECKPOINT_PREFIX, checkpoint_damage, damaged_checkpoint, list_checkpoints
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.logs import last_error, processes
@@ -112,13 +112,13 @@ def generate_status(path: str) -> GenerateStatus:
     logs = folder / "logs"
     procs = processes(logs, stage="generate-") if logs.is_dir() else []
     on_disk = {f.name for f in folder.glob("part-*.parquet")}
-    kept = (m.get("held") or {}).values()  # rows a stop kept: listed, not debris
-    debris = sorted(on_disk - {p["file"] for p in m["parts"]} - {e["file"] for e in kept})
+    kept = {e["file"] for e in (m.get("held") or {}).values()}  # rows a stop kept: listed, not debris
+    debris = sorted(on_disk - {p["file"] for p in m["parts"]} - kept)
     return GenerateStatus(
         path=str(path), status=m["status"], verdict=_verdict(m["status"], procs, "generating", "generate"),
         parts_committed=len(m["parts"]), parts_planned=m["plan"]["num_parts"], totals=m["totals"],
         merged=m.get("merged"), debris=debris, damaged=damaged_parts(folder, m), processes=procs,
-        last_error=last_error(logs, "generate-") if logs.is_dir() else None, held_rows=sum(e["rows"] for e in kept))
+        last_error=last_error(logs, "generate-") if logs.is_dir() else None, held_rows=held_rows(m))
 
 
 def _is_generated(p: Path) -> bool:

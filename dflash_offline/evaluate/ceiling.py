@@ -74,6 +74,8 @@ class MeasuredShape:
     extrapolated_from_layers: list[int] | None = None
     """None: the target was measured with all its layers. [n, 2n]: target times measured with n and
     2n layers and extended linearly in the layer count to all of them (`extend_to_layers`)."""
+    verify_priced: str | None = None
+    """None: t_B measured at this block size. Else how `verify_width_shape` priced it from other widths."""
 
     def __post_init__(self) -> None:
         for f in ("target_1_ms", "target_block_ms", "draft_ms"):
@@ -122,9 +124,8 @@ def verify_width_shape(shape: MeasuredShape, width: int, shapes: list[MeasuredSh
     rank-r product per slot, neglected like the bookkeeping). -> a shape whose block_size is `width`."""
     if width == shape.block_size:
         return shape
-    key = (shape.description, shape.hardware, shape.dtype, shape.context, shape.timing, shape.target_1_ms)
-    points = sorted({s.block_size: s.target_block_ms for s in shapes
-                     if (s.description, s.hardware, s.dtype, s.context, s.timing, s.target_1_ms) == key}.items())
+    target = lambda s: (s.description, s.hardware, s.dtype, s.context, s.timing, s.target_1_ms)  # noqa: E731
+    points = sorted({s.block_size: s.target_block_ms for s in shapes if target(s) == target(shape)}.items())
     widths = [w for w, _ in points]
     if len(points) < 2 or not widths[0] <= width <= widths[-1] + 1:
         raise UserError(f"{option} {shape.name}: a verify of {width} tokens is not priced (measured widths of this target: "
@@ -135,11 +136,10 @@ def verify_width_shape(shape: MeasuredShape, width: int, shapes: list[MeasuredSh
         (w0, t0), (w1, t1) = next(((a, b) for a, b in zip(points, points[1:]) if a[0] <= width <= b[0]), points[-2:])
         exact = t0 + (width - w0) * (t1 - t0) / (w1 - w0)
         how = "interpolated" if width <= widths[-1] else "extrapolated by one token"
-        note = f"; verify of {width} tokens {how} from widths {w0} and {w1}"
+        priced = f"verify of {width} tokens {how} from widths {w0} and {w1}"
     else:
-        note = f"; verify of {width} tokens measured"
-    return MeasuredShape(**{**shape.to_dict(), "block_size": width, "target_block_ms": exact,
-                            "description": shape.description + note})
+        priced = f"verify of {width} tokens measured"
+    return MeasuredShape(**{**shape.to_dict(), "block_size": width, "target_block_ms": exact, "verify_priced": priced})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,8 +210,8 @@ def format_implied(tau: float, shape: MeasuredShape, drafter_block_size: int | N
         line += "; " + shape.description[shape.description.index("WITHOUT"):]
     if shape.extrapolated_from_layers:
         line += f"; target times extended from {' and '.join(map(str, shape.extrapolated_from_layers))} layers"
-    if "; verify of " in shape.description:  # priced for another verify width (verify_width_shape)
-        line += "; " + shape.description[shape.description.index("verify of "):]
+    if shape.verify_priced:
+        line += "; " + shape.verify_priced
     if drafter_block_size is not None and drafter_block_size != shape.block_size:
         line += (f"; measured for blocks of {shape.block_size}, this drafter drafts blocks of {drafter_block_size}: "
                  f"measure that block size (decode_speed.py --ceiling --block-sizes {drafter_block_size})")

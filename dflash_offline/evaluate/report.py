@@ -11,7 +11,7 @@ No torch here.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 from dflash_offline.evaluate.verdicts import VERDICTS, Divergence, divergence_lines
 from dflash_offline.runtime.paths import REPORT_FORMAT
@@ -19,8 +19,8 @@ from dflash_offline.sampling import Sampling
 
 
 def _present(obj) -> dict:
-    """A dataclass's fields as JSON, those that are None left out."""
-    return {f.name: getattr(obj, f.name) for f in fields(obj) if getattr(obj, f.name) is not None}
+    """A dataclass as JSON (nested dataclasses as objects), the fields that are None left out."""
+    return {k: v for k, v in asdict(obj).items() if v is not None}
 
 
 @dataclass
@@ -52,10 +52,7 @@ class DecodeSummary:
     confidence: Confidence | None = None
 
     def to_json(self) -> dict:
-        out = _present(self)
-        if self.confidence is not None:
-            out["confidence"] = asdict(self.confidence)
-        return out
+        return _present(self)
 
 
 @dataclass
@@ -105,14 +102,12 @@ class DrafterResult:
         return {v: sum(d.verdict == v for d in self.divergences or []) for v in VERDICTS}
 
     def to_json(self) -> dict:
-        out = {k: v for k, v in _present(self).items() if k not in ("decode", "divergences", "implied")}
-        if self.decode is not None:
+        out = _present(self)
+        if self.decode is not None:  # the decode's figures stand in the drafter's object
             out.update(self.decode.to_json())
+            del out["decode"]
         if self.divergences is not None:
-            out["divergences"] = [d.as_dict() for d in self.divergences]
             out["divergence_verdicts"] = self.divergence_verdicts
-        if self.implied is not None:
-            out["implied"] = asdict(self.implied)
         return out
 
 
@@ -133,7 +128,7 @@ class DecodeSetup:
     sampling: Sampling
 
     def to_json(self) -> dict:
-        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "sampling": asdict(self.sampling)}
+        return asdict(self)  # every field, None included: lossless_against None says "not checked"
 
 
 @dataclass

@@ -353,8 +353,6 @@ def _decode_drafter(cfg: EvalConfig, decoders, path, drafter, prompts, ids, alon
     return e
 
 
-
-
 def _forensics(cfg: EvalConfig, decoders, prompts, ids, runs, reference) -> list[Divergence]:
     """Where each differing output parts from the reference, and why: in the report and the log."""
     from dflash_offline.evaluate.forensics import diagnose_all

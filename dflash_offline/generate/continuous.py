@@ -265,8 +265,9 @@ class ContinuousDecoder:
         try:
             steps = self.run(deque(), finished, refill)
         except StopNow:
-            for d in list(running.values()) if on_stop is not None else []:
-                on_stop(d.part, d.new, d.eos_end)
+            if on_stop is not None:
+                for d in list(running.values()):
+                    on_stop(d.part, d.new, d.eos_end)
             raise
         log.info("%d steps of %d slots in %.2fs", steps, self.rows, time.perf_counter() - t0)
         return steps

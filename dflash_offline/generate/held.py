@@ -28,6 +28,7 @@ from dflash_offline.runtime.paths import file_sha256
 
 log = logging.getLogger("dflash.generate")
 
+
 def held_name(part: str, rows: int) -> str:
     """part-00003.held-12: each keep writes a new file (more rows), listed before the last one goes."""
     return f"{part}.held-{rows}"
@@ -44,8 +45,7 @@ class PartRows:
 
     def whole(self, new_left: list, eos_left: list[bool]) -> tuple[list[list[int]], list[bool]]:
         """The part's new tokens and eos flags in its order: the kept rows and the decoded ones."""
-        got = dict(self.kept)
-        got.update({i: (t, e) for i, t, e in zip(self.left_ids, new_left, eos_left)})
+        got = self.finished(new_left, eos_left)
         return [got[i][0] for i in self.ids], [got[i][1] for i in self.ids]
 
     def finished(self, new_left: list, eos_left: list[bool]) -> dict[int, tuple[list[int], bool]]:
@@ -96,7 +96,3 @@ def to_do(chunks: list, todo: list[int], manifest: dict | None) -> list:
     held = (manifest or {}).get("held") or {}
     return [chunks[j][:len(chunks[j]) - held.get(parts.part_name(j), {}).get("rows", 0)] for j in todo]
 
-
-def held_rows(manifest: dict) -> int:
-    """Rows held in all, of the parts in progress when a run stopped."""
-    return sum(e["rows"] for e in (manifest.get("held") or {}).values())

@@ -29,13 +29,13 @@ import numpy as np
 from dflash_offline.cache.location import Location
 from dflash_offline.cache.manifest import check_compatible, id_ranges
 from dflash_offline.config import GenerateConfig
-from dflash_offline.generate.held import held_rows, to_do
+from dflash_offline.generate.held import to_do
 from dflash_offline.generate.plan import (CPU_CHUNK_PROMPTS, GPU_CHUNK_PROMPTS, Job, Preflight, make_chunks, resolve_new_tokens)
 from dflash_offline.generate.progress import Bar, Todo, Tracker, todo_of, turns_per_row
 from dflash_offline.generate.writing import PartWriter, stream_parts, write_padded_part
 from dflash_offline.options import also, where as origin
 from dflash_offline.rows import parts
-from dflash_offline.rows.parts import check_part_folders, check_part_hashes, write_parquet_atomic
+from dflash_offline.rows.parts import check_part_folders, check_part_hashes, held_rows, write_parquet_atomic
 from dflash_offline.runtime.errors import UserError
 from dflash_offline.runtime.faults import fault_point
 from dflash_offline.runtime.launch import (Launch, check_devices_exist, join_ranks, parse_devices,
@@ -159,12 +159,12 @@ def preflight(cfg: GenerateConfig, folder: Path, merged: Path | None, launch: La
               source=source.state(),
               chunks=chunks, compute_dtype=compute_dtype, eos=eos, rows_per_batch=rows, max_prompt_len=max_prompt,
               compile=compile, chat=chat, max_positions=info.max_positions, turns=turns, copies=copies)
-    return Preflight(job, wanted, devices, todo_of(to_do(chunks, todo, _kept_by_a_stop(folder, chat)), turns))
+    return Preflight(job, wanted, devices, todo_of(to_do(chunks, todo, _existing(folder)), turns))
 
 
-def _kept_by_a_stop(folder: Path, chat) -> dict | None:
-    """The manifest whose `held` lists the rows a stop kept (generate/held.py): the bar leaves them out."""
-    return None if chat is not None or not folder.is_dir() else parts.OutputStore(folder).read()
+def _existing(folder: Path) -> dict | None:
+    """The output's manifest, if there is one: its `held` lists the rows a stop kept (the bar leaves them out)."""
+    return parts.OutputStore(folder).read() if folder.is_dir() else None
 
 
 def _plan_lengths(cfg: GenerateConfig, source, info, chat, most_turns: int) -> tuple[GenerateConfig, np.ndarray]:
@@ -380,7 +380,8 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
     cfg = job.cfg
     folder = Path(job.folder)
     store = parts.OutputStore(folder)
-    committed = {p["name"] for p in store.read()["parts"]}
+    found = store.read()  # the parts committed, and the rows a stop kept of the others
+    committed = {p["name"] for p in found["parts"]}
     mine = [j for j in range(len(job.chunks)) if j % world == rank and parts.part_name(j) not in committed]
     store.remove_debris({parts.part_name(j) for j in mine})
     log.info("worker %d/%d on %s: %d parts to write (%d committed in all)", rank, world, device, len(mine), len(committed))
@@ -407,15 +408,14 @@ def worker_run(rank: int, world: int, device: str, job: Job, q, show_bar: bool) 
         chat = ChatJob.start(job, cfg, src)
     # This worker's work, in new tokens as they are decoded (generate/progress.py): to the launcher's
     # bar through the queue, or to this process's own.
-    kept = store.read() if job.chat is None else None
-    bar = None if q is not None else Bar(todo_of(to_do(job.chunks, mine, kept), job.turns), cfg.max_new_tokens,
+    bar = None if q is not None else Bar(todo_of(to_do(job.chunks, mine, found), job.turns), cfg.max_new_tokens,
                                          show_bar, "generate" if world == 1 else f"generate (rank {rank} of {world})")
     tracker = Tracker(q.put if q is not None else bar)
     for d in [x for x in (continuous, decoder) if x is not None]:
         d.progress = tracker
     heartbeat(phase="generate")
     t_start = time.time()
-    writer = PartWriter(folder, store, tracker)
+    writer = PartWriter(folder, store, tracker, found)
     try:
         if continuous is not None and chat is None:  # the parts as one stream (writing.py says why)
             return stream_parts(continuous, mine, lambda j: _part_prompts(job, reader, src, j), parts.part_name,

@@ -32,10 +32,10 @@ log = logging.getLogger("dflash.generate")
 class PartWriter:
     """Commits a worker's parts and counts its prompts (the heartbeat, the bar, crash-test points)."""
 
-    def __init__(self, folder: Path, store, tracker):
+    def __init__(self, folder: Path, store, tracker, manifest: dict):
         self.folder, self.store, self.tracker = folder, store, tracker
         self.prompts_done = 0
-        self.manifest = store.read()  # as this worker found it: the rows a stop kept
+        self.manifest = manifest  # as this worker found it: the rows a stop kept
 
     def rows(self, name: str, prompts: list[list[int]], ids: list[int]) -> PartRows:
         """Part `name`'s prompts, less the rows an earlier stop kept of it."""

@@ -121,6 +121,11 @@ def damaged_parts(folder: str | Path, m: dict) -> list[str]:
     return out
 
 
+def held_rows(m: dict) -> int:
+    """Rows a stop kept of the parts then in progress (the manifest's `held`: generate/held.py)."""
+    return sum(e["rows"] for e in (m.get("held") or {}).values())
+
+
 def chat_settings_of(paths) -> dict | None:
     """The chat settings recorded by `prepare` (and carried by `generate`) in the manifests of the
     part folders among `paths`: None when none records any. Folders that disagree are refused:
